@@ -1,0 +1,88 @@
+// The codecs of onebit-ps (DESIGN.md §1.3): how a vector of fp32 values travels
+// between workers and servers. A Codec is immutable and thread-safe; build one
+// with NewCodec() and share it.
+//
+// Every call that writes is all-or-nothing: on error (non-finite input, a
+// corrupt payload) it returns a Status naming the first bad index and leaves
+// every output buffer untouched, so a caller can drop the step and go on.
+#ifndef ONEBIT_COMPRESS_CODEC_H_
+#define ONEBIT_COMPRESS_CODEC_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace onebit {
+
+enum class CodecKind : uint8_t { kFp32 = 1, kFp16 = 2, kOnebit = 3 };
+
+// How a onebit block's scale is computed from the block y[0..n).
+enum class ScaleRule : uint8_t {
+  kL1 = 1,  // mean |y|: minimises the L2 error of sign quantisation (default)
+  kL2 = 2,  // ||y||_2 / sqrt(n), as DeepSpeed's OneBitAdam
+};
+
+// Which instruction set the kernels use. Every path produces identical bytes.
+enum class SimdPath : uint8_t { kAuto, kScalar, kAvx2 };
+
+struct CodecOptions {
+  // Elements per onebit block (one fp32 scale each). A multiple of 32 in
+  // [32, 1 << 24]; the last block of a vector may be shorter.
+  uint32_t block_size = 2048;
+  ScaleRule scale = ScaleRule::kL1;
+  // kAuto: AVX2+F16C where the CPU has them, else scalar. Naming kAvx2 on a
+  // CPU without it is an error from NewCodec.
+  SimdPath simd = SimdPath::kAuto;
+};
+
+class Codec {
+ public:
+  virtual ~Codec() = default;
+
+  virtual CodecKind kind() const = 0;
+  // Changes whenever the encoding would, e.g. "onebit-l1-b2048", "fp16".
+  virtual const std::string& name() const = 0;
+  // The kernels in use ("scalar" or "avx2"), for logs and benchmarks.
+  virtual absl::string_view simd_path() const = 0;
+
+  // Bytes that n encoded elements occupy. Known before encoding.
+  virtual size_t EncodedSize(size_t n) const = 0;
+
+  // out[0, EncodedSize(n)) = C(x[0, n)).
+  virtual absl::Status Encode(const float* x, size_t n, uint8_t* out) const = 0;
+
+  // Error feedback, fused: with z = y + e (elementwise, fp32),
+  // out = C(z) and e = z - D(C(z)). Two passes over y and e.
+  virtual absl::Status EncodeWithFeedback(const float* y, float* e, size_t n,
+                                          uint8_t* out) const = 0;
+
+  // out[0, n) = D(in). Requires in to hold EncodedSize(n) bytes; rejects a
+  // payload whose values or scales are not finite (a corrupt or hostile peer).
+  virtual absl::Status Decode(const uint8_t* in, size_t n, float* out) const = 0;
+
+  // acc[i] += w * D(in)[i], so a server averages N pushes without temporaries.
+  virtual absl::Status DecodeAdd(const uint8_t* in, size_t n, float w, float* acc) const = 0;
+};
+
+// kind is "fp32", "fp16" or "onebit". Errors name the bad option.
+absl::StatusOr<std::unique_ptr<const Codec>> NewCodec(absl::string_view kind,
+                                                      const CodecOptions& options = {});
+absl::StatusOr<std::unique_ptr<const Codec>> NewCodec(CodecKind kind,
+                                                      const CodecOptions& options = {});
+
+absl::StatusOr<CodecKind> ParseCodecKind(absl::string_view name);
+absl::string_view CodecKindName(CodecKind kind);
+absl::StatusOr<ScaleRule> ParseScaleRule(absl::string_view name);
+absl::string_view ScaleRuleName(ScaleRule rule);
+
+// True when this CPU runs the AVX2+F16C kernels.
+bool CpuHasAvx2();
+
+}  // namespace onebit
+
+#endif  // ONEBIT_COMPRESS_CODEC_H_
