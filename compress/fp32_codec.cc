@@ -1,0 +1,73 @@
+// fp32: the identity codec (the warm-up phase and the uncompressed baseline).
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "compress/codec_impl.h"
+#include "compress/payload.h"
+
+namespace onebit::compress_internal {
+namespace {
+
+class Fp32Codec final : public Codec {
+ public:
+  explicit Fp32Codec(const Kernels& k) : k_(k) {}
+
+  CodecKind kind() const override { return CodecKind::kFp32; }
+  const std::string& name() const override { return name_; }
+  absl::string_view simd_path() const override { return k_.name; }
+  size_t EncodedSize(size_t n) const override { return 4 * n; }
+
+  absl::Status Encode(const float* x, size_t n, uint8_t* out) const override {
+    if (size_t bad = k_.first_nonfinite(x, nullptr, n); bad < n) {
+      return NonFiniteInput(x, nullptr, bad);
+    }
+    std::memcpy(out, x, 4 * n);
+    return absl::OkStatus();
+  }
+
+  absl::Status EncodeWithFeedback(const float* y, float* e, size_t n, uint8_t* out) const override {
+    if (size_t bad = k_.first_nonfinite(y, e, n); bad < n) return NonFiniteInput(y, e, bad);
+    // C is exact, so the new error is z - z = +0.
+    for (size_t i = 0; i < n; ++i) {
+      const float z = y[i] + e[i];
+      std::memcpy(out + 4 * i, &z, 4);
+      e[i] = 0.0f;
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Decode(const uint8_t* in, size_t n, float* out) const override {
+    AlignedPayload<float> p(in, n);
+    if (size_t bad = k_.first_nonfinite(p.data(), nullptr, n); bad < n) {
+      return BadValue(p.data(), bad);
+    }
+    std::memcpy(out, p.data(), 4 * n);
+    return absl::OkStatus();
+  }
+
+  absl::Status DecodeAdd(const uint8_t* in, size_t n, float w, float* acc) const override {
+    AlignedPayload<float> p(in, n);
+    if (size_t bad = k_.first_nonfinite(p.data(), nullptr, n); bad < n) {
+      return BadValue(p.data(), bad);
+    }
+    k_.axpy(p.data(), n, w, acc);
+    return absl::OkStatus();
+  }
+
+ private:
+  static absl::Status BadValue(const float* v, size_t i) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("fp32 payload: non-finite value ", v[i], " at index ", i));
+  }
+
+  const Kernels& k_;
+  const std::string name_ = "fp32";
+};
+
+}  // namespace
+
+std::unique_ptr<const Codec> NewFp32Codec(const Kernels& k) {
+  return std::make_unique<Fp32Codec>(k);
+}
+
+}  // namespace onebit::compress_internal

@@ -1,0 +1,102 @@
+// onebit: per block of B elements one fp32 scale and one sign bit per element
+// (DESIGN.md §1.3). Wire layout: all block scales (fp32, little endian), then
+// the bits, element j in byte j/8 at bit j%8.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "compress/codec_impl.h"
+#include "compress/payload.h"
+
+namespace onebit::compress_internal {
+namespace {
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the wire format is little endian");
+
+class OnebitCodec final : public Codec {
+ public:
+  OnebitCodec(const Kernels& k, const CodecOptions& options)
+      : k_(k),
+        block_(options.block_size),
+        rule_(options.scale),
+        name_(absl::StrCat("onebit-", ScaleRuleName(rule_), "-b", block_)) {}
+
+  CodecKind kind() const override { return CodecKind::kOnebit; }
+  const std::string& name() const override { return name_; }
+  absl::string_view simd_path() const override { return k_.name; }
+  size_t EncodedSize(size_t n) const override { return 4 * NumBlocks(n) + (n + 7) / 8; }
+
+  absl::Status Encode(const float* x, size_t n, uint8_t* out) const override {
+    return EncodeImpl(x, nullptr, n, out);
+  }
+
+  absl::Status EncodeWithFeedback(const float* y, float* e, size_t n, uint8_t* out) const override {
+    return EncodeImpl(y, e, n, out);
+  }
+
+  absl::Status Decode(const uint8_t* in, size_t n, float* out) const override {
+    AlignedPayload<float> scales(in, NumBlocks(n));
+    if (absl::Status s = CheckScales(scales.data(), n); !s.ok()) return s;
+    k_.onebit_decode(scales.data(), in + 4 * NumBlocks(n), n, block_, out);
+    return absl::OkStatus();
+  }
+
+  absl::Status DecodeAdd(const uint8_t* in, size_t n, float w, float* acc) const override {
+    AlignedPayload<float> scales(in, NumBlocks(n));
+    if (absl::Status s = CheckScales(scales.data(), n); !s.ok()) return s;
+    k_.onebit_decode_add(scales.data(), in + 4 * NumBlocks(n), n, block_, w, acc);
+    return absl::OkStatus();
+  }
+
+ private:
+  size_t NumBlocks(size_t n) const { return (n + block_ - 1) / block_; }
+
+  // Pass 1 computes every scale (and finds any non-finite z) before pass 2
+  // writes anything, so a bad input leaves e and out untouched.
+  absl::Status EncodeImpl(const float* y, float* e, size_t n, uint8_t* out) const {
+    const size_t blocks = NumBlocks(n);
+    thread_local std::vector<float> scales;
+    if (scales.size() < blocks) scales.resize(blocks);
+    const size_t bad = k_.onebit_scales(y, e, n, block_, rule_, scales.data());
+    // A scale can overflow even when every z is finite (huge values); the
+    // blocks before the first non-finite z are the ones pass 1 completed.
+    for (size_t b = 0; b * block_ < std::min(bad, n) && b < blocks; ++b) {
+      if (!std::isfinite(scales[b])) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "onebit: the ", ScaleRuleName(rule_), " scale of block ", b, " (elements from ",
+            b * block_, ") overflows fp32; values too large to encode; nothing was changed"));
+      }
+    }
+    if (bad < n) return NonFiniteInput(y, e, bad);
+    std::memcpy(out, scales.data(), 4 * blocks);
+    k_.onebit_signs(y, e, n, block_, scales.data(), out + 4 * blocks);
+    return absl::OkStatus();
+  }
+
+  // A scale from our encoder is finite and never has its sign bit set.
+  absl::Status CheckScales(const float* scales, size_t n) const {
+    for (size_t b = 0, blocks = NumBlocks(n); b < blocks; ++b) {
+      if (!std::isfinite(scales[b]) || std::signbit(scales[b])) {
+        return absl::InvalidArgumentError(absl::StrCat("onebit payload: bad scale ", scales[b],
+                                                       " for block ", b, " (elements from ",
+                                                       b * block_, "); nothing was changed"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  const Kernels& k_;
+  const uint32_t block_;
+  const ScaleRule rule_;
+  const std::string name_;
+};
+
+}  // namespace
+
+std::unique_ptr<const Codec> NewOnebitCodec(const Kernels& k, const CodecOptions& options) {
+  return std::make_unique<OnebitCodec>(k, options);
+}
+
+}  // namespace onebit::compress_internal
