@@ -5,6 +5,9 @@
 // Every call that writes is all-or-nothing: on error (non-finite input, a
 // corrupt payload) it returns a Status naming the first bad index and leaves
 // every output buffer untouched, so a caller can drop the step and go on.
+// That takes a read of the whole input before the first write: callers encode
+// in chunks of a few hundred thousand elements, so the writing pass finds the
+// chunk in cache (see tools/bench/codec_bench.cc for what each costs).
 #ifndef ONEBIT_COMPRESS_CODEC_H_
 #define ONEBIT_COMPRESS_CODEC_H_
 

@@ -123,10 +123,11 @@ void OnebitExpand(const float* scales, const uint8_t* bits, size_t n, uint32_t b
                   float* out) {
   for (size_t start = 0, b = 0; start < n; start += block, ++b) {
     const size_t end = start + std::min<size_t>(block, n - start);
-    // w * (+-s) == +-(w * s) exactly: IEEE rounding is symmetric in sign.
+    // w * (+-s) == +-(w * s) exactly: IEEE rounding is symmetric in sign. A
+    // set bit flips the sign (xor: w, and so w * s, may be negative).
     const __m256 s = _mm256_set1_ps(kAdd ? w * scales[b] : scales[b]);
     for (size_t i = start; i < end; i += 8) {
-      const __m256 v = _mm256_or_ps(s, SignsFromByte(bits[i / 8]));
+      const __m256 v = _mm256_xor_ps(s, SignsFromByte(bits[i / 8]));
       if (i + 8 <= end) {
         _mm256_storeu_ps(out + i, kAdd ? _mm256_add_ps(_mm256_loadu_ps(out + i), v) : v);
       } else {
