@@ -1,0 +1,270 @@
+// onebit-launch: a convenience over the binaries' own flags. Starts a
+// coordinator, S servers and N workers on loopback (ports picked by the
+// processes themselves, so no races), prefixes their logs with the role,
+// stops every child when one fails, and exits with the job's status.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
+#include "net/flags.h"
+#include "net/health.h"
+#include "net/job_config.h"
+#include "net/run_folder.h"
+#include "net/subprocess.h"
+
+ABSL_FLAG(std::string, out, "", "run folder (metrics.csv, summary.json, logs)");
+ABSL_FLAG(std::string, bin_dir, "", "where the onebit binaries are (default: next to this one)");
+ABSL_FLAG(bool, dump_params, false,
+          "workers and servers write their final x to --out (replica_w<R>.f32, master_s<K>.f32)");
+ABSL_FLAG(int32_t, stall_worker, -1, "fault injection: this worker stops pushing ...");
+ABSL_FLAG(int64_t, stall_at_step, -1, "... at this step");
+ABSL_FLAG(absl::Duration, grace, absl::Seconds(1),
+          "after a child fails: how long the others get to exit on their own, then to "
+          "exit after SIGTERM before SIGKILL");
+ABSL_FLAG(absl::Duration, launch_register_timeout, absl::Seconds(60),
+          "registration timeout passed to every process");
+
+namespace onebit {
+namespace {
+
+absl::Mutex log_mu;
+
+struct Child {
+  std::string name;
+  std::optional<Subprocess> proc;
+  int read_fd = -1;
+  std::thread reader;
+  std::optional<int> code;
+};
+
+// Copies a child's output to our stderr, line by line, prefixed "[name] ".
+void PumpLines(int fd, std::string name) {
+  std::string pending;
+  char buf[4096];
+  while (true) {
+    ssize_t n = read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    pending.append(buf, static_cast<size_t>(n));
+    size_t nl;
+    while ((nl = pending.find('\n')) != std::string::npos) {
+      absl::MutexLock l(&log_mu);
+      std::fprintf(stderr, "[%s] %s\n", name.c_str(), pending.substr(0, nl).c_str());
+      pending.erase(0, nl + 1);
+    }
+  }
+  if (!pending.empty()) {
+    absl::MutexLock l(&log_mu);
+    std::fprintf(stderr, "[%s] %s\n", name.c_str(), pending.c_str());
+  }
+  close(fd);
+}
+
+void Log(const std::string& msg) {
+  absl::MutexLock l(&log_mu);
+  std::fprintf(stderr, "launch: %s\n", msg.c_str());
+}
+
+absl::Status Start(Child* c, const std::vector<std::string>& argv) {
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) return absl::InternalError("pipe2 failed");
+  auto p = Subprocess::Spawn(argv, fds[1], fds[1]);
+  close(fds[1]);
+  if (!p.ok()) {
+    close(fds[0]);
+    return p.status();
+  }
+  c->proc.emplace(std::move(*p));
+  c->read_fd = fds[0];
+  c->reader = std::thread(PumpLines, fds[0], c->name);
+  return absl::OkStatus();
+}
+
+std::string SelfDir() {
+  std::error_code ec;
+  auto p = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? std::string(".") : p.parent_path().string();
+}
+
+int Main(int argc, char** argv) {
+  std::set<std::string> specified = ParseFlagsOrExit(
+      argc, argv,
+      "onebit-launch --workers N --servers S [--model synthetic --dim D --steps T] [--out DIR]\n"
+      "Runs a whole job on this machine over loopback; takes every coordinator config flag.");
+  auto cfg = ConfigFromFlags(specified);
+  if (!cfg.ok()) ExitError(2, std::string(cfg.status().message()));
+  const std::string out = absl::GetFlag(FLAGS_out);
+  if (absl::GetFlag(FLAGS_dump_params) && out.empty()) ExitFlagError("dump_params", "needs --out");
+  const int stall_worker = absl::GetFlag(FLAGS_stall_worker);
+  if (stall_worker >= static_cast<int>(cfg->workers())) {
+    ExitFlagError("stall_worker", "no such worker");
+  }
+  std::string bin = absl::GetFlag(FLAGS_bin_dir);
+  if (bin.empty()) bin = SelfDir();
+  for (const char* b : {"onebit-coordinator", "onebit-server", "onebit-worker"}) {
+    if (access((bin + "/" + b).c_str(), X_OK) != 0) {
+      ExitFlagError("bin_dir", absl::StrCat("no executable ", b, " in ", bin));
+    }
+  }
+  if (!out.empty()) {
+    absl::Status st = MakeDirs(out);
+    if (!st.ok()) ExitFlagError("out", st.message());
+  }
+  char tmpl[] = "/tmp/onebit-launch.XXXXXX";
+  if (mkdtemp(tmpl) == nullptr) ExitError(1, "cannot create a temporary folder");
+  const std::string tmp = tmpl;
+  const std::string port_file = tmp + "/coordinator.port";
+  const std::string reg_timeout =
+      absl::FormatDuration(absl::GetFlag(FLAGS_launch_register_timeout));
+  const absl::Duration grace = absl::GetFlag(FLAGS_grace);
+
+  std::vector<Child> children(1 + cfg->servers() + cfg->workers());
+  int exit_code = 0;
+  auto stop_all = [&](const std::string& why) {
+    Log(why);
+    // First let the others exit on their own (they may name the cause).
+    const absl::Time deadline = absl::Now() + grace;
+    for (Child& c : children) {
+      if (!c.proc) continue;
+      while (!c.proc->Poll() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
+    }
+    for (Child& c : children) {
+      if (c.proc && !c.proc->Poll()) {
+        Log(absl::StrCat("stopping ", c.name));
+        c.proc->Stop(grace);
+      }
+    }
+  };
+  auto finish = [&](int code) {
+    for (Child& c : children) {
+      if (c.proc && !c.proc->Poll()) c.proc->Stop(grace);
+      if (c.reader.joinable()) c.reader.join();
+    }
+    std::error_code ec;
+    std::filesystem::remove_all(tmp, ec);
+    return code;
+  };
+
+  // The coordinator first: it picks its port and writes it to port_file.
+  Child& coord = children[0];
+  coord.name = "coordinator";
+  std::vector<std::string> args = {bin + "/onebit-coordinator", "--port=0",
+                                   "--port_file=" + port_file, "--bind_host=127.0.0.1",
+                                   "--register_timeout=" + reg_timeout};
+  if (!out.empty()) args.push_back("--out=" + out);
+  for (const std::string& a : ConfigFlagArgs()) args.push_back(a);
+  if (absl::Status st = Start(&coord, args); !st.ok()) {
+    Log(std::string(st.message()));
+    return finish(1);
+  }
+  int port = 0;
+  const absl::Time port_deadline = absl::Now() + absl::Seconds(30);
+  while (port == 0) {
+    std::ifstream in(port_file);
+    std::string text;
+    if (in >> text && absl::SimpleAtoi(text, &port) && port > 0) break;
+    port = 0;
+    if (auto code = coord.proc->Poll()) {
+      Log(absl::StrCat("the coordinator exited before listening (", DescribeExit(*code), ")"));
+      return finish(*code == 0 ? 1 : (*code < 126 ? *code : 1));
+    }
+    if (absl::Now() > port_deadline) {
+      Log("the coordinator did not start listening within 30s");
+      return finish(1);
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  const std::string target = absl::StrCat("127.0.0.1:", port);
+  if (absl::Status st = CheckHealth(target, absl::Seconds(10)); !st.ok()) {
+    Log(std::string(st.message()));
+    return finish(1);
+  }
+  Log(absl::StrCat("coordinator at ", target, " is serving; starting ", cfg->servers(),
+                   " servers and ", cfg->workers(), " workers"));
+
+  for (uint32_t k = 0; k < cfg->servers(); ++k) {
+    Child& c = children[1 + k];
+    c.name = absl::StrCat("server", k);
+    std::vector<std::string> a = {
+        bin + "/onebit-server",  "--coordinator=" + target,          absl::StrCat("--shard=", k),
+        "--bind_host=127.0.0.1", "--advertise_host=127.0.0.1",       "--data_port=0",
+        "--health_port=0",       "--register_timeout=" + reg_timeout};
+    if (absl::GetFlag(FLAGS_dump_params)) {
+      a.push_back(absl::StrCat("--dump_x=", out, "/master_s", k, ".f32"));
+    }
+    if (absl::Status st = Start(&c, a); !st.ok()) {
+      stop_all(std::string(st.message()));
+      return finish(1);
+    }
+  }
+  for (uint32_t i = 0; i < cfg->workers(); ++i) {
+    Child& c = children[1 + cfg->servers() + i];
+    c.name = absl::StrCat("worker", i);
+    std::vector<std::string> a = {bin + "/onebit-worker",
+                                  "--coordinator=" + target,
+                                  absl::StrCat("--rank=", i),
+                                  "--bind_host=127.0.0.1",
+                                  "--advertise_host=127.0.0.1",
+                                  "--health_port=0",
+                                  "--register_timeout=" + reg_timeout};
+    if (absl::GetFlag(FLAGS_dump_params)) {
+      a.push_back(absl::StrCat("--dump_x=", out, "/replica_w", i, ".f32"));
+    }
+    if (static_cast<int>(i) == stall_worker) {
+      a.push_back(absl::StrCat("--stall_at_step=", absl::GetFlag(FLAGS_stall_at_step)));
+    }
+    if (absl::Status st = Start(&c, a); !st.ok()) {
+      stop_all(std::string(st.message()));
+      return finish(1);
+    }
+  }
+
+  // Watch: the first failure stops everyone; after the coordinator is done,
+  // the rest must follow promptly.
+  std::optional<absl::Time> coordinator_exited;
+  const absl::Duration after_coordinator = absl::Seconds(10);
+  while (true) {
+    bool all_done = true;
+    for (Child& c : children) {
+      if (c.code) continue;
+      c.code = c.proc->Poll();
+      if (!c.code) {
+        all_done = false;
+        continue;
+      }
+      if (&c == &coord) coordinator_exited = absl::Now();
+      if (*c.code != 0) {
+        exit_code = *c.code < 126 ? *c.code : 1;
+        stop_all(
+            absl::StrCat(c.name, " failed (", DescribeExit(*c.code), "); stopping the others"));
+        return finish(exit_code);
+      }
+    }
+    if (all_done) break;
+    if (coordinator_exited && absl::Now() - *coordinator_exited > after_coordinator) {
+      stop_all(absl::StrCat("processes still running ", absl::FormatDuration(after_coordinator),
+                            " after the coordinator exited"));
+      return finish(1);
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  Log(out.empty() ? "job finished" : absl::StrCat("job finished; run folder ", out));
+  return finish(0);
+}
+
+}  // namespace
+}  // namespace onebit
+
+int main(int argc, char** argv) { return onebit::Main(argc, argv); }

@@ -1,0 +1,185 @@
+#include "net/control.h"
+
+#include <unistd.h>
+
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+
+namespace onebit {
+
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target) {
+  grpc::ChannelArguments args;
+  // Fail fast and retry ourselves; gRPC's reconnect back-off would otherwise
+  // stretch to seconds while the coordinator is still starting.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
+  return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+}
+
+absl::Status RpcError(absl::string_view what, const grpc::Status& s) {
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                      absl::StrCat(what, ": ", s.error_message()));
+}
+
+std::string Hostname() {
+  char buf[256] = {0};
+  if (gethostname(buf, sizeof(buf) - 1) != 0) return "localhost";
+  return buf;
+}
+
+absl::StatusOr<control::RegisterReply> RegisterWithCoordinator(
+    control::Coordinator::Stub* stub, const std::string& target,
+    const control::RegisterRequest& request, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  grpc::Status last;
+  while (absl::Now() < deadline) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(deadline));
+    ctx.set_wait_for_ready(true);  // the coordinator may not be listening yet
+    control::RegisterReply reply;
+    last = stub->Register(&ctx, request, &reply);
+    if (last.ok()) return reply;
+    if (last.error_code() != grpc::StatusCode::UNAVAILABLE) break;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  return absl::DeadlineExceededError(absl::StrCat("registering with the coordinator at ", target,
+                                                  " failed within ", absl::FormatDuration(timeout),
+                                                  ": ", last.error_message()));
+}
+
+Heartbeater::Heartbeater(control::Coordinator::Stub* stub, std::string target, control::Role role,
+                         uint32_t rank, uint64_t job_id, absl::Duration interval,
+                         absl::Duration coordinator_timeout)
+    : stub_(stub),
+      target_(std::move(target)),
+      role_(role),
+      rank_(rank),
+      job_id_(job_id),
+      interval_(interval),
+      coordinator_timeout_(coordinator_timeout) {}
+
+Heartbeater::~Heartbeater() {
+  {
+    absl::MutexLock l(&mu_);
+    stop_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+void Heartbeater::Start() {
+  {
+    absl::MutexLock l(&mu_);
+    last_ok_ = absl::Now();
+  }
+  thread_ = std::thread([this] { Loop(); });
+}
+
+void Heartbeater::SetStep(uint64_t s) {
+  absl::MutexLock l(&mu_);
+  step_ = s;
+}
+
+void Heartbeater::AddMetrics(const control::StepMetrics& m) {
+  absl::MutexLock l(&mu_);
+  pending_.push_back(m);
+}
+
+control::Command Heartbeater::command() const {
+  absl::MutexLock l(&mu_);
+  return command_;
+}
+
+std::string Heartbeater::reason() const {
+  absl::MutexLock l(&mu_);
+  return reason_;
+}
+
+control::Command Heartbeater::WaitForCommand(absl::Duration timeout) {
+  absl::MutexLock l(&mu_);
+  auto changed = [this]()
+                     ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return command_ != control::CONTINUE; };
+  mu_.AwaitWithTimeout(absl::Condition(&changed), timeout);
+  return command_;
+}
+
+void Heartbeater::Loop() {
+  while (true) {
+    {
+      absl::MutexLock l(&mu_);
+      auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; };
+      if (mu_.AwaitWithTimeout(absl::Condition(&stopping), interval_)) return;
+    }
+    SendOnce();
+  }
+}
+
+void Heartbeater::SendOnce() {
+  control::HeartbeatRequest req;
+  req.set_role(role_);
+  req.set_rank(rank_);
+  req.set_job_id(job_id_);
+  {
+    absl::MutexLock l(&mu_);
+    req.set_step(step_);
+    for (auto& m : pending_) *req.add_metrics() = m;
+    pending_.clear();
+  }
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  control::HeartbeatReply reply;
+  grpc::Status s = stub_->Heartbeat(&ctx, req, &reply);
+  absl::MutexLock l(&mu_);
+  if (!s.ok()) {
+    // Keep the metrics for the next try.
+    for (int i = req.metrics_size() - 1; i >= 0; --i) {
+      pending_.insert(pending_.begin(), req.metrics(i));
+    }
+    if (command_ == control::CONTINUE && absl::Now() - last_ok_ > coordinator_timeout_) {
+      command_ = control::ABORT;
+      reason_ = absl::StrCat("the coordinator at ", target_, " is unreachable (no heartbeat for ",
+                             absl::FormatDuration(coordinator_timeout_), "): ", s.error_message());
+    }
+    return;
+  }
+  last_ok_ = absl::Now();
+  if (command_ == control::CONTINUE && reply.command() != control::CONTINUE) {
+    command_ = reply.command();
+    reason_ = reply.reason();
+  }
+}
+
+void Heartbeater::ReportError(const std::string& error) {
+  control::HeartbeatRequest req;
+  req.set_role(role_);
+  req.set_rank(rank_);
+  req.set_job_id(job_id_);
+  req.set_error(error);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  control::HeartbeatReply reply;
+  // Best effort: the caller exits non-zero whether or not this got through.
+  (void)stub_->Heartbeat(&ctx, req, &reply);
+}
+
+absl::Status Heartbeater::Done(const std::vector<control::ShardChecksum>& checksums) {
+  control::DoneRequest req;
+  req.set_role(role_);
+  req.set_rank(rank_);
+  req.set_job_id(job_id_);
+  for (const auto& c : checksums) *req.add_checksums() = c;
+  {
+    absl::MutexLock l(&mu_);
+    for (auto& m : pending_) *req.add_metrics() = m;
+    pending_.clear();
+  }
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   absl::ToChronoMilliseconds(coordinator_timeout_));
+  control::DoneReply reply;
+  grpc::Status s = stub_->Done(&ctx, req, &reply);
+  if (!s.ok()) return RpcError(absl::StrCat("Done to the coordinator at ", target_), s);
+  return absl::OkStatus();
+}
+
+}  // namespace onebit

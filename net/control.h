@@ -1,0 +1,90 @@
+// Client side of the control plane (proto/control.proto): channels, the
+// blocking Register, and a background heartbeat that carries step metrics
+// and brings back the coordinator's commands.
+#ifndef ONEBIT_NET_CONTROL_H_
+#define ONEBIT_NET_CONTROL_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/control.grpc.pb.h"
+
+namespace onebit {
+
+// An insecure channel to "host:port" (the cluster runs on a trusted network).
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target);
+
+// absl::Status from a failed RPC, naming what was called.
+absl::Status RpcError(absl::string_view what, const grpc::Status& status);
+
+// This machine's hostname (the default address to advertise).
+std::string Hostname();
+
+// Registers and waits for the whole cluster (the coordinator replies once all
+// processes are in). Retries while the coordinator is not up yet; gives up
+// after `timeout` with an error naming the coordinator.
+absl::StatusOr<control::RegisterReply> RegisterWithCoordinator(
+    control::Coordinator::Stub* stub, const std::string& target,
+    const control::RegisterRequest& request, absl::Duration timeout);
+
+// Sends a heartbeat every `interval` from its own thread. Thread-safe.
+class Heartbeater {
+ public:
+  // `stub` must outlive this. The coordinator is declared lost when no
+  // heartbeat got through for `coordinator_timeout`.
+  Heartbeater(control::Coordinator::Stub* stub, std::string target, control::Role role,
+              uint32_t rank, uint64_t job_id, absl::Duration interval,
+              absl::Duration coordinator_timeout);
+  ~Heartbeater();  // stops the thread
+
+  void Start();
+  void SetStep(uint64_t steps_done);
+  void AddMetrics(const control::StepMetrics& m);
+
+  // Tells the coordinator this process failed (one RPC, best effort: the
+  // process exits non-zero either way).
+  void ReportError(const std::string& error);
+
+  // Sends the final checksums and any pending metrics.
+  absl::Status Done(const std::vector<control::ShardChecksum>& checksums);
+
+  // CONTINUE until the coordinator says SHUTDOWN or ABORT, or is lost (ABORT).
+  control::Command command() const;
+  std::string reason() const;
+
+  // Blocks until command() != CONTINUE or `timeout` passes.
+  control::Command WaitForCommand(absl::Duration timeout);
+
+ private:
+  void Loop();
+  void SendOnce();
+
+  control::Coordinator::Stub* const stub_;
+  const std::string target_;
+  const control::Role role_;
+  const uint32_t rank_;
+  const uint64_t job_id_;
+  const absl::Duration interval_;
+  const absl::Duration coordinator_timeout_;
+
+  mutable absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t step_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<control::StepMetrics> pending_ ABSL_GUARDED_BY(mu_);
+  control::Command command_ ABSL_GUARDED_BY(mu_) = control::CONTINUE;
+  std::string reason_ ABSL_GUARDED_BY(mu_);
+  absl::Time last_ok_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_;
+};
+
+}  // namespace onebit
+
+#endif  // ONEBIT_NET_CONTROL_H_

@@ -1,0 +1,109 @@
+#include "net/data_plane.h"
+
+#include <algorithm>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace onebit {
+
+uint64_t NumChunks(uint64_t size, uint64_t chunk_elems) {
+  return (size + chunk_elems - 1) / chunk_elems;
+}
+
+Range ChunkRange(const ShardMap& map, uint32_t shard, uint64_t chunk_elems, uint64_t c) {
+  Range s = map.shard(shard);
+  Range r;
+  r.begin = std::min(s.end, s.begin + c * chunk_elems);
+  r.end = std::min(s.end, r.begin + chunk_elems);
+  return r;
+}
+
+std::string WorkerIdentity(uint64_t job_id, uint32_t rank) {
+  return absl::StrFormat("w%u-%016x", rank, job_id);
+}
+
+absl::StatusOr<data::Header> ParseHeader(const void* data, size_t size) {
+  data::Header h;
+  if (size == 0 || !h.ParseFromArray(data, static_cast<int>(size))) {
+    return absl::InvalidArgumentError(absl::StrCat("malformed header: ", size,
+                                                   " bytes that do not parse as a header "
+                                                   "(truncated or not onebit)"));
+  }
+  return h;
+}
+
+absl::Status ValidateRequest(const data::Header& h, const DataPlaneJob& job, uint32_t owned_shard,
+                             absl::string_view routing_id, size_t payload_frame_bytes) {
+  auto bad = [](auto&&... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
+  if (h.version() != kProtocolVersion) {
+    return bad("unsupported protocol version ", h.version(), " (this server speaks ",
+               kProtocolVersion, ")");
+  }
+  if (h.job_id() != job.job_id) {
+    return bad(absl::StrFormat("wrong job id %016x (this job is %016x)", h.job_id(), job.job_id));
+  }
+  if (h.kind() != data::PUSH && h.kind() != data::INIT) {
+    return bad("unexpected message kind ", data::Kind_Name(h.kind()), " (want PUSH or INIT)");
+  }
+  if (h.rank() >= job.workers) {
+    return bad("unknown worker rank ", h.rank(), " (job has ", job.workers, " workers)");
+  }
+  if (routing_id != WorkerIdentity(job.job_id, h.rank())) {
+    return bad("rank ", h.rank(), " claimed by a socket that is not that worker's (routing id '",
+               absl::CHexEscape(routing_id), "')");
+  }
+  if (h.kind() == data::INIT && h.rank() != 0) {
+    return bad("INIT from rank ", h.rank(), " (only rank 0 sends the initial x)");
+  }
+  if (h.shard() >= job.map.num_shards()) {
+    return bad("shard ", h.shard(), " out of range (job has ", job.map.num_shards(), " shards)");
+  }
+  if (h.shard() != owned_shard) {
+    return bad("shard ", h.shard(), " is not served here (this server owns shard ", owned_shard,
+               ")");
+  }
+  const Range s = job.map.shard(h.shard());
+  if (h.begin() < s.begin || h.begin() >= s.end || (h.begin() - s.begin) % job.chunk_elems != 0) {
+    return bad("element range begins at ", h.begin(), ", not at a chunk of shard ", h.shard(), " [",
+               s.begin, ", ", s.end, ") with chunks of ", job.chunk_elems);
+  }
+  const uint64_t chunk = (h.begin() - s.begin) / job.chunk_elems;
+  const Range want = ChunkRange(job.map, h.shard(), job.chunk_elems, chunk);
+  if (h.count() != want.size()) {
+    return bad("wrong element count ", h.count(), " for chunk ", chunk, " of shard ", h.shard(),
+               " (want ", want.size(), ")");
+  }
+  const Codec* codec = h.kind() == data::INIT ? job.init_codec : job.push_codec;
+  if (h.codec() != codec->name()) {
+    return bad("unknown codec '", absl::CHexEscape(h.codec()), "' (this job ",
+               h.kind() == data::INIT ? "initialises with" : "pushes", " '", codec->name(), "')");
+  }
+  if (h.block_size() != job.map.block_size()) {
+    return bad("wrong block size ", h.block_size(), " (job uses ", job.map.block_size(), ")");
+  }
+  const size_t need = codec->EncodedSize(h.count());
+  if (h.payload_bytes() != need) {
+    return bad("wrong payload length ", h.payload_bytes(), " in header (", codec->name(), " needs ",
+               need, " bytes for ", h.count(), " elements)");
+  }
+  if (payload_frame_bytes != h.payload_bytes()) {
+    return bad("wrong payload length: header says ", h.payload_bytes(), " bytes, frame has ",
+               payload_frame_bytes);
+  }
+  return absl::OkStatus();
+}
+
+zmq::message_t ShareFrame(const SharedBytes& buf, size_t offset, size_t size) {
+  auto* hold = new SharedBytes(buf);
+  return zmq::message_t(
+      const_cast<uint8_t*>(buf->data()) + offset, size,
+      [](void*, void* hint) { delete static_cast<SharedBytes*>(hint); }, hold);
+}
+
+zmq::message_t CopyFrame(absl::string_view bytes) {
+  return zmq::message_t(bytes.data(), bytes.size());
+}
+
+}  // namespace onebit

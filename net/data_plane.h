@@ -1,0 +1,68 @@
+// The data plane between workers and servers (DESIGN.md §2, proto/README.md):
+// chunking of shards, header checks, and zero-copy ZeroMQ frames.
+#ifndef ONEBIT_NET_DATA_PLANE_H_
+#define ONEBIT_NET_DATA_PLANE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "compress/codec.h"
+#include "proto/data.pb.h"
+#include "shard/shard_map.h"
+#include "zmq.hpp"
+
+namespace onebit {
+
+constexpr uint32_t kProtocolVersion = data::VERSION_CURRENT;
+
+// What a server checks a request against. Plain values; the codecs are owned
+// by the caller and must outlive this.
+struct DataPlaneJob {
+  uint64_t job_id = 0;
+  uint32_t workers = 0;
+  uint64_t steps = 0;
+  ShardMap map = ShardMap::Create(0, 1, 32).value();
+  uint64_t chunk_elems = 0;  // a multiple of map.block_size()
+  const Codec* push_codec = nullptr;
+  const Codec* init_codec = nullptr;  // fp32
+};
+
+// Number of chunks of a shard of `size` elements (0 for an empty shard).
+uint64_t NumChunks(uint64_t size, uint64_t chunk_elems);
+// Global element range of chunk c of shard k.
+Range ChunkRange(const ShardMap& map, uint32_t shard, uint64_t chunk_elems, uint64_t c);
+
+// The ZeroMQ routing id of worker `rank` in job `job_id`: unique per job
+// incarnation, so a leftover process of an earlier job cannot pass for a
+// worker of this one.
+std::string WorkerIdentity(uint64_t job_id, uint32_t rank);
+
+// Parses frame 0. Errors say "malformed header".
+absl::StatusOr<data::Header> ParseHeader(const void* data, size_t size);
+
+// Checks a PUSH or INIT request against the job and the shard this server
+// owns, without the step (the server checks that against its own state):
+// version, job id, kind, rank vs routing id, shard, chunk range and count,
+// codec, block size, payload length (header vs codec vs the frame's size).
+// The error message names the problem, e.g. "unknown worker rank 7 (job has
+// 2 workers)".
+absl::Status ValidateRequest(const data::Header& h, const DataPlaneJob& job, uint32_t owned_shard,
+                             absl::string_view routing_id, size_t payload_frame_bytes);
+
+// A payload buffer shared by several ZeroMQ messages without copying.
+using SharedBytes = std::shared_ptr<const std::vector<uint8_t>>;
+
+// A message over buf[offset, offset + size) that keeps `buf` alive until
+// ZeroMQ is done with it.
+zmq::message_t ShareFrame(const SharedBytes& buf, size_t offset, size_t size);
+
+// A copy of a small message (a header).
+zmq::message_t CopyFrame(absl::string_view bytes);
+
+}  // namespace onebit
+
+#endif  // ONEBIT_NET_DATA_PLANE_H_

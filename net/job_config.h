@@ -1,0 +1,33 @@
+// The one training config of a job (proto TrainingConfig), built from flags
+// and/or a JSON file (--config, keys are flag names). Defined here because the
+// coordinator owns it and onebit-launch forwards it.
+#ifndef ONEBIT_NET_JOB_CONFIG_H_
+#define ONEBIT_NET_JOB_CONFIG_H_
+
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "proto/control.pb.h"
+
+namespace onebit {
+
+// Builds the config from the config flags. Values in the --config JSON file
+// apply unless the same flag was given on the command line (`specified`).
+// Errors name the flag or JSON key, e.g. "--dim: must be >= 1".
+absl::StatusOr<control::TrainingConfig> ConfigFromFlags(const std::set<std::string>& specified);
+
+// Checks ranges and combinations; errors start with "--<flag>: ".
+absl::Status ValidateConfig(const control::TrainingConfig& config);
+
+// "--name=value" for every config flag (and --config), for forwarding.
+std::vector<std::string> ConfigFlagArgs();
+
+// Extracts the flag name from a ValidateConfig/ConfigFromFlags error, for
+// ExitFlagError; "config" when none.
+std::string FlagOfError(const absl::Status& status);
+
+}  // namespace onebit
+
+#endif  // ONEBIT_NET_JOB_CONFIG_H_

@@ -1,0 +1,93 @@
+#include "net/run_folder.h"
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace onebit {
+namespace {
+
+absl::Status WriteAtomically(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << text;
+    out.flush();
+    if (!out) return absl::InternalError(absl::StrCat("cannot write ", tmp));
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    return absl::InternalError(absl::StrCat("cannot rename ", tmp, ": ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
+std::string Num(double v) { return absl::StrFormat("%.9g", v); }
+
+}  // namespace
+
+absl::Status MakeDirs(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return absl::InternalError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
+  return absl::OkStatus();
+}
+
+std::string JsonQuote(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    switch (c) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          out += absl::StrFormat("\\u%04x", c);
+        } else {
+          out += c;
+        }
+    }
+  }
+  return out + "\"";
+}
+
+absl::Status WriteMetricsCsv(const std::string& path, const std::vector<MetricsRow>& rows) {
+  std::string text = "step,phase,loss,wall_s,bytes_up,bytes_down,step_s\n";
+  for (const MetricsRow& r : rows) {
+    absl::StrAppend(&text, r.step, ",", r.phase, ",", Num(r.loss), ",", Num(r.wall_s), ",",
+                    r.bytes_up, ",", r.bytes_down, ",", Num(r.step_s), "\n");
+  }
+  return WriteAtomically(path, text);
+}
+
+absl::Status WriteSummaryJson(const std::string& path, const Summary& s) {
+  auto opt_u = [](const std::optional<uint64_t>& v) {
+    return v ? absl::StrCat(*v) : std::string("null");
+  };
+  auto opt_d = [](const std::optional<double>& v) { return v ? Num(*v) : std::string("null"); };
+  std::string text = absl::StrCat(
+      "{\n", "  \"optimizer\": ", JsonQuote(s.optimizer), ",\n", "  \"workers\": ", s.workers,
+      ",\n", "  \"servers\": ", s.servers, ",\n", "  \"params\": ", s.params, ",\n",
+      "  \"steps\": ", s.steps, ",\n", "  \"freeze_step\": ", opt_u(s.freeze_step), ",\n",
+      "  \"wall_s\": ", Num(s.wall_s), ",\n", "  \"bytes_up\": ", s.bytes_up, ",\n",
+      "  \"bytes_down\": ", s.bytes_down, ",\n", "  \"bytes_up_fp32\": ", s.bytes_up_fp32, ",\n",
+      "  \"bytes_down_fp32\": ", s.bytes_down_fp32, ",\n",
+      "  \"final_loss\": ", opt_d(s.final_loss), ",\n",
+      "  \"test_accuracy\": ", opt_d(s.test_accuracy), ",\n",
+      "  \"replicas_equal\": ", s.replicas_equal ? "true" : "false", ",\n",
+      "  \"worker_codec\": ", JsonQuote(s.worker_codec), ",\n",
+      "  \"server_codec\": ", JsonQuote(s.server_codec), ",\n",
+      "  \"job_id\": ", JsonQuote(s.job_id), ",\n", "  \"status\": ", JsonQuote(s.status), "\n}\n");
+  return WriteAtomically(path, text);
+}
+
+}  // namespace onebit

@@ -1,0 +1,55 @@
+// The run folder every launch writes (DESIGN.md §2): metrics.csv, one row per
+// step, and summary.json.
+#ifndef ONEBIT_NET_RUN_FOLDER_H_
+#define ONEBIT_NET_RUN_FOLDER_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace onebit {
+
+struct MetricsRow {
+  uint64_t step = 0;
+  std::string phase;  // "warmup" for sgd/adam
+  double loss = 0;    // mean over workers, in rank order
+  double wall_s = 0;  // max over workers, since training began
+  uint64_t bytes_up = 0;
+  uint64_t bytes_down = 0;
+  double step_s = 0;  // max over workers of this step's duration
+};
+
+struct Summary {
+  std::string optimizer;
+  uint32_t workers = 0;
+  uint32_t servers = 0;
+  uint64_t params = 0;
+  uint64_t steps = 0;
+  std::optional<uint64_t> freeze_step;
+  double wall_s = 0;
+  uint64_t bytes_up = 0;
+  uint64_t bytes_down = 0;
+  uint64_t bytes_up_fp32 = 0;
+  uint64_t bytes_down_fp32 = 0;
+  std::optional<double> final_loss;
+  std::optional<double> test_accuracy;
+  bool replicas_equal = false;
+  std::string status;  // "ok" or the failure
+  std::string job_id;
+  std::string worker_codec;
+  std::string server_codec;
+};
+
+// Creates dir (and parents) when missing.
+absl::Status MakeDirs(const std::string& dir);
+absl::Status WriteMetricsCsv(const std::string& path, const std::vector<MetricsRow>& rows);
+absl::Status WriteSummaryJson(const std::string& path, const Summary& s);
+// JSON string literal with escapes.
+std::string JsonQuote(const std::string& s);
+
+}  // namespace onebit
+
+#endif  // ONEBIT_NET_RUN_FOLDER_H_

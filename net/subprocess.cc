@@ -1,0 +1,84 @@
+#include "net/subprocess.h"
+
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace onebit {
+
+absl::StatusOr<Subprocess> Subprocess::Spawn(const std::vector<std::string>& argv, int stdout_fd,
+                                             int stderr_fd) {
+  if (argv.empty()) return absl::InvalidArgumentError("empty argv");
+  std::vector<char*> cargv;
+  for (const std::string& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));
+  cargv.push_back(nullptr);
+  const pid_t parent = getpid();
+  pid_t pid = fork();
+  if (pid < 0) return absl::InternalError(absl::StrCat("fork: ", std::strerror(errno)));
+  if (pid == 0) {
+    // Only async-signal-safe calls between fork and exec.
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(127);  // the parent died already
+    if (stdout_fd >= 0) dup2(stdout_fd, 1);
+    if (stderr_fd >= 0) dup2(stderr_fd, 2);
+    execv(cargv[0], cargv.data());
+    const char msg[] = "exec failed\n";
+    ssize_t ignored = write(2, msg, sizeof(msg) - 1);
+    (void)ignored;
+    _exit(127);
+  }
+  return Subprocess(pid);
+}
+
+std::optional<int> Subprocess::Poll() {
+  if (exit_code_) return exit_code_;
+  int status = 0;
+  pid_t r = waitpid(pid_, &status, WNOHANG);
+  if (r == pid_) {
+    if (WIFEXITED(status)) {
+      exit_code_ = WEXITSTATUS(status);
+    } else if (WIFSIGNALED(status)) {
+      exit_code_ = 128 + WTERMSIG(status);
+    }
+  } else if (r < 0 && errno == ECHILD) {
+    exit_code_ = 255;  // reaped elsewhere; should not happen
+  }
+  return exit_code_;
+}
+
+std::optional<int> Subprocess::Wait(absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    if (auto c = Poll()) return c;
+    if (absl::Now() >= deadline) return std::nullopt;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+}
+
+void Subprocess::Signal(int sig) {
+  if (!Poll()) kill(pid_, sig);
+}
+
+int Subprocess::Stop(absl::Duration grace) {
+  Signal(SIGTERM);
+  if (auto c = Wait(grace)) return *c;
+  Signal(SIGKILL);
+  while (true) {
+    if (auto c = Wait(absl::Seconds(1))) return *c;
+  }
+}
+
+std::string DescribeExit(int code) {
+  if (code > 128 && code < 128 + 65) {
+    return absl::StrCat("signal ", code - 128, " (", strsignal(code - 128), ")");
+  }
+  return absl::StrCat("exit ", code);
+}
+
+}  // namespace onebit

@@ -1,0 +1,378 @@
+#include "server/coordinator.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+
+namespace onebit {
+
+const char* StateName(CoordinatorService::State s) {
+  switch (s) {
+    case CoordinatorService::State::kRegistering:
+      return "registering";
+    case CoordinatorService::State::kRunning:
+      return "running";
+    case CoordinatorService::State::kFinished:
+      return "finished";
+    case CoordinatorService::State::kFailed:
+      return "failed";
+  }
+  return "?";
+}
+
+CoordinatorService::CoordinatorService(control::TrainingConfig config, uint64_t job_id,
+                                       ShardMap map, absl::Duration register_timeout)
+    : config_(std::move(config)),
+      job_id_(job_id),
+      map_(map),
+      register_deadline_(absl::Now() + register_timeout),
+      heartbeat_timeout_(absl::Milliseconds(config_.heartbeat_timeout_ms())),
+      servers_(config_.servers()),
+      workers_(config_.workers()) {}
+
+std::string CoordinatorService::Name(control::Role role, uint32_t rank) {
+  return absl::StrCat(role == control::SERVER ? "server " : "worker ", rank);
+}
+
+std::vector<CoordinatorService::Process>& CoordinatorService::Group(control::Role role) {
+  return role == control::SERVER ? servers_ : workers_;
+}
+
+bool CoordinatorService::AllRegisteredLocked() const {
+  for (const auto* g : {&servers_, &workers_}) {
+    for (const Process& p : *g) {
+      if (!p.registered) return false;
+    }
+  }
+  return true;
+}
+
+std::string CoordinatorService::MissingLocked() const {
+  std::vector<std::string> missing;
+  for (size_t i = 0; i < servers_.size(); ++i) {
+    if (!servers_[i].registered) missing.push_back(absl::StrCat("server ", i));
+  }
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    if (!workers_[i].registered) missing.push_back(absl::StrCat("worker ", i));
+  }
+  return absl::StrJoin(missing, ", ");
+}
+
+void CoordinatorService::FailLocked(const std::string& reason) {
+  if (state_ == State::kFinished || state_ == State::kFailed) return;
+  state_ = State::kFailed;
+  reason_ = reason;
+  std::fprintf(stderr, "coordinator: job failed: %s\n", reason.c_str());
+}
+
+grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx,
+                                          const control::RegisterRequest* req,
+                                          control::RegisterReply* reply) {
+  absl::MutexLock l(&mu_);
+  if (state_ != State::kRegistering) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        absl::StrCat("job ", absl::StrFormat("%016x", job_id_), " is ",
+                                     StateName(state_), ": registration is closed"));
+  }
+  if (req->role() != control::SERVER && req->role() != control::WORKER) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "role must be SERVER or WORKER");
+  }
+  std::vector<Process>& group = Group(req->role());
+  const char* what = req->role() == control::SERVER ? "server" : "worker";
+  int rank = req->requested_rank();
+  if (rank >= static_cast<int>(group.size())) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat(what, " rank ", rank, " out of range (job has ", group.size(),
+                                     " ", what, "s)"));
+  }
+  if (rank >= 0 && group[rank].registered) {
+    return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
+                        absl::StrCat(what, " rank ", rank, " is already registered"));
+  }
+  if (rank < 0) {
+    for (size_t i = 0; i < group.size() && rank < 0; ++i) {
+      if (!group[i].registered) rank = static_cast<int>(i);
+    }
+    if (rank < 0) {
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat("all ", group.size(), " ", what, " ranks are taken"));
+    }
+  }
+  if (req->role() == control::SERVER && req->data_endpoint().empty()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "a server must give its data_endpoint");
+  }
+  Process& p = group[rank];
+  p.registered = true;
+  p.info = *req;
+  p.last_seen = absl::Now();
+  std::fprintf(stderr, "coordinator: %s %d registered (%s)\n", what, rank,
+               req->data_endpoint().empty() ? req->host().c_str() : req->data_endpoint().c_str());
+  if (AllRegisteredLocked()) {
+    state_ = State::kRunning;
+    const absl::Time now = absl::Now();
+    for (auto* g : {&servers_, &workers_}) {
+      for (Process& q : *g) q.last_seen = now;
+    }
+    std::fprintf(stderr, "coordinator: all %u servers and %u workers registered; running\n",
+                 config_.servers(), config_.workers());
+  }
+  const absl::Time deadline = std::min(register_deadline_, absl::FromChrono(ctx->deadline()));
+  auto ready = [this]()
+                   ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return state_ != State::kRegistering; };
+  mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
+  if (state_ == State::kRegistering) {
+    return grpc::Status(
+        grpc::StatusCode::DEADLINE_EXCEEDED,
+        absl::StrCat("the cluster did not form in time; waiting for ", MissingLocked()));
+  }
+  if (state_ != State::kRunning) {
+    return grpc::Status(grpc::StatusCode::ABORTED, absl::StrCat("job failed: ", reason_));
+  }
+  reply->set_job_id(job_id_);
+  reply->set_rank(static_cast<uint32_t>(rank));
+  *reply->mutable_config() = config_;
+  reply->set_shard_map(map_.Serialize());
+  for (size_t i = 0; i < servers_.size(); ++i) {
+    control::ServerInfo* s = reply->add_servers();
+    s->set_rank(static_cast<uint32_t>(i));
+    s->set_data_endpoint(servers_[i].info.data_endpoint());
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::CheckJob(control::Role role, uint32_t rank,
+                                          uint64_t job_id) const {
+  if (job_id != job_id_) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        absl::StrFormat("wrong job id %016x (this job is %016x)", job_id, job_id_));
+  }
+  const std::vector<Process>& group = role == control::SERVER ? servers_ : workers_;
+  if ((role != control::SERVER && role != control::WORKER) || rank >= group.size() ||
+      !group[rank].registered) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("unknown process ", Name(role, rank)));
+  }
+  return grpc::Status::OK;
+}
+
+void CoordinatorService::AddMetricsLocked(uint32_t rank, const control::StepMetrics& m) {
+  auto& row = metrics_[m.step()];
+  row.resize(workers_.size());
+  row[rank] = m;
+}
+
+grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext*,
+                                           const control::HeartbeatRequest* req,
+                                           control::HeartbeatReply* reply) {
+  absl::MutexLock l(&mu_);
+  grpc::Status st = CheckJob(req->role(), req->rank(), req->job_id());
+  if (!st.ok()) return st;
+  Process& p = Group(req->role())[req->rank()];
+  p.last_seen = absl::Now();
+  p.step = req->step();
+  if (req->role() == control::WORKER) {
+    for (const auto& m : req->metrics()) AddMetricsLocked(req->rank(), m);
+  }
+  if (!req->error().empty())
+    FailLocked(absl::StrCat(Name(req->role(), req->rank()), " failed: ", req->error()));
+  switch (state_) {
+    case State::kFinished:
+      reply->set_command(control::SHUTDOWN);
+      p.told = true;
+      break;
+    case State::kFailed:
+      reply->set_command(control::ABORT);
+      reply->set_reason(reason_);
+      p.told = true;
+      break;
+    default:
+      reply->set_command(control::CONTINUE);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::Done(grpc::ServerContext*, const control::DoneRequest* req,
+                                      control::DoneReply*) {
+  absl::MutexLock l(&mu_);
+  grpc::Status st = CheckJob(req->role(), req->rank(), req->job_id());
+  if (!st.ok()) return st;
+  if (state_ != State::kRunning) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        absl::StrCat("job is ", StateName(state_), ": ", reason_));
+  }
+  Process& p = Group(req->role())[req->rank()];
+  p.last_seen = absl::Now();
+  p.done = true;
+  p.checksums.assign(req->checksums().begin(), req->checksums().end());
+  if (req->role() == control::WORKER) {
+    for (const auto& m : req->metrics()) AddMetricsLocked(req->rank(), m);
+    p.step = config_.steps();
+  }
+  MaybeFinishLocked();
+  return grpc::Status::OK;
+}
+
+void CoordinatorService::MaybeFinishLocked() {
+  if (state_ != State::kRunning) return;
+  for (auto* g : {&servers_, &workers_}) {
+    for (const Process& p : *g) {
+      if (!p.done) return;
+    }
+  }
+  // Every worker's checksum of each shard range must match that shard's master.
+  bool equal = true;
+  for (uint32_t k = 0; k < servers_.size(); ++k) {
+    const control::ShardChecksum* master = nullptr;
+    for (const auto& c : servers_[k].checksums) {
+      if (c.shard() == k) master = &c;
+    }
+    if (master == nullptr) {
+      equal = false;
+      continue;
+    }
+    for (uint32_t w = 0; w < workers_.size(); ++w) {
+      bool match = false;
+      for (const auto& c : workers_[w].checksums) {
+        match |= c.shard() == k && c.begin() == master->begin() && c.end() == master->end() &&
+                 c.crc32() == master->crc32();
+      }
+      if (!match) {
+        std::fprintf(
+            stderr, "coordinator: worker %u's replica of shard %u differs from the master\n", w, k);
+      }
+      equal &= match;
+    }
+  }
+  replicas_equal_ = equal;
+  state_ = State::kFinished;
+  std::fprintf(stderr, "coordinator: all processes done; replicas_equal=%s\n",
+               equal ? "true" : "false");
+}
+
+grpc::Status CoordinatorService::Status(grpc::ServerContext*, const control::StatusRequest*,
+                                        control::StatusReply* reply) {
+  absl::MutexLock l(&mu_);
+  reply->set_job_id(job_id_);
+  reply->set_state(StateName(state_));
+  reply->set_reason(reason_);
+  *reply->mutable_config() = config_;
+  const absl::Time now = absl::Now();
+  for (control::Role role : {control::SERVER, control::WORKER}) {
+    const std::vector<Process>& group = role == control::SERVER ? servers_ : workers_;
+    for (size_t i = 0; i < group.size(); ++i) {
+      const Process& p = group[i];
+      control::ProcessStatus* s = reply->add_processes();
+      s->set_role(role);
+      s->set_rank(static_cast<uint32_t>(i));
+      s->set_data_endpoint(p.info.data_endpoint());
+      s->set_health_endpoint(p.info.health_endpoint());
+      s->set_step(p.step);
+      s->set_since_heartbeat_s(p.registered ? absl::ToDoubleSeconds(now - p.last_seen) : -1);
+      s->set_done(p.done);
+    }
+  }
+  return grpc::Status::OK;
+}
+
+void CoordinatorService::Tick() {
+  absl::MutexLock l(&mu_);
+  const absl::Time now = absl::Now();
+  if (state_ == State::kRegistering && now > register_deadline_) {
+    FailLocked(absl::StrCat("registration timed out; still waiting for ", MissingLocked()));
+    return;
+  }
+  if (state_ != State::kRunning) return;
+  for (control::Role role : {control::SERVER, control::WORKER}) {
+    const std::vector<Process>& group = Group(role);
+    for (size_t i = 0; i < group.size(); ++i) {
+      const Process& p = group[i];
+      if (role == control::WORKER && p.done) continue;  // done workers exit
+      if (now - p.last_seen > heartbeat_timeout_) {
+        const std::string ep =
+            p.info.data_endpoint().empty() ? p.info.host() : p.info.data_endpoint();
+        FailLocked(absl::StrCat(Name(role, static_cast<uint32_t>(i)), " (", ep,
+                                ") sent no heartbeat for ",
+                                absl::FormatDuration(heartbeat_timeout_), ": presumed dead"));
+        return;
+      }
+    }
+  }
+}
+
+CoordinatorService::State CoordinatorService::state() const {
+  absl::MutexLock l(&mu_);
+  return state_;
+}
+
+std::string CoordinatorService::reason() const {
+  absl::MutexLock l(&mu_);
+  return reason_;
+}
+
+bool CoordinatorService::EveryoneTold() const {
+  absl::MutexLock l(&mu_);
+  for (const Process& p : servers_) {
+    if (p.registered && !p.told) return false;
+  }
+  for (const Process& p : workers_) {
+    if (p.registered && !p.done && !p.told) return false;
+  }
+  return true;
+}
+
+std::vector<MetricsRow> CoordinatorService::MetricsRows() const {
+  absl::MutexLock l(&mu_);
+  std::vector<MetricsRow> rows;
+  for (const auto& [step, per_rank] : metrics_) {
+    if (per_rank.size() != workers_.size()) continue;
+    bool complete = true;
+    for (const auto& m : per_rank) complete &= m.has_value();
+    if (!complete) continue;
+    MetricsRow r;
+    r.step = step;
+    r.phase = "warmup";  // sgd/adam: full precision throughout (DESIGN.md §1.1)
+    double loss = 0;
+    for (const auto& m : per_rank) {
+      loss += m->loss();
+      r.wall_s = std::max(r.wall_s, m->wall_s());
+      r.step_s = std::max(r.step_s, m->step_s());
+      r.bytes_up += m->bytes_up();
+      r.bytes_down += m->bytes_down();
+    }
+    r.loss = loss / static_cast<double>(per_rank.size());
+    rows.push_back(r);
+  }
+  return rows;
+}
+
+Summary CoordinatorService::MakeSummary(double wall_s) const {
+  std::vector<MetricsRow> rows = MetricsRows();
+  absl::MutexLock l(&mu_);
+  Summary s;
+  s.optimizer = config_.optimizer();
+  s.workers = config_.workers();
+  s.servers = config_.servers();
+  s.params = config_.dim();
+  s.steps = config_.steps();
+  s.wall_s = wall_s;
+  for (const MetricsRow& r : rows) {
+    s.bytes_up += r.bytes_up;
+    s.bytes_down += r.bytes_down;
+  }
+  // What a plain fp32 parameter server moves: d floats each way per worker-step.
+  const uint64_t fp32 = config_.dim() * sizeof(float) * config_.workers() * rows.size();
+  s.bytes_up_fp32 = fp32;
+  s.bytes_down_fp32 = fp32;
+  if (!rows.empty()) s.final_loss = rows.back().loss;
+  s.replicas_equal = state_ == State::kFinished && replicas_equal_;
+  s.status = state_ == State::kFinished ? "ok" : absl::StrCat(StateName(state_), ": ", reason_);
+  s.job_id = absl::StrFormat("%016x", job_id_);
+  s.worker_codec = config_.worker_codec();
+  s.server_codec = config_.server_codec();
+  return s;
+}
+
+}  // namespace onebit

@@ -1,0 +1,94 @@
+// The coordinator's gRPC service (proto/control.proto): rendezvous, heartbeats
+// and failure detection, metrics collection, the final summary.
+//
+// Thread-safe: gRPC calls it from its threads; the owner polls Tick() and
+// state from another.
+#ifndef ONEBIT_SERVER_COORDINATOR_H_
+#define ONEBIT_SERVER_COORDINATOR_H_
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "net/run_folder.h"
+#include "proto/control.grpc.pb.h"
+#include "shard/shard_map.h"
+
+namespace onebit {
+
+class CoordinatorService final : public control::Coordinator::Service {
+ public:
+  enum class State { kRegistering, kRunning, kFinished, kFailed };
+
+  CoordinatorService(control::TrainingConfig config, uint64_t job_id, ShardMap map,
+                     absl::Duration register_timeout);
+
+  grpc::Status Register(grpc::ServerContext* ctx, const control::RegisterRequest* req,
+                        control::RegisterReply* reply) override;
+  grpc::Status Heartbeat(grpc::ServerContext* ctx, const control::HeartbeatRequest* req,
+                         control::HeartbeatReply* reply) override;
+  grpc::Status Done(grpc::ServerContext* ctx, const control::DoneRequest* req,
+                    control::DoneReply* reply) override;
+  grpc::Status Status(grpc::ServerContext* ctx, const control::StatusRequest* req,
+                      control::StatusReply* reply) override;
+
+  // Checks the registration deadline and heartbeat timeouts; call often.
+  void Tick();
+
+  State state() const;
+  std::string reason() const;
+  // True once every live process has been told the outcome (or it exited).
+  bool EveryoneTold() const;
+
+  std::vector<MetricsRow> MetricsRows() const;
+  Summary MakeSummary(double wall_s) const;
+
+ private:
+  struct Process {
+    bool registered = false;
+    control::RegisterRequest info;
+    absl::Time last_seen;
+    uint64_t step = 0;
+    bool done = false;  // sent Done (workers exit after it)
+    bool told = false;  // got SHUTDOWN/ABORT in a heartbeat reply
+    std::vector<control::ShardChecksum> checksums;
+  };
+
+  static std::string Name(control::Role role, uint32_t rank);
+  std::vector<Process>& Group(control::Role role) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FailLocked(const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool AllRegisteredLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string MissingLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AddMetricsLocked(uint32_t rank, const control::StepMetrics& m)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MaybeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  grpc::Status CheckJob(control::Role role, uint32_t rank, uint64_t job_id) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const control::TrainingConfig config_;
+  const uint64_t job_id_;
+  const ShardMap map_;
+  const absl::Time register_deadline_;
+  const absl::Duration heartbeat_timeout_;
+
+  mutable absl::Mutex mu_;
+  State state_ ABSL_GUARDED_BY(mu_) = State::kRegistering;
+  std::string reason_ ABSL_GUARDED_BY(mu_);
+  std::vector<Process> servers_ ABSL_GUARDED_BY(mu_);
+  std::vector<Process> workers_ ABSL_GUARDED_BY(mu_);
+  // step -> per-worker metrics of that step
+  std::map<uint64_t, std::vector<std::optional<control::StepMetrics>>> metrics_
+      ABSL_GUARDED_BY(mu_);
+  bool replicas_equal_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+const char* StateName(CoordinatorService::State s);
+
+}  // namespace onebit
+
+#endif  // ONEBIT_SERVER_COORDINATOR_H_

@@ -1,0 +1,92 @@
+// The data plane of one server (DESIGN.md §2): owns one shard's state,
+// aggregates exactly N pushes per chunk per step — decoded and summed in
+// worker-rank order, holding out-of-order pushes until the ranks before them
+// are in — applies the update rule, and replies to all N workers from one
+// shared buffer. Bad requests get an ERROR reply naming the problem and
+// change no state.
+//
+// Not thread-safe: one thread calls Serve(); other threads may only call
+// RequestStop().
+#ifndef ONEBIT_SERVER_PS_SERVER_H_
+#define ONEBIT_SERVER_PS_SERVER_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "compress/codec.h"
+#include "net/data_plane.h"
+#include "shard/update_rule.h"
+#include "zmq.hpp"
+
+namespace onebit {
+
+struct PsServerOptions {
+  DataPlaneJob job;  // codecs are filled in by Create()
+  uint32_t shard = 0;
+  std::string push_codec = "fp32";
+  UpdateOptions update;
+  absl::Duration step_timeout = absl::Seconds(30);
+};
+
+class PsServer {
+ public:
+  // `socket` is a bound ROUTER; it must outlive the server.
+  static absl::StatusOr<std::unique_ptr<PsServer>> Create(PsServerOptions options,
+                                                          zmq::socket_t* socket);
+
+  // Serves until `should_stop` returns true (checked every ~50 ms) and
+  // returns OK, or fails: a step timed out (naming the missing ranks) or the
+  // socket broke. on_finished runs once, when the last step is done.
+  absl::Status Serve(const std::function<bool()>& should_stop,
+                     const std::function<void()>& on_finished);
+
+  const ShardState& state() const { return state_; }
+  bool finished() const { return state_.step >= options_.job.steps; }
+
+ private:
+  // Aggregation of one chunk for the current step.
+  struct Chunk {
+    Range range;                                      // global
+    std::vector<float> acc;                           // running mean, ranks [0, next_rank) added
+    uint32_t next_rank = 0;                           // next rank to decode-add
+    std::vector<bool> pushed;                         // by rank, this step
+    std::vector<std::optional<zmq::message_t>> held;  // out-of-order payloads
+    bool initialized = false;  // INIT received (needed before step 0 applies)
+    bool done = false;         // this step's update applied and replied
+  };
+
+  PsServer(PsServerOptions options, zmq::socket_t* socket);
+  void HandleMessage(std::vector<zmq::message_t>& frames);
+  absl::Status HandleRequest(const std::string& routing_id, const data::Header& h,
+                             zmq::message_t& payload);
+  absl::Status DrainInOrder(Chunk& c, uint64_t chunk_index);
+  void Complete(Chunk& c, uint64_t chunk_index);
+  void SendError(const std::string& routing_id, const data::Header* request,
+                 const std::string& error);
+  void Send(const std::string& routing_id, const data::Header& h, zmq::message_t* payload);
+  std::string MissingRanks() const;
+
+  PsServerOptions options_;
+  zmq::socket_t* const socket_;
+  std::unique_ptr<const Codec> push_codec_;
+  std::unique_ptr<const Codec> reply_codec_;  // fp32: the exact delta
+  std::unique_ptr<const UpdateRule> rule_;
+  ShardState state_;
+  std::vector<Chunk> chunks_;
+  uint64_t chunks_done_ = 0;
+  std::optional<absl::Time> step_started_;  // first push of the current step
+  std::vector<float> delta_;                // scratch, one chunk
+  bool reported_finished_ = false;
+  absl::Status failure_;  // first fatal error, e.g. a decode failure of the update
+};
+
+}  // namespace onebit
+
+#endif  // ONEBIT_SERVER_PS_SERVER_H_

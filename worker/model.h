@@ -1,0 +1,33 @@
+// What a worker trains: a model over a flat fp32 parameter vector x[0, d).
+// Gradients must be deterministic per (seed, rank, step) so that a run can be
+// replayed by the single-process reference.
+#ifndef ONEBIT_WORKER_MODEL_H_
+#define ONEBIT_WORKER_MODEL_H_
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "proto/control.pb.h"
+
+namespace onebit {
+
+// Thread-compatible: const methods may run concurrently.
+class Model {
+ public:
+  virtual ~Model() = default;
+  virtual uint64_t num_params() const = 0;
+  // x[0, d) = the initial parameters (the same on every rank).
+  virtual void Init(float* x) const = 0;
+  // g[0, d) = gradient of worker `rank`'s loss at x for `step`; returns the
+  // loss at x. Non-finite results are an error.
+  virtual absl::StatusOr<double> Gradient(const float* x, uint32_t rank, uint64_t step,
+                                          float* g) const = 0;
+};
+
+// The model named by config.model() ("synthetic").
+absl::StatusOr<std::unique_ptr<Model>> NewModel(const control::TrainingConfig& config);
+
+}  // namespace onebit
+
+#endif  // ONEBIT_WORKER_MODEL_H_

@@ -1,0 +1,194 @@
+#include "worker/ps_client.h"
+
+#include <algorithm>
+#include <iterator>
+
+#include "absl/strings/str_cat.h"
+#include "net/data_plane.h"
+#include "zmq_addon.hpp"
+
+namespace onebit {
+
+absl::StatusOr<std::unique_ptr<PsClient>> PsClient::Connect(PsClientOptions options,
+                                                            zmq::context_t* ctx) {
+  std::unique_ptr<PsClient> c(new PsClient(std::move(options)));
+  const PsClientOptions& o = c->options_;
+  if (o.server_endpoints.size() != o.map.num_shards()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        o.server_endpoints.size(), " server endpoints for ", o.map.num_shards(), " shards"));
+  }
+  CodecOptions co;
+  co.block_size = o.map.block_size();
+  auto push = NewCodec(o.push_codec, co);
+  if (!push.ok()) return push.status();
+  auto fp32 = NewCodec("fp32", co);
+  if (!fp32.ok()) return fp32.status();
+  c->push_codec_ = std::move(*push);
+  c->fp32_ = std::move(*fp32);
+  const std::string identity = WorkerIdentity(o.job_id, o.rank);
+  for (const std::string& ep : o.server_endpoints) {
+    zmq::socket_t s(*ctx, zmq::socket_type::dealer);
+    s.set(zmq::sockopt::routing_id, identity);
+    s.set(zmq::sockopt::sndhwm, 0);  // the protocol bounds what is in flight
+    s.set(zmq::sockopt::rcvhwm, 0);
+    s.set(zmq::sockopt::linger, 0);
+    try {
+      s.connect(ep);
+    } catch (const zmq::error_t& e) {
+      return absl::InvalidArgumentError(absl::StrCat("cannot connect to ", ep, ": ", e.what()));
+    }
+    c->sockets_.push_back(std::move(s));
+  }
+  c->by_shard_.resize(o.map.num_shards());
+  uint64_t max_chunks = 0;
+  for (uint32_t k = 0; k < o.map.num_shards(); ++k) {
+    max_chunks = std::max(max_chunks, NumChunks(o.map.shard(k).size(), o.chunk_elems));
+  }
+  for (uint64_t i = 0; i < max_chunks; ++i) {
+    for (uint32_t k = 0; k < o.map.num_shards(); ++k) {
+      if (i >= NumChunks(o.map.shard(k).size(), o.chunk_elems)) continue;
+      c->by_shard_[k].push_back(c->chunks_.size());
+      c->chunks_.push_back(Chunk{k, i, ChunkRange(o.map, k, o.chunk_elems, i), nullptr});
+    }
+  }
+  return c;
+}
+
+absl::Status PsClient::SendChunk(size_t i, uint64_t step, const float* src, const Codec& codec,
+                                 int kind) {
+  Chunk& c = chunks_[i];
+  const size_t n = c.range.size();
+  const size_t bytes = codec.EncodedSize(n);
+  // Reuse the buffer once ZeroMQ has let go of it, else take a fresh one.
+  if (c.buf == nullptr || c.buf.use_count() > 1 || c.buf->size() != bytes) {
+    c.buf = std::make_shared<std::vector<uint8_t>>(bytes);
+  }
+  absl::Status st = codec.Encode(src + c.range.begin, n, c.buf->data());
+  if (!st.ok()) {
+    return absl::Status(
+        st.code(), absl::StrCat("encoding chunk [", c.range.begin, ", ", c.range.end, ") of step ",
+                                step, ": ", st.message()));
+  }
+  data::Header h;
+  h.set_version(kProtocolVersion);
+  h.set_job_id(options_.job_id);
+  h.set_kind(static_cast<data::Kind>(kind));
+  h.set_rank(options_.rank);
+  h.set_step(step);
+  h.set_shard(c.shard);
+  h.set_begin(c.range.begin);
+  h.set_count(n);
+  h.set_codec(codec.name());
+  h.set_block_size(options_.map.block_size());
+  h.set_payload_bytes(bytes);
+  zmq::socket_t& s = sockets_[c.shard];
+  try {
+    s.send(CopyFrame(h.SerializeAsString()), zmq::send_flags::sndmore);
+    s.send(ShareFrame(c.buf, 0, bytes), zmq::send_flags::none);
+  } catch (const zmq::error_t& e) {
+    return absl::UnavailableError(absl::StrCat(
+        "sending to server ", c.shard, " (", options_.server_endpoints[c.shard], "): ", e.what()));
+  }
+  bytes_up_ += bytes;
+  return absl::OkStatus();
+}
+
+absl::Status PsClient::SendInit(const float* x) {
+  for (size_t i = 0; i < chunks_.size(); ++i) {
+    absl::Status st = SendChunk(i, 0, x, *fp32_, data::INIT);
+    if (!st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PsClient::HandleReply(uint32_t server, uint64_t step,
+                                   std::vector<zmq::message_t>& frames, float* x,
+                                   std::vector<bool>* got) {
+  const std::string& ep = options_.server_endpoints[server];
+  auto who = [&] { return absl::StrCat("server ", server, " (", ep, ")"); };
+  if (frames.empty()) return absl::DataLossError(absl::StrCat("empty message from ", who()));
+  auto h = ParseHeader(frames[0].data(), frames[0].size());
+  if (!h.ok()) return absl::DataLossError(absl::StrCat(who(), ": ", h.status().message()));
+  if (h->kind() == data::ERROR) {
+    return absl::FailedPreconditionError(absl::StrCat(who(), " refused rank ", options_.rank,
+                                                      "'s step ", h->step(), ": ", h->error()));
+  }
+  auto bad = [&](auto&&... parts) {
+    return absl::DataLossError(absl::StrCat("bad reply from ", who(), ": ", parts...));
+  };
+  if (h->version() != kProtocolVersion) return bad("protocol version ", h->version());
+  if (h->job_id() != options_.job_id) return bad("wrong job id");
+  if (h->kind() != data::REPLY) return bad("kind ", data::Kind_Name(h->kind()));
+  if (h->step() != step) return bad("step ", h->step(), " while at step ", step);
+  if (h->shard() != server) return bad("shard ", h->shard());
+  const Range s = options_.map.shard(server);
+  if (h->begin() < s.begin || h->begin() >= s.end ||
+      (h->begin() - s.begin) % options_.chunk_elems != 0) {
+    return bad("range begins at ", h->begin());
+  }
+  const uint64_t index = (h->begin() - s.begin) / options_.chunk_elems;
+  const Chunk& c = chunks_[by_shard_[server][index]];
+  if (h->count() != c.range.size()) return bad("count ", h->count());
+  if (h->codec() != fp32_->name()) return bad("codec '", h->codec(), "'");
+  const size_t need = fp32_->EncodedSize(c.range.size());
+  if (frames.size() != 2 || h->payload_bytes() != need || frames[1].size() != need) {
+    return bad("payload of ", frames.size() == 2 ? frames[1].size() : 0, " bytes, want ", need);
+  }
+  if ((*got)[by_shard_[server][index]]) return bad("duplicate reply for chunk ", index);
+  // x += Δ: the same fp32 addition the server applied to its master.
+  absl::Status st = fp32_->DecodeAdd(static_cast<const uint8_t*>(frames[1].data()), need / 4, 1.0f,
+                                     x + c.range.begin);
+  if (!st.ok()) return bad(st.message());
+  (*got)[by_shard_[server][index]] = true;
+  bytes_down_ += need;
+  return absl::OkStatus();
+}
+
+absl::Status PsClient::PushPull(uint64_t step, const float* g, float* x,
+                                const std::function<absl::Status()>& check) {
+  bytes_up_ = 0;
+  bytes_down_ = 0;
+  for (size_t i = 0; i < chunks_.size(); ++i) {
+    absl::Status st = SendChunk(i, step, g, *push_codec_, data::PUSH);
+    if (!st.ok()) return st;
+  }
+  const size_t S = sockets_.size();
+  std::vector<bool> got(chunks_.size(), false);
+  std::vector<size_t> outstanding(S);
+  for (uint32_t k = 0; k < S; ++k) outstanding[k] = by_shard_[k].size();
+  size_t left = chunks_.size();
+  std::vector<absl::Time> last_heard(S, absl::Now());
+  std::vector<zmq::pollitem_t> items(S);
+  while (left > 0) {
+    for (size_t k = 0; k < S; ++k) items[k] = {sockets_[k].handle(), 0, ZMQ_POLLIN, 0};
+    zmq::poll(items.data(), S, std::chrono::milliseconds(100));
+    for (uint32_t k = 0; k < S; ++k) {
+      if (!(items[k].revents & ZMQ_POLLIN)) continue;
+      while (true) {
+        std::vector<zmq::message_t> frames;
+        auto r =
+            zmq::recv_multipart(sockets_[k], std::back_inserter(frames), zmq::recv_flags::dontwait);
+        if (!r) break;
+        absl::Status st = HandleReply(k, step, frames, x, &got);
+        if (!st.ok()) return st;
+        last_heard[k] = absl::Now();
+        --outstanding[k];
+        --left;
+      }
+    }
+    const absl::Time now = absl::Now();
+    for (uint32_t k = 0; k < S; ++k) {
+      if (outstanding[k] > 0 && now - last_heard[k] > options_.reply_timeout) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "no reply from server ", k, " (", options_.server_endpoints[k], ") for step ", step,
+            " within ", absl::FormatDuration(options_.reply_timeout), " (", outstanding[k], " of ",
+            by_shard_[k].size(), " chunks outstanding): is it dead?"));
+      }
+    }
+    absl::Status st = check();
+    if (!st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace onebit

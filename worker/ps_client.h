@@ -1,0 +1,76 @@
+// The worker's side of the data plane: one ZeroMQ DEALER per server; pushes
+// every shard's chunks (interleaved across servers, so all servers receive
+// at once), waits for every reply and adds the replied deltas to the replica.
+//
+// Not thread-safe: one thread drives it.
+#ifndef ONEBIT_WORKER_PS_CLIENT_H_
+#define ONEBIT_WORKER_PS_CLIENT_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "compress/codec.h"
+#include "shard/shard_map.h"
+#include "zmq.hpp"
+
+namespace onebit {
+
+struct PsClientOptions {
+  uint64_t job_id = 0;
+  uint32_t rank = 0;
+  ShardMap map = ShardMap::Create(0, 1, 32).value();
+  uint64_t chunk_elems = 1 << 20;
+  std::string push_codec = "fp32";
+  std::vector<std::string> server_endpoints;  // index = shard
+  // A server that sends nothing for this long while replies are due is dead.
+  absl::Duration reply_timeout = absl::Seconds(60);
+};
+
+class PsClient {
+ public:
+  static absl::StatusOr<std::unique_ptr<PsClient>> Connect(PsClientOptions options,
+                                                           zmq::context_t* ctx);
+
+  // Rank 0 only, before step 0: sends x (fp32) so the masters start from the
+  // same initial parameters as the replicas.
+  absl::Status SendInit(const float* x);
+
+  // One step: pushes g[0, d) encoded with the push codec, waits for all
+  // replies and adds them to x[0, d). `check` runs between waits (~100 ms);
+  // a non-OK result aborts the step with it.
+  absl::Status PushPull(uint64_t step, const float* g, float* x,
+                        const std::function<absl::Status()>& check);
+
+  uint64_t last_bytes_up() const { return bytes_up_; }
+  uint64_t last_bytes_down() const { return bytes_down_; }
+
+ private:
+  struct Chunk {
+    uint32_t shard;
+    uint64_t index;  // within the shard
+    Range range;     // global
+    std::shared_ptr<std::vector<uint8_t>> buf;
+  };
+  explicit PsClient(PsClientOptions options) : options_(std::move(options)) {}
+  absl::Status SendChunk(size_t i, uint64_t step, const float* src, const Codec& codec, int kind);
+  absl::Status HandleReply(uint32_t server, uint64_t step, std::vector<zmq::message_t>& frames,
+                           float* x, std::vector<bool>* got);
+
+  PsClientOptions options_;
+  std::unique_ptr<const Codec> push_codec_;
+  std::unique_ptr<const Codec> fp32_;
+  std::vector<zmq::socket_t> sockets_;
+  std::vector<Chunk> chunks_;                  // send order: interleaved across servers
+  std::vector<std::vector<size_t>> by_shard_;  // shard -> chunk index -> chunks_ index
+  uint64_t bytes_up_ = 0;
+  uint64_t bytes_down_ = 0;
+};
+
+}  // namespace onebit
+
+#endif  // ONEBIT_WORKER_PS_CLIENT_H_

@@ -1,0 +1,40 @@
+// The synthetic model: a noisy quadratic
+//   f_rank,step(x) = 1/d Σ_j ½ a_j (x_j - c_j)²,  ∇_j = a_j (x_j - c_j) + σ ξ_j
+// with curvatures a_j ∈ [0.5, 1.5), targets c_j ∈ [-1, 1), x0_j ∈ [-1, 1) and
+// noise ξ_j ∈ [-1, 1) drawn from a counter-based hash of (seed, j) and
+// (seed, rank, step, j): no tables, so it runs from 10 to 300 M parameters in
+// O(1) memory and gives the same numbers on every host. (The gradient is of
+// the unnormalised sum; the loss is reported per parameter.)
+#ifndef ONEBIT_WORKER_SYNTHETIC_MODEL_H_
+#define ONEBIT_WORKER_SYNTHETIC_MODEL_H_
+
+#include "worker/model.h"
+
+namespace onebit {
+
+struct SyntheticOptions {
+  uint64_t dim = 1000;
+  uint64_t seed = 1;
+  float noise = 0.1f;
+  // Data-plane benchmark: Gradient() leaves g as it is and returns 0.
+  bool skip = false;
+};
+
+class SyntheticModel final : public Model {
+ public:
+  explicit SyntheticModel(const SyntheticOptions& o) : o_(o) {}
+  uint64_t num_params() const override { return o_.dim; }
+  void Init(float* x) const override;
+  absl::StatusOr<double> Gradient(const float* x, uint32_t rank, uint64_t step,
+                                  float* g) const override;
+
+ private:
+  const SyntheticOptions o_;
+};
+
+// The counter-based generator (splitmix64 finaliser of a combined key).
+uint64_t HashCounter(uint64_t key, uint64_t counter);
+
+}  // namespace onebit
+
+#endif  // ONEBIT_WORKER_SYNTHETIC_MODEL_H_

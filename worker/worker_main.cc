@@ -1,0 +1,171 @@
+// onebit-worker: registers with the coordinator, connects to every server and
+// runs the training loop: gradient -> push every shard -> wait for the
+// replies -> apply. Reports per-step metrics through its heartbeat and the
+// checksums of its replica at the end.
+#include <cstdio>
+#include <fstream>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "net/checksum.h"
+#include "net/control.h"
+#include "net/flags.h"
+#include "net/health.h"
+#include "worker/model.h"
+#include "worker/ps_client.h"
+
+ABSL_FLAG(std::string, coordinator, "", "coordinator address host:port (required)");
+ABSL_FLAG(int32_t, rank, -1, "worker rank to request; -1: any free one");
+ABSL_FLAG(std::string, bind_host, "0.0.0.0", "address to bind the health port on");
+ABSL_FLAG(std::string, advertise_host, "", "this worker's address for others (default: hostname)");
+ABSL_FLAG(int32_t, health_port, 0, "grpc.health.v1 port; 0: any free port");
+ABSL_FLAG(absl::Duration, register_timeout, absl::Seconds(60),
+          "how long to wait for the coordinator and the whole cluster to register");
+ABSL_FLAG(std::string, dump_x, "", "write the final replica (raw fp32) to this file");
+ABSL_FLAG(int64_t, stall_at_step, -1,
+          "fault injection for tests: stop pushing at this step (hang until killed or aborted)");
+ABSL_FLAG(absl::Duration, progress_interval, absl::Seconds(1),
+          "how often to print the progress line on stderr");
+
+namespace onebit {
+namespace {
+
+[[noreturn]] void Fail(Heartbeater* hb, const std::string& msg) {
+  if (hb != nullptr) hb->ReportError(msg);
+  ExitError(1, msg);
+}
+
+int Main(int argc, char** argv) {
+  ParseFlagsOrExit(argc, argv,
+                   "onebit-worker --coordinator HOST:PORT [--rank R]\n"
+                   "Trains: computes gradients, pushes them to the servers, applies the replies.");
+  const std::string coordinator = absl::GetFlag(FLAGS_coordinator);
+  if (coordinator.empty()) ExitFlagError("coordinator", "required");
+  const int health_port = absl::GetFlag(FLAGS_health_port);
+  if (health_port < 0 || health_port > 65535) ExitFlagError("health_port", "must be in [0, 65535]");
+  std::string advertise = absl::GetFlag(FLAGS_advertise_host);
+  if (advertise.empty()) advertise = Hostname();
+
+  int health_bound = 0;
+  auto health = StartHealthServer(absl::GetFlag(FLAGS_bind_host), health_port, &health_bound);
+  if (!health.ok()) ExitError(1, std::string(health.status().message()));
+
+  auto stub = control::Coordinator::NewStub(MakeChannel(coordinator));
+  control::RegisterRequest req;
+  req.set_role(control::WORKER);
+  req.set_requested_rank(absl::GetFlag(FLAGS_rank));
+  req.set_health_endpoint(absl::StrCat(advertise, ":", health_bound));
+  req.set_host(Hostname());
+  auto reg =
+      RegisterWithCoordinator(stub.get(), coordinator, req, absl::GetFlag(FLAGS_register_timeout));
+  if (!reg.ok()) ExitError(1, std::string(reg.status().message()));
+  const control::TrainingConfig& cfg = reg->config();
+  const uint32_t rank = reg->rank();
+  const absl::Duration hb_timeout = absl::Milliseconds(cfg.heartbeat_timeout_ms());
+  Heartbeater hb(stub.get(), coordinator, control::WORKER, rank, reg->job_id(),
+                 std::clamp(hb_timeout / 10, absl::Milliseconds(20), absl::Seconds(1)), hb_timeout);
+  hb.Start();
+
+  auto map = ShardMap::Deserialize(reg->shard_map());
+  if (!map.ok()) Fail(&hb, absl::StrCat("bad shard map: ", map.status().message()));
+  auto model = NewModel(cfg);
+  if (!model.ok()) Fail(&hb, std::string(model.status().message()));
+  const uint64_t d = (*model)->num_params();
+  if (d != map->num_params()) Fail(&hb, "model size differs from the shard map");
+
+  zmq::context_t ctx(static_cast<int>(std::min<uint32_t>(cfg.servers(), 2)));
+  PsClientOptions po;
+  po.job_id = reg->job_id();
+  po.rank = rank;
+  po.map = *map;
+  po.chunk_elems = cfg.chunk_elems();
+  po.push_codec = cfg.worker_codec();
+  for (const auto& s : reg->servers()) po.server_endpoints.push_back(s.data_endpoint());
+  // The server gives up on a missing push after the step timeout and tells
+  // us why; this is the backstop for a server that died.
+  po.reply_timeout = 2 * absl::Milliseconds(cfg.step_timeout_ms());
+  auto client = PsClient::Connect(po, &ctx);
+  if (!client.ok()) Fail(&hb, std::string(client.status().message()));
+
+  std::vector<float> x(d), g(d, 0.0f);
+  (*model)->Init(x.data());
+  if (rank == 0) {
+    absl::Status st = (*client)->SendInit(x.data());
+    if (!st.ok()) Fail(&hb, absl::StrCat("worker 0: sending the initial x: ", st.message()));
+  }
+  auto check = [&]() -> absl::Status {
+    if (hb.command() == control::CONTINUE) return absl::OkStatus();
+    return absl::AbortedError(absl::StrCat("job aborted by the coordinator: ", hb.reason()));
+  };
+
+  const uint64_t steps = cfg.steps();
+  const int64_t stall = absl::GetFlag(FLAGS_stall_at_step);
+  const absl::Duration progress_every = absl::GetFlag(FLAGS_progress_interval);
+  const absl::Time t0 = absl::Now();
+  absl::Time last_progress = t0;
+  uint64_t total_up = 0, total_down = 0;
+  for (uint64_t step = 0; step < steps; ++step) {
+    if (stall >= 0 && step == static_cast<uint64_t>(stall)) {
+      std::fprintf(stderr, "worker %u: stalling at step %llu (--stall_at_step)\n", rank,
+                   static_cast<unsigned long long>(step));
+      while (hb.WaitForCommand(absl::Seconds(1)) == control::CONTINUE) {
+      }
+      ExitError(1, absl::StrCat("worker ", rank, ": ", check().message()));
+    }
+    const absl::Time s0 = absl::Now();
+    auto loss = (*model)->Gradient(x.data(), rank, step, g.data());
+    if (!loss.ok()) Fail(&hb, absl::StrCat("worker ", rank, ": ", loss.status().message()));
+    absl::Status st = (*client)->PushPull(step, g.data(), x.data(), check);
+    if (!st.ok()) Fail(&hb, absl::StrCat("worker ", rank, ": ", st.message()));
+    const absl::Time s1 = absl::Now();
+    control::StepMetrics m;
+    m.set_step(step);
+    m.set_loss(static_cast<float>(*loss));
+    m.set_wall_s(absl::ToDoubleSeconds(s1 - t0));
+    m.set_step_s(absl::ToDoubleSeconds(s1 - s0));
+    m.set_bytes_up((*client)->last_bytes_up());
+    m.set_bytes_down((*client)->last_bytes_down());
+    total_up += m.bytes_up();
+    total_down += m.bytes_down();
+    hb.AddMetrics(m);
+    hb.SetStep(step + 1);
+    if (s1 - last_progress >= progress_every || step + 1 == steps) {
+      last_progress = s1;
+      const double elapsed = absl::ToDoubleSeconds(s1 - t0);
+      const double rate = static_cast<double>(step + 1) / std::max(elapsed, 1e-9);
+      std::fprintf(stderr,
+                   "worker %u: step %llu/%llu loss %.6g %.2f steps/s up %.1f MB down %.1f MB "
+                   "ETA %.0fs\n",
+                   rank, static_cast<unsigned long long>(step + 1),
+                   static_cast<unsigned long long>(steps), *loss, rate, total_up / 1e6,
+                   total_down / 1e6, static_cast<double>(steps - step - 1) / rate);
+    }
+  }
+
+  std::vector<control::ShardChecksum> sums;
+  for (uint32_t k = 0; k < map->num_shards(); ++k) {
+    const Range r = map->shard(k);
+    control::ShardChecksum c;
+    c.set_shard(k);
+    c.set_begin(r.begin);
+    c.set_end(r.end);
+    c.set_crc32(Crc32OfFloats(x.data() + r.begin, r.size()));
+    sums.push_back(c);
+  }
+  const std::string dump = absl::GetFlag(FLAGS_dump_x);
+  if (!dump.empty()) {
+    std::ofstream out(dump, std::ios::binary | std::ios::trunc);
+    out.write(reinterpret_cast<const char*>(x.data()),
+              static_cast<std::streamsize>(x.size() * sizeof(float)));
+    if (!out) Fail(&hb, absl::StrCat("cannot write --dump_x ", dump));
+  }
+  absl::Status st = hb.Done(sums);
+  if (!st.ok()) Fail(&hb, absl::StrCat("worker ", rank, ": ", st.message()));
+  return 0;
+}
+
+}  // namespace
+}  // namespace onebit
+
+int main(int argc, char** argv) { return onebit::Main(argc, argv); }
