@@ -1,5 +1,7 @@
 #include "net/data_plane.h"
 
+#include <malloc.h>
+
 #include <algorithm>
 
 #include "absl/strings/escaping.h"
@@ -100,6 +102,19 @@ zmq::message_t ShareFrame(const SharedBytes& buf, size_t offset, size_t size) {
   return zmq::message_t(
       const_cast<uint8_t*>(buf->data()) + offset, size,
       [](void*, void* hint) { delete static_cast<SharedBytes*>(hint); }, hold);
+}
+
+void ConfigureDataSocket(zmq::socket_t* s) {
+  s->set(zmq::sockopt::sndhwm, 0);
+  s->set(zmq::sockopt::rcvhwm, 0);
+  s->set(zmq::sockopt::linger, 0);
+  s->set(zmq::sockopt::sndbuf, 4 << 20);
+  s->set(zmq::sockopt::rcvbuf, 4 << 20);
+}
+
+void KeepLargeBuffers() {
+  mallopt(M_MMAP_THRESHOLD, 64 << 20);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
 }
 
 zmq::message_t CopyFrame(absl::string_view bytes) {

@@ -60,6 +60,17 @@ using SharedBytes = std::shared_ptr<const std::vector<uint8_t>>;
 // ZeroMQ is done with it.
 zmq::message_t ShareFrame(const SharedBytes& buf, size_t offset, size_t size);
 
+// Options of every data-plane socket: no high-water mark (the protocol
+// bounds what is in flight: one step per shard), no linger, and 4 MB kernel
+// socket buffers (on loopback they took 1x1 push/pull of 10 M floats from
+// 1.5 to 2.4 GB/s: fewer wake-ups per chunk).
+void ConfigureDataSocket(zmq::socket_t* socket);
+
+// Makes malloc keep multi-MB chunk buffers (ZeroMQ allocates one per
+// received message) instead of returning them to the kernel on free and
+// faulting fresh zeroed pages in on the next step. Call once at start.
+void KeepLargeBuffers();
+
 // A copy of a small message (a header).
 zmq::message_t CopyFrame(absl::string_view bytes);
 

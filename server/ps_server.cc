@@ -10,6 +10,11 @@
 #include "zmq_addon.hpp"
 
 namespace onebit {
+namespace {
+
+constexpr uint64_t kUpdatePiece = 16384;  // elements: 64 KB of fp32
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Create(PsServerOptions options,
                                                            zmq::socket_t* socket) {
@@ -174,6 +179,9 @@ absl::Status PsServer::DrainInOrder(Chunk& c, uint64_t index) {
   while (c.next_rank < n_workers && c.held[c.next_rank]) {
     const uint32_t r = c.next_rank;
     zmq::message_t& m = *c.held[r];
+    // acc starts at +0.0f; zeroed here rather than at the end of the step so
+    // it is in cache for the decode-add.
+    if (r == 0) std::fill(c.acc.begin(), c.acc.end(), 0.0f);
     absl::Status st = push_codec_->DecodeAdd(static_cast<const uint8_t*>(m.data()), c.range.size(),
                                              w, c.acc.data());
     c.held[r].reset();
@@ -199,16 +207,26 @@ absl::Status PsServer::DrainInOrder(Chunk& c, uint64_t index) {
 
 void PsServer::Complete(Chunk& c, uint64_t index) {
   const uint64_t n = c.range.size();
-  rule_->Apply(c.acc.data(), c.range.begin - state_.begin, n, &state_, delta_.data());
-  auto buf = std::make_shared<std::vector<uint8_t>>(reply_codec_->EncodedSize(n));
-  absl::Status st = reply_codec_->Encode(delta_.data(), n, buf->data());
+  const size_t bytes = reply_codec_->EncodedSize(n);
+  if (c.reply == nullptr || c.reply.use_count() > 1 || c.reply->size() != bytes) {
+    c.reply = std::make_shared<std::vector<uint8_t>>(bytes);
+  }
+  // Update and encode in pieces that stay in L2. fp32 encodes element by
+  // element, so the pieces' encodings concatenate to the chunk's.
+  const uint64_t piece = reply_codec_->kind() == CodecKind::kFp32 ? kUpdatePiece : n;
+  absl::Status st;
+  for (uint64_t off = 0; off < n && st.ok(); off += piece) {
+    const uint64_t m = std::min(piece, n - off);
+    rule_->Apply(c.acc.data() + off, c.range.begin - state_.begin + off, m, &state_, delta_.data());
+    st = reply_codec_->Encode(delta_.data(), m, c.reply->data() + off * sizeof(float));
+  }
   if (!st.ok()) {
     failure_ = absl::InternalError(absl::StrCat("the update of shard ", options_.shard, " chunk ",
                                                 index, " at step ", state_.step,
                                                 " is not finite (diverged?): ", st.message()));
     return;
   }
-  const SharedBytes shared = std::move(buf);
+  const SharedBytes shared = c.reply;
   data::Header h;
   h.set_version(kProtocolVersion);
   h.set_job_id(options_.job.job_id);
@@ -232,7 +250,6 @@ void PsServer::Complete(Chunk& c, uint64_t index) {
   chunks_done_ = 0;
   step_started_.reset();
   for (Chunk& ch : chunks_) {
-    std::fill(ch.acc.begin(), ch.acc.end(), 0.0f);
     ch.next_rank = 0;
     std::fill(ch.pushed.begin(), ch.pushed.end(), false);
     ch.done = false;

@@ -60,6 +60,9 @@ class PsServer {
     std::vector<std::optional<zmq::message_t>> held;  // out-of-order payloads
     bool initialized = false;  // INIT received (needed before step 0 applies)
     bool done = false;         // this step's update applied and replied
+    // The reply payload, reused once ZeroMQ has released every message over
+    // it (fresh 4 MB buffers cost page faults on every step).
+    std::shared_ptr<std::vector<uint8_t>> reply;
   };
 
   PsServer(PsServerOptions options, zmq::socket_t* socket);

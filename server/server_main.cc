@@ -10,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "net/checksum.h"
 #include "net/control.h"
+#include "net/data_plane.h"
 #include "net/flags.h"
 #include "net/health.h"
 #include "server/ps_server.h"
@@ -34,6 +35,7 @@ namespace {
 }
 
 int Main(int argc, char** argv) {
+  KeepLargeBuffers();
   ParseFlagsOrExit(argc, argv,
                    "onebit-server --coordinator HOST:PORT [--data-port P] [--advertise-host H]\n"
                    "Serves one shard of the parameters over ZeroMQ.");
@@ -50,9 +52,7 @@ int Main(int argc, char** argv) {
   zmq::context_t ctx(1);
   zmq::socket_t socket(ctx, zmq::socket_type::router);
   socket.set(zmq::sockopt::router_mandatory, 1);
-  socket.set(zmq::sockopt::sndhwm, 0);  // the protocol bounds what is in flight
-  socket.set(zmq::sockopt::rcvhwm, 0);
-  socket.set(zmq::sockopt::linger, 0);
+  ConfigureDataSocket(&socket);
   const std::string bind_ep = absl::StrCat("tcp://", bind_host, ":", data_port == 0 ? "*" : "",
                                            data_port == 0 ? "" : absl::StrCat(data_port));
   try {

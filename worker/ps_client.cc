@@ -29,9 +29,7 @@ absl::StatusOr<std::unique_ptr<PsClient>> PsClient::Connect(PsClientOptions opti
   for (const std::string& ep : o.server_endpoints) {
     zmq::socket_t s(*ctx, zmq::socket_type::dealer);
     s.set(zmq::sockopt::routing_id, identity);
-    s.set(zmq::sockopt::sndhwm, 0);  // the protocol bounds what is in flight
-    s.set(zmq::sockopt::rcvhwm, 0);
-    s.set(zmq::sockopt::linger, 0);
+    ConfigureDataSocket(&s);
     try {
       s.connect(ep);
     } catch (const zmq::error_t& e) {

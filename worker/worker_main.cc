@@ -10,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "net/checksum.h"
 #include "net/control.h"
+#include "net/data_plane.h"
 #include "net/flags.h"
 #include "net/health.h"
 #include "worker/model.h"
@@ -37,6 +38,7 @@ namespace {
 }
 
 int Main(int argc, char** argv) {
+  KeepLargeBuffers();
   ParseFlagsOrExit(argc, argv,
                    "onebit-worker --coordinator HOST:PORT [--rank R]\n"
                    "Trains: computes gradients, pushes them to the servers, applies the replies.");
