@@ -1,0 +1,527 @@
+// Integration: bad input and faults (issue 3). Every refusal must name the
+// problem and change no state; every failure must name what died or is
+// missing, within its timeout, never hang.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <limits>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "compress/codec.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "net/checksum.h"
+#include "net/control.h"
+#include "net/data_plane.h"
+#include "net/health.h"
+#include "tests/runtime/test_util.h"
+#include "worker/model.h"
+#include "zmq.hpp"
+#include "zmq_addon.hpp"
+
+namespace onebit::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Waits for the coordinator's --port_file; fails the test on timeout.
+int WaitForPort(const std::string& port_file, Subprocess* coordinator, const std::string& log) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (absl::Now() < deadline) {
+    std::ifstream in(port_file);
+    int port = 0;
+    if (in >> port && port > 0) return port;
+    if (coordinator->Poll()) {
+      ADD_FAILURE() << "coordinator exited: " << ReadFile(log);
+      return 0;
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ADD_FAILURE() << "no port file " << port_file;
+  return 0;
+}
+
+bool WaitForText(const std::string& path, const std::string& text, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    if (ReadFile(path).find(text) != std::string::npos) return true;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return false;
+}
+
+// A test double of a worker's data-plane socket.
+class FakeWorker {
+ public:
+  FakeWorker(zmq::context_t* ctx, const std::string& identity, const std::string& endpoint)
+      : socket_(*ctx, zmq::socket_type::dealer) {
+    socket_.set(zmq::sockopt::routing_id, identity);
+    socket_.set(zmq::sockopt::linger, 0);
+    socket_.connect(endpoint);
+  }
+
+  void SendFrames(const std::vector<std::string>& frames) {
+    for (size_t i = 0; i < frames.size(); ++i) {
+      socket_.send(zmq::buffer(frames[i]),
+                   i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
+    }
+  }
+  void Send(const data::Header& h, const std::string& payload) {
+    SendFrames({h.SerializeAsString(), payload});
+  }
+
+  // The next message, or a header with kind UNSPECIFIED after 10 s.
+  std::pair<data::Header, std::string> Receive() {
+    zmq::pollitem_t item{socket_.handle(), 0, ZMQ_POLLIN, 0};
+    zmq::poll(&item, 1, std::chrono::milliseconds(10000));
+    std::vector<zmq::message_t> frames;
+    if (!(item.revents & ZMQ_POLLIN) ||
+        !zmq::recv_multipart(socket_, std::back_inserter(frames), zmq::recv_flags::dontwait)) {
+      return {};
+    }
+    data::Header h;
+    EXPECT_TRUE(h.ParseFromArray(frames[0].data(), static_cast<int>(frames[0].size())));
+    return {h, frames.size() > 1 ? frames[1].to_string() : ""};
+  }
+
+  // Expects an ERROR reply whose reason contains `text`.
+  void ExpectError(const std::string& text) {
+    auto [h, payload] = Receive();
+    EXPECT_EQ(h.kind(), data::ERROR) << "want an error naming '" << text << "'";
+    EXPECT_THAT(h.error(), HasSubstr(text));
+  }
+
+ private:
+  zmq::socket_t socket_;
+};
+
+std::string Fp32Bytes(const float* x, size_t n) {
+  return std::string(reinterpret_cast<const char*>(x), n * sizeof(float));
+}
+
+// A job of 2 workers played by the test against a real coordinator and
+// server: every kind of bad request first, then the real steps; the result
+// must equal the reference exactly, so no bad request changed any state.
+TEST(Faults, BadRequestsAreRefusedByNameAndChangeNothing) {
+  const std::string dir = TempDir("badreq");
+  control::TrainingConfig cfg = MakeConfig(2, 1, 1000, 2, "adam");
+  std::vector<std::string> cargv = {Bin("onebit-coordinator"), "--port=0",
+                                    "--port_file=" + dir + "/port", "--bind_host=127.0.0.1",
+                                    "--out=" + dir + "/run"};
+  for (const std::string& a : ConfigArgs(cfg)) cargv.push_back(a);
+  Subprocess coord = Start(cargv, dir + "/coordinator.log");
+  const int port = WaitForPort(dir + "/port", &coord, dir + "/coordinator.log");
+  ASSERT_GT(port, 0);
+  const std::string target = absl::StrCat("127.0.0.1:", port);
+  Subprocess server =
+      Start({Bin("onebit-server"), "--coordinator=" + target, "--shard=0", "--bind_host=127.0.0.1",
+             "--advertise_host=127.0.0.1", "--dump_x=" + dir + "/master.f32"},
+            dir + "/server.log");
+
+  auto stub = control::Coordinator::NewStub(MakeChannel(target));
+  std::vector<absl::StatusOr<control::RegisterReply>> regs(2, absl::UnknownError("unset"));
+  {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        control::RegisterRequest req;
+        req.set_role(control::WORKER);
+        req.set_requested_rank(r);
+        regs[r] = RegisterWithCoordinator(stub.get(), target, req, absl::Seconds(20));
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+  ASSERT_TRUE(regs[0].ok()) << regs[0].status();
+  ASSERT_TRUE(regs[1].ok()) << regs[1].status();
+  const uint64_t job = regs[0]->job_id();
+  ASSERT_EQ(regs[0]->servers_size(), 1);
+  const std::string endpoint = regs[0]->servers(0).data_endpoint();
+
+  // Every process serves grpc.health.v1.
+  EXPECT_TRUE(CheckHealth(target, absl::Seconds(5)).ok());
+  {
+    grpc::ClientContext ctx;
+    control::StatusRequest req;
+    control::StatusReply st;
+    ASSERT_TRUE(stub->Status(&ctx, req, &st).ok());
+    EXPECT_EQ(st.state(), "running");
+    for (const auto& p : st.processes()) {
+      if (p.role() == control::SERVER) {
+        EXPECT_TRUE(CheckHealth(p.health_endpoint(), absl::Seconds(5)).ok()) << p.health_endpoint();
+      }
+    }
+  }
+
+  zmq::context_t ctx(1);
+  FakeWorker w0(&ctx, WorkerIdentity(job, 0), endpoint);
+  FakeWorker w1(&ctx, WorkerIdentity(job, 1), endpoint);
+  FakeWorker intruder(&ctx, "intruder", endpoint);
+
+  auto model = NewModel(cfg);
+  ASSERT_TRUE(model.ok());
+  std::vector<float> x(cfg.dim()), g0(cfg.dim()), g1(cfg.dim());
+  (*model)->Init(x.data());
+  const uint64_t chunk = cfg.chunk_elems();  // 256: chunks of 256, 256, 256, 232
+  auto header = [&](uint32_t rank, uint64_t step, uint64_t c, data::Kind kind) {
+    data::Header h;
+    h.set_version(kProtocolVersion);
+    h.set_job_id(job);
+    h.set_kind(kind);
+    h.set_rank(rank);
+    h.set_step(step);
+    h.set_shard(0);
+    h.set_begin(c * chunk);
+    const uint64_t n = std::min<uint64_t>(chunk, cfg.dim() - c * chunk);
+    h.set_count(n);
+    h.set_codec("fp32");
+    h.set_block_size(cfg.block_size());
+    h.set_payload_bytes(n * 4);
+    return h;
+  };
+  const std::string good_payload = Fp32Bytes(g1.data(), chunk);
+
+  // --- every bad request, each refused by name ---
+  auto bad = [&](auto mutate, const std::string& text) {
+    data::Header h = header(1, 0, 0, data::PUSH);
+    std::string payload = good_payload;
+    mutate(h, payload);
+    w1.Send(h, payload);
+    w1.ExpectError(text);
+  };
+  bad([](data::Header& h, std::string&) { h.set_version(7); }, "unsupported protocol version 7");
+  bad([](data::Header& h, std::string&) { h.set_job_id(h.job_id() ^ 1); }, "wrong job id");
+  bad([](data::Header& h, std::string&) { h.set_rank(5); }, "unknown worker rank 5");
+  bad([](data::Header& h, std::string&) { h.set_rank(0); }, "claimed by a socket");
+  bad([](data::Header& h, std::string&) { h.set_shard(3); }, "shard 3 out of range");
+  bad([](data::Header& h, std::string&) { h.set_begin(10); }, "not at a chunk");
+  bad([](data::Header& h, std::string&) { h.set_begin(5000); }, "not at a chunk");
+  bad([](data::Header& h, std::string&) { h.set_count(100); }, "wrong element count 100");
+  bad([](data::Header& h, std::string&) { h.set_payload_bytes(12); }, "wrong payload length 12");
+  bad([](data::Header&, std::string& p) { p.resize(p.size() - 4); }, "frame has 1020");
+  bad([](data::Header& h, std::string&) { h.set_step(1); }, "step 1 is from the future");
+  bad([](data::Header& h, std::string&) { h.set_step(9); }, "beyond the job's last step");
+  bad([](data::Header& h, std::string&) { h.set_codec("zstd"); }, "unknown codec 'zstd'");
+  bad([](data::Header& h, std::string&) { h.set_block_size(64); }, "wrong block size 64");
+  bad([](data::Header& h, std::string&) { h.set_kind(data::REPLY); }, "unexpected message kind");
+  bad([](data::Header& h, std::string&) { h.set_kind(data::INIT); }, "only rank 0");
+  {
+    std::string truncated = header(1, 0, 0, data::PUSH).SerializeAsString();
+    truncated.pop_back();  // cuts the last varint in half
+    w1.SendFrames({truncated, good_payload});
+    w1.ExpectError("malformed header");
+    w1.SendFrames({std::string(16, '\xff'), good_payload});
+    w1.ExpectError("malformed header");
+    w1.SendFrames({header(1, 0, 0, data::PUSH).SerializeAsString()});
+    w1.ExpectError("expected 2 frames");
+    intruder.SendFrames({"\x13\x37 random bytes \x01\x02\xfe"});
+    intruder.ExpectError("malformed header");
+    intruder.Send(header(0, 0, 0, data::PUSH), good_payload);
+    intruder.ExpectError("claimed by a socket");
+  }
+
+  // --- the real job, with out-of-order arrivals, a corrupt payload and a
+  // duplicate on the way ---
+  const uint64_t chunks = 4;
+  // INIT from rank 0: the masters start from the workers' x0.
+  for (uint64_t c = 0; c < chunks; ++c) {
+    data::Header h = header(0, 0, c, data::INIT);
+    w0.Send(h, Fp32Bytes(x.data() + c * chunk, h.count()));
+  }
+  // Replies carry Δ; both workers must get the same bytes; x += Δ.
+  auto collect = [&](FakeWorker& w, uint64_t step, std::vector<std::string>* replies,
+                     std::vector<std::string>* errors) {
+    replies->assign(chunks, "");
+    size_t got = 0;
+    while (got < chunks) {
+      auto [h, payload] = w.Receive();
+      ASSERT_NE(h.kind(), data::KIND_UNSPECIFIED) << "timed out waiting for replies";
+      if (h.kind() == data::ERROR) {
+        errors->push_back(h.error());
+        continue;
+      }
+      ASSERT_EQ(h.kind(), data::REPLY);
+      ASSERT_EQ(h.step(), step);
+      const uint64_t c = h.begin() / chunk;
+      ASSERT_LT(c, chunks);
+      ASSERT_EQ((*replies)[c], "");
+      ASSERT_EQ(payload.size(), h.count() * 4);
+      (*replies)[c] = payload;
+      ++got;
+    }
+  };
+  auto apply = [&](const std::vector<std::string>& replies) {
+    for (uint64_t c = 0; c < chunks; ++c) {
+      const float* d = reinterpret_cast<const float*>(replies[c].data());
+      for (size_t i = 0; i < replies[c].size() / 4; ++i) x[c * chunk + i] += d[i];
+    }
+  };
+
+  // Step 0.
+  ASSERT_TRUE((*model)->Gradient(x.data(), 0, 0, g0.data()).ok());
+  ASSERT_TRUE((*model)->Gradient(x.data(), 1, 0, g1.data()).ok());
+  {
+    // Rank 1 first (held until rank 0's chunk arrives), chunk 0 carrying a NaN.
+    std::vector<float> poisoned(g1.begin(), g1.begin() + chunk);
+    poisoned[17] = std::numeric_limits<float>::quiet_NaN();
+    w1.Send(header(1, 0, 0, data::PUSH), Fp32Bytes(poisoned.data(), chunk));
+    for (uint64_t c = chunks; c-- > 1;) {
+      data::Header h = header(1, 0, c, data::PUSH);
+      w1.Send(h, Fp32Bytes(g1.data() + c * chunk, h.count()));
+    }
+    for (uint64_t c = 0; c < chunks; ++c) {
+      data::Header h = header(0, 0, c, data::PUSH);
+      w0.Send(h, Fp32Bytes(g0.data() + c * chunk, h.count()));
+    }
+    // The NaN is found when rank 1's chunk 0 is decoded, after rank 0's.
+    w1.ExpectError("payload of rank 1 for chunk 0 of step 0 does not decode");
+    // A duplicate while chunk 0 waits for rank 1's retry (its error queues
+    // behind the replies of chunks 1-3 on w0; collected below).
+    w0.Send(header(0, 0, 1, data::PUSH), Fp32Bytes(g0.data() + chunk, chunk));
+    w1.Send(header(1, 0, 0, data::PUSH), Fp32Bytes(g1.data(), chunk));
+  }
+  std::vector<std::string> r0, r1, e0, e1;
+  collect(w0, 0, &r0, &e0);
+  collect(w1, 0, &r1, &e1);
+  ASSERT_EQ(e0.size(), 1u);
+  EXPECT_THAT(e0[0], HasSubstr("duplicate push from rank 0 for chunk 1 of step 0"));
+  EXPECT_TRUE(e1.empty()) << e1[0];
+  e0.clear();
+  EXPECT_EQ(r0, r1);
+  apply(r0);
+
+  // A push of the finished step is from the past.
+  w0.Send(header(0, 0, 2, data::PUSH), Fp32Bytes(g0.data() + 2 * chunk, chunk));
+  w0.ExpectError("step 0 is from the past (shard 0 is at step 1)");
+
+  // Step 1.
+  ASSERT_TRUE((*model)->Gradient(x.data(), 0, 1, g0.data()).ok());
+  ASSERT_TRUE((*model)->Gradient(x.data(), 1, 1, g1.data()).ok());
+  for (uint64_t c = 0; c < chunks; ++c) {
+    data::Header h0 = header(0, 1, c, data::PUSH), h1 = header(1, 1, c, data::PUSH);
+    w0.Send(h0, Fp32Bytes(g0.data() + c * chunk, h0.count()));
+    w1.Send(h1, Fp32Bytes(g1.data() + c * chunk, h1.count()));
+  }
+  collect(w0, 1, &r0, &e0);
+  collect(w1, 1, &r1, &e1);
+  EXPECT_TRUE(e0.empty() && e1.empty());
+  EXPECT_EQ(r0, r1);
+  apply(r0);
+
+  ReferenceResult ref = Reference(cfg);
+  EXPECT_EQ(FirstDifference(x, ref.x), "");
+
+  // Finish the job: the coordinator must find every replica equal.
+  for (uint32_t r = 0; r < 2; ++r) {
+    grpc::ClientContext c;
+    control::DoneRequest req;
+    req.set_role(control::WORKER);
+    req.set_rank(r);
+    req.set_job_id(job);
+    control::ShardChecksum* s = req.add_checksums();
+    s->set_shard(0);
+    s->set_begin(0);
+    s->set_end(cfg.dim());
+    s->set_crc32(Crc32OfFloats(x.data(), x.size()));
+    control::DoneReply reply;
+    ASSERT_TRUE(stub->Done(&c, req, &reply).ok());
+  }
+  auto coord_code = coord.Wait(absl::Seconds(20));
+  auto server_code = server.Wait(absl::Seconds(20));
+  ASSERT_TRUE(coord_code.has_value());
+  ASSERT_TRUE(server_code.has_value());
+  EXPECT_EQ(*coord_code, 0) << ReadFile(dir + "/coordinator.log");
+  EXPECT_EQ(*server_code, 0) << ReadFile(dir + "/server.log");
+  EXPECT_THAT(ReadFile(dir + "/run/summary.json"), HasSubstr("\"replicas_equal\": true"));
+  EXPECT_EQ(FirstDifference(ReadFloats(dir + "/master.f32"), ref.masters[0].x), "");
+}
+
+TEST(Faults, StalledWorkerFailsTheOthersNamingTheRank) {
+  const absl::Time t0 = absl::Now();
+  RunResult r =
+      RunCommand({Bin("onebit-launch"), "--workers=3", "--servers=2", "--dim=3000", "--steps=100",
+                  "--block_size=32", "--chunk_elems=512", "--stall_worker=1", "--stall_at_step=2",
+                  "--step_timeout=1s", "--heartbeat_timeout=20s"},
+                 absl::Seconds(30));
+  EXPECT_NE(r.code, 0) << r.output;
+  EXPECT_NE(r.code, -1) << "hung: " << r.output;
+  EXPECT_THAT(r.output, HasSubstr("no push from rank 1 within --step-timeout=1s"));
+  // The other workers fail with that reason (from the server's error reply).
+  EXPECT_THAT(r.output, HasSubstr("[worker0]"));
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(15));
+}
+
+TEST(Faults, KilledServerStopsWorkerAndCoordinatorNamingIt) {
+  const std::string dir = TempDir("killed");
+  std::vector<std::string> cargv = {Bin("onebit-coordinator"),
+                                    "--port=0",
+                                    "--port_file=" + dir + "/port",
+                                    "--bind_host=127.0.0.1",
+                                    "--workers=1",
+                                    "--servers=2",
+                                    "--dim=4000",
+                                    "--steps=100000000",
+                                    "--block_size=32",
+                                    "--chunk_elems=512",
+                                    "--step_timeout=1s",
+                                    "--heartbeat_timeout=1s"};
+  Subprocess coord = Start(cargv, dir + "/coordinator.log");
+  const int port = WaitForPort(dir + "/port", &coord, dir + "/coordinator.log");
+  ASSERT_GT(port, 0);
+  const std::string target = absl::StrCat("127.0.0.1:", port);
+  std::vector<Subprocess> servers;
+  for (int k = 0; k < 2; ++k) {
+    servers.push_back(
+        Start({Bin("onebit-server"), "--coordinator=" + target, absl::StrCat("--shard=", k),
+               "--bind_host=127.0.0.1", "--advertise_host=127.0.0.1"},
+              absl::StrCat(dir, "/server", k, ".log")));
+  }
+  Subprocess worker = Start({Bin("onebit-worker"), "--coordinator=" + target, "--rank=0",
+                             "--bind_host=127.0.0.1", "--progress_interval=50ms"},
+                            dir + "/worker.log");
+  ASSERT_TRUE(WaitForText(dir + "/worker.log", "steps/s", absl::Seconds(20)))
+      << ReadFile(dir + "/worker.log");
+  const absl::Time killed = absl::Now();
+  kill(servers[1].pid(), SIGKILL);
+
+  auto wcode = worker.Wait(absl::Seconds(10));
+  auto ccode = coord.Wait(absl::Seconds(10));
+  auto s0code = servers[0].Wait(absl::Seconds(10));
+  ASSERT_TRUE(wcode.has_value()) << "worker hung: " << ReadFile(dir + "/worker.log");
+  ASSERT_TRUE(ccode.has_value()) << "coordinator hung";
+  ASSERT_TRUE(s0code.has_value()) << "server 0 hung";
+  EXPECT_LT(absl::Now() - killed, absl::Seconds(8));
+  EXPECT_NE(*wcode, 0);
+  EXPECT_NE(*ccode, 0);
+  EXPECT_NE(*s0code, 0);
+  const std::string wlog = ReadFile(dir + "/worker.log");
+  const std::string clog = ReadFile(dir + "/coordinator.log");
+  EXPECT_THAT(wlog, HasSubstr("server 1 ("));
+  EXPECT_THAT(clog, HasSubstr("server 1 (tcp://127.0.0.1:"));
+  EXPECT_THAT(clog, HasSubstr("presumed dead"));
+}
+
+// Holds a listening TCP port on 127.0.0.1 for the test's lifetime.
+class BusyPort {
+ public:
+  BusyPort() {
+    fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = 0;
+    EXPECT_EQ(bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+    EXPECT_EQ(listen(fd_, 1), 0);
+    socklen_t len = sizeof(a);
+    getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len);
+    port_ = ntohs(a.sin_port);
+  }
+  ~BusyPort() { close(fd_); }
+  int port() const { return port_; }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
+
+TEST(Faults, PortInUseIsAClearErrorAtStart) {
+  BusyPort busy;
+  const std::string p = absl::StrCat(busy.port());
+  RunResult s = RunCommand({Bin("onebit-server"), "--coordinator=127.0.0.1:1",
+                            "--bind_host=127.0.0.1", "--data_port=" + p},
+                           absl::Seconds(10));
+  EXPECT_EQ(s.code, 1) << s.output;
+  EXPECT_THAT(s.output, HasSubstr("cannot bind the data port tcp://127.0.0.1:" + p));
+  EXPECT_THAT(s.output, HasSubstr("Address already in use"));
+
+  RunResult c = RunCommand({Bin("onebit-coordinator"), "--bind_host=127.0.0.1", "--port=" + p},
+                           absl::Seconds(10));
+  EXPECT_EQ(c.code, 1) << c.output;
+  EXPECT_THAT(c.output, HasSubstr("cannot listen on 127.0.0.1:" + p));
+
+  RunResult w = RunCommand({Bin("onebit-worker"), "--coordinator=127.0.0.1:1",
+                            "--bind_host=127.0.0.1", "--health_port=" + p},
+                           absl::Seconds(10));
+  EXPECT_EQ(w.code, 1) << w.output;
+  EXPECT_THAT(w.output, HasSubstr("cannot listen for health checks on 127.0.0.1:" + p));
+}
+
+TEST(Faults, RegistrationTimeoutNamesTheMissing) {
+  RunResult r = RunCommand({Bin("onebit-coordinator"), "--bind_host=127.0.0.1", "--port=0",
+                            "--workers=2", "--servers=1", "--register_timeout=500ms"},
+                           absl::Seconds(10));
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("still waiting for server 0, worker 0, worker 1"));
+}
+
+TEST(Faults, UnreachableCoordinatorIsNamed) {
+  RunResult r = RunCommand({Bin("onebit-worker"), "--coordinator=127.0.0.1:1",
+                            "--bind_host=127.0.0.1", "--register_timeout=500ms"},
+                           absl::Seconds(10));
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("coordinator at 127.0.0.1:1"));
+}
+
+TEST(Flags, UnknownFlagOrBadValueExitsTwoNamingTheFlag) {
+  struct C {
+    std::vector<std::string> argv;
+    std::string text;
+  };
+  const std::vector<C> cases = {
+      {{Bin("onebit-launch"), "--bogus=1"}, "--bogus: unknown flag"},
+      {{Bin("onebit-coordinator"), "--no-such-flag"}, "--no_such_flag: unknown flag"},
+      {{Bin("onebit-server"), "--data-port=http"}, "--data_port: invalid value 'http'"},
+      {{Bin("onebit-worker"), "--rank", "x"}, "--rank: invalid value 'x'"},
+      {{Bin("onebit-launch"), "--workers=0"}, "--workers: must be in [1, 4096]"},
+      {{Bin("onebit-launch"), "--dim=-5"}, "--dim: invalid value '-5'"},
+      {{Bin("onebit-launch"), "--chunk_elems=100"}, "--chunk_elems: must be a positive multiple"},
+      {{Bin("onebit-launch"), "--optimizer=lamb"}, "--optimizer: unknown optimizer 'lamb'"},
+      {{Bin("onebit-launch"), "--worker-codec=zip"}, "--worker_codec: unknown codec"},
+      {{Bin("onebit-launch"), "--step-timeout=soon"}, "--step_timeout: invalid value 'soon'"},
+      {{Bin("onebit-worker")}, "--coordinator: required"},
+      {{Bin("onebit-server"), "stray"}, "unexpected argument 'stray'"},
+  };
+  for (const C& c : cases) {
+    RunResult r = RunCommand(c.argv, absl::Seconds(10));
+    EXPECT_EQ(r.code, 2) << c.argv[0] << " " << (c.argv.size() > 1 ? c.argv[1] : "") << ": "
+                         << r.output;
+    EXPECT_THAT(r.output, HasSubstr(c.text));
+  }
+}
+
+TEST(Flags, ConfigJsonFileAndCommandLineOverride) {
+  const std::string dir = TempDir("json");
+  {
+    std::ofstream(dir + "/job.json") << R"({"workers": 2, "servers": 1, "dim": 700,
+        "steps": 3, "optimizer": "adam", "block-size": 32, "chunk_elems": 64})";
+  }
+  RunResult r = RunCommand(
+      {Bin("onebit-launch"), "--config=" + dir + "/job.json", "--steps=4", "--out=" + dir + "/run"},
+      absl::Seconds(30));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string s = ReadFile(dir + "/run/summary.json");
+  EXPECT_THAT(s, HasSubstr("\"optimizer\": \"adam\""));
+  EXPECT_THAT(s, HasSubstr("\"workers\": 2"));
+  EXPECT_THAT(s, HasSubstr("\"params\": 700"));
+  EXPECT_THAT(s, HasSubstr("\"steps\": 4"));  // the command line wins
+  EXPECT_THAT(s, HasSubstr("\"replicas_equal\": true"));
+
+  { std::ofstream(dir + "/bad.json") << R"({"wokers": 2})"; }
+  RunResult b =
+      RunCommand({Bin("onebit-launch"), "--config=" + dir + "/bad.json"}, absl::Seconds(10));
+  EXPECT_EQ(b.code, 2);
+  EXPECT_THAT(b.output, HasSubstr("unknown key 'wokers'"));
+}
+
+}  // namespace
+}  // namespace onebit::testing

@@ -1,0 +1,351 @@
+// Units of the runtime: data-plane header validation (each refusal names its
+// problem), chunking, the update rules, the synthetic model, the config
+// checks, and the coordinator's replica comparison.
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "compress/codec.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "net/checksum.h"
+#include "net/data_plane.h"
+#include "net/job_config.h"
+#include "server/coordinator.h"
+#include "shard/update_rule.h"
+#include "tests/runtime/test_util.h"
+#include "worker/synthetic_model.h"
+
+namespace onebit {
+namespace {
+
+using ::testing::HasSubstr;
+
+class HeaderValidation : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    fp32_ = *NewCodec("fp32", CodecOptions{64});
+    fp16_ = *NewCodec("fp16", CodecOptions{64});
+    job_.job_id = 0xabcdef;
+    job_.workers = 3;
+    job_.steps = 10;
+    job_.map = *ShardMap::Create(1000, 2, 64);  // shards [0, 512), [512, 1000)
+    job_.chunk_elems = 128;
+    job_.push_codec = fp16_.get();
+    job_.init_codec = fp32_.get();
+  }
+  // A valid push of chunk 1 of shard 1 ([640, 768)) from rank 2.
+  data::Header Good() const {
+    data::Header h;
+    h.set_version(kProtocolVersion);
+    h.set_job_id(job_.job_id);
+    h.set_kind(data::PUSH);
+    h.set_rank(2);
+    h.set_step(4);
+    h.set_shard(1);
+    h.set_begin(640);
+    h.set_count(128);
+    h.set_codec(fp16_->name());
+    h.set_block_size(64);
+    h.set_payload_bytes(256);
+    return h;
+  }
+  absl::Status Check(const data::Header& h, size_t frame = 256, uint32_t shard = 1) const {
+    return ValidateRequest(h, job_, shard, WorkerIdentity(job_.job_id, h.rank()), frame);
+  }
+  std::unique_ptr<const Codec> fp32_, fp16_;
+  DataPlaneJob job_;
+};
+
+TEST_F(HeaderValidation, AcceptsGoodPushesIncludingTheShortLastChunk) {
+  EXPECT_TRUE(Check(Good()).ok()) << Check(Good());
+  data::Header last = Good();
+  last.set_begin(896);  // [896, 1000): 104 elements
+  last.set_count(104);
+  last.set_payload_bytes(208);
+  EXPECT_TRUE(Check(last, 208).ok()) << Check(last, 208);
+  data::Header init = Good();
+  init.set_kind(data::INIT);
+  init.set_rank(0);
+  init.set_codec(fp32_->name());
+  init.set_payload_bytes(512);
+  EXPECT_TRUE(Check(init, 512).ok()) << Check(init, 512);
+}
+
+TEST_F(HeaderValidation, EachProblemIsNamed) {
+  struct C {
+    std::function<void(data::Header&)> mutate;
+    std::string text;
+    size_t frame = 256;
+  };
+  const std::vector<C> cases = {
+      {[](data::Header& h) { h.set_version(2); }, "unsupported protocol version 2"},
+      {[](data::Header& h) { h.set_version(0); }, "unsupported protocol version 0"},
+      {[](data::Header& h) { h.set_job_id(1); }, "wrong job id 0000000000000001"},
+      {[](data::Header& h) { h.set_kind(data::REPLY); }, "unexpected message kind REPLY"},
+      {[](data::Header& h) { h.set_rank(3); }, "unknown worker rank 3 (job has 3 workers)"},
+      {[](data::Header& h) { h.set_kind(data::INIT); }, "INIT from rank 2"},
+      {[](data::Header& h) { h.set_shard(2); }, "shard 2 out of range (job has 2 shards)"},
+      {[](data::Header& h) {
+         h.set_shard(0);
+         h.set_begin(0);
+       },
+       "shard 0 is not served here"},
+      {[](data::Header& h) { h.set_begin(641); }, "not at a chunk of shard 1"},
+      {[](data::Header& h) { h.set_begin(1000); }, "not at a chunk of shard 1"},
+      {[](data::Header& h) { h.set_begin(0); }, "not at a chunk of shard 1"},
+      {[](data::Header& h) { h.set_count(127); }, "wrong element count 127 for chunk 1"},
+      {[](data::Header& h) { h.set_count(0); }, "wrong element count 0"},
+      {[](data::Header& h) { h.set_codec("fp32"); }, "unknown codec 'fp32'"},
+      {[](data::Header& h) { h.set_codec("\x01garbage"); }, "unknown codec '\\x01garbage'"},
+      {[](data::Header& h) { h.set_block_size(32); }, "wrong block size 32 (job uses 64)"},
+      {[](data::Header& h) { h.set_payload_bytes(512); }, "wrong payload length 512 in header"},
+      {[](data::Header&) {}, "frame has 255", 255},
+      {[](data::Header&) {}, "frame has 0", 0},
+  };
+  for (const C& c : cases) {
+    data::Header h = Good();
+    c.mutate(h);
+    absl::Status st = Check(h, c.frame);
+    EXPECT_FALSE(st.ok()) << c.text;
+    EXPECT_THAT(std::string(st.message()), HasSubstr(c.text));
+  }
+}
+
+TEST_F(HeaderValidation, RoutingIdMustBeThatRanksOfThisJob) {
+  data::Header h = Good();
+  // Rank 2's identity from an earlier incarnation of the job.
+  absl::Status st = ValidateRequest(h, job_, 1, WorkerIdentity(job_.job_id + 1, 2), 256);
+  EXPECT_THAT(std::string(st.message()), HasSubstr("claimed by a socket"));
+  st = ValidateRequest(h, job_, 1, WorkerIdentity(job_.job_id, 1), 256);
+  EXPECT_THAT(std::string(st.message()), HasSubstr("claimed by a socket"));
+  EXPECT_NE(WorkerIdentity(1, 0), WorkerIdentity(2, 0));
+}
+
+TEST(ParseHeader, RejectsTruncatedAndRandomBytes) {
+  data::Header h;
+  h.set_version(1);
+  h.set_payload_bytes(300);  // a two-byte varint at the end
+  std::string bytes = h.SerializeAsString();
+  EXPECT_TRUE(ParseHeader(bytes.data(), bytes.size()).ok());
+  bytes.pop_back();
+  auto bad = ParseHeader(bytes.data(), bytes.size());
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("malformed header"));
+  const std::string ff(16, '\xff');
+  EXPECT_FALSE(ParseHeader(ff.data(), ff.size()).ok());
+  EXPECT_FALSE(ParseHeader(nullptr, 0).ok());
+}
+
+TEST(Chunks, CoverEachShardExactlyOnce) {
+  auto map = *ShardMap::Create(9973, 3, 32);
+  for (uint64_t chunk : {32u, 96u, 4096u}) {
+    for (uint32_t k = 0; k < 3; ++k) {
+      const Range s = map.shard(k);
+      uint64_t next = s.begin;
+      for (uint64_t c = 0; c < NumChunks(s.size(), chunk); ++c) {
+        Range r = ChunkRange(map, k, chunk, c);
+        EXPECT_EQ(r.begin, next);
+        EXPECT_GT(r.size(), 0u);
+        EXPECT_LE(r.size(), chunk);
+        next = r.end;
+      }
+      EXPECT_EQ(next, s.end);
+    }
+  }
+  EXPECT_EQ(NumChunks(0, 64), 0u);
+}
+
+TEST(UpdateRule, SgdIsMinusLrTimesGradient) {
+  auto rule = *NewUpdateRule(UpdateOptions{UpdateKind::kSgd, 0.5f});
+  ShardState s;
+  s.x = {1.0f, -2.0f, 0.25f};
+  rule->InitState(&s);
+  const float g[] = {2.0f, -1.0f, 0.0f};
+  float d[3];
+  rule->Apply(g, 0, 3, &s, d);
+  EXPECT_EQ(d[0], -1.0f);
+  EXPECT_EQ(d[1], 0.5f);
+  EXPECT_EQ(s.x[0], 0.0f);
+  EXPECT_EQ(s.x[1], -1.5f);
+  EXPECT_EQ(s.x[2], 0.25f);
+}
+
+TEST(UpdateRule, AdamFirstStepMatchesHandComputation) {
+  UpdateOptions o;
+  o.kind = UpdateKind::kAdam;
+  o.lr = 0.1f;
+  o.weight_decay = 0.5f;
+  auto rule = *NewUpdateRule(o);
+  ShardState s;
+  s.x = {2.0f};
+  rule->InitState(&s);
+  const float g = 0.5f;
+  float d;
+  rule->Apply(&g, 0, 1, &s, &d);
+  // m = 0.05, v = 0.00025 (fp32: 1 - 0.999f = 0.00099998713), m / sqrt(v) =
+  // sqrt(10); Δ = -0.1 (3.16227766 + 1).
+  EXPECT_FLOAT_EQ(s.m[0], 0.05f);
+  EXPECT_EQ(s.v[0], (1.0f - 0.999f) * 0.5f * 0.5f);
+  EXPECT_NEAR(d, -0.416227766, 1e-5);
+  EXPECT_EQ(s.x[0], 2.0f + d);
+}
+
+TEST(UpdateRule, ChunkwiseEqualsWholeBitwise) {
+  UpdateOptions o;
+  o.kind = UpdateKind::kAdam;
+  o.lr = 0.01f;
+  auto rule = *NewUpdateRule(o);
+  ShardState a, b;
+  a.x.resize(1001);
+  for (size_t i = 0; i < a.x.size(); ++i) a.x[i] = std::sin(static_cast<float>(i));
+  b.x = a.x;
+  rule->InitState(&a);
+  rule->InitState(&b);
+  std::vector<float> g(1001), da(1001), db(1001);
+  for (int step = 0; step < 3; ++step) {
+    for (size_t i = 0; i < g.size(); ++i) g[i] = std::cos(static_cast<float>(i * (step + 1)));
+    rule->Apply(g.data(), 0, g.size(), &a, da.data());
+    for (size_t off = 0; off < g.size(); off += 300) {
+      const size_t n = std::min<size_t>(300, g.size() - off);
+      rule->Apply(g.data() + off, off, n, &b, db.data() + off);
+    }
+  }
+  EXPECT_EQ(std::memcmp(a.x.data(), b.x.data(), a.x.size() * 4), 0);
+  EXPECT_EQ(std::memcmp(a.v.data(), b.v.data(), a.v.size() * 4), 0);
+}
+
+TEST(UpdateRule, RejectsBadOptions) {
+  EXPECT_FALSE(ParseUpdateKind("lamb").ok());
+  UpdateOptions o;
+  o.lr = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_FALSE(NewUpdateRule(o).ok());
+}
+
+TEST(Synthetic, DeterministicPerSeedRankStep) {
+  SyntheticModel m({1000, 3, 0.5f, false});
+  std::vector<float> x(1000), g1(1000), g2(1000), g3(1000);
+  m.Init(x.data());
+  auto l1 = m.Gradient(x.data(), 1, 5, g1.data());
+  auto l2 = m.Gradient(x.data(), 1, 5, g2.data());
+  m.Gradient(x.data(), 2, 5, g3.data()).IgnoreError();
+  ASSERT_TRUE(l1.ok() && l2.ok());
+  EXPECT_EQ(*l1, *l2);
+  EXPECT_EQ(std::memcmp(g1.data(), g2.data(), 4000), 0);
+  EXPECT_NE(std::memcmp(g1.data(), g3.data(), 4000), 0);  // per-rank noise
+  for (float v : x) {
+    EXPECT_GE(v, -1.0f);
+    EXPECT_LT(v, 1.0f);
+  }
+  // Without noise, the gradient is a (x - c) with a in [0.5, 1.5): descending
+  // along it lowers the loss.
+  SyntheticModel quiet({1000, 3, 0.0f, false});
+  std::vector<float> g(1000);
+  const double before = *quiet.Gradient(x.data(), 0, 0, g.data());
+  for (size_t i = 0; i < x.size(); ++i) x[i] -= 0.5f * g[i];
+  EXPECT_LT(*quiet.Gradient(x.data(), 0, 1, g.data()), 0.5 * before);
+}
+
+TEST(Checksum, IsZlibCrc32OfTheBytes) {
+  // crc32 of the 4 bytes 00 00 80 3f (1.0f), from Python's zlib.crc32.
+  const float one = 1.0f;
+  EXPECT_EQ(Crc32OfFloats(&one, 1), 0xaca16a6au);
+  EXPECT_EQ(Crc32OfFloats(nullptr, 0), 0u);
+}
+
+TEST(Config, ValidationNamesTheFlag) {
+  control::TrainingConfig c = testing::MakeConfig(2, 2, 100, 3, "sgd");
+  EXPECT_TRUE(ValidateConfig(c).ok()) << ValidateConfig(c);
+  c.set_chunk_elems(100);
+  EXPECT_THAT(std::string(ValidateConfig(c).message()), HasSubstr("--chunk_elems:"));
+  c = testing::MakeConfig(2, 2, 100, 3, "sgd");
+  c.set_block_size(48);
+  EXPECT_THAT(std::string(ValidateConfig(c).message()), HasSubstr("--block_size:"));
+  c = testing::MakeConfig(2, 2, 100, 3, "sgd");
+  c.set_server_codec("onebit");
+  EXPECT_THAT(std::string(ValidateConfig(c).message()), HasSubstr("--server_codec:"));
+  EXPECT_EQ(FlagOfError(ValidateConfig(c)), "server_codec");
+}
+
+// Drives the coordinator service in-process: one server, two workers.
+TEST(Coordinator, ReplicasEqualOnlyWhenEveryChecksumMatches) {
+  for (bool corrupt : {false, true}) {
+    control::TrainingConfig cfg = testing::MakeConfig(2, 1, 100, 1, "sgd");
+    CoordinatorService svc(cfg, 42, *ShardMap::Create(100, 1, 32), absl::Seconds(10));
+    std::vector<std::thread> threads;
+    for (int i = 0; i < 3; ++i) {
+      threads.emplace_back([&, i] {
+        grpc::ServerContext ctx;
+        control::RegisterRequest req;
+        req.set_role(i == 0 ? control::SERVER : control::WORKER);
+        req.set_requested_rank(i == 0 ? 0 : i - 1);
+        req.set_data_endpoint("tcp://example:1");
+        control::RegisterReply reply;
+        EXPECT_TRUE(svc.Register(&ctx, &req, &reply).ok());
+        EXPECT_EQ(reply.job_id(), 42u);
+      });
+    }
+    for (auto& t : threads) t.join();
+    EXPECT_EQ(svc.state(), CoordinatorService::State::kRunning);
+    for (int i = 0; i < 3; ++i) {
+      grpc::ServerContext ctx;
+      control::DoneRequest req;
+      req.set_role(i == 0 ? control::SERVER : control::WORKER);
+      req.set_rank(i == 0 ? 0 : i - 1);
+      req.set_job_id(42);
+      auto* c = req.add_checksums();
+      c->set_shard(0);
+      c->set_end(100);
+      c->set_crc32(corrupt && i == 2 ? 7 : 1234);
+      control::DoneReply reply;
+      EXPECT_TRUE(svc.Done(&ctx, &req, &reply).ok());
+    }
+    EXPECT_EQ(svc.state(), CoordinatorService::State::kFinished);
+    EXPECT_EQ(svc.MakeSummary(1.0).replicas_equal, !corrupt);
+  }
+}
+
+TEST(Coordinator, SilentProcessIsDeclaredDeadByName) {
+  control::TrainingConfig cfg = testing::MakeConfig(1, 1, 100, 1, "sgd");
+  cfg.set_heartbeat_timeout_ms(100);
+  CoordinatorService svc(cfg, 42, *ShardMap::Create(100, 1, 32), absl::Seconds(10));
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 2; ++i) {
+    threads.emplace_back([&, i] {
+      grpc::ServerContext ctx;
+      control::RegisterRequest req;
+      req.set_role(i == 0 ? control::SERVER : control::WORKER);
+      req.set_requested_rank(0);
+      req.set_data_endpoint(i == 0 ? "tcp://s0:5" : "");
+      req.set_host("w0host");
+      control::RegisterReply reply;
+      EXPECT_TRUE(svc.Register(&ctx, &req, &reply).ok());
+    });
+  }
+  for (auto& t : threads) t.join();
+  // The server keeps beating; the worker falls silent.
+  for (int i = 0; i < 10; ++i) {
+    grpc::ServerContext ctx;
+    control::HeartbeatRequest hb;
+    hb.set_role(control::SERVER);
+    hb.set_job_id(42);
+    control::HeartbeatReply reply;
+    ASSERT_TRUE(svc.Heartbeat(&ctx, &hb, &reply).ok());
+    absl::SleepFor(absl::Milliseconds(30));
+    svc.Tick();
+  }
+  EXPECT_EQ(svc.state(), CoordinatorService::State::kFailed);
+  EXPECT_THAT(svc.reason(), HasSubstr("worker 0 (w0host) sent no heartbeat"));
+  grpc::ServerContext ctx;
+  control::HeartbeatRequest hb;
+  hb.set_role(control::SERVER);
+  hb.set_job_id(42);
+  control::HeartbeatReply reply;
+  ASSERT_TRUE(svc.Heartbeat(&ctx, &hb, &reply).ok());
+  EXPECT_EQ(reply.command(), control::ABORT);
+  EXPECT_THAT(reply.reason(), HasSubstr("worker 0"));
+}
+
+}  // namespace
+}  // namespace onebit

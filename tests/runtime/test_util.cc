@@ -1,0 +1,198 @@
+#include "tests/runtime/test_util.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "compress/codec.h"
+#include "gtest/gtest.h"
+#include "net/data_plane.h"
+#include "shard/shard_map.h"
+#include "worker/model.h"
+
+namespace onebit::testing {
+
+std::string Bin(const std::string& name) { return std::string(ONEBIT_BIN_DIR) + "/" + name; }
+
+std::string TempDir(const std::string& name) {
+  const char* base = std::getenv("TEST_TMPDIR");
+  std::string root = base != nullptr ? base : "/tmp";
+  const std::string dir = absl::StrCat(root, "/onebit-rt-", getpid(), "-", name);
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::vector<float> ReadFloats(const std::string& path) {
+  const std::string bytes = ReadFile(path);
+  std::vector<float> v(bytes.size() / sizeof(float));
+  std::memcpy(v.data(), bytes.data(), v.size() * sizeof(float));
+  return v;
+}
+
+Subprocess Start(const std::vector<std::string>& argv, const std::string& log_path) {
+  int fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  EXPECT_GE(fd, 0) << log_path;
+  auto p = Subprocess::Spawn(argv, fd, fd);
+  close(fd);
+  EXPECT_TRUE(p.ok()) << p.status();
+  return std::move(*p);
+}
+
+RunResult RunCommand(const std::vector<std::string>& argv, absl::Duration timeout) {
+  static int counter = 0;
+  const std::string log =
+      absl::StrCat(std::getenv("TEST_TMPDIR") ? std::getenv("TEST_TMPDIR") : "/tmp",
+                   "/onebit-rt-run-", getpid(), "-", counter++, ".log");
+  Subprocess p = Start(argv, log);
+  RunResult r;
+  auto code = p.Wait(timeout);
+  if (code) {
+    r.code = *code;
+  } else {
+    p.Stop(absl::Seconds(1));
+  }
+  r.output = ReadFile(log);
+  std::remove(log.c_str());
+  return r;
+}
+
+std::string FirstDifference(const std::vector<float>& a, const std::vector<float>& b,
+                            uint64_t offset) {
+  if (a.size() != b.size()) return absl::StrCat("sizes differ: ", a.size(), " vs ", b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0) {
+      return absl::StrFormat("element %d differs: %.9g vs %.9g", offset + i, a[i], b[i]);
+    }
+  }
+  return "";
+}
+
+control::TrainingConfig MakeConfig(uint32_t workers, uint32_t servers, uint64_t dim, uint64_t steps,
+                                   const std::string& optimizer) {
+  control::TrainingConfig c;
+  c.set_workers(workers);
+  c.set_servers(servers);
+  c.set_model("synthetic");
+  c.set_dim(dim);
+  c.set_steps(steps);
+  c.set_seed(7);
+  c.set_optimizer(optimizer);
+  c.set_lr(optimizer == "adam" ? 0.01f : 0.1f);
+  c.set_beta1(0.9f);
+  c.set_beta2(0.999f);
+  c.set_eps(1e-8f);
+  c.set_weight_decay(optimizer == "adam" ? 0.01f : 0.0f);
+  c.set_worker_codec("fp32");
+  c.set_server_codec("fp32");
+  c.set_block_size(32);
+  c.set_chunk_elems(256);
+  c.set_step_timeout_ms(20000);
+  c.set_heartbeat_timeout_ms(20000);
+  c.set_noise(0.5f);
+  c.set_skip_model(false);
+  return c;
+}
+
+std::vector<std::string> ConfigArgs(const control::TrainingConfig& c) {
+  return {absl::StrCat("--workers=", c.workers()),
+          absl::StrCat("--servers=", c.servers()),
+          "--model=" + c.model(),
+          absl::StrCat("--dim=", c.dim()),
+          absl::StrCat("--steps=", c.steps()),
+          absl::StrCat("--seed=", c.seed()),
+          "--optimizer=" + c.optimizer(),
+          absl::StrFormat("--lr=%.9g", c.lr()),
+          absl::StrFormat("--beta1=%.9g", c.beta1()),
+          absl::StrFormat("--beta2=%.9g", c.beta2()),
+          absl::StrFormat("--eps=%.9g", c.eps()),
+          absl::StrFormat("--weight_decay=%.9g", c.weight_decay()),
+          "--worker_codec=" + c.worker_codec(),
+          "--server_codec=" + c.server_codec(),
+          absl::StrCat("--block_size=", c.block_size()),
+          absl::StrCat("--chunk_elems=", c.chunk_elems()),
+          absl::StrCat("--step_timeout=", c.step_timeout_ms(), "ms"),
+          absl::StrCat("--heartbeat_timeout=", c.heartbeat_timeout_ms(), "ms"),
+          absl::StrFormat("--noise=%.9g", c.noise())};
+}
+
+ReferenceResult Reference(const control::TrainingConfig& cfg) {
+  ReferenceResult out;
+  auto model = NewModel(cfg);
+  EXPECT_TRUE(model.ok()) << model.status();
+  auto map = ShardMap::Create(cfg.dim(), cfg.servers(), cfg.block_size());
+  EXPECT_TRUE(map.ok()) << map.status();
+  CodecOptions co;
+  co.block_size = cfg.block_size();
+  auto push = NewCodec(cfg.worker_codec(), co);
+  auto fp32 = NewCodec("fp32", co);
+  EXPECT_TRUE(push.ok() && fp32.ok());
+  UpdateOptions uo;
+  uo.kind = *ParseUpdateKind(cfg.optimizer());
+  uo.lr = cfg.lr();
+  uo.beta1 = cfg.beta1();
+  uo.beta2 = cfg.beta2();
+  uo.eps = cfg.eps();
+  uo.weight_decay = cfg.weight_decay();
+  auto rule = NewUpdateRule(uo);
+  EXPECT_TRUE(rule.ok()) << rule.status();
+
+  const uint64_t d = cfg.dim();
+  const uint32_t n_workers = cfg.workers();
+  out.x.resize(d);
+  (*model)->Init(out.x.data());
+  for (uint32_t k = 0; k < map->num_shards(); ++k) {
+    ShardState s;
+    s.shard = k;
+    s.begin = map->shard(k).begin;
+    s.x.assign(out.x.begin() + map->shard(k).begin, out.x.begin() + map->shard(k).end);
+    (*rule)->InitState(&s);
+    out.masters.push_back(std::move(s));
+  }
+  std::vector<std::vector<float>> g(n_workers, std::vector<float>(d));
+  const float w = 1.0f / static_cast<float>(n_workers);
+  for (uint64_t step = 0; step < cfg.steps(); ++step) {
+    double loss = 0;
+    for (uint32_t r = 0; r < n_workers; ++r) {
+      auto l = (*model)->Gradient(out.x.data(), r, step, g[r].data());
+      EXPECT_TRUE(l.ok());
+      loss += *l;
+    }
+    out.losses.push_back(loss / n_workers);
+    for (uint32_t k = 0; k < map->num_shards(); ++k) {
+      ShardState& s = out.masters[k];
+      for (uint64_t c = 0; c < NumChunks(map->shard(k).size(), cfg.chunk_elems()); ++c) {
+        const Range range = ChunkRange(*map, k, cfg.chunk_elems(), c);
+        const size_t n = range.size();
+        std::vector<float> acc(n, 0.0f), delta(n);
+        std::vector<uint8_t> wire((*push)->EncodedSize(n));
+        for (uint32_t r = 0; r < n_workers; ++r) {
+          EXPECT_TRUE((*push)->Encode(g[r].data() + range.begin, n, wire.data()).ok());
+          EXPECT_TRUE((*push)->DecodeAdd(wire.data(), n, w, acc.data()).ok());
+        }
+        (*rule)->Apply(acc.data(), range.begin - s.begin, n, &s, delta.data());
+        std::vector<uint8_t> reply((*fp32)->EncodedSize(n));
+        EXPECT_TRUE((*fp32)->Encode(delta.data(), n, reply.data()).ok());
+        EXPECT_TRUE((*fp32)->DecodeAdd(reply.data(), n, 1.0f, out.x.data() + range.begin).ok());
+      }
+      s.step++;
+    }
+  }
+  return out;
+}
+
+}  // namespace onebit::testing

@@ -1,0 +1,65 @@
+// Helpers for the runtime tests: running the binaries, reading run folders,
+// and the single-process reference of a job (the oracle of DESIGN.md §1.5
+// for sgd/adam: same model, same codecs, same update rule, same order).
+#ifndef ONEBIT_TESTS_RUNTIME_TEST_UTIL_H_
+#define ONEBIT_TESTS_RUNTIME_TEST_UTIL_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "net/subprocess.h"
+#include "proto/control.pb.h"
+#include "shard/update_rule.h"
+
+namespace onebit::testing {
+
+// Path of a binary in the build root, e.g. Bin("onebit-launch").
+std::string Bin(const std::string& name);
+
+// A fresh empty folder under the test's temporary directory.
+std::string TempDir(const std::string& name);
+
+struct RunResult {
+  int code = -1;       // -1: timed out (the process was killed)
+  std::string output;  // stdout + stderr
+};
+
+// Runs argv to completion (or kills it after `timeout`).
+RunResult RunCommand(const std::vector<std::string>& argv, absl::Duration timeout);
+
+// Starts argv with stdout+stderr going to `log_path`.
+Subprocess Start(const std::vector<std::string>& argv, const std::string& log_path);
+
+std::string ReadFile(const std::string& path);
+std::vector<float> ReadFloats(const std::string& path);
+
+// Bitwise equality of two float vectors; on mismatch, a message naming the
+// first differing index.
+std::string FirstDifference(const std::vector<float>& a, const std::vector<float>& b,
+                            uint64_t offset = 0);
+
+struct ReferenceResult {
+  std::vector<float> x;             // every worker's replica
+  std::vector<ShardState> masters;  // one per shard
+  std::vector<double> losses;       // mean over workers, per step
+};
+
+// The whole job in one process: for every step, every worker's gradient at
+// the shared x; per chunk: acc = +0, decode-add each rank's encoded chunk
+// with weight 1/N in rank order, apply the rule to the master, send Δ
+// through the fp32 codec and add it to the replica.
+ReferenceResult Reference(const control::TrainingConfig& config);
+
+// The config the launcher would build from these flag values (defaults as in
+// net/job_config.cc for the rest).
+control::TrainingConfig MakeConfig(uint32_t workers, uint32_t servers, uint64_t dim, uint64_t steps,
+                                   const std::string& optimizer);
+
+// Flags for onebit-launch / onebit-coordinator that express `config`.
+std::vector<std::string> ConfigArgs(const control::TrainingConfig& config);
+
+}  // namespace onebit::testing
+
+#endif  // ONEBIT_TESTS_RUNTIME_TEST_UTIL_H_
