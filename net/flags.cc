@@ -7,7 +7,9 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 
@@ -51,6 +53,15 @@ std::set<std::string> ParseFlagsOrExit(int argc, char** argv, absl::string_view 
     ProgramNameStorage() = std::string(slash == prog.npos ? prog : prog.substr(slash + 1));
   }
   absl::SetProgramUsageMessage(usage);
+  // --help lists every onebit flag (absl's default shows only flags defined
+  // in a file named like the program), none of absl's own.
+  absl::FlagsUsageConfig config;
+  config.contains_help_flags = [](absl::string_view file) {
+    return !absl::StrContains(file, "absl/");
+  };
+  config.contains_helpshort_flags = config.contains_help_flags;
+  config.normalize_filename = [](absl::string_view file) { return std::string(file); };
+  absl::SetFlagsUsageConfig(config);
 
   // Normalise dashes to underscores in flag names and check every flag and
   // value ourselves first, because absl exits 1 on these errors.
