@@ -65,6 +65,7 @@ void CoordinatorService::FailLocked(const std::string& reason) {
   if (state_ == State::kFinished || state_ == State::kFailed) return;
   state_ = State::kFailed;
   reason_ = reason;
+  ended_ = absl::Now();
   std::fprintf(stderr, "coordinator: job failed: %s\n", reason.c_str());
 }
 
@@ -113,6 +114,7 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx,
   if (AllRegisteredLocked()) {
     state_ = State::kRunning;
     const absl::Time now = absl::Now();
+    started_ = now;
     for (auto* g : {&servers_, &workers_}) {
       for (Process& q : *g) q.last_seen = now;
     }
@@ -248,6 +250,7 @@ void CoordinatorService::MaybeFinishLocked() {
   }
   replicas_equal_ = equal;
   state_ = State::kFinished;
+  ended_ = absl::Now();
   std::fprintf(stderr, "coordinator: all processes done; replicas_equal=%s\n",
                equal ? "true" : "false");
 }
@@ -348,8 +351,15 @@ std::vector<MetricsRow> CoordinatorService::MetricsRows() const {
   return rows;
 }
 
-Summary CoordinatorService::MakeSummary(double wall_s) const {
+double CoordinatorService::WallSeconds() const {
+  absl::MutexLock l(&mu_);
+  if (!started_) return 0;
+  return absl::ToDoubleSeconds(ended_.value_or(absl::Now()) - *started_);
+}
+
+Summary CoordinatorService::MakeSummary() const {
   std::vector<MetricsRow> rows = MetricsRows();
+  const double wall_s = WallSeconds();
   absl::MutexLock l(&mu_);
   Summary s;
   s.optimizer = config_.optimizer();

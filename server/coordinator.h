@@ -46,7 +46,9 @@ class CoordinatorService final : public control::Coordinator::Service {
   bool EveryoneTold() const;
 
   std::vector<MetricsRow> MetricsRows() const;
-  Summary MakeSummary(double wall_s) const;
+  // wall_s: from the cluster forming to the outcome.
+  Summary MakeSummary() const;
+  double WallSeconds() const;
 
  private:
   struct Process {
@@ -85,6 +87,8 @@ class CoordinatorService final : public control::Coordinator::Service {
   std::map<uint64_t, std::vector<std::optional<control::StepMetrics>>> metrics_
       ABSL_GUARDED_BY(mu_);
   bool replicas_equal_ ABSL_GUARDED_BY(mu_) = false;
+  std::optional<absl::Time> started_ ABSL_GUARDED_BY(mu_);  // all registered
+  std::optional<absl::Time> ended_ ABSL_GUARDED_BY(mu_);    // finished or failed
 };
 
 const char* StateName(CoordinatorService::State s);

@@ -78,20 +78,16 @@ int Main(int argc, char** argv) {
                static_cast<unsigned long long>(cfg->dim()),
                static_cast<unsigned long long>(cfg->steps()));
 
-  std::optional<absl::Time> started;
-  absl::Time ended;
   while (true) {
     service.Tick();
     const auto s = service.state();
-    if (s == CoordinatorService::State::kRunning && !started) started = absl::Now();
     if (s == CoordinatorService::State::kFinished || s == CoordinatorService::State::kFailed) {
-      ended = absl::Now();
       break;
     }
     absl::SleepFor(absl::Milliseconds(20));
   }
-  const double wall = started ? absl::ToDoubleSeconds(ended - *started) : 0.0;
-  Summary summary = service.MakeSummary(wall);
+  const double wall = service.WallSeconds();
+  Summary summary = service.MakeSummary();
   int code = 0;
   std::string verdict = "job finished";
   if (service.state() == CoordinatorService::State::kFailed) {

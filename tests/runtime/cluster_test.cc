@@ -96,7 +96,9 @@ INSTANTIATE_TEST_SUITE_P(Loopback, ClusterTest,
                                            Case{"w4s2_adam_fp16", 4, 2, 12000, 5, "adam", "fp16"},
                                            // d divisible by nothing convenient: 9973 is prime, so
                                            // shards, chunks and the last block are all ragged.
-                                           Case{"w3s1_prime_d", 3, 1, 9973, 7, "adam", "fp32"}),
+                                           Case{"w3s1_prime_d", 3, 1, 9973, 7, "adam", "fp32"},
+                                           // 2 blocks over 3 servers: server 2's shard is empty.
+                                           Case{"w2s3_empty_shard", 2, 3, 40, 3, "sgd", "fp32"}),
                          [](const ::testing::TestParamInfo<Case>& info) {
                            return info.param.name;
                          });

@@ -472,7 +472,7 @@ TEST(Faults, UnreachableCoordinatorIsNamed) {
   EXPECT_THAT(r.output, HasSubstr("coordinator at 127.0.0.1:1"));
 }
 
-TEST(Flags, UnknownFlagOrBadValueExitsTwoNamingTheFlag) {
+TEST(LaunchFlags, UnknownFlagOrBadValueExitsTwoNamingTheFlag) {
   struct C {
     std::vector<std::string> argv;
     std::string text;
@@ -499,7 +499,7 @@ TEST(Flags, UnknownFlagOrBadValueExitsTwoNamingTheFlag) {
   }
 }
 
-TEST(Flags, ConfigJsonFileAndCommandLineOverride) {
+TEST(LaunchFlags, ConfigJsonFileAndCommandLineOverride) {
   const std::string dir = TempDir("json");
   {
     std::ofstream(dir + "/job.json") << R"({"workers": 2, "servers": 1, "dim": 700,

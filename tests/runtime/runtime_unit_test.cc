@@ -23,7 +23,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-class HeaderValidation : public ::testing::Test {
+class DataHeader : public ::testing::Test {
  protected:
   void SetUp() override {
     fp32_ = *NewCodec("fp32", CodecOptions{64});
@@ -59,7 +59,7 @@ class HeaderValidation : public ::testing::Test {
   DataPlaneJob job_;
 };
 
-TEST_F(HeaderValidation, AcceptsGoodPushesIncludingTheShortLastChunk) {
+TEST_F(DataHeader, AcceptsGoodPushesIncludingTheShortLastChunk) {
   EXPECT_TRUE(Check(Good()).ok()) << Check(Good());
   data::Header last = Good();
   last.set_begin(896);  // [896, 1000): 104 elements
@@ -74,7 +74,7 @@ TEST_F(HeaderValidation, AcceptsGoodPushesIncludingTheShortLastChunk) {
   EXPECT_TRUE(Check(init, 512).ok()) << Check(init, 512);
 }
 
-TEST_F(HeaderValidation, EachProblemIsNamed) {
+TEST_F(DataHeader, EachProblemIsNamed) {
   struct C {
     std::function<void(data::Header&)> mutate;
     std::string text;
@@ -114,7 +114,7 @@ TEST_F(HeaderValidation, EachProblemIsNamed) {
   }
 }
 
-TEST_F(HeaderValidation, RoutingIdMustBeThatRanksOfThisJob) {
+TEST_F(DataHeader, RoutingIdMustBeThatRanksOfThisJob) {
   data::Header h = Good();
   // Rank 2's identity from an earlier incarnation of the job.
   absl::Status st = ValidateRequest(h, job_, 1, WorkerIdentity(job_.job_id + 1, 2), 256);
@@ -124,7 +124,7 @@ TEST_F(HeaderValidation, RoutingIdMustBeThatRanksOfThisJob) {
   EXPECT_NE(WorkerIdentity(1, 0), WorkerIdentity(2, 0));
 }
 
-TEST(ParseHeader, RejectsTruncatedAndRandomBytes) {
+TEST(DataHeaderParse, RejectsTruncatedAndRandomBytes) {
   data::Header h;
   h.set_version(1);
   h.set_payload_bytes(300);  // a two-byte varint at the end
@@ -138,7 +138,7 @@ TEST(ParseHeader, RejectsTruncatedAndRandomBytes) {
   EXPECT_FALSE(ParseHeader(nullptr, 0).ok());
 }
 
-TEST(Chunks, CoverEachShardExactlyOnce) {
+TEST(DataChunks, CoverEachShardExactlyOnce) {
   auto map = *ShardMap::Create(9973, 3, 32);
   for (uint64_t chunk : {32u, 96u, 4096u}) {
     for (uint32_t k = 0; k < 3; ++k) {
@@ -223,7 +223,7 @@ TEST(UpdateRule, RejectsBadOptions) {
   EXPECT_FALSE(NewUpdateRule(o).ok());
 }
 
-TEST(Synthetic, DeterministicPerSeedRankStep) {
+TEST(SyntheticModel, DeterministicPerSeedRankStep) {
   SyntheticModel m({1000, 3, 0.5f, false});
   std::vector<float> x(1000), g1(1000), g2(1000), g3(1000);
   m.Init(x.data());
@@ -247,14 +247,14 @@ TEST(Synthetic, DeterministicPerSeedRankStep) {
   EXPECT_LT(*quiet.Gradient(x.data(), 0, 1, g.data()), 0.5 * before);
 }
 
-TEST(Checksum, IsZlibCrc32OfTheBytes) {
+TEST(ReplicaChecksum, IsZlibCrc32OfTheBytes) {
   // crc32 of the 4 bytes 00 00 80 3f (1.0f), from Python's zlib.crc32.
   const float one = 1.0f;
   EXPECT_EQ(Crc32OfFloats(&one, 1), 0xaca16a6au);
   EXPECT_EQ(Crc32OfFloats(nullptr, 0), 0u);
 }
 
-TEST(Config, ValidationNamesTheFlag) {
+TEST(JobConfig, ValidationNamesTheFlag) {
   control::TrainingConfig c = testing::MakeConfig(2, 2, 100, 3, "sgd");
   EXPECT_TRUE(ValidateConfig(c).ok()) << ValidateConfig(c);
   c.set_chunk_elems(100);
@@ -269,7 +269,7 @@ TEST(Config, ValidationNamesTheFlag) {
 }
 
 // Drives the coordinator service in-process: one server, two workers.
-TEST(Coordinator, ReplicasEqualOnlyWhenEveryChecksumMatches) {
+TEST(CoordinatorService, ReplicasEqualOnlyWhenEveryChecksumMatches) {
   for (bool corrupt : {false, true}) {
     control::TrainingConfig cfg = testing::MakeConfig(2, 1, 100, 1, "sgd");
     CoordinatorService svc(cfg, 42, *ShardMap::Create(100, 1, 32), absl::Seconds(10));
@@ -302,11 +302,11 @@ TEST(Coordinator, ReplicasEqualOnlyWhenEveryChecksumMatches) {
       EXPECT_TRUE(svc.Done(&ctx, &req, &reply).ok());
     }
     EXPECT_EQ(svc.state(), CoordinatorService::State::kFinished);
-    EXPECT_EQ(svc.MakeSummary(1.0).replicas_equal, !corrupt);
+    EXPECT_EQ(svc.MakeSummary().replicas_equal, !corrupt);
   }
 }
 
-TEST(Coordinator, SilentProcessIsDeclaredDeadByName) {
+TEST(CoordinatorService, SilentProcessIsDeclaredDeadByName) {
   control::TrainingConfig cfg = testing::MakeConfig(1, 1, 100, 1, "sgd");
   cfg.set_heartbeat_timeout_ms(100);
   CoordinatorService svc(cfg, 42, *ShardMap::Create(100, 1, 32), absl::Seconds(10));
