@@ -239,15 +239,19 @@ TEST(Faults, BadRequestsAreRefusedByNameAndChangeNothing) {
     w0.Send(h, Fp32Bytes(x.data() + c * chunk, h.count()));
   }
   // Replies carry Δ; both workers must get the same bytes; x += Δ.
+  // Receives into `replies` (kept from earlier calls) until every chunk's
+  // reply is in, or until the first error when `until_error`.
   auto collect = [&](FakeWorker& w, uint64_t step, std::vector<std::string>* replies,
-                     std::vector<std::string>* errors) {
-    replies->assign(chunks, "");
+                     std::vector<std::string>* errors, bool until_error = false) {
+    replies->resize(chunks);
     size_t got = 0;
+    for (const std::string& r : *replies) got += !r.empty();
     while (got < chunks) {
       auto [h, payload] = w.Receive();
       ASSERT_NE(h.kind(), data::KIND_UNSPECIFIED) << "timed out waiting for replies";
       if (h.kind() == data::ERROR) {
         errors->push_back(h.error());
+        if (until_error) return;
         continue;
       }
       ASSERT_EQ(h.kind(), data::REPLY);
@@ -285,18 +289,20 @@ TEST(Faults, BadRequestsAreRefusedByNameAndChangeNothing) {
     }
     // The NaN is found when rank 1's chunk 0 is decoded, after rank 0's.
     w1.ExpectError("payload of rank 1 for chunk 0 of step 0 does not decode");
-    // A duplicate while chunk 0 waits for rank 1's retry (its error queues
-    // behind the replies of chunks 1-3 on w0; collected below).
-    w0.Send(header(0, 0, 1, data::PUSH), Fp32Bytes(g0.data() + chunk, chunk));
-    w1.Send(header(1, 0, 0, data::PUSH), Fp32Bytes(g1.data(), chunk));
   }
+  // A duplicate while chunk 0 waits for rank 1's retry; its error queues
+  // behind the replies of chunks 1-3 on w0.
   std::vector<std::string> r0, r1, e0, e1;
-  collect(w0, 0, &r0, &e0);
-  collect(w1, 0, &r1, &e1);
+  w0.Send(header(0, 0, 1, data::PUSH), Fp32Bytes(g0.data() + chunk, chunk));
+  collect(w0, 0, &r0, &e0, /*until_error=*/true);
   ASSERT_EQ(e0.size(), 1u);
   EXPECT_THAT(e0[0], HasSubstr("duplicate push from rank 0 for chunk 1 of step 0"));
-  EXPECT_TRUE(e1.empty()) << e1[0];
   e0.clear();
+  w1.Send(header(1, 0, 0, data::PUSH), Fp32Bytes(g1.data(), chunk));
+  collect(w0, 0, &r0, &e0);
+  collect(w1, 0, &r1, &e1);
+  EXPECT_TRUE(e0.empty()) << e0[0];
+  EXPECT_TRUE(e1.empty()) << e1[0];
   EXPECT_EQ(r0, r1);
   apply(r0);
 
@@ -312,6 +318,8 @@ TEST(Faults, BadRequestsAreRefusedByNameAndChangeNothing) {
     w0.Send(h0, Fp32Bytes(g0.data() + c * chunk, h0.count()));
     w1.Send(h1, Fp32Bytes(g1.data() + c * chunk, h1.count()));
   }
+  r0.clear();
+  r1.clear();
   collect(w0, 1, &r0, &e0);
   collect(w1, 1, &r1, &e1);
   EXPECT_TRUE(e0.empty() && e1.empty());

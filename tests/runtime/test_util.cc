@@ -40,7 +40,7 @@ std::string ReadFile(const std::string& path) {
 std::vector<float> ReadFloats(const std::string& path) {
   const std::string bytes = ReadFile(path);
   std::vector<float> v(bytes.size() / sizeof(float));
-  std::memcpy(v.data(), bytes.data(), v.size() * sizeof(float));
+  if (!v.empty()) std::memcpy(v.data(), bytes.data(), v.size() * sizeof(float));
   return v;
 }
 
