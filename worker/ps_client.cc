@@ -134,8 +134,8 @@ absl::Status PsClient::HandleReply(uint32_t server, uint64_t step,
   }
   if ((*got)[by_shard_[server][index]]) return bad("duplicate reply for chunk ", index);
   // x += Δ: the same fp32 addition the server applied to its master.
-  absl::Status st = fp32_->DecodeAdd(static_cast<const uint8_t*>(frames[1].data()), c.range.size(), 1.0f,
-                                     x + c.range.begin);
+  absl::Status st = fp32_->DecodeAdd(static_cast<const uint8_t*>(frames[1].data()), c.range.size(),
+                                     1.0f, x + c.range.begin);
   if (!st.ok()) return bad(st.message());
   (*got)[by_shard_[server][index]] = true;
   bytes_down_ += need;
