@@ -204,7 +204,9 @@ for (const {from, cfg} of configs) {
 }
 
 if (dockerfile) {
-  const text = fs.readFileSync(dockerfile, 'utf8');
+  // Instructions only: a binary named in a comment is not installed.
+  const text = fs.readFileSync(dockerfile, 'utf8').split('\n')
+      .filter((l) => !/^\s*#/.test(l)).join('\n');
   for (const [binary, wheres] of used) {
     if (!new RegExp(`\\b${binary}\\b`).test(text)) {
       problems.push(`${wheres[0]}: ${binary} is not installed by ${dockerfile}`);

@@ -9,6 +9,8 @@
 #                                        that check exits 1 and prints REGEX
 #   check.sh pending OVERLAY PATCH KIND NAME FLAG BIN_DIR
 #                                        a patch waiting for FLAG (see below)
+#   check.sh pending-selftest (same arguments as pending)
+#                                        pending fails once FLAG exists
 # Exit 77 (ctest: skipped) with a printed reason where kubectl is absent.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -43,6 +45,7 @@ cmd=${1:-}
 shift || true
 case $cmd in
   render)
+    need_kubectl
     out=$(render "$1")
     n=$(grep -c '^kind: ' <<<"$out" || true)
     echo "$1: $n objects"
@@ -112,8 +115,31 @@ EOK
     echo "FAIL: $overlay with $patch has problems other than the missing --$flag"
     exit 1
     ;;
+  pending-selftest)
+    # The pending check must notice the day FLAG appears: run it against
+    # stand-ins of the binaries whose --helpfull also lists --FLAG.
+    overlay=$1 patch=$2 kind=$3 name=$4 flag=$5 bin_dir=$(cd "$6" && pwd)
+    need_kubectl
+    fake=$(mktemp -d)
+    trap 'rm -rf "$fake"' EXIT
+    for b in "$bin_dir"/onebit-*; do
+      [ -x "$b" ] && [ -f "$b" ] || continue
+      printf '#!/bin/sh\n"%s" "$@" 2>&1\necho "    --%s (stand-in for the check); default: \\"\\";"\n' \
+        "$b" "$flag" >"$fake/$(basename "$b")"
+      chmod +x "$fake/$(basename "$b")"
+    done
+    status=0
+    out=$("$0" pending "$overlay" "$patch" "$kind" "$name" "$flag" "$fake" 2>&1) || status=$?
+    echo "$out"
+    if ((status == 1)) && grep -q "enable $patch" <<<"$out"; then
+      echo "ok: the pending check asks to enable $patch once --$flag exists"
+      exit 0
+    fi
+    echo "FAIL: the pending check did not ask to enable $patch when --$flag existed (status $status)"
+    exit 1
+    ;;
   *)
-    sed -n '2,13p' "$0" >&2
+    sed -n '2,15p' "$0" >&2
     exit 2
     ;;
 esac
