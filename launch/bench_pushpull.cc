@@ -1,11 +1,12 @@
 // onebit-bench-pushpull: the data plane alone. Runs onebit-launch with the
 // synthetic model's arithmetic skipped (--skip_model), fp32 push and reply of
-// --params floats per step, for each workers x servers config; prints the
-// median over the steps after the warm-up. Goodput counts value bytes moved:
-// push = bytes pushed by all workers / step time, reply = bytes replied to all
-// workers / step time (one step is both, pipelined chunk by chunk, so both
-// share the step time). The last line is pushpull_goodput_gbs=<push+reply>
-// for the first config (1x1 by default).
+// --params floats per worker per step, for each workers x servers config, and
+// prints medians over the steps after the warm-up. Goodput counts value bytes
+// moved (all workers): push+reply = (bytes pushed + bytes replied) / step
+// time. The phases overlap (chunks pipeline), so each is also timed on its
+// own: push = from a worker's first push to the server holding every push,
+// reply = from the first reply sent to the step's end (one host's clock).
+// The last line is pushpull_goodput_gbs=<push+reply> of the first config.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -31,12 +32,6 @@ ABSL_FLAG(std::string, launcher, "", "path of onebit-launch (default: next to th
 
 namespace onebit {
 namespace {
-
-struct Row {
-  double step_s;
-  double up;
-  double down;
-};
 
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -84,32 +79,34 @@ int Main(int argc, char** argv) {
     std::ifstream csv(dir + "/run/metrics.csv");
     std::string line;
     std::getline(csv, line);  // header
-    std::vector<double> step_s, up, down;
+    std::vector<double> step_s, up, down, total, push_s, reply_s;
     while (std::getline(csv, line)) {
       std::vector<std::string> f = absl::StrSplit(line, ',');
       uint64_t step = 0;
-      double bu = 0, bd = 0, ss = 0;
-      if (f.size() < 7 || !absl::SimpleAtoi(f[0], &step) || !absl::SimpleAtod(f[4], &bu) ||
-          !absl::SimpleAtod(f[5], &bd) || !absl::SimpleAtod(f[6], &ss)) {
+      double bu = 0, bd = 0, ss = 0, ps = 0, rs = 0;
+      if (f.size() < 9 || !absl::SimpleAtoi(f[0], &step) || !absl::SimpleAtod(f[4], &bu) ||
+          !absl::SimpleAtod(f[5], &bd) || !absl::SimpleAtod(f[6], &ss) ||
+          !absl::SimpleAtod(f[7], &ps) || !absl::SimpleAtod(f[8], &rs)) {
         ExitError(1, absl::StrCat("bad metrics line: ", line));
       }
       if (step < static_cast<uint64_t>(warmup)) continue;
       step_s.push_back(ss);
-      up.push_back(bu / ss / 1e9);
-      down.push_back(bd / ss / 1e9);
+      push_s.push_back(ps);
+      reply_s.push_back(rs);
+      up.push_back(bu / ps / 1e9);
+      down.push_back(bd / rs / 1e9);
+      total.push_back((bu + bd) / ss / 1e9);
     }
     std::error_code ec;
     std::filesystem::remove_all(dir, ec);
-    const double med = Median(step_s), gu = Median(up), gd = Median(down);
-    std::vector<double> total;
-    for (size_t i = 0; i < up.size(); ++i) total.push_back(up[i] + down[i]);
     const double gt = Median(total);
     std::printf(
-        "pushpull %dx%d d=%llu fp32 chunk=%llu: step %.1f ms (median of %zu), push %.3f GB/s, "
-        "reply %.3f GB/s, push+reply %.3f GB/s\n",
+        "pushpull %dx%d d=%llu fp32 chunk=%llu (median of %zu steps): step %.1f ms, "
+        "push+reply %.3f GB/s | push phase %.1f ms %.3f GB/s, reply phase %.1f ms %.3f GB/s\n",
         w, s, static_cast<unsigned long long>(absl::GetFlag(FLAGS_params)),
-        static_cast<unsigned long long>(absl::GetFlag(FLAGS_chunk)), med * 1e3, step_s.size(), gu,
-        gd, gt);
+        static_cast<unsigned long long>(absl::GetFlag(FLAGS_chunk)), step_s.size(),
+        Median(step_s) * 1e3, gt, Median(push_s) * 1e3, Median(up), Median(reply_s) * 1e3,
+        Median(down));
     std::fflush(stdout);
     if (first_total < 0) first_total = gt;
   }

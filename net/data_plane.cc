@@ -3,6 +3,7 @@
 #include <malloc.h>
 
 #include <algorithm>
+#include <chrono>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -115,6 +116,12 @@ void ConfigureDataSocket(zmq::socket_t* s) {
 void KeepLargeBuffers() {
   mallopt(M_MMAP_THRESHOLD, 64 << 20);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
+}
+
+uint64_t MonotonicNs() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
 }
 
 zmq::message_t CopyFrame(absl::string_view bytes) {

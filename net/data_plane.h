@@ -71,6 +71,9 @@ void ConfigureDataSocket(zmq::socket_t* socket);
 // faulting fresh zeroed pages in on the next step. Call once at start.
 void KeepLargeBuffers();
 
+// CLOCK_MONOTONIC in ns: comparable across processes on one host.
+uint64_t MonotonicNs();
+
 // A copy of a small message (a header).
 zmq::message_t CopyFrame(absl::string_view bytes);
 

@@ -61,10 +61,11 @@ std::string JsonQuote(const std::string& s) {
 }
 
 absl::Status WriteMetricsCsv(const std::string& path, const std::vector<MetricsRow>& rows) {
-  std::string text = "step,phase,loss,wall_s,bytes_up,bytes_down,step_s\n";
+  std::string text = "step,phase,loss,wall_s,bytes_up,bytes_down,step_s,push_s,reply_s\n";
   for (const MetricsRow& r : rows) {
     absl::StrAppend(&text, r.step, ",", r.phase, ",", Num(r.loss), ",", Num(r.wall_s), ",",
-                    r.bytes_up, ",", r.bytes_down, ",", Num(r.step_s), "\n");
+                    r.bytes_up, ",", r.bytes_down, ",", Num(r.step_s), ",", Num(r.push_s), ",",
+                    Num(r.reply_s), "\n");
   }
   return WriteAtomically(path, text);
 }

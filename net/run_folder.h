@@ -20,6 +20,8 @@ struct MetricsRow {
   uint64_t bytes_up = 0;
   uint64_t bytes_down = 0;
   double step_s = 0;  // max over workers of this step's duration
+  double push_s = 0;  // max over workers; see StepMetrics in control.proto
+  double reply_s = 0;
 };
 
 struct Summary {

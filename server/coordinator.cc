@@ -342,6 +342,8 @@ std::vector<MetricsRow> CoordinatorService::MetricsRows() const {
       loss += m->loss();
       r.wall_s = std::max(r.wall_s, m->wall_s());
       r.step_s = std::max(r.step_s, m->step_s());
+      r.push_s = std::max(r.push_s, m->push_s());
+      r.reply_s = std::max(r.reply_s, m->reply_s());
       r.bytes_up += m->bytes_up();
       r.bytes_down += m->bytes_down();
     }

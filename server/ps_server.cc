@@ -206,6 +206,7 @@ absl::Status PsServer::DrainInOrder(Chunk& c, uint64_t index) {
 }
 
 void PsServer::Complete(Chunk& c, uint64_t index) {
+  const uint64_t pushed_ns = MonotonicNs();
   const uint64_t n = c.range.size();
   const size_t bytes = reply_codec_->EncodedSize(n);
   if (c.reply == nullptr || c.reply.use_count() > 1 || c.reply->size() != bytes) {
@@ -238,8 +239,10 @@ void PsServer::Complete(Chunk& c, uint64_t index) {
   h.set_codec(reply_codec_->name());
   h.set_block_size(options_.job.map.block_size());
   h.set_payload_bytes(shared->size());
+  h.set_pushed_ns(pushed_ns);
   for (uint32_t r = 0; r < options_.job.workers; ++r) {
     h.set_rank(r);
+    h.set_sent_ns(MonotonicNs());
     zmq::message_t payload = ShareFrame(shared, 0, shared->size());
     Send(WorkerIdentity(options_.job.job_id, r), h, &payload);
   }

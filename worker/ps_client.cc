@@ -139,6 +139,9 @@ absl::Status PsClient::HandleReply(uint32_t server, uint64_t step,
   if (!st.ok()) return bad(st.message());
   (*got)[by_shard_[server][index]] = true;
   bytes_down_ += need;
+  last_pushed_ns_ = std::max<uint64_t>(last_pushed_ns_, h->pushed_ns());
+  first_sent_ns_ =
+      first_sent_ns_ == 0 ? h->sent_ns() : std::min<uint64_t>(first_sent_ns_, h->sent_ns());
   return absl::OkStatus();
 }
 
@@ -146,6 +149,9 @@ absl::Status PsClient::PushPull(uint64_t step, const float* g, float* x,
                                 const std::function<absl::Status()>& check) {
   bytes_up_ = 0;
   bytes_down_ = 0;
+  last_pushed_ns_ = 0;
+  first_sent_ns_ = 0;
+  const uint64_t start_ns = MonotonicNs();
   for (size_t i = 0; i < chunks_.size(); ++i) {
     absl::Status st = SendChunk(i, step, g, *push_codec_, data::PUSH);
     if (!st.ok()) return st;
@@ -186,6 +192,10 @@ absl::Status PsClient::PushPull(uint64_t step, const float* g, float* x,
     absl::Status st = check();
     if (!st.ok()) return st;
   }
+  const uint64_t end_ns = MonotonicNs();
+  auto seconds = [](uint64_t from, uint64_t to) { return to > from ? (to - from) * 1e-9 : 0.0; };
+  push_s_ = seconds(start_ns, last_pushed_ns_);
+  reply_s_ = seconds(first_sent_ns_, end_ns);
   return absl::OkStatus();
 }
 

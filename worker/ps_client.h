@@ -48,6 +48,9 @@ class PsClient {
 
   uint64_t last_bytes_up() const { return bytes_up_; }
   uint64_t last_bytes_down() const { return bytes_down_; }
+  // Phases of the last step (same-host clocks; see StepMetrics.push_s).
+  double last_push_s() const { return push_s_; }
+  double last_reply_s() const { return reply_s_; }
 
  private:
   struct Chunk {
@@ -69,6 +72,10 @@ class PsClient {
   std::vector<std::vector<size_t>> by_shard_;  // shard -> chunk index -> chunks_ index
   uint64_t bytes_up_ = 0;
   uint64_t bytes_down_ = 0;
+  uint64_t last_pushed_ns_ = 0;  // max over this step's replies
+  uint64_t first_sent_ns_ = 0;   // min over this step's replies
+  double push_s_ = 0;
+  double reply_s_ = 0;
 };
 
 }  // namespace onebit

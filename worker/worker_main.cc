@@ -128,6 +128,8 @@ int Main(int argc, char** argv) {
     m.set_step_s(absl::ToDoubleSeconds(s1 - s0));
     m.set_bytes_up((*client)->last_bytes_up());
     m.set_bytes_down((*client)->last_bytes_down());
+    m.set_push_s((*client)->last_push_s());
+    m.set_reply_s((*client)->last_reply_s());
     total_up += m.bytes_up();
     total_down += m.bytes_down();
     hb.AddMetrics(m);
