@@ -419,6 +419,36 @@ TEST(Faults, KilledServerStopsWorkerAndCoordinatorNamingIt) {
   EXPECT_THAT(clog, HasSubstr("presumed dead"));
 }
 
+TEST(Faults, KilledCoordinatorStopsEveryoneNamingIt) {
+  const std::string dir = TempDir("nocoord");
+  Subprocess coord =
+      Start({Bin("onebit-coordinator"), "--port=0", "--port_file=" + dir + "/port",
+             "--bind_host=127.0.0.1", "--workers=1", "--servers=1", "--dim=4000",
+             "--steps=100000000", "--block_size=32", "--chunk_elems=512", "--heartbeat_timeout=1s"},
+            dir + "/coordinator.log");
+  const int port = WaitForPort(dir + "/port", &coord, dir + "/coordinator.log");
+  ASSERT_GT(port, 0);
+  const std::string target = absl::StrCat("127.0.0.1:", port);
+  Subprocess server = Start({Bin("onebit-server"), "--coordinator=" + target, "--shard=0",
+                             "--bind_host=127.0.0.1", "--advertise_host=127.0.0.1"},
+                            dir + "/server.log");
+  Subprocess worker = Start({Bin("onebit-worker"), "--coordinator=" + target, "--rank=0",
+                             "--bind_host=127.0.0.1", "--progress_interval=50ms"},
+                            dir + "/worker.log");
+  ASSERT_TRUE(WaitForText(dir + "/worker.log", "steps/s", absl::Seconds(20)))
+      << ReadFile(dir + "/worker.log");
+  kill(coord.pid(), SIGKILL);
+  auto wcode = worker.Wait(absl::Seconds(10));
+  auto scode = server.Wait(absl::Seconds(10));
+  ASSERT_TRUE(wcode.has_value()) << "worker hung: " << ReadFile(dir + "/worker.log");
+  ASSERT_TRUE(scode.has_value()) << "server hung: " << ReadFile(dir + "/server.log");
+  EXPECT_NE(*wcode, 0);
+  EXPECT_NE(*scode, 0);
+  const std::string named = "the coordinator at " + target + " is unreachable";
+  EXPECT_THAT(ReadFile(dir + "/worker.log"), HasSubstr(named));
+  EXPECT_THAT(ReadFile(dir + "/server.log"), HasSubstr(named));
+}
+
 // Holds a listening TCP port on 127.0.0.1 for the test's lifetime.
 class BusyPort {
  public:
