@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -447,6 +448,45 @@ TEST(Faults, KilledCoordinatorStopsEveryoneNamingIt) {
   const std::string named = "the coordinator at " + target + " is unreachable";
   EXPECT_THAT(ReadFile(dir + "/worker.log"), HasSubstr(named));
   EXPECT_THAT(ReadFile(dir + "/server.log"), HasSubstr(named));
+}
+
+// Live processes whose command line contains `text` (zombies have none).
+std::vector<int> ProcessesMentioning(const std::string& text) {
+  std::vector<int> pids;
+  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+    int pid = 0;
+    if (!absl::SimpleAtoi(e.path().filename().string(), &pid) || pid == getpid()) continue;
+    std::string cmd = ReadFile(e.path().string() + "/cmdline");
+    std::replace(cmd.begin(), cmd.end(), '\0', ' ');
+    if (cmd.find(text) != std::string::npos) pids.push_back(pid);
+  }
+  return pids;
+}
+
+TEST(Faults, KilledLauncherLeavesNoOrphans) {
+  const std::string dir = TempDir("orphans");
+  Subprocess launch =
+      Start({Bin("onebit-launch"), "--workers=2", "--servers=2", "--dim=4000", "--steps=100000000",
+             "--block_size=32", "--chunk_elems=512", "--out=" + dir + "/run"},
+            dir + "/launch.log");
+  ASSERT_TRUE(WaitForText(dir + "/launch.log", "steps/s", absl::Seconds(20)))
+      << ReadFile(dir + "/launch.log");
+  const std::string log = ReadFile(dir + "/launch.log");
+  const size_t at = log.find("coordinator at 127.0.0.1:");
+  ASSERT_NE(at, std::string::npos) << log;
+  const std::string target = log.substr(at + 15, log.find(' ', at + 15) - at - 15);
+  // 1 coordinator (named by --out) + 2 servers + 2 workers (named by target).
+  EXPECT_EQ(ProcessesMentioning("--coordinator=" + target).size(), 4u) << target;
+  EXPECT_EQ(ProcessesMentioning("--out=" + dir + "/run").size(), 2u);  // launcher too
+  kill(launch.pid(), SIGKILL);
+  ASSERT_TRUE(launch.Wait(absl::Seconds(5)).has_value());
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  while (absl::Now() < deadline && (!ProcessesMentioning("--coordinator=" + target).empty() ||
+                                    !ProcessesMentioning("--out=" + dir + "/run").empty())) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_TRUE(ProcessesMentioning("--coordinator=" + target).empty());
+  EXPECT_TRUE(ProcessesMentioning("--out=" + dir + "/run").empty());
 }
 
 // Holds a listening TCP port on 127.0.0.1 for the test's lifetime.
