@@ -289,11 +289,12 @@ void CoordinatorService::Tick() {
   }
   if (state_ != State::kRunning) return;
   for (control::Role role : {control::SERVER, control::WORKER}) {
-    const std::vector<Process>& group = Group(role);
+    std::vector<Process>& group = Group(role);
     for (size_t i = 0; i < group.size(); ++i) {
-      const Process& p = group[i];
+      Process& p = group[i];
       if (role == control::WORKER && p.done) continue;  // done workers exit
       if (now - p.last_seen > heartbeat_timeout_) {
+        p.told = true;  // the dead hear nothing; do not wait for it
         const std::string ep =
             p.info.data_endpoint().empty() ? p.info.host() : p.info.data_endpoint();
         FailLocked(absl::StrCat(Name(role, static_cast<uint32_t>(i)), " (", ep,
