@@ -166,7 +166,9 @@ void MlpModel::Forward(const float* x, Workspace* ws, size_t rows) const {
       float* row = out + i * n_out;
       for (int k = 0; k < n_out; ++k) {
         const float v = row[k] + b[k];
-        row[k] = relu ? (v > 0.0f ? v : 0.0f) : v;
+        // NaN passes through (v < 0 is false), so a broken parameter shows up
+        // in the loss instead of being hidden by the ReLU.
+        row[k] = relu && v < 0.0f ? 0.0f : v;
       }
     }
     in = out;
