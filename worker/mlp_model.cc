@@ -232,8 +232,9 @@ absl::StatusOr<double> MlpModel::Gradient(const float* x, uint32_t rank, uint64_
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n_in, n_out, 1.0f, dz, n_out,
                 x + w_off_[l], n_in, 0.0f, da, n_in);
     const float* a = ws->act[l - 1].data();
+    // A select, not a conditional store, so that it vectorises.
     for (size_t i = 0; i < rows * static_cast<size_t>(n_in); ++i) {
-      if (!(a[i] > 0.0f)) da[i] = 0.0f;
+      da[i] = a[i] > 0.0f ? da[i] : 0.0f;
     }
     cur = 1 - cur;
   }
