@@ -37,7 +37,7 @@ class ImageDataset {
   static constexpr uint32_t kNumClasses = 10;
 
   // Checks that the image and label counts agree and that train and test
-  // images have the same size; `names` prefix the error messages.
+  // images have the same size; `name` prefixes the error messages.
   static absl::StatusOr<std::shared_ptr<const ImageDataset>> Create(
       IdxImages train, std::vector<uint8_t> train_labels, IdxImages test,
       std::vector<uint8_t> test_labels, const std::string& name = "dataset");

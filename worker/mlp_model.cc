@@ -8,8 +8,10 @@
 #include <utility>
 
 #include "absl/status/status.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "worker/rng.h"
 
 namespace onebit {
@@ -283,6 +285,23 @@ absl::StatusOr<EvalResult> MlpModel::Evaluate(const float* x) const {
     return absl::InternalError(absl::StrCat("mlp: test loss is not finite (", r.loss, ")"));
   }
   return r;
+}
+
+absl::StatusOr<std::vector<uint32_t>> ParseLayers(absl::string_view spec) {
+  std::vector<uint32_t> widths;
+  for (absl::string_view part : absl::StrSplit(spec, absl::ByAnyChar("-,x"))) {
+    uint32_t w = 0;
+    if (!absl::SimpleAtoi(part, &w) || w == 0 || w > (1u << 20)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("mlp layers '", spec, "': '", part, "' is not a width in [1, 1048576]"));
+    }
+    widths.push_back(w);
+  }
+  if (widths.size() < 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("mlp layers '", spec, "': need an input and an output width"));
+  }
+  return widths;
 }
 
 absl::StatusOr<std::unique_ptr<MlpModel>> NewMlpModel(const MlpOptions& o) {

@@ -25,6 +25,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "worker/dataset.h"
 #include "worker/evaluator.h"
@@ -104,6 +105,10 @@ absl::StatusOr<std::unique_ptr<MlpModel>> NewMlpModel(const MlpOptions& options)
 
 // OpenBLAS threads for the whole process (n >= 1).
 void SetBlasThreads(int n);
+
+// "784-256-128-10" -> {784, 256, 128, 10} (for a --layers flag): at least two
+// widths, each in [1, 2^20], separated by '-' (',' and 'x' are accepted too).
+absl::StatusOr<std::vector<uint32_t>> ParseLayers(absl::string_view spec);
 
 }  // namespace onebit
 

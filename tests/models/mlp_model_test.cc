@@ -301,6 +301,16 @@ TEST(MlpModelTest, RejectsBadOptions) {
               HasSubstr("rank 3 is not below the 3 workers"));
 }
 
+TEST(MlpModelTest, ParsesLayerSpecs) {
+  EXPECT_THAT(ParseLayers("784-256-128-10").value(), ::testing::ElementsAre(784, 256, 128, 10));
+  EXPECT_THAT(ParseLayers("12,10").value(), ::testing::ElementsAre(12, 10));
+  for (const char* bad : {"", "784", "784--10", "784-0-10", "784-a-10", "784-256-", "-1-10"}) {
+    absl::StatusOr<std::vector<uint32_t>> l = ParseLayers(bad);
+    EXPECT_FALSE(l.ok()) << bad;
+    EXPECT_THAT(l.status().message(), HasSubstr(std::string("'") + bad + "'")) << bad;
+  }
+}
+
 TEST(MlpModelTest, MissingDataDirectoryIsNamed) {
   MlpOptions o;
   o.data_dir = "/nonexistent/onebit-fmnist";
