@@ -61,12 +61,14 @@ function flagsOf(binary) {
     out = `${e.stdout || ''}${e.stderr || ''}`;  // absl exits 1 after --helpfull
   }
   const flags = new Map();
-  const text = out.replace(/\n[ \t]+(?![ \t]|--)/g, ' ');  // join wrapped help lines
-  for (const m of text.matchAll(/^[ \t]+--([A-Za-z0-9_]+) \(.*\); default: ([^;\n]*);$/gm)) {
+  // absl indents a flag's line by 4 spaces and its wrapped help by 6, which
+  // may itself begin with "--" (a help text naming another flag).
+  const text = out.replace(/\n {6,}/g, ' ');  // join wrapped help lines
+  for (const m of text.matchAll(/^ {4}--([A-Za-z0-9_]+) \(.*\); default: ([^;\n]*);$/gm)) {
     flags.set(m[1], {bool: m[2] === 'true' || m[2] === 'false'});
   }
   // Every flag line must have parsed, or this check would miss flags.
-  const lines = (out.match(/^[ \t]+--[A-Za-z0-9_]+ \(/gm) || []).length;
+  const lines = (out.match(/^ {4}--[A-Za-z0-9_]+ \(/gm) || []).length;
   if (flags.size === 0 || flags.size !== lines) {
     die(`cannot parse ${exe} --helpfull (${flags.size} of ${lines} flag lines):\n${out}`);
   }
