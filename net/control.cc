@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
@@ -107,8 +108,10 @@ void Heartbeater::Loop() {
   while (true) {
     {
       absl::MutexLock l(&mu_);
-      auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; };
-      if (mu_.AwaitWithTimeout(absl::Condition(&stopping), interval_)) return;
+      auto wake = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || kick_; };
+      mu_.AwaitWithTimeout(absl::Condition(&wake), interval_);
+      if (stop_) return;
+      kick_ = false;
     }
     SendOnce();
   }
@@ -124,6 +127,8 @@ void Heartbeater::SendOnce() {
     req.set_step(step_);
     for (auto& m : pending_) *req.add_metrics() = m;
     pending_.clear();
+    for (auto& c : checks_) *req.add_freeze_checks() = c;
+    checks_.clear();
   }
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
@@ -131,9 +136,12 @@ void Heartbeater::SendOnce() {
   grpc::Status s = stub_->Heartbeat(&ctx, req, &reply);
   absl::MutexLock l(&mu_);
   if (!s.ok()) {
-    // Keep the metrics for the next try.
+    // Keep the metrics and checks for the next try.
     for (int i = req.metrics_size() - 1; i >= 0; --i) {
       pending_.insert(pending_.begin(), req.metrics(i));
+    }
+    for (int i = req.freeze_checks_size() - 1; i >= 0; --i) {
+      checks_.insert(checks_.begin(), req.freeze_checks(i));
     }
     if (command_ == control::CONTINUE && absl::Now() - last_ok_ > coordinator_timeout_) {
       command_ = control::ABORT;
@@ -143,10 +151,40 @@ void Heartbeater::SendOnce() {
     return;
   }
   last_ok_ = absl::Now();
+  freeze_decided_ = std::max(freeze_decided_, reply.freeze_decided());
+  if (reply.freeze_step() != 0) freeze_step_ = reply.freeze_step();
   if (command_ == control::CONTINUE && reply.command() != control::CONTINUE) {
     command_ = reply.command();
     reason_ = reply.reason();
   }
+}
+
+void Heartbeater::Kick() {
+  absl::MutexLock l(&mu_);
+  kick_ = true;
+}
+
+void Heartbeater::ReportFreezeCheck(uint64_t completed, double change) {
+  {
+    absl::MutexLock l(&mu_);
+    control::FreezeCheck c;
+    c.set_completed(completed);
+    c.set_change(change);
+    checks_.push_back(c);
+  }
+  Kick();
+}
+
+std::optional<uint64_t> Heartbeater::FreezeDecision(uint64_t completed, uint64_t window) {
+  {
+    absl::MutexLock l(&mu_);
+    if (freeze_step_ != 0) {
+      return freeze_step_ == completed + window ? freeze_step_ : kNever;
+    }
+    if (freeze_decided_ >= completed) return kNever;
+  }
+  Kick();
+  return std::nullopt;
 }
 
 void Heartbeater::ReportError(const std::string& error) {

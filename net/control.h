@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -16,6 +17,7 @@
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/control.grpc.pb.h"
+#include "shard/optimizer.h"
 
 namespace onebit {
 
@@ -63,9 +65,18 @@ class Heartbeater {
   // Blocks until command() != CONTINUE or `timeout` passes.
   control::Command WaitForCommand(absl::Duration timeout);
 
+  // --freeze auto (servers): queues a check for the next heartbeat and sends
+  // it now, so the coordinator can decide before anyone has to wait.
+  void ReportFreezeCheck(uint64_t completed, double change);
+  // The coordinator's decision for the check after `completed` steps: the
+  // first compression step, kNever (not at this check), or nullopt while
+  // undecided (then a heartbeat goes out now to ask again).
+  std::optional<uint64_t> FreezeDecision(uint64_t completed, uint64_t window);
+
  private:
   void Loop();
   void SendOnce();
+  void Kick();
 
   control::Coordinator::Stub* const stub_;
   const std::string target_;
@@ -77,6 +88,10 @@ class Heartbeater {
 
   mutable absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool kick_ ABSL_GUARDED_BY(mu_) = false;  // send a heartbeat now
+  std::vector<control::FreezeCheck> checks_ ABSL_GUARDED_BY(mu_);
+  uint64_t freeze_decided_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t freeze_step_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t step_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<control::StepMetrics> pending_ ABSL_GUARDED_BY(mu_);
   control::Command command_ ABSL_GUARDED_BY(mu_) = control::CONTINUE;

@@ -13,7 +13,7 @@
 #include "compress/codec.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
-#include "shard/update_rule.h"
+#include "shard/optimizer.h"
 
 ABSL_FLAG(uint32_t, workers, 1, "number of workers N");
 ABSL_FLAG(uint32_t, servers, 1, "number of servers S (one shard each)");
@@ -21,14 +21,32 @@ ABSL_FLAG(std::string, model, "synthetic", "model: synthetic");
 ABSL_FLAG(uint64_t, dim, 1000, "parameters d (synthetic model)");
 ABSL_FLAG(uint64_t, steps, 10, "training steps");
 ABSL_FLAG(uint64_t, seed, 1, "seed of the model, its data and its noise");
-ABSL_FLAG(std::string, optimizer, "sgd", "update rule on the servers: sgd | adam");
+ABSL_FLAG(std::string, optimizer, "sgd",
+          "sgd | adam | onebit-adam | naive-onebit-adam | ef-sgd (DESIGN.md §1.4)");
 ABSL_FLAG(float, lr, 0.01f, "learning rate");
 ABSL_FLAG(float, beta1, 0.9f, "Adam beta1");
 ABSL_FLAG(float, beta2, 0.999f, "Adam beta2");
 ABSL_FLAG(float, eps, 1e-8f, "Adam epsilon");
-ABSL_FLAG(float, weight_decay, 0.0f, "decoupled weight decay (Adam)");
-ABSL_FLAG(std::string, worker_codec, "fp32", "push codec: fp32 | fp16 | onebit");
-ABSL_FLAG(std::string, server_codec, "fp32", "reply codec: fp32");
+ABSL_FLAG(float, weight_decay, 0.0f, "decoupled weight decay");
+ABSL_FLAG(std::string, lr_schedule, "constant",
+          "learning rate schedule: constant | warmup:N | cosine");
+ABSL_FLAG(bool, bias_correction, false, "Adam bias correction (off, as DeepSpeed's OneBitAdam)");
+ABSL_FLAG(uint64_t, freeze_step, 0,
+          "first compression step (the warm-up is steps 0..N-1); 0: use --freeze");
+ABSL_FLAG(std::string, freeze, "",
+          "auto[:tau[:window]]: freeze once ||v_t - v_{t-K}||_1 / ||v_t||_1 < tau on every "
+          "shard, checked every K steps (default auto:0.05:50 when --freeze_step is not given)");
+ABSL_FLAG(float, v_floor, 1e-8f, "floor of the frozen variance: v = max(v, v_floor)");
+ABSL_FLAG(std::string, worker_codec, "",
+          "compression-phase push codec: fp32 | fp16 | onebit (default: onebit for the "
+          "compressing optimizers, fp32 otherwise)");
+ABSL_FLAG(std::string, server_codec, "",
+          "compression-phase reply codec (default as --worker_codec)");
+ABSL_FLAG(std::string, error_feedback, "both", "error feedback: both | worker | server | none");
+ABSL_FLAG(std::string, server_reply, "",
+          "compression-phase reply: momentum (replicas equal the master) | delta (C(Δ + e_s)); "
+          "default momentum, delta for naive-onebit-adam");
+ABSL_FLAG(std::string, scale, "l1", "onebit block scale: l1 (mean |y|) | l2 (||y||/sqrt(n))");
 ABSL_FLAG(uint32_t, block_size, 2048, "codec block size B (multiple of 32)");
 ABSL_FLAG(uint64_t, chunk_elems, 1 << 20,
           "elements per data-plane chunk (multiple of --block-size; 1M fp32 = 4 MB)");
@@ -45,13 +63,102 @@ ABSL_FLAG(std::string, config, "", "JSON file of config values, keys are flag na
 namespace onebit {
 namespace {
 
-const char* const kConfigFlags[] = {"workers",      "servers",      "model",
-                                    "dim",          "steps",        "seed",
-                                    "optimizer",    "lr",           "beta1",
-                                    "beta2",        "eps",          "weight_decay",
-                                    "worker_codec", "server_codec", "block_size",
-                                    "chunk_elems",  "step_timeout", "heartbeat_timeout",
+const char* const kConfigFlags[] = {"workers",      "servers",
+                                    "model",        "dim",
+                                    "steps",        "seed",
+                                    "optimizer",    "lr",
+                                    "lr_schedule",  "beta1",
+                                    "beta2",        "eps",
+                                    "weight_decay", "bias_correction",
+                                    "freeze_step",  "freeze",
+                                    "v_floor",      "worker_codec",
+                                    "server_codec", "error_feedback",
+                                    "server_reply", "scale",
+                                    "block_size",   "chunk_elems",
+                                    "step_timeout", "heartbeat_timeout",
                                     "noise",        "skip_model"};
+
+bool IsConfigFlag(const std::string& name) {
+  for (const char* f : kConfigFlags) {
+    if (name == f) return true;
+  }
+  return false;
+}
+
+// Sets flag `name` from a JSON value, unless the command line gave it.
+absl::Status SetFromJson(const std::string& name, const google::protobuf::Value& value,
+                         const std::string& where, const std::set<std::string>& specified) {
+  if (specified.count(name)) return absl::OkStatus();  // the command line wins
+  std::string text;
+  switch (value.kind_case()) {
+    case google::protobuf::Value::kNumberValue:
+      text = absl::StrFormat("%.17g", value.number_value());
+      break;
+    case google::protobuf::Value::kStringValue:
+      text = value.string_value();
+      break;
+    case google::protobuf::Value::kBoolValue:
+      text = value.bool_value() ? "true" : "false";
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", name, ": ", where, " must be a number, string or bool"));
+  }
+  std::string error;
+  if (!absl::FindCommandLineFlag(name)->ParseFrom(text, &error)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", name, ": invalid value '", text, "' at ", where, ": ", error));
+  }
+  return absl::OkStatus();
+}
+
+// {"optimizer": {"type": ..., "params": {...}}}, as in a DeepSpeed config.
+absl::Status LoadDeepSpeedOptimizer(const google::protobuf::Struct& section,
+                                    const std::string& path,
+                                    const std::set<std::string>& specified) {
+  for (const auto& [key, value] : section.fields()) {
+    const std::string where = absl::StrCat(path, ": optimizer.", key);
+    if (key == "type") {
+      const std::string& t = value.string_value();
+      std::string ours;
+      if (t == "OneBitAdam") ours = "onebit-adam";
+      if (t == "Adam" || t == "AdamW") ours = "adam";
+      if (ours.empty()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--config: ", where, ": unknown optimizer type '", t, "' (want OneBitAdam, Adam)"));
+      }
+      google::protobuf::Value v;
+      v.set_string_value(ours);
+      if (absl::Status st = SetFromJson("optimizer", v, where, specified); !st.ok()) return st;
+    } else if (key == "params") {
+      for (const auto& [pk, pv] : value.struct_value().fields()) {
+        const std::string pwhere = absl::StrCat(where, ".", pk);
+        absl::Status st;
+        if (pk == "betas") {
+          const auto& list = pv.list_value().values();
+          if (list.size() != 2) {
+            return absl::InvalidArgumentError(
+                absl::StrCat("--config: ", pwhere, ": want [beta1, beta2]"));
+          }
+          st = SetFromJson("beta1", list[0], pwhere, specified);
+          if (st.ok()) st = SetFromJson("beta2", list[1], pwhere, specified);
+        } else if (pk == "lr" || pk == "eps" || pk == "weight_decay" || pk == "freeze_step" ||
+                   pk == "bias_correction") {
+          st = SetFromJson(pk, pv, pwhere, specified);
+        } else {
+          return absl::InvalidArgumentError(
+              absl::StrCat("--config: unknown key '", pk, "' at ", pwhere,
+                           " (want lr, betas, eps, weight_decay, freeze_step, bias_correction)"));
+        }
+        if (!st.ok()) return st;
+      }
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--config: unknown key '", key, "' at ", where, " (want type, params)"));
+    }
+  }
+  return absl::OkStatus();
+}
 
 absl::Status LoadJson(const std::string& path, const std::set<std::string>& specified) {
   std::ifstream in(path);
@@ -64,36 +171,36 @@ absl::Status LoadJson(const std::string& path, const std::set<std::string>& spec
     return absl::InvalidArgumentError(
         absl::StrCat("--config: ", path, " is not a JSON object: ", st.ToString()));
   }
+  // Keys are flag names (dashes or underscores); "optimizer" may instead be
+  // a DeepSpeed optimizer section, and "onebit" holds flags of our own, so a
+  // DeepSpeed config gains one section rather than being rewritten.
   for (const auto& [key, value] : root.fields()) {
     std::string name = key;
     for (char& c : name) c = c == '-' ? '_' : c;
-    bool known = false;
-    for (const char* f : kConfigFlags) known |= name == f;
-    if (!known) {
+    if (name == "optimizer" && value.kind_case() == google::protobuf::Value::kStructValue) {
+      absl::Status st = LoadDeepSpeedOptimizer(value.struct_value(), path, specified);
+      if (!st.ok()) return st;
+      continue;
+    }
+    if (name == "onebit" && value.kind_case() == google::protobuf::Value::kStructValue) {
+      for (const auto& [k2, v2] : value.struct_value().fields()) {
+        std::string n2 = k2;
+        for (char& c : n2) c = c == '-' ? '_' : c;
+        if (!IsConfigFlag(n2)) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("--config: unknown key '", k2, "' at ", path, ": onebit.", k2));
+        }
+        absl::Status st = SetFromJson(n2, v2, absl::StrCat(path, ": onebit.", k2), specified);
+        if (!st.ok()) return st;
+      }
+      continue;
+    }
+    if (!IsConfigFlag(name)) {
       return absl::InvalidArgumentError(
           absl::StrCat("--config: unknown key '", key, "' in ", path));
     }
-    if (specified.count(name)) continue;  // the command line wins
-    std::string text;
-    switch (value.kind_case()) {
-      case google::protobuf::Value::kNumberValue:
-        text = absl::StrFormat("%.17g", value.number_value());
-        break;
-      case google::protobuf::Value::kStringValue:
-        text = value.string_value();
-        break;
-      case google::protobuf::Value::kBoolValue:
-        text = value.bool_value() ? "true" : "false";
-        break;
-      default:
-        return absl::InvalidArgumentError(absl::StrCat("--", name, ": JSON value in ", path,
-                                                       " must be a number, string or bool"));
-    }
-    std::string error;
-    if (!absl::FindCommandLineFlag(name)->ParseFrom(text, &error)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--", name, ": invalid value '", text, "' in ", path, ": ", error));
-    }
+    absl::Status st = SetFromJson(name, value, absl::StrCat(path, ": ", key), specified);
+    if (!st.ok()) return st;
   }
   return absl::OkStatus();
 }
@@ -119,8 +226,16 @@ absl::StatusOr<control::TrainingConfig> ConfigFromFlags(const std::set<std::stri
   c.set_beta2(absl::GetFlag(FLAGS_beta2));
   c.set_eps(absl::GetFlag(FLAGS_eps));
   c.set_weight_decay(absl::GetFlag(FLAGS_weight_decay));
+  c.set_lr_schedule(absl::GetFlag(FLAGS_lr_schedule));
+  c.set_bias_correction(absl::GetFlag(FLAGS_bias_correction));
+  c.set_freeze_step(absl::GetFlag(FLAGS_freeze_step));
+  c.set_freeze(absl::GetFlag(FLAGS_freeze));
+  c.set_v_floor(absl::GetFlag(FLAGS_v_floor));
   c.set_worker_codec(absl::GetFlag(FLAGS_worker_codec));
   c.set_server_codec(absl::GetFlag(FLAGS_server_codec));
+  c.set_error_feedback(absl::GetFlag(FLAGS_error_feedback));
+  c.set_server_reply(absl::GetFlag(FLAGS_server_reply));
+  c.set_scale(absl::GetFlag(FLAGS_scale));
   c.set_block_size(absl::GetFlag(FLAGS_block_size));
   c.set_chunk_elems(absl::GetFlag(FLAGS_chunk_elems));
   c.set_step_timeout_ms(
@@ -129,9 +244,62 @@ absl::StatusOr<control::TrainingConfig> ConfigFromFlags(const std::set<std::stri
       static_cast<uint32_t>(absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_heartbeat_timeout))));
   c.set_noise(absl::GetFlag(FLAGS_noise));
   c.set_skip_model(absl::GetFlag(FLAGS_skip_model));
+  // Fill in the optimizer's defaults, so every process sees one resolved config.
+  auto kind = ParseOptimizerKind(c.optimizer());
+  if (kind.ok()) {
+    if (c.worker_codec().empty()) c.set_worker_codec(std::string(DefaultCodec(*kind)));
+    if (c.server_codec().empty()) c.set_server_codec(std::string(DefaultCodec(*kind)));
+    if (c.server_reply().empty()) {
+      c.set_server_reply(std::string(ReplyModeName(DefaultReplyMode(*kind))));
+    }
+    if (HasWarmup(*kind) && HasCompressionPhase(*kind) && c.freeze_step() == 0 &&
+        c.freeze().empty()) {
+      c.set_freeze("auto");
+    }
+  }
   absl::Status st = ValidateConfig(c);
   if (!st.ok()) return st;
   return c;
+}
+
+absl::StatusOr<OptimizerOptions> OptimizerOptionsFromConfig(const control::TrainingConfig& c) {
+  OptimizerOptions o;
+  auto kind = ParseOptimizerKind(c.optimizer());
+  if (!kind.ok())
+    return absl::InvalidArgumentError(absl::StrCat("--optimizer: ", kind.status().message()));
+  o.kind = *kind;
+  o.lr = c.lr();
+  if (absl::Status st = ParseLrSchedule(c.lr_schedule(), c.steps(), &o); !st.ok()) return st;
+  o.beta1 = c.beta1();
+  o.beta2 = c.beta2();
+  o.eps = c.eps();
+  o.weight_decay = c.weight_decay();
+  o.bias_correction = c.bias_correction();
+  o.v_floor = c.v_floor();
+  if (absl::Status st = ParseErrorFeedback(c.error_feedback(), &o); !st.ok()) return st;
+  auto reply = ParseReplyMode(c.server_reply());
+  if (!reply.ok())
+    return absl::InvalidArgumentError(absl::StrCat("--server_reply: ", reply.status().message()));
+  o.reply = *reply;
+  auto scale = ParseScaleRule(c.scale());
+  if (!scale.ok())
+    return absl::InvalidArgumentError(absl::StrCat("--scale: ", scale.status().message()));
+  o.codec.scale = *scale;
+  o.codec.block_size = c.block_size();
+  o.worker_codec = c.worker_codec();
+  o.server_codec = c.server_codec();
+  if (absl::Status st = ValidateOptimizerOptions(o); !st.ok()) return st;
+  return o;
+}
+
+absl::StatusOr<FreezeOptions> FreezeOptionsFromConfig(const control::TrainingConfig& c) {
+  if (c.freeze_step() > 0 && !c.freeze().empty()) {
+    return absl::InvalidArgumentError("--freeze: give either --freeze_step N or --freeze auto");
+  }
+  if (!c.freeze().empty()) return ParseAutoFreeze(c.freeze());
+  FreezeOptions f;
+  f.step = c.freeze_step() > 0 ? c.freeze_step() : kNever;
+  return f;
 }
 
 absl::Status ValidateConfig(const control::TrainingConfig& c) {
@@ -143,22 +311,13 @@ absl::Status ValidateConfig(const control::TrainingConfig& c) {
   if (c.model() != "synthetic") return bad("model", "unknown model (want synthetic)");
   if (c.dim() < 1 || c.dim() > (uint64_t{1} << 34)) return bad("dim", "must be in [1, 2^34]");
   if (c.steps() < 1) return bad("steps", "must be >= 1");
-  auto kind = ParseUpdateKind(c.optimizer());
-  if (!kind.ok()) return bad("optimizer", kind.status().message());
-  if (!std::isfinite(c.lr()) || c.lr() < 0) return bad("lr", "must be finite and >= 0");
-  if (!(c.beta1() >= 0 && c.beta1() < 1)) return bad("beta1", "must lie in [0, 1)");
-  if (!(c.beta2() >= 0 && c.beta2() < 1)) return bad("beta2", "must lie in [0, 1)");
-  if (!(c.eps() > 0) || !std::isfinite(c.eps())) return bad("eps", "must be finite and > 0");
-  if (!std::isfinite(c.weight_decay())) return bad("weight_decay", "must be finite");
   if (c.block_size() < 32 || c.block_size() % 32 != 0 || c.block_size() > (1u << 24)) {
     return bad("block_size", "must be a multiple of 32 in [32, 2^24]");
   }
-  if (!ParseCodecKind(c.worker_codec()).ok()) {
-    return bad("worker_codec", "unknown codec (want fp32, fp16 or onebit)");
-  }
-  if (c.server_codec() != "fp32") {
-    return bad("server_codec", "sgd and adam reply the exact delta: only fp32");
-  }
+  auto options = OptimizerOptionsFromConfig(c);
+  if (!options.ok()) return options.status();
+  auto freeze = FreezeOptionsFromConfig(c);
+  if (!freeze.ok()) return freeze.status();
   if (c.chunk_elems() < c.block_size() || c.chunk_elems() % c.block_size() != 0) {
     return bad("chunk_elems", "must be a positive multiple of --block_size");
   }

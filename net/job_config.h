@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "proto/control.pb.h"
+#include "shard/optimizer.h"
 
 namespace onebit {
 
@@ -20,6 +21,10 @@ absl::StatusOr<control::TrainingConfig> ConfigFromFlags(const std::set<std::stri
 
 // Checks ranges and combinations; errors start with "--<flag>: ".
 absl::Status ValidateConfig(const control::TrainingConfig& config);
+
+// The optimizer and freeze settings of a (validated) config.
+absl::StatusOr<OptimizerOptions> OptimizerOptionsFromConfig(const control::TrainingConfig& config);
+absl::StatusOr<FreezeOptions> FreezeOptionsFromConfig(const control::TrainingConfig& config);
 
 // "--name=value" for every config flag (and --config), for forwarding.
 std::vector<std::string> ConfigFlagArgs();

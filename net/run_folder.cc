@@ -70,6 +70,16 @@ absl::Status WriteMetricsCsv(const std::string& path, const std::vector<MetricsR
   return WriteAtomically(path, text);
 }
 
+namespace {
+// Bytes per compression-phase step over fp32's bytes per step; null when the
+// run never compressed.
+std::string CompressRatio(const Summary& s, uint64_t bytes) {
+  if (s.compress_steps == 0 || s.steps == 0 || s.bytes_up_fp32 == 0) return "null";
+  const double fp32_per_step = static_cast<double>(s.bytes_up_fp32) / static_cast<double>(s.steps);
+  return Num(static_cast<double>(bytes) / static_cast<double>(s.compress_steps) / fp32_per_step);
+}
+}  // namespace
+
 absl::Status WriteSummaryJson(const std::string& path, const Summary& s) {
   auto opt_u = [](const std::optional<uint64_t>& v) {
     return v ? absl::StrCat(*v) : std::string("null");
@@ -87,6 +97,19 @@ absl::Status WriteSummaryJson(const std::string& path, const Summary& s) {
       "  \"replicas_equal\": ", s.replicas_equal ? "true" : "false", ",\n",
       "  \"worker_codec\": ", JsonQuote(s.worker_codec), ",\n",
       "  \"server_codec\": ", JsonQuote(s.server_codec), ",\n",
+      "  \"error_feedback\": ", JsonQuote(s.error_feedback), ",\n",
+      "  \"server_reply\": ", JsonQuote(s.server_reply), ",\n",
+      "  \"freeze\": ", JsonQuote(s.freeze), ",\n", "  \"v_floor\": ", Num(s.v_floor), ",\n",
+      "  \"v_floored\": ", s.v_floored, ",\n", "  \"compress_steps\": ", s.compress_steps, ",\n",
+      "  \"bytes_up_warmup\": ", s.bytes_up_warmup, ",\n",
+      "  \"bytes_up_compress\": ", s.bytes_up_compress, ",\n",
+      "  \"bytes_down_warmup\": ", s.bytes_down_warmup, ",\n",
+      "  \"bytes_down_compress\": ", s.bytes_down_compress, ",\n",
+      // Compression-phase bytes per step over what fp32 sends per step.
+      "  \"compress_ratio_up\": ", CompressRatio(s, s.bytes_up_compress), ",\n",
+      "  \"compress_ratio_down\": ", CompressRatio(s, s.bytes_down_compress), ",\n",
+      "  \"workers_agree\": ", s.workers_agree ? "true" : "false", ",\n",
+      "  \"max_replica_master_diff\": ", opt_d(s.max_replica_master_diff), ",\n",
       "  \"job_id\": ", JsonQuote(s.job_id), ",\n", "  \"status\": ", JsonQuote(s.status), "\n}\n");
   return WriteAtomically(path, text);
 }

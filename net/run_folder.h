@@ -14,7 +14,7 @@ namespace onebit {
 
 struct MetricsRow {
   uint64_t step = 0;
-  std::string phase;  // "warmup" for sgd/adam
+  std::string phase;  // "warmup" or "compress"
   double loss = 0;    // mean over workers, in rank order
   double wall_s = 0;  // max over workers, since training began
   uint64_t bytes_up = 0;
@@ -43,6 +43,18 @@ struct Summary {
   std::string job_id;
   std::string worker_codec;
   std::string server_codec;
+  std::string error_feedback;
+  std::string server_reply;
+  std::string freeze;  // "step:N" or "auto:..."
+  double v_floor = 0;
+  uint64_t v_floored = 0;  // coordinates the floor raised at the freeze
+  uint64_t compress_steps = 0;
+  uint64_t bytes_up_warmup = 0;
+  uint64_t bytes_up_compress = 0;
+  uint64_t bytes_down_warmup = 0;
+  uint64_t bytes_down_compress = 0;
+  bool workers_agree = false;                     // every worker's replica equals every other's
+  std::optional<double> max_replica_master_diff;  // --server-reply delta
 };
 
 // Creates dir (and parents) when missing.

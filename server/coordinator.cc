@@ -6,6 +6,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "net/job_config.h"
+#include "shard/reference.h"
 
 namespace onebit {
 
@@ -31,7 +33,10 @@ CoordinatorService::CoordinatorService(control::TrainingConfig config, uint64_t 
       register_deadline_(absl::Now() + register_timeout),
       heartbeat_timeout_(absl::Milliseconds(config_.heartbeat_timeout_ms())),
       servers_(config_.servers()),
-      workers_(config_.workers()) {}
+      workers_(config_.workers()) {
+  // The config was validated before the service was made.
+  freeze_ = FreezeOptionsFromConfig(config_).value_or(FreezeOptions{});
+}
 
 std::string CoordinatorService::Name(control::Role role, uint32_t rank) {
   return absl::StrCat(role == control::SERVER ? "server " : "worker ", rank);
@@ -177,7 +182,11 @@ grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext*,
   p.step = req->step();
   if (req->role() == control::WORKER) {
     for (const auto& m : req->metrics()) AddMetricsLocked(req->rank(), m);
+  } else {
+    for (const auto& c : req->freeze_checks()) AddFreezeCheckLocked(req->rank(), c);
   }
+  reply->set_freeze_decided(freeze_decided_);
+  reply->set_freeze_step(freeze_step_);
   if (!req->error().empty())
     FailLocked(absl::StrCat(Name(req->role(), req->rank()), " failed: ", req->error()));
   switch (state_) {
@@ -194,6 +203,35 @@ grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext*,
       reply->set_command(control::CONTINUE);
   }
   return grpc::Status::OK;
+}
+
+void CoordinatorService::AddFreezeCheckLocked(uint32_t shard, const control::FreezeCheck& c) {
+  if (!freeze_.automatic || freeze_step_ != 0) return;
+  freeze_checks_[c.completed()][shard] = c.change();
+  uint32_t nonempty = 0;
+  for (uint32_t k = 0; k < map_.num_shards(); ++k) nonempty += map_.shard(k).size() > 0;
+  // Decide in order: each check once every non-empty shard has reported it.
+  while (freeze_step_ == 0) {
+    auto next = freeze_checks_.find(freeze_decided_ + freeze_.window);
+    if (next == freeze_checks_.end() || next->second.size() < nonempty) return;
+    std::vector<double> changes;
+    double largest = 0;
+    for (const auto& [k, change] : next->second) {
+      changes.push_back(change);
+      largest = std::max(largest, change);
+    }
+    const uint64_t step = AutoFreezeStep(freeze_, next->first, changes);
+    freeze_decided_ = next->first;
+    freeze_checks_.erase(next);
+    if (step != kNever) {
+      freeze_step_ = step;
+      std::fprintf(stderr,
+                   "coordinator: v settled after %llu steps (largest change %.4g < tau %.4g): "
+                   "the warm-up ends; compression from step %llu\n",
+                   static_cast<unsigned long long>(freeze_decided_), largest, freeze_.tau,
+                   static_cast<unsigned long long>(step));
+    }
+  }
 }
 
 grpc::Status CoordinatorService::Done(grpc::ServerContext*, const control::DoneRequest* req,
@@ -224,31 +262,41 @@ void CoordinatorService::MaybeFinishLocked() {
       if (!p.done) return;
     }
   }
-  // Every worker's checksum of each shard range must match that shard's master.
-  bool equal = true;
+  // Every worker's checksum of each shard range must match that shard's
+  // master; under --server-reply delta, the server's mirror of the replica.
+  bool equal = true, agree = true;
+  floored_ = 0;
   for (uint32_t k = 0; k < servers_.size(); ++k) {
     const control::ShardChecksum* master = nullptr;
     for (const auto& c : servers_[k].checksums) {
       if (c.shard() == k) master = &c;
     }
     if (master == nullptr) {
-      equal = false;
+      equal = agree = false;
       continue;
+    }
+    floored_ += master->floored();
+    const uint32_t expect = master->has_replica() ? master->replica_crc32() : master->crc32();
+    if (master->has_replica()) {
+      max_replica_diff_ = std::max(max_replica_diff_.value_or(0.0), master->max_abs_diff());
+      equal &= master->replica_crc32() == master->crc32();
     }
     for (uint32_t w = 0; w < workers_.size(); ++w) {
       bool match = false;
       for (const auto& c : workers_[w].checksums) {
         match |= c.shard() == k && c.begin() == master->begin() && c.end() == master->end() &&
-                 c.crc32() == master->crc32();
+                 c.crc32() == expect;
       }
       if (!match) {
-        std::fprintf(
-            stderr, "coordinator: worker %u's replica of shard %u differs from the master\n", w, k);
+        std::fprintf(stderr, "coordinator: worker %u's replica of shard %u differs from the %s\n",
+                     w, k, master->has_replica() ? "server's mirror of it" : "master");
       }
-      equal &= match;
+      agree &= match;
     }
   }
+  equal &= agree;
   replicas_equal_ = equal;
+  workers_agree_ = agree;
   state_ = State::kFinished;
   ended_ = absl::Now();
   std::fprintf(stderr, "coordinator: all processes done; replicas_equal=%s\n",
@@ -337,7 +385,7 @@ std::vector<MetricsRow> CoordinatorService::MetricsRows() const {
     if (!complete) continue;
     MetricsRow r;
     r.step = step;
-    r.phase = "warmup";  // sgd/adam: full precision throughout (DESIGN.md §1.1)
+    r.phase = per_rank[0]->phase().empty() ? "warmup" : per_rank[0]->phase();
     double loss = 0;
     for (const auto& m : per_rank) {
       loss += m->loss();
@@ -374,7 +422,20 @@ Summary CoordinatorService::MakeSummary() const {
   for (const MetricsRow& r : rows) {
     s.bytes_up += r.bytes_up;
     s.bytes_down += r.bytes_down;
+    const bool compress = r.phase == "compress";
+    (compress ? s.bytes_up_compress : s.bytes_up_warmup) += r.bytes_up;
+    (compress ? s.bytes_down_compress : s.bytes_down_warmup) += r.bytes_down;
+    s.compress_steps += compress;
+    if (compress && !s.freeze_step) s.freeze_step = r.step;
   }
+  s.freeze =
+      config_.freeze().empty() ? absl::StrCat("step:", config_.freeze_step()) : config_.freeze();
+  s.error_feedback = config_.error_feedback();
+  s.server_reply = config_.server_reply();
+  s.v_floor = config_.v_floor();
+  s.v_floored = floored_;
+  s.workers_agree = state_ == State::kFinished && workers_agree_;
+  s.max_replica_master_diff = max_replica_diff_;
   // What a plain fp32 parameter server moves: d floats each way per worker-step.
   const uint64_t fp32 = config_.dim() * sizeof(float) * config_.workers() * rows.size();
   s.bytes_up_fp32 = fp32;

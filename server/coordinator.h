@@ -17,6 +17,7 @@
 #include "absl/time/time.h"
 #include "net/run_folder.h"
 #include "proto/control.grpc.pb.h"
+#include "shard/optimizer.h"
 #include "shard/shard_map.h"
 
 namespace onebit {
@@ -71,12 +72,17 @@ class CoordinatorService final : public control::Coordinator::Service {
   void MaybeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   grpc::Status CheckJob(control::Role role, uint32_t rank, uint64_t job_id) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // --freeze auto: records a server's check and decides every check that all
+  // servers with a non-empty shard have reported.
+  void AddFreezeCheckLocked(uint32_t shard, const control::FreezeCheck& c)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const control::TrainingConfig config_;
   const uint64_t job_id_;
   const ShardMap map_;
   const absl::Time register_deadline_;
   const absl::Duration heartbeat_timeout_;
+  FreezeOptions freeze_;
 
   mutable absl::Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kRegistering;
@@ -87,6 +93,13 @@ class CoordinatorService final : public control::Coordinator::Service {
   std::map<uint64_t, std::vector<std::optional<control::StepMetrics>>> metrics_
       ABSL_GUARDED_BY(mu_);
   bool replicas_equal_ ABSL_GUARDED_BY(mu_) = false;
+  bool workers_agree_ ABSL_GUARDED_BY(mu_) = false;  // every replica equals every other
+  std::optional<double> max_replica_diff_ ABSL_GUARDED_BY(mu_);
+  uint64_t floored_ ABSL_GUARDED_BY(mu_) = 0;
+  // completed steps -> shard -> VarianceChange
+  std::map<uint64_t, std::map<uint32_t, double>> freeze_checks_ ABSL_GUARDED_BY(mu_);
+  uint64_t freeze_decided_ ABSL_GUARDED_BY(mu_) = 0;        // checks decided so far
+  uint64_t freeze_step_ ABSL_GUARDED_BY(mu_) = 0;           // decided first compression step
   std::optional<absl::Time> started_ ABSL_GUARDED_BY(mu_);  // all registered
   std::optional<absl::Time> ended_ ABSL_GUARDED_BY(mu_);    // finished or failed
 };

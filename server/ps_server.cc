@@ -20,27 +20,23 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Create(PsServerOptions optio
                                                            zmq::socket_t* socket) {
   std::unique_ptr<PsServer> s(new PsServer(std::move(options), socket));
   PsServerOptions& o = s->options_;
-  CodecOptions codec_options;
-  codec_options.block_size = o.job.map.block_size();
-  auto push = NewCodec(o.push_codec, codec_options);
-  if (!push.ok()) return push.status();
-  auto reply = NewCodec("fp32", codec_options);
-  if (!reply.ok()) return reply.status();
-  auto rule = NewUpdateRule(o.update);
-  if (!rule.ok()) return rule.status();
-  s->push_codec_ = std::move(*push);
-  s->reply_codec_ = std::move(*reply);
-  s->rule_ = std::move(*rule);
-  o.job.push_codec = s->push_codec_.get();
-  o.job.init_codec = s->reply_codec_.get();
+  o.optimizer.codec.block_size = o.job.map.block_size();
+  auto init = NewCodec("fp32", o.optimizer.codec);
+  if (!init.ok()) return init.status();
+  auto optimizer = ServerOptimizer::Create(o.optimizer);
+  if (!optimizer.ok()) return optimizer.status();
+  s->init_codec_ = std::move(*init);
+  s->optimizer_ = std::move(*optimizer);
+  if (o.freeze.automatic && (!o.report_freeze_check || !o.freeze_decision)) {
+    return absl::InvalidArgumentError("--freeze auto needs the coordinator's decisions");
+  }
   if (o.shard >= o.job.map.num_shards()) {
     return absl::InvalidArgumentError(absl::StrCat("shard ", o.shard, " out of range"));
   }
   const Range r = o.job.map.shard(o.shard);
-  s->state_.shard = o.shard;
-  s->state_.begin = r.begin;
-  s->state_.x.assign(r.size(), 0.0f);
-  s->rule_->InitState(&s->state_);
+  s->optimizer_->InitState(o.shard, r.begin, r.size(), &s->state_);
+  o.job.push_codec = &s->optimizer_->push_codec(PhaseOf(s->state_));
+  o.job.init_codec = s->init_codec_.get();
   const uint64_t n = NumChunks(r.size(), o.job.chunk_elems);
   s->chunks_.resize(n);
   for (uint64_t i = 0; i < n; ++i) {
@@ -50,7 +46,6 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Create(PsServerOptions optio
     c.pushed.assign(o.job.workers, false);
     c.held.resize(o.job.workers);
   }
-  s->delta_.resize(std::min<uint64_t>(o.job.chunk_elems, r.size()));
   // An empty shard has nothing to aggregate: it is done from the start.
   if (n == 0) s->state_.step = o.job.steps;
   return s;
@@ -68,6 +63,15 @@ absl::Status PsServer::Serve(const std::function<bool()>& should_stop,
       on_finished();
     }
     if (should_stop()) return absl::OkStatus();
+    CompleteReady();
+    if (!failure_.ok()) return failure_;
+    if (waiting_since_ && absl::Now() - *waiting_since_ > options_.step_timeout) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "shard ", options_.shard, " step ", state_.step,
+          ": no --freeze auto decision from the coordinator for the check after ",
+          state_.step + 1 - options_.freeze.window,
+          " steps within --step-timeout=", absl::FormatDuration(options_.step_timeout)));
+    }
     zmq::pollitem_t item{socket_->handle(), 0, ZMQ_POLLIN, 0};
     zmq::poll(&item, 1, std::chrono::milliseconds(50));
     // Drain what has arrived; bounded so timeouts and stop are still checked.
@@ -140,8 +144,8 @@ absl::Status PsServer::HandleRequest(const std::string& routing_id, const data::
     if (c.initialized) {
       return absl::InvalidArgumentError(absl::StrCat("duplicate INIT for chunk ", index));
     }
-    absl::Status st = reply_codec_->Decode(static_cast<const uint8_t*>(payload.data()), h.count(),
-                                           state_.x.data() + (h.begin() - state_.begin));
+    absl::Status st = init_codec_->Decode(static_cast<const uint8_t*>(payload.data()), h.count(),
+                                          state_.x.data() + (h.begin() - state_.begin));
     if (!st.ok())
       return absl::InvalidArgumentError(absl::StrCat("bad INIT payload: ", st.message()));
     c.initialized = true;
@@ -182,8 +186,8 @@ absl::Status PsServer::DrainInOrder(Chunk& c, uint64_t index) {
     // acc starts at +0.0f; zeroed here rather than at the end of the step so
     // it is in cache for the decode-add.
     if (r == 0) std::fill(c.acc.begin(), c.acc.end(), 0.0f);
-    absl::Status st = push_codec_->DecodeAdd(static_cast<const uint8_t*>(m.data()), c.range.size(),
-                                             w, c.acc.data());
+    absl::Status st = options_.job.push_codec->DecodeAdd(static_cast<const uint8_t*>(m.data()),
+                                                         c.range.size(), w, c.acc.data());
     c.held[r].reset();
     if (!st.ok()) {
       // The codec left acc untouched; rank r may push this chunk again.
@@ -201,30 +205,56 @@ absl::Status PsServer::DrainInOrder(Chunk& c, uint64_t index) {
     }
     ++c.next_rank;
   }
-  if (c.next_rank == n_workers && (c.initialized || state_.step > 0)) Complete(c, index);
+  if (c.next_rank == n_workers && (c.initialized || state_.step > 0)) {
+    c.ready = true;
+    CompleteReady();
+  }
   return absl::OkStatus();
+}
+
+std::optional<bool> PsServer::LastWarmup() {
+  const OptimizerKind kind = options_.optimizer.kind;
+  if (state_.frozen || !HasWarmup(kind) || !HasCompressionPhase(kind)) return false;
+  const FreezeOptions& f = options_.freeze;
+  const uint64_t next = state_.step + 1;
+  if (!f.automatic) return next == f.step;
+  // Automatic: the warm-up can only end K steps after a check.
+  if (next <= f.window || next % f.window != 0) return false;
+  std::optional<uint64_t> decided = options_.freeze_decision(next - f.window);
+  if (!decided) return std::nullopt;
+  return *decided == next;
+}
+
+void PsServer::CompleteReady() {
+  bool any = false;
+  for (const Chunk& c : chunks_) any |= c.ready;
+  if (!any) return;
+  std::optional<bool> last = LastWarmup();
+  if (!last) {
+    if (!waiting_since_) waiting_since_ = absl::Now();
+    return;
+  }
+  waiting_since_.reset();
+  for (uint64_t i = 0; i < chunks_.size() && failure_.ok(); ++i) {
+    if (chunks_[i].ready) Complete(chunks_[i], i);
+  }
 }
 
 void PsServer::Complete(Chunk& c, uint64_t index) {
   const uint64_t pushed_ns = MonotonicNs();
   const uint64_t n = c.range.size();
-  const size_t bytes = reply_codec_->EncodedSize(n);
+  const bool last_warmup = LastWarmup().value_or(false);
+  const Phase phase = PhaseOf(state_);
+  const size_t bytes = optimizer_->ReplyBytes(phase, n, last_warmup);
   if (c.reply == nullptr || c.reply.use_count() > 1 || c.reply->size() != bytes) {
     c.reply = std::make_shared<std::vector<uint8_t>>(bytes);
   }
-  // Update and encode in pieces that stay in L2. fp32 encodes element by
-  // element, so the pieces' encodings concatenate to the chunk's.
-  const uint64_t piece = reply_codec_->kind() == CodecKind::kFp32 ? kUpdatePiece : n;
-  absl::Status st;
-  for (uint64_t off = 0; off < n && st.ok(); off += piece) {
-    const uint64_t m = std::min(piece, n - off);
-    rule_->Apply(c.acc.data() + off, c.range.begin - state_.begin + off, m, &state_, delta_.data());
-    st = reply_codec_->Encode(delta_.data(), m, c.reply->data() + off * sizeof(float));
-  }
+  c.ready = false;
+  absl::Status st = optimizer_->Step(state_.step, last_warmup, c.acc.data(),
+                                     c.range.begin - state_.begin, n, &state_, c.reply->data());
   if (!st.ok()) {
-    failure_ = absl::InternalError(absl::StrCat("the update of shard ", options_.shard, " chunk ",
-                                                index, " at step ", state_.step,
-                                                " is not finite (diverged?): ", st.message()));
+    failure_ = absl::InternalError(
+        absl::StrCat("shard ", options_.shard, " chunk ", index, ": ", st.message()));
     return;
   }
   const SharedBytes shared = c.reply;
@@ -236,10 +266,11 @@ void PsServer::Complete(Chunk& c, uint64_t index) {
   h.set_shard(options_.shard);
   h.set_begin(c.range.begin);
   h.set_count(n);
-  h.set_codec(reply_codec_->name());
+  h.set_codec(optimizer_->reply_codec(phase).name());
   h.set_block_size(options_.job.map.block_size());
   h.set_payload_bytes(shared->size());
   h.set_pushed_ns(pushed_ns);
+  h.set_last_warmup(last_warmup);
   for (uint32_t r = 0; r < options_.job.workers; ++r) {
     h.set_rank(r);
     h.set_sent_ns(MonotonicNs());
@@ -248,7 +279,12 @@ void PsServer::Complete(Chunk& c, uint64_t index) {
   }
   c.done = true;
   if (++chunks_done_ < chunks_.size()) return;
-  // Every chunk of the shard is done: the step is over.
+  EndStep();
+}
+
+// Every chunk of the shard is done: the step is over.
+void PsServer::EndStep() {
+  const bool last_warmup = LastWarmup().value_or(false);
   ++state_.step;
   chunks_done_ = 0;
   step_started_.reset();
@@ -256,6 +292,25 @@ void PsServer::Complete(Chunk& c, uint64_t index) {
     ch.next_rank = 0;
     std::fill(ch.pushed.begin(), ch.pushed.end(), false);
     ch.done = false;
+  }
+  if (last_warmup) {
+    optimizer_->EnterCompression(&state_);
+    options_.job.push_codec = &optimizer_->push_codec(PhaseOf(state_));
+    std::fprintf(stderr,
+                 "server %u: warm-up over after %llu steps; %llu coordinates of v "
+                 "raised to the floor\n",
+                 options_.shard, static_cast<unsigned long long>(state_.step),
+                 static_cast<unsigned long long>(state_.floored));
+  }
+  // --freeze auto: every K steps, how far v moved since the previous check.
+  const FreezeOptions& f = options_.freeze;
+  if (f.automatic && !state_.frozen && HasCompressionPhase(options_.optimizer.kind) &&
+      state_.step % f.window == 0) {
+    const double change = state_.v_check.size() == state_.v.size() && state_.step > f.window
+                              ? VarianceChange(state_.v, state_.v_check)
+                              : 1.0;
+    state_.v_check = state_.v;
+    options_.report_freeze_check(state_.step, change);
   }
 }
 

@@ -22,7 +22,7 @@
 #include "absl/time/time.h"
 #include "compress/codec.h"
 #include "net/data_plane.h"
-#include "shard/update_rule.h"
+#include "shard/optimizer.h"
 #include "zmq.hpp"
 
 namespace onebit {
@@ -30,9 +30,13 @@ namespace onebit {
 struct PsServerOptions {
   DataPlaneJob job;  // codecs are filled in by Create()
   uint32_t shard = 0;
-  std::string push_codec = "fp32";
-  UpdateOptions update;
+  OptimizerOptions optimizer;
+  FreezeOptions freeze;
   absl::Duration step_timeout = absl::Seconds(30);
+  // --freeze auto: where this shard's checks go, and where the coordinator's
+  // decision comes from (see Heartbeater::FreezeDecision).
+  std::function<void(uint64_t completed, double change)> report_freeze_check;
+  std::function<std::optional<uint64_t>(uint64_t completed)> freeze_decision;
 };
 
 class PsServer {
@@ -47,7 +51,7 @@ class PsServer {
   absl::Status Serve(const std::function<bool()>& should_stop,
                      const std::function<void()>& on_finished);
 
-  const ShardState& state() const { return state_; }
+  const ServerShardState& state() const { return state_; }
   bool finished() const { return state_.step >= options_.job.steps; }
 
  private:
@@ -59,6 +63,7 @@ class PsServer {
     std::vector<bool> pushed;                         // by rank, this step
     std::vector<std::optional<zmq::message_t>> held;  // out-of-order payloads
     bool initialized = false;  // INIT received (needed before step 0 applies)
+    bool ready = false;        // every push is in; waits for the freeze decision
     bool done = false;         // this step's update applied and replied
     // The reply payload, reused once ZeroMQ has released every message over
     // it (fresh 4 MB buffers cost page faults on every step).
@@ -71,6 +76,11 @@ class PsServer {
                              zmq::message_t& payload);
   absl::Status DrainInOrder(Chunk& c, uint64_t chunk_index);
   void Complete(Chunk& c, uint64_t chunk_index);
+  // Whether the current step is the last warm-up step; nullopt while the
+  // coordinator has not yet decided (--freeze auto).
+  std::optional<bool> LastWarmup();
+  void CompleteReady();
+  void EndStep();
   void SendError(const std::string& routing_id, const data::Header* request,
                  const std::string& error);
   void Send(const std::string& routing_id, const data::Header& h, zmq::message_t* payload);
@@ -78,14 +88,13 @@ class PsServer {
 
   PsServerOptions options_;
   zmq::socket_t* const socket_;
-  std::unique_ptr<const Codec> push_codec_;
-  std::unique_ptr<const Codec> reply_codec_;  // fp32: the exact delta
-  std::unique_ptr<const UpdateRule> rule_;
-  ShardState state_;
+  std::unique_ptr<const Codec> init_codec_;  // fp32
+  std::unique_ptr<const ServerOptimizer> optimizer_;
+  ServerShardState state_;
+  std::optional<absl::Time> waiting_since_;  // for a freeze decision
   std::vector<Chunk> chunks_;
   uint64_t chunks_done_ = 0;
   std::optional<absl::Time> step_started_;  // first push of the current step
-  std::vector<float> delta_;                // scratch, one chunk
   bool reported_finished_ = false;
   absl::Status failure_;  // first fatal error, e.g. a decode failure of the update
 };

@@ -1,6 +1,8 @@
 // onebit-server: registers with the coordinator, binds a ZeroMQ ROUTER on its
 // data port and serves one shard (server/ps_server.h) until the coordinator
 // says the job is over.
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 
@@ -13,6 +15,7 @@
 #include "net/data_plane.h"
 #include "net/flags.h"
 #include "net/health.h"
+#include "net/job_config.h"
 #include "server/ps_server.h"
 
 ABSL_FLAG(std::string, coordinator, "", "coordinator address host:port (required)");
@@ -85,8 +88,10 @@ int Main(int argc, char** argv) {
   auto map = ShardMap::Deserialize(reg->shard_map());
   if (!map.ok())
     ExitError(1, absl::StrCat("bad shard map from the coordinator: ", map.status().message()));
-  auto kind = ParseUpdateKind(cfg.optimizer());
-  if (!kind.ok()) ExitError(1, std::string(kind.status().message()));
+  auto optimizer = OptimizerOptionsFromConfig(cfg);
+  if (!optimizer.ok()) ExitError(1, std::string(optimizer.status().message()));
+  auto freeze = FreezeOptionsFromConfig(cfg);
+  if (!freeze.ok()) ExitError(1, std::string(freeze.status().message()));
   PsServerOptions o;
   o.job.job_id = reg->job_id();
   o.job.workers = cfg.workers();
@@ -94,19 +99,21 @@ int Main(int argc, char** argv) {
   o.job.map = *map;
   o.job.chunk_elems = cfg.chunk_elems();
   o.shard = rank;
-  o.push_codec = cfg.worker_codec();
-  o.update.kind = *kind;
-  o.update.lr = cfg.lr();
-  o.update.beta1 = cfg.beta1();
-  o.update.beta2 = cfg.beta2();
-  o.update.eps = cfg.eps();
-  o.update.weight_decay = cfg.weight_decay();
+  o.optimizer = *optimizer;
+  o.freeze = *freeze;
   o.step_timeout = absl::Milliseconds(cfg.step_timeout_ms());
   const absl::Duration hb_timeout = absl::Milliseconds(cfg.heartbeat_timeout_ms());
 
   Heartbeater hb(stub.get(), coordinator, control::SERVER, rank, reg->job_id(),
                  std::clamp(hb_timeout / 10, absl::Milliseconds(20), absl::Seconds(1)), hb_timeout);
   hb.Start();
+  o.report_freeze_check = [&hb](uint64_t completed, double change) {
+    hb.ReportFreezeCheck(completed, change);
+  };
+  const uint64_t window = o.freeze.window;
+  o.freeze_decision = [&hb, window](uint64_t completed) {
+    return hb.FreezeDecision(completed, window);
+  };
   auto server = PsServer::Create(o, &socket);
   if (!server.ok()) Fail(&hb, std::string(server.status().message()));
   const Range r = map->shard(rank);
@@ -126,7 +133,19 @@ int Main(int argc, char** argv) {
         c.set_shard(rank);
         c.set_begin(r.begin);
         c.set_end(r.end);
-        c.set_crc32(Crc32OfFloats(ps.state().x.data(), ps.state().x.size()));
+        const ServerShardState& state = ps.state();
+        c.set_crc32(Crc32OfFloats(state.x.data(), state.x.size()));
+        c.set_floored(state.floored);
+        if (!state.replica.empty()) {
+          // --server-reply delta: the workers' replica trails the master.
+          c.set_has_replica(true);
+          c.set_replica_crc32(Crc32OfFloats(state.replica.data(), state.replica.size()));
+          double diff = 0;
+          for (size_t i = 0; i < state.x.size(); ++i) {
+            diff = std::max(diff, std::fabs(static_cast<double>(state.x[i]) - state.replica[i]));
+          }
+          c.set_max_abs_diff(diff);
+        }
         done_status = hb.Done({c});
       });
   if (!st.ok()) Fail(&hb, absl::StrCat("server ", rank, ": ", st.message()));

@@ -17,13 +17,9 @@ absl::StatusOr<std::unique_ptr<PsClient>> PsClient::Connect(PsClientOptions opti
     return absl::InvalidArgumentError(absl::StrCat(
         o.server_endpoints.size(), " server endpoints for ", o.map.num_shards(), " shards"));
   }
-  CodecOptions co;
-  co.block_size = o.map.block_size();
-  auto push = NewCodec(o.push_codec, co);
-  if (!push.ok()) return push.status();
-  auto fp32 = NewCodec("fp32", co);
+  if (o.optimizer == nullptr) return absl::InvalidArgumentError("PsClient: no optimizer");
+  auto fp32 = NewCodec("fp32", o.optimizer->options().codec);
   if (!fp32.ok()) return fp32.status();
-  c->push_codec_ = std::move(*push);
   c->fp32_ = std::move(*fp32);
   const std::string identity = WorkerIdentity(o.job_id, o.rank);
   for (const std::string& ep : o.server_endpoints) {
@@ -52,8 +48,9 @@ absl::StatusOr<std::unique_ptr<PsClient>> PsClient::Connect(PsClientOptions opti
   return c;
 }
 
-absl::Status PsClient::SendChunk(size_t i, uint64_t step, const float* src, const Codec& codec,
-                                 int kind) {
+absl::Status PsClient::SendChunk(
+    size_t i, uint64_t step, const Codec& codec, int kind,
+    const std::function<absl::Status(const Range&, uint8_t*)>& encode) {
   Chunk& c = chunks_[i];
   const size_t n = c.range.size();
   const size_t bytes = codec.EncodedSize(n);
@@ -61,7 +58,7 @@ absl::Status PsClient::SendChunk(size_t i, uint64_t step, const float* src, cons
   if (c.buf == nullptr || c.buf.use_count() > 1 || c.buf->size() != bytes) {
     c.buf = std::make_shared<std::vector<uint8_t>>(bytes);
   }
-  absl::Status st = codec.Encode(src + c.range.begin, n, c.buf->data());
+  absl::Status st = encode(c.range, c.buf->data());
   if (!st.ok()) {
     return absl::Status(
         st.code(), absl::StrCat("encoding chunk [", c.range.begin, ", ", c.range.end, ") of step ",
@@ -79,29 +76,32 @@ absl::Status PsClient::SendChunk(size_t i, uint64_t step, const float* src, cons
   h.set_codec(codec.name());
   h.set_block_size(options_.map.block_size());
   h.set_payload_bytes(bytes);
+  const std::string header = h.SerializeAsString();
   zmq::socket_t& s = sockets_[c.shard];
   try {
-    s.send(CopyFrame(h.SerializeAsString()), zmq::send_flags::sndmore);
+    s.send(CopyFrame(header), zmq::send_flags::sndmore);
     s.send(ShareFrame(c.buf, 0, bytes), zmq::send_flags::none);
   } catch (const zmq::error_t& e) {
     return absl::UnavailableError(absl::StrCat(
         "sending to server ", c.shard, " (", options_.server_endpoints[c.shard], "): ", e.what()));
   }
-  bytes_up_ += bytes;
+  bytes_up_ += header.size() + bytes;
   return absl::OkStatus();
 }
 
 absl::Status PsClient::SendInit(const float* x) {
   for (size_t i = 0; i < chunks_.size(); ++i) {
-    absl::Status st = SendChunk(i, 0, x, *fp32_, data::INIT);
+    absl::Status st = SendChunk(i, 0, *fp32_, data::INIT, [&](const Range& r, uint8_t* out) {
+      return fp32_->Encode(x + r.begin, r.size(), out);
+    });
     if (!st.ok()) return st;
   }
   return absl::OkStatus();
 }
 
 absl::Status PsClient::HandleReply(uint32_t server, uint64_t step,
-                                   std::vector<zmq::message_t>& frames, float* x,
-                                   std::vector<bool>* got) {
+                                   std::vector<zmq::message_t>& frames, WorkerState* state,
+                                   std::vector<bool>* got, int* last_warmup) {
   const std::string& ep = options_.server_endpoints[server];
   auto who = [&] { return absl::StrCat("server ", server, " (", ep, ")"); };
   if (frames.empty()) return absl::DataLossError(absl::StrCat("empty message from ", who()));
@@ -127,35 +127,48 @@ absl::Status PsClient::HandleReply(uint32_t server, uint64_t step,
   const uint64_t index = (h->begin() - s.begin) / options_.chunk_elems;
   const Chunk& c = chunks_[by_shard_[server][index]];
   if (h->count() != c.range.size()) return bad("count ", h->count());
-  if (h->codec() != fp32_->name()) return bad("codec '", h->codec(), "'");
-  const size_t need = fp32_->EncodedSize(c.range.size());
+  const WorkerOptimizer& opt = *options_.optimizer;
+  const Phase phase = PhaseOf(*state);
+  if (h->codec() != opt.reply_codec(phase).name()) {
+    return bad("codec '", h->codec(), "' (want ", opt.reply_codec(phase).name(), ")");
+  }
+  // Every server ends the warm-up at the same (coordinator-wide) step.
+  if (*last_warmup >= 0 && *last_warmup != static_cast<int>(h->last_warmup())) {
+    return bad("servers disagree on whether step ", step, " ends the warm-up");
+  }
+  *last_warmup = h->last_warmup();
+  const size_t need = opt.ReplyBytes(phase, c.range.size(), h->last_warmup());
   if (frames.size() != 2 || h->payload_bytes() != need || frames[1].size() != need) {
     return bad("payload of ", frames.size() == 2 ? frames[1].size() : 0, " bytes, want ", need);
   }
   if ((*got)[by_shard_[server][index]]) return bad("duplicate reply for chunk ", index);
-  // x += Δ: the same fp32 addition the server applied to its master.
-  absl::Status st = fp32_->DecodeAdd(static_cast<const uint8_t*>(frames[1].data()), c.range.size(),
-                                     1.0f, x + c.range.begin);
+  absl::Status st = opt.Apply(step, h->last_warmup(), static_cast<const uint8_t*>(frames[1].data()),
+                              c.range.begin, c.range.size(), state);
   if (!st.ok()) return bad(st.message());
   (*got)[by_shard_[server][index]] = true;
-  bytes_down_ += need;
+  bytes_down_ += frames[0].size() + need;
   last_pushed_ns_ = std::max<uint64_t>(last_pushed_ns_, h->pushed_ns());
   first_sent_ns_ =
       first_sent_ns_ == 0 ? h->sent_ns() : std::min<uint64_t>(first_sent_ns_, h->sent_ns());
   return absl::OkStatus();
 }
 
-absl::Status PsClient::PushPull(uint64_t step, const float* g, float* x,
+absl::Status PsClient::PushPull(uint64_t step, const float* g, WorkerState* state,
                                 const std::function<absl::Status()>& check) {
   bytes_up_ = 0;
   bytes_down_ = 0;
   last_pushed_ns_ = 0;
   first_sent_ns_ = 0;
   const uint64_t start_ns = MonotonicNs();
+  const WorkerOptimizer& opt = *options_.optimizer;
   for (size_t i = 0; i < chunks_.size(); ++i) {
-    absl::Status st = SendChunk(i, step, g, *push_codec_, data::PUSH);
+    absl::Status st = SendChunk(i, step, opt.push_codec(PhaseOf(*state)), data::PUSH,
+                                [&](const Range& r, uint8_t* out) {
+                                  return opt.Push(step, g, r.begin, r.size(), state, out);
+                                });
     if (!st.ok()) return st;
   }
+  int last_warmup = -1;  // unknown until the first reply
   const size_t S = sockets_.size();
   std::vector<bool> got(chunks_.size(), false);
   std::vector<size_t> outstanding(S);
@@ -173,7 +186,7 @@ absl::Status PsClient::PushPull(uint64_t step, const float* g, float* x,
         auto r =
             zmq::recv_multipart(sockets_[k], std::back_inserter(frames), zmq::recv_flags::dontwait);
         if (!r) break;
-        absl::Status st = HandleReply(k, step, frames, x, &got);
+        absl::Status st = HandleReply(k, step, frames, state, &got, &last_warmup);
         if (!st.ok()) return st;
         last_heard[k] = absl::Now();
         --outstanding[k];
@@ -192,6 +205,7 @@ absl::Status PsClient::PushPull(uint64_t step, const float* g, float* x,
     absl::Status st = check();
     if (!st.ok()) return st;
   }
+  if (last_warmup == 1) opt.EnterCompression(state);
   const uint64_t end_ns = MonotonicNs();
   auto seconds = [](uint64_t from, uint64_t to) { return to > from ? (to - from) * 1e-9 : 0.0; };
   push_s_ = seconds(start_ns, last_pushed_ns_);

@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "compress/codec.h"
+#include "shard/optimizer.h"
 #include "shard/shard_map.h"
 #include "zmq.hpp"
 
@@ -25,8 +26,8 @@ struct PsClientOptions {
   uint32_t rank = 0;
   ShardMap map = ShardMap::Create(0, 1, 32).value();
   uint64_t chunk_elems = 1 << 20;
-  std::string push_codec = "fp32";
-  std::vector<std::string> server_endpoints;  // index = shard
+  const WorkerOptimizer* optimizer = nullptr;  // must outlive the client
+  std::vector<std::string> server_endpoints;   // index = shard
   // A server that sends nothing for this long while replies are due is dead.
   absl::Duration reply_timeout = absl::Seconds(60);
 };
@@ -40,12 +41,14 @@ class PsClient {
   // same initial parameters as the replicas.
   absl::Status SendInit(const float* x);
 
-  // One step: pushes g[0, d) encoded with the push codec, waits for all
-  // replies and adds them to x[0, d). `check` runs between waits (~100 ms);
-  // a non-OK result aborts the step with it.
-  absl::Status PushPull(uint64_t step, const float* g, float* x,
+  // One step: pushes every chunk of g[0, d) through the optimizer (the
+  // gradient in the warm-up, the compressed momentum after it), waits for
+  // all replies and applies them to `state`. `check` runs between waits
+  // (~100 ms); a non-OK result aborts the step with it.
+  absl::Status PushPull(uint64_t step, const float* g, WorkerState* state,
                         const std::function<absl::Status()>& check);
 
+  // Bytes of the last step, headers included.
   uint64_t last_bytes_up() const { return bytes_up_; }
   uint64_t last_bytes_down() const { return bytes_down_; }
   // Phases of the last step (same-host clocks; see StepMetrics.push_s).
@@ -60,13 +63,15 @@ class PsClient {
     std::shared_ptr<std::vector<uint8_t>> buf;
   };
   explicit PsClient(PsClientOptions options) : options_(std::move(options)) {}
-  absl::Status SendChunk(size_t i, uint64_t step, const float* src, const Codec& codec, int kind);
+  // Encodes chunk i with `encode` (which writes codec.EncodedSize(n) bytes)
+  // and sends it.
+  absl::Status SendChunk(size_t i, uint64_t step, const Codec& codec, int kind,
+                         const std::function<absl::Status(const Range&, uint8_t*)>& encode);
   absl::Status HandleReply(uint32_t server, uint64_t step, std::vector<zmq::message_t>& frames,
-                           float* x, std::vector<bool>* got);
+                           WorkerState* state, std::vector<bool>* got, int* last_warmup);
 
   PsClientOptions options_;
-  std::unique_ptr<const Codec> push_codec_;
-  std::unique_ptr<const Codec> fp32_;
+  std::unique_ptr<const Codec> fp32_;  // INIT
   std::vector<zmq::socket_t> sockets_;
   std::vector<Chunk> chunks_;                  // send order: interleaved across servers
   std::vector<std::vector<size_t>> by_shard_;  // shard -> chunk index -> chunks_ index

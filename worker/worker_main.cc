@@ -13,6 +13,7 @@
 #include "net/data_plane.h"
 #include "net/flags.h"
 #include "net/health.h"
+#include "net/job_config.h"
 #include "worker/model.h"
 #include "worker/ps_client.h"
 
@@ -76,13 +77,18 @@ int Main(int argc, char** argv) {
   const uint64_t d = (*model)->num_params();
   if (d != map->num_params()) Fail(&hb, "model size differs from the shard map");
 
+  auto opt_options = OptimizerOptionsFromConfig(cfg);
+  if (!opt_options.ok()) Fail(&hb, std::string(opt_options.status().message()));
+  auto optimizer = WorkerOptimizer::Create(*opt_options);
+  if (!optimizer.ok()) Fail(&hb, std::string(optimizer.status().message()));
+
   zmq::context_t ctx(static_cast<int>(std::min<uint32_t>(cfg.servers(), 2)));
   PsClientOptions po;
   po.job_id = reg->job_id();
   po.rank = rank;
   po.map = *map;
   po.chunk_elems = cfg.chunk_elems();
-  po.push_codec = cfg.worker_codec();
+  po.optimizer = optimizer->get();
   for (const auto& s : reg->servers()) po.server_endpoints.push_back(s.data_endpoint());
   // The server gives up on a missing push after the step timeout and tells
   // us why; this is the backstop for a server that died.
@@ -90,7 +96,10 @@ int Main(int argc, char** argv) {
   auto client = PsClient::Connect(po, &ctx);
   if (!client.ok()) Fail(&hb, std::string(client.status().message()));
 
-  std::vector<float> x(d), g(d, 0.0f);
+  WorkerState state;
+  (*optimizer)->InitState(d, &state);
+  std::vector<float>& x = state.x;
+  std::vector<float> g(d, 0.0f);
   (*model)->Init(x.data());
   if (rank == 0) {
     absl::Status st = (*client)->SendInit(x.data());
@@ -118,7 +127,8 @@ int Main(int argc, char** argv) {
     const absl::Time s0 = absl::Now();
     auto loss = (*model)->Gradient(x.data(), rank, step, g.data());
     if (!loss.ok()) Fail(&hb, absl::StrCat("worker ", rank, ": ", loss.status().message()));
-    absl::Status st = (*client)->PushPull(step, g.data(), x.data(), check);
+    const Phase phase = PhaseOf(state);
+    absl::Status st = (*client)->PushPull(step, g.data(), &state, check);
     if (!st.ok()) Fail(&hb, absl::StrCat("worker ", rank, ": ", st.message()));
     const absl::Time s1 = absl::Now();
     control::StepMetrics m;
@@ -130,6 +140,7 @@ int Main(int argc, char** argv) {
     m.set_bytes_down((*client)->last_bytes_down());
     m.set_push_s((*client)->last_push_s());
     m.set_reply_s((*client)->last_reply_s());
+    m.set_phase(phase == Phase::kCompress ? "compress" : "warmup");
     total_up += m.bytes_up();
     total_down += m.bytes_down();
     hb.AddMetrics(m);

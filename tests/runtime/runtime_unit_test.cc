@@ -14,7 +14,6 @@
 #include "net/data_plane.h"
 #include "net/job_config.h"
 #include "server/coordinator.h"
-#include "shard/update_rule.h"
 #include "tests/runtime/test_util.h"
 #include "worker/synthetic_model.h"
 
@@ -81,7 +80,9 @@ TEST_F(DataHeader, EachProblemIsNamed) {
     size_t frame = 256;
   };
   const std::vector<C> cases = {
-      {[](data::Header& h) { h.set_version(2); }, "unsupported protocol version 2"},
+      {[](data::Header& h) { h.set_version(kProtocolVersion + 1); },
+       absl::StrCat("unsupported protocol version ", kProtocolVersion + 1)},
+      {[](data::Header& h) { h.set_version(1); }, "unsupported protocol version 1"},
       {[](data::Header& h) { h.set_version(0); }, "unsupported protocol version 0"},
       {[](data::Header& h) { h.set_job_id(1); }, "wrong job id 0000000000000001"},
       {[](data::Header& h) { h.set_kind(data::REPLY); }, "unexpected message kind REPLY"},
@@ -155,72 +156,6 @@ TEST(DataChunks, CoverEachShardExactlyOnce) {
     }
   }
   EXPECT_EQ(NumChunks(0, 64), 0u);
-}
-
-TEST(UpdateRule, SgdIsMinusLrTimesGradient) {
-  auto rule = *NewUpdateRule(UpdateOptions{UpdateKind::kSgd, 0.5f});
-  ShardState s;
-  s.x = {1.0f, -2.0f, 0.25f};
-  rule->InitState(&s);
-  const float g[] = {2.0f, -1.0f, 0.0f};
-  float d[3];
-  rule->Apply(g, 0, 3, &s, d);
-  EXPECT_EQ(d[0], -1.0f);
-  EXPECT_EQ(d[1], 0.5f);
-  EXPECT_EQ(s.x[0], 0.0f);
-  EXPECT_EQ(s.x[1], -1.5f);
-  EXPECT_EQ(s.x[2], 0.25f);
-}
-
-TEST(UpdateRule, AdamFirstStepMatchesHandComputation) {
-  UpdateOptions o;
-  o.kind = UpdateKind::kAdam;
-  o.lr = 0.1f;
-  o.weight_decay = 0.5f;
-  auto rule = *NewUpdateRule(o);
-  ShardState s;
-  s.x = {2.0f};
-  rule->InitState(&s);
-  const float g = 0.5f;
-  float d;
-  rule->Apply(&g, 0, 1, &s, &d);
-  // m = 0.05, v = 0.00025 (fp32: 1 - 0.999f = 0.00099998713), m / sqrt(v) =
-  // sqrt(10); Δ = -0.1 (3.16227766 + 1).
-  EXPECT_FLOAT_EQ(s.m[0], 0.05f);
-  EXPECT_EQ(s.v[0], (1.0f - 0.999f) * 0.5f * 0.5f);
-  EXPECT_NEAR(d, -0.416227766, 1e-5);
-  EXPECT_EQ(s.x[0], 2.0f + d);
-}
-
-TEST(UpdateRule, ChunkwiseEqualsWholeBitwise) {
-  UpdateOptions o;
-  o.kind = UpdateKind::kAdam;
-  o.lr = 0.01f;
-  auto rule = *NewUpdateRule(o);
-  ShardState a, b;
-  a.x.resize(1001);
-  for (size_t i = 0; i < a.x.size(); ++i) a.x[i] = std::sin(static_cast<float>(i));
-  b.x = a.x;
-  rule->InitState(&a);
-  rule->InitState(&b);
-  std::vector<float> g(1001), da(1001), db(1001);
-  for (int step = 0; step < 3; ++step) {
-    for (size_t i = 0; i < g.size(); ++i) g[i] = std::cos(static_cast<float>(i * (step + 1)));
-    rule->Apply(g.data(), 0, g.size(), &a, da.data());
-    for (size_t off = 0; off < g.size(); off += 300) {
-      const size_t n = std::min<size_t>(300, g.size() - off);
-      rule->Apply(g.data() + off, off, n, &b, db.data() + off);
-    }
-  }
-  EXPECT_EQ(std::memcmp(a.x.data(), b.x.data(), a.x.size() * 4), 0);
-  EXPECT_EQ(std::memcmp(a.v.data(), b.v.data(), a.v.size() * 4), 0);
-}
-
-TEST(UpdateRule, RejectsBadOptions) {
-  EXPECT_FALSE(ParseUpdateKind("lamb").ok());
-  UpdateOptions o;
-  o.lr = std::numeric_limits<float>::quiet_NaN();
-  EXPECT_FALSE(NewUpdateRule(o).ok());
 }
 
 TEST(SyntheticModel, DeterministicPerSeedRankStep) {

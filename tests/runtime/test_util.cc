@@ -14,6 +14,8 @@
 #include "compress/codec.h"
 #include "gtest/gtest.h"
 #include "net/data_plane.h"
+#include "net/job_config.h"
+#include "shard/reference.h"
 #include "shard/shard_map.h"
 #include "worker/model.h"
 
@@ -97,8 +99,15 @@ control::TrainingConfig MakeConfig(uint32_t workers, uint32_t servers, uint64_t 
   c.set_beta2(0.999f);
   c.set_eps(1e-8f);
   c.set_weight_decay(optimizer == "adam" ? 0.01f : 0.0f);
-  c.set_worker_codec("fp32");
-  c.set_server_codec("fp32");
+  auto kind = ParseOptimizerKind(optimizer);
+  const std::string codec = kind.ok() ? std::string(DefaultCodec(*kind)) : "fp32";
+  c.set_worker_codec(codec);
+  c.set_server_codec(codec);
+  c.set_lr_schedule("constant");
+  c.set_error_feedback("both");
+  c.set_server_reply(kind.ok() ? std::string(ReplyModeName(DefaultReplyMode(*kind))) : "momentum");
+  c.set_scale("l1");
+  c.set_v_floor(1e-8f);
   c.set_block_size(32);
   c.set_chunk_elems(256);
   c.set_step_timeout_ms(20000);
@@ -123,6 +132,14 @@ std::vector<std::string> ConfigArgs(const control::TrainingConfig& c) {
           absl::StrFormat("--weight_decay=%.9g", c.weight_decay()),
           "--worker_codec=" + c.worker_codec(),
           "--server_codec=" + c.server_codec(),
+          "--lr_schedule=" + c.lr_schedule(),
+          absl::StrCat("--bias_correction=", c.bias_correction() ? "true" : "false"),
+          absl::StrCat("--freeze_step=", c.freeze_step()),
+          "--freeze=" + c.freeze(),
+          absl::StrFormat("--v_floor=%.9g", c.v_floor()),
+          "--error_feedback=" + c.error_feedback(),
+          "--server_reply=" + c.server_reply(),
+          "--scale=" + c.scale(),
           absl::StrCat("--block_size=", c.block_size()),
           absl::StrCat("--chunk_elems=", c.chunk_elems()),
           absl::StrCat("--step_timeout=", c.step_timeout_ms(), "ms"),
@@ -136,62 +153,30 @@ ReferenceResult Reference(const control::TrainingConfig& cfg) {
   EXPECT_TRUE(model.ok()) << model.status();
   auto map = ShardMap::Create(cfg.dim(), cfg.servers(), cfg.block_size());
   EXPECT_TRUE(map.ok()) << map.status();
-  CodecOptions co;
-  co.block_size = cfg.block_size();
-  auto push = NewCodec(cfg.worker_codec(), co);
-  auto fp32 = NewCodec("fp32", co);
-  EXPECT_TRUE(push.ok() && fp32.ok());
-  UpdateOptions uo;
-  uo.kind = *ParseUpdateKind(cfg.optimizer());
-  uo.lr = cfg.lr();
-  uo.beta1 = cfg.beta1();
-  uo.beta2 = cfg.beta2();
-  uo.eps = cfg.eps();
-  uo.weight_decay = cfg.weight_decay();
-  auto rule = NewUpdateRule(uo);
-  EXPECT_TRUE(rule.ok()) << rule.status();
-
-  const uint64_t d = cfg.dim();
-  const uint32_t n_workers = cfg.workers();
-  out.x.resize(d);
-  (*model)->Init(out.x.data());
-  for (uint32_t k = 0; k < map->num_shards(); ++k) {
-    ShardState s;
-    s.shard = k;
-    s.begin = map->shard(k).begin;
-    s.x.assign(out.x.begin() + map->shard(k).begin, out.x.begin() + map->shard(k).end);
-    (*rule)->InitState(&s);
-    out.masters.push_back(std::move(s));
-  }
-  std::vector<std::vector<float>> g(n_workers, std::vector<float>(d));
-  const float w = 1.0f / static_cast<float>(n_workers);
-  for (uint64_t step = 0; step < cfg.steps(); ++step) {
-    double loss = 0;
-    for (uint32_t r = 0; r < n_workers; ++r) {
-      auto l = (*model)->Gradient(out.x.data(), r, step, g[r].data());
-      EXPECT_TRUE(l.ok());
-      loss += *l;
-    }
-    out.losses.push_back(loss / n_workers);
-    for (uint32_t k = 0; k < map->num_shards(); ++k) {
-      ShardState& s = out.masters[k];
-      for (uint64_t c = 0; c < NumChunks(map->shard(k).size(), cfg.chunk_elems()); ++c) {
-        const Range range = ChunkRange(*map, k, cfg.chunk_elems(), c);
-        const size_t n = range.size();
-        std::vector<float> acc(n, 0.0f), delta(n);
-        std::vector<uint8_t> wire((*push)->EncodedSize(n));
-        for (uint32_t r = 0; r < n_workers; ++r) {
-          EXPECT_TRUE((*push)->Encode(g[r].data() + range.begin, n, wire.data()).ok());
-          EXPECT_TRUE((*push)->DecodeAdd(wire.data(), n, w, acc.data()).ok());
-        }
-        (*rule)->Apply(acc.data(), range.begin - s.begin, n, &s, delta.data());
-        std::vector<uint8_t> reply((*fp32)->EncodedSize(n));
-        EXPECT_TRUE((*fp32)->Encode(delta.data(), n, reply.data()).ok());
-        EXPECT_TRUE((*fp32)->DecodeAdd(reply.data(), n, 1.0f, out.x.data() + range.begin).ok());
-      }
-      s.step++;
-    }
-  }
+  ReferenceOptions o;
+  o.workers = cfg.workers();
+  o.map = *map;
+  o.steps = cfg.steps();
+  auto optimizer = OptimizerOptionsFromConfig(cfg);
+  EXPECT_TRUE(optimizer.ok()) << optimizer.status();
+  o.optimizer = *optimizer;
+  auto freeze = FreezeOptionsFromConfig(cfg);
+  EXPECT_TRUE(freeze.ok()) << freeze.status();
+  o.freeze = *freeze;
+  std::vector<float> x0(cfg.dim());
+  (*model)->Init(x0.data());
+  auto r = RunReference(o, x0, [&](const float* x, uint32_t rank, uint64_t step, float* g) {
+    return (*model)->Gradient(x, rank, step, g);
+  });
+  EXPECT_TRUE(r.ok()) << r.status();
+  if (!r.ok()) return out;
+  out.x = r->workers[0].x;
+  for (const WorkerState& w : r->workers) out.workers.push_back(w.x);
+  out.masters = std::move(r->servers);
+  out.losses = std::move(r->losses);
+  out.freeze_step = r->freeze_step;
+  out.push_bytes = std::move(r->push_bytes);
+  out.reply_bytes = std::move(r->reply_bytes);
   return out;
 }
 

@@ -11,7 +11,7 @@
 #include "absl/time/time.h"
 #include "net/subprocess.h"
 #include "proto/control.pb.h"
-#include "shard/update_rule.h"
+#include "shard/optimizer.h"
 
 namespace onebit::testing {
 
@@ -41,15 +41,16 @@ std::string FirstDifference(const std::vector<float>& a, const std::vector<float
                             uint64_t offset = 0);
 
 struct ReferenceResult {
-  std::vector<float> x;             // every worker's replica
-  std::vector<ShardState> masters;  // one per shard
-  std::vector<double> losses;       // mean over workers, per step
+  std::vector<float> x;                     // worker 0's replica
+  std::vector<std::vector<float>> workers;  // every worker's replica
+  std::vector<ServerShardState> masters;    // one per shard
+  std::vector<double> losses;               // mean over workers, per step
+  uint64_t freeze_step = kNever;
+  std::vector<uint64_t> push_bytes;   // payload bytes per step, all workers
+  std::vector<uint64_t> reply_bytes;  // payload bytes per step, all workers
 };
 
-// The whole job in one process: for every step, every worker's gradient at
-// the shared x; per chunk: acc = +0, decode-add each rank's encoded chunk
-// with weight 1/N in rank order, apply the rule to the master, send Δ
-// through the fp32 codec and add it to the replica.
+// The whole job in one process (shard/reference.h) on the synthetic model.
 ReferenceResult Reference(const control::TrainingConfig& config);
 
 // The config the launcher would build from these flag values (defaults as in

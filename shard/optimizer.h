@@ -1,0 +1,214 @@
+// The optimizers of onebit-ps in parameter-server form (DESIGN.md §1): the
+// arithmetic a server applies to its shard and a worker to its replica, chunk
+// by chunk. Servers, workers and the single-process reference (reference.h)
+// all call these functions, so a distributed run and the reference round the
+// same way; compiled with -ffp-contract=off.
+//
+// Phases: steps t < freeze_step are the warm-up (plain Adam, or SGD, in fp32
+// both ways); from freeze_step on, the compression phase: pushes and replies
+// go through the worker and server codecs with error feedback.
+//
+// ServerOptimizer and WorkerOptimizer are immutable and thread-safe; the
+// state structs are plain values (vectors and counters) that can be saved and
+// restored as they are.
+#ifndef ONEBIT_SHARD_OPTIMIZER_H_
+#define ONEBIT_SHARD_OPTIMIZER_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "compress/codec.h"
+
+namespace onebit {
+
+enum class OptimizerKind : uint8_t {
+  kSgd,              // plain SGD, fp32 throughout
+  kAdam,             // plain Adam, fp32 throughout (a warm-up that never ends)
+  kOnebitAdam,       // Adam warm-up, then frozen v and 1-bit momentum (§1.2)
+  kNaiveOnebitAdam,  // Adam warm-up, then Adam on the average of 1-bit gradients
+  kEfSgd,            // 1-bit error-feedback momentum SGD from step 0
+};
+
+// What the server replies in the compression phase (DESIGN.md §1.4).
+enum class ReplyMode : uint8_t {
+  kMomentum,  // C(synchronized momentum): every replica equals the master
+  kDelta,     // C(Δ + e_s): replicas trail the master by the server error
+};
+
+enum class Phase : uint8_t { kWarmup, kCompress };
+
+enum class LrScheduleKind : uint8_t { kConstant, kWarmup, kCosine };
+
+constexpr uint64_t kNever = std::numeric_limits<uint64_t>::max();
+
+struct OptimizerOptions {
+  OptimizerKind kind = OptimizerKind::kSgd;
+  float lr = 0.01f;
+  LrScheduleKind schedule = LrScheduleKind::kConstant;
+  uint64_t schedule_steps = 0;  // warmup: ramp length N; cosine: total steps
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;     // decoupled: Δ includes -lr * wd * x
+  bool bias_correction = false;  // off, as DeepSpeed's OneBitAdam
+  float v_floor = 1e-8f;         // frozen v = max(v, v_floor) (DESIGN.md §1.1)
+  bool worker_error_feedback = true;
+  bool server_error_feedback = true;
+  ReplyMode reply = ReplyMode::kMomentum;
+  CodecOptions codec;                 // block size, scale rule, SIMD path
+  std::string worker_codec = "fp32";  // compression-phase push codec
+  std::string server_codec = "fp32";  // compression-phase reply codec
+};
+
+absl::StatusOr<OptimizerKind> ParseOptimizerKind(absl::string_view name);
+absl::string_view OptimizerKindName(OptimizerKind kind);
+absl::StatusOr<ReplyMode> ParseReplyMode(absl::string_view name);
+absl::string_view ReplyModeName(ReplyMode mode);
+// "constant", "warmup:N" or "cosine"; cosine takes its length from `steps`.
+absl::Status ParseLrSchedule(absl::string_view text, uint64_t steps, OptimizerOptions* options);
+// "both", "worker", "server" or "none".
+absl::Status ParseErrorFeedback(absl::string_view text, OptimizerOptions* options);
+std::string ErrorFeedbackName(const OptimizerOptions& options);
+
+// Whether the optimizer ever leaves the warm-up, and whether it has one.
+bool HasCompressionPhase(OptimizerKind kind);
+bool HasWarmup(OptimizerKind kind);
+// The codec an optimizer uses when the user names none.
+absl::string_view DefaultCodec(OptimizerKind kind);
+// The reply mode an optimizer uses when the user names none.
+ReplyMode DefaultReplyMode(OptimizerKind kind);
+
+// Checks values and combinations; errors start with "--<flag>: ".
+absl::Status ValidateOptimizerOptions(const OptimizerOptions& options);
+
+// γ_t, the same float on every process: computed in double, rounded once.
+float LearningRate(const OptimizerOptions& options, uint64_t step);
+
+// The master copy of one shard and its optimizer state.
+struct ServerShardState {
+  uint32_t shard = 0;
+  uint64_t begin = 0;  // global index of x[0]
+  uint64_t step = 0;   // completed steps
+  std::vector<float> x;
+  std::vector<float> m;        // Adam first moment (warm-up; naive: always)
+  std::vector<float> v;        // Adam second moment; after the freeze, the floored v
+  std::vector<float> den;      // after the freeze (onebit-adam): sqrt(v) + eps
+  std::vector<float> e;        // server error feedback (compression phase)
+  bool frozen = false;         // in the compression phase
+  uint64_t floored = 0;        // coordinates the v floor raised at the freeze
+  std::vector<float> v_check;  // automatic freeze: v at the previous check
+  // --server-reply delta: the workers' replica of this shard, x0 + sum D(c_s),
+  // kept to report how far replicas trail the master.
+  std::vector<float> replica;
+};
+
+// The replica a worker trains, and its state.
+struct WorkerState {
+  std::vector<float> x;
+  std::vector<float> mbar;  // synchronized (or, delta mode, local) momentum
+  std::vector<float> e;     // worker error feedback
+  std::vector<float> den;   // sqrt(frozen v) + eps, from the hand-over
+  bool frozen = false;
+};
+
+inline Phase PhaseOf(const ServerShardState& s) {
+  return s.frozen ? Phase::kCompress : Phase::kWarmup;
+}
+inline Phase PhaseOf(const WorkerState& s) { return s.frozen ? Phase::kCompress : Phase::kWarmup; }
+
+// When the warm-up ends (DESIGN.md §1.4): at a fixed step, or automatically
+// once every shard's v has settled. Optimizers without a warm-up ignore it.
+struct FreezeOptions {
+  uint64_t step = kNever;  // first compression step, when fixed
+  bool automatic = false;
+  double tau = 0.05;     // freeze once VarianceChange < tau on every shard...
+  uint64_t window = 50;  // ...checked every `window` steps against K steps back
+};
+// "auto", "auto:TAU" or "auto:TAU:K".
+absl::StatusOr<FreezeOptions> ParseAutoFreeze(absl::string_view text);
+
+// Codecs and reply sizes, common to both sides.
+class OptimizerCodecs {
+ public:
+  const OptimizerOptions& options() const { return o_; }
+  // fp32 in the warm-up; the worker / server codec in the compression phase.
+  const Codec& push_codec(Phase phase) const;
+  const Codec& reply_codec(Phase phase) const;
+  // Payload bytes of the reply of n elements; the last warm-up step's reply
+  // also carries m and v in fp32 for onebit-adam (the hand-over).
+  size_t ReplyBytes(Phase phase, size_t n, bool last_warmup) const;
+
+ protected:
+  explicit OptimizerCodecs(const OptimizerOptions& o) : o_(o) {}
+  absl::Status Init();
+  bool HandsOver() const { return o_.kind == OptimizerKind::kOnebitAdam; }
+
+  OptimizerOptions o_;
+  std::unique_ptr<const Codec> fp32_, worker_codec_, server_codec_;
+};
+
+class ServerOptimizer : public OptimizerCodecs {
+ public:
+  static absl::StatusOr<std::unique_ptr<ServerOptimizer>> Create(const OptimizerOptions& options);
+
+  // Sizes the state to `size` elements, x zero (the initial x arrives from
+  // worker 0). Optimizers without a warm-up start in the compression phase.
+  void InitState(uint32_t shard, uint64_t begin, uint64_t size, ServerShardState* s) const;
+
+  // Applies step `step` to the shard-local elements [off, off + n), given acc,
+  // the mean of the decoded pushes (clobbered: used as scratch), and writes the
+  // reply payload, ReplyBytes(PhaseOf(*s), n, last_warmup) bytes. The phase is
+  // the state's. `last_warmup` marks the last warm-up step: onebit-adam then
+  // freezes v for these elements and appends m and v to the reply. Elementwise,
+  // so chunks may come in any order. Fails, naming the first bad element, when
+  // the update is not finite.
+  absl::Status Step(uint64_t step, bool last_warmup, float* acc, uint64_t off, size_t n,
+                    ServerShardState* s, uint8_t* reply) const;
+
+  // Called once every chunk of the last warm-up step is done: the shard is in
+  // the compression phase from the next step on.
+  void EnterCompression(ServerShardState* s) const;
+
+ private:
+  using OptimizerCodecs::OptimizerCodecs;
+  absl::Status AdamStep(uint64_t step, float* g, uint64_t off, size_t n, ServerShardState* s) const;
+};
+
+class WorkerOptimizer : public OptimizerCodecs {
+ public:
+  static absl::StatusOr<std::unique_ptr<WorkerOptimizer>> Create(const OptimizerOptions& options);
+
+  // Sizes the state to d parameters, x zero (the model initialises it).
+  void InitState(uint64_t d, WorkerState* s) const;
+
+  // The push of global elements [b, b + n) for `step`, from the gradient
+  // g[b, b + n): push_codec(PhaseOf(*s)).EncodedSize(n) bytes into out.
+  absl::Status Push(uint64_t step, const float* g, uint64_t b, size_t n, WorkerState* s,
+                    uint8_t* out) const;
+
+  // Applies the server's reply for [b, b + n), ReplyBytes(PhaseOf(*s), n,
+  // last_warmup) bytes (see ServerOptimizer::Step).
+  absl::Status Apply(uint64_t step, bool last_warmup, const uint8_t* reply, uint64_t b, size_t n,
+                     WorkerState* s) const;
+
+  // Called once every reply of the last warm-up step has been applied.
+  void EnterCompression(WorkerState* s) const;
+
+ private:
+  using OptimizerCodecs::OptimizerCodecs;
+};
+
+// The automatic freeze (DESIGN.md §1.4): ||v_t - v_{t-K}||_1 / ||v_t||_1 of a
+// shard, summed in double in index order (0 when both are zero).
+double VarianceChange(const std::vector<float>& v, const std::vector<float>& v_before);
+
+}  // namespace onebit
+
+#endif  // ONEBIT_SHARD_OPTIMIZER_H_

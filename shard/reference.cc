@@ -1,0 +1,104 @@
+#include "shard/reference.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace onebit {
+
+uint64_t AutoFreezeStep(const FreezeOptions& freeze, uint64_t completed,
+                        const std::vector<double>& changes) {
+  for (double c : changes) {
+    if (!(c < freeze.tau)) return kNever;
+  }
+  return completed + freeze.window;
+}
+
+absl::StatusOr<ReferenceResult> RunReference(const ReferenceOptions& o,
+                                             const std::vector<float>& x0,
+                                             const GradientFn& gradient) {
+  auto server = ServerOptimizer::Create(o.optimizer);
+  if (!server.ok()) return server.status();
+  auto worker = WorkerOptimizer::Create(o.optimizer);
+  if (!worker.ok()) return worker.status();
+  const uint64_t d = o.map.num_params();
+  if (x0.size() != d) return absl::InvalidArgumentError("reference: x0 size differs from the map");
+  const uint32_t N = o.workers, S = o.map.num_shards();
+  const bool warmup = HasWarmup(o.optimizer.kind) && HasCompressionPhase(o.optimizer.kind);
+
+  ReferenceResult out;
+  out.freeze_step = !HasCompressionPhase(o.optimizer.kind) ? kNever
+                    : !warmup                              ? 0
+                    : o.freeze.automatic                   ? kNever
+                                                           : o.freeze.step;
+  out.workers.resize(N);
+  for (WorkerState& w : out.workers) {
+    (*worker)->InitState(d, &w);
+    w.x = x0;
+  }
+  out.servers.resize(S);
+  for (uint32_t k = 0; k < S; ++k) {
+    const Range r = o.map.shard(k);
+    (*server)->InitState(k, r.begin, r.size(), &out.servers[k]);
+    std::copy(x0.begin() + r.begin, x0.begin() + r.end, out.servers[k].x.begin());
+  }
+
+  std::vector<std::vector<float>> g(N, std::vector<float>(d));
+  std::vector<uint8_t> push, reply;
+  std::vector<float> acc;
+  const float w = 1.0f / static_cast<float>(N);
+  for (uint64_t t = 0; t < o.steps; ++t) {
+    double loss = 0;
+    for (uint32_t r = 0; r < N; ++r) {
+      auto l = gradient(out.workers[r].x.data(), r, t, g[r].data());
+      if (!l.ok()) return l.status();
+      loss += *l;
+    }
+    out.losses.push_back(loss / N);
+    const bool last_warmup = warmup && out.freeze_step != kNever && t + 1 == out.freeze_step;
+    const Phase phase = PhaseOf(out.workers[0]);
+    uint64_t up = 0, down = 0;
+    for (uint32_t k = 0; k < S; ++k) {
+      const Range r = o.map.shard(k);
+      const size_t n = r.size();
+      acc.assign(n, 0.0f);  // +0.0f, then the ranks in order
+      push.resize((*worker)->push_codec(phase).EncodedSize(n));
+      for (uint32_t i = 0; i < N; ++i) {
+        absl::Status st = (*worker)->Push(t, g[i].data(), r.begin, n, &out.workers[i], push.data());
+        if (st.ok()) st = (*server)->push_codec(phase).DecodeAdd(push.data(), n, w, acc.data());
+        if (!st.ok()) return st;
+        up += push.size();
+      }
+      reply.resize((*server)->ReplyBytes(phase, n, last_warmup));
+      absl::Status st =
+          (*server)->Step(t, last_warmup, acc.data(), 0, n, &out.servers[k], reply.data());
+      if (!st.ok()) return st;
+      for (uint32_t i = 0; i < N; ++i) {
+        st = (*worker)->Apply(t, last_warmup, reply.data(), r.begin, n, &out.workers[i]);
+        if (!st.ok()) return st;
+        down += reply.size();
+      }
+      ++out.servers[k].step;
+    }
+    out.push_bytes.push_back(up);
+    out.reply_bytes.push_back(down);
+    if (last_warmup) {
+      for (ServerShardState& s : out.servers) (*server)->EnterCompression(&s);
+      for (WorkerState& ws : out.workers) (*worker)->EnterCompression(&ws);
+    }
+    // The automatic freeze: every `window` steps, compare each shard's v with
+    // the previous check.
+    const uint64_t done = t + 1;
+    if (warmup && o.freeze.automatic && out.freeze_step == kNever && done % o.freeze.window == 0) {
+      std::vector<double> changes;
+      for (ServerShardState& s : out.servers) {
+        changes.push_back(s.v_check.size() == s.v.size() && done > o.freeze.window
+                              ? VarianceChange(s.v, s.v_check)
+                              : 1.0);
+        s.v_check = s.v;
+      }
+      out.freeze_step = AutoFreezeStep(o.freeze, done, changes);
+    }
+  }
+  return out;
+}
+
+}  // namespace onebit
