@@ -27,7 +27,8 @@
 ABSL_FLAG(std::string, out, "", "run folder (metrics.csv, summary.json, logs)");
 ABSL_FLAG(std::string, bin_dir, "", "where the onebit binaries are (default: next to this one)");
 ABSL_FLAG(bool, dump_params, false,
-          "workers and servers write their final x to --out (replica_w<R>.f32, master_s<K>.f32)");
+          "workers and servers write their final x to --out (replica_w<R>.f32, master_s<K>.f32, "
+          "and the server error error_s<K>.f32)");
 ABSL_FLAG(int32_t, stall_worker, -1, "fault injection: this worker stops pushing ...");
 ABSL_FLAG(int64_t, stall_at_step, -1, "... at this step");
 ABSL_FLAG(absl::Duration, grace, absl::Seconds(1),
@@ -203,6 +204,7 @@ int Main(int argc, char** argv) {
         "--health_port=0",       "--register_timeout=" + reg_timeout};
     if (absl::GetFlag(FLAGS_dump_params)) {
       a.push_back(absl::StrCat("--dump_x=", out, "/master_s", k, ".f32"));
+      a.push_back(absl::StrCat("--dump_error=", out, "/error_s", k, ".f32"));
     }
     if (absl::Status st = Start(&c, a); !st.ok()) {
       stop_all(std::string(st.message()));

@@ -56,6 +56,8 @@ ABSL_FLAG(absl::Duration, step_timeout, absl::Seconds(30),
 ABSL_FLAG(absl::Duration, heartbeat_timeout, absl::Seconds(10),
           "a process silent this long is declared dead by the coordinator");
 ABSL_FLAG(float, noise, 0.1f, "synthetic: gradient noise scale");
+ABSL_FLAG(float, curvature_spread, 0.0f,
+          "synthetic: spread the curvatures over 10^±spread (an ill-conditioned problem)");
 ABSL_FLAG(bool, skip_model, false,
           "synthetic: skip the model arithmetic (zero gradients; data-plane benchmark)");
 ABSL_FLAG(std::string, config, "", "JSON file of config values, keys are flag names");
@@ -76,7 +78,8 @@ const char* const kConfigFlags[] = {"workers",      "servers",
                                     "server_reply", "scale",
                                     "block_size",   "chunk_elems",
                                     "step_timeout", "heartbeat_timeout",
-                                    "noise",        "skip_model"};
+                                    "noise",        "curvature_spread",
+                                    "skip_model"};
 
 bool IsConfigFlag(const std::string& name) {
   for (const char* f : kConfigFlags) {
@@ -244,6 +247,7 @@ absl::StatusOr<control::TrainingConfig> ConfigFromFlags(const std::set<std::stri
       static_cast<uint32_t>(absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_heartbeat_timeout))));
   c.set_noise(absl::GetFlag(FLAGS_noise));
   c.set_skip_model(absl::GetFlag(FLAGS_skip_model));
+  c.set_curvature_spread(absl::GetFlag(FLAGS_curvature_spread));
   // Fill in the optimizer's defaults, so every process sees one resolved config.
   auto kind = ParseOptimizerKind(c.optimizer());
   if (kind.ok()) {
@@ -324,6 +328,9 @@ absl::Status ValidateConfig(const control::TrainingConfig& c) {
   if (c.step_timeout_ms() < 1) return bad("step_timeout", "must be >= 1ms");
   if (c.heartbeat_timeout_ms() < 100) return bad("heartbeat_timeout", "must be >= 100ms");
   if (!std::isfinite(c.noise()) || c.noise() < 0) return bad("noise", "must be finite and >= 0");
+  if (!(c.curvature_spread() >= 0 && c.curvature_spread() <= 6)) {
+    return bad("curvature_spread", "must lie in [0, 6]");
+  }
   return absl::OkStatus();
 }
 

@@ -28,6 +28,8 @@ ABSL_FLAG(int32_t, health_port, 0, "grpc.health.v1 port; 0: any free port");
 ABSL_FLAG(absl::Duration, register_timeout, absl::Seconds(60),
           "how long to wait for the coordinator and the whole cluster to register");
 ABSL_FLAG(std::string, dump_x, "", "write the final master shard (raw fp32) to this file");
+ABSL_FLAG(std::string, dump_error, "",
+          "write the final server error feedback e_s of the shard (raw fp32) to this file");
 
 namespace onebit {
 namespace {
@@ -151,13 +153,15 @@ int Main(int argc, char** argv) {
   if (!st.ok()) Fail(&hb, absl::StrCat("server ", rank, ": ", st.message()));
   if (!done_status.ok()) Fail(&hb, absl::StrCat("server ", rank, ": ", done_status.message()));
 
-  const std::string dump = absl::GetFlag(FLAGS_dump_x);
-  if (!dump.empty()) {
-    std::ofstream out(dump, std::ios::binary | std::ios::trunc);
-    out.write(reinterpret_cast<const char*>(ps.state().x.data()),
-              static_cast<std::streamsize>(ps.state().x.size() * sizeof(float)));
-    if (!out) ExitError(1, absl::StrCat("cannot write --dump_x ", dump));
-  }
+  auto dump = [](const std::string& flag, const std::string& path, const std::vector<float>& v) {
+    if (path.empty()) return;
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out.write(reinterpret_cast<const char*>(v.data()),
+              static_cast<std::streamsize>(v.size() * sizeof(float)));
+    if (!out) ExitError(1, absl::StrCat("cannot write --", flag, " ", path));
+  };
+  dump("dump_x", absl::GetFlag(FLAGS_dump_x), ps.state().x);
+  dump("dump_error", absl::GetFlag(FLAGS_dump_error), ps.state().e);
   if (hb.command() == control::SHUTDOWN && ps.finished()) {
     std::fprintf(stderr, "server %u: done after %llu steps\n", rank,
                  static_cast<unsigned long long>(ps.state().step));

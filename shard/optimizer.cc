@@ -273,7 +273,6 @@ void ServerOptimizer::EnterCompression(ServerShardState* s) const {
   s->e.assign(s->x.size(), 0.0f);
   s->v_check.clear();
   s->v_check.shrink_to_fit();
-  if (o_.reply == ReplyMode::kDelta) s->replica = s->x;  // replicas equal the master so far
   if (o_.kind == OptimizerKind::kOnebitAdam) {
     s->m.clear();  // the server's momentum is now the synchronized one
     s->m.shrink_to_fit();
@@ -351,6 +350,9 @@ absl::Status ServerOptimizer::Step(uint64_t step, bool last_warmup, float* acc, 
   const float* den = o_.kind == OptimizerKind::kOnebitAdam ? s->den.data() + off : nullptr;
   absl::Status st;
   if (o_.kind == OptimizerKind::kNaiveOnebitAdam || o_.reply == ReplyMode::kDelta) {
+    // Replicas equal the master until the first delta reply: mirror them
+    // from here (before any chunk of this step has moved the master).
+    if (s->replica.size() != s->x.size()) s->replica = s->x;
     // The exact update on the master; reply C(Δ + e_s).
     if (o_.kind == OptimizerKind::kNaiveOnebitAdam) {
       st = AdamStep(step, acc, off, n, s);

@@ -26,6 +26,17 @@ uint64_t HashCounter(uint64_t key, uint64_t counter) {
   return Mix(key + 0x9e3779b97f4a7c15ULL * (counter + 1));
 }
 
+SyntheticModel::SyntheticModel(const SyntheticOptions& o) : o_(o) {
+  if (o_.curvature_spread == 0.0f) return;
+  // Precomputed: a pow() per parameter and step would dominate the gradient.
+  const uint64_t key = Mix(o_.seed ^ 0x2545f4914f6cdd1dULL);
+  spread_.resize(o_.dim);
+  for (uint64_t j = 0; j < o_.dim; ++j) {
+    const double u = 2.0 * Hi(HashCounter(key, j)) - 1.0;
+    spread_[j] = static_cast<float>(std::pow(10.0, o_.curvature_spread * u));
+  }
+}
+
 void SyntheticModel::Init(float* x) const {
   const uint64_t key = Mix(o_.seed ^ 0x5851f42d4c957f2dULL);
   for (uint64_t j = 0; j < o_.dim; ++j) x[j] = 2.0f * Hi(HashCounter(key, j)) - 1.0f;
@@ -40,7 +51,7 @@ absl::StatusOr<double> SyntheticModel::Gradient(const float* x, uint32_t rank, u
   double loss = 0;
   for (uint64_t j = 0; j < o_.dim; ++j) {
     const uint64_t h = HashCounter(problem, j);
-    const float a = 0.5f + Hi(h);
+    const float a = spread_.empty() ? 0.5f + Hi(h) : (0.5f + Hi(h)) * spread_[j];
     const float c = 2.0f * Lo(h) - 1.0f;
     const float xi = 2.0f * Hi(HashCounter(noise_key, j)) - 1.0f;
     const float r = x[j] - c;
@@ -60,6 +71,7 @@ absl::StatusOr<std::unique_ptr<Model>> NewModel(const control::TrainingConfig& c
     o.dim = config.dim();
     o.seed = config.seed();
     o.noise = config.noise();
+    o.curvature_spread = config.curvature_spread();
     o.skip = config.skip_model();
     return std::unique_ptr<Model>(new SyntheticModel(o));
   }

@@ -27,6 +27,8 @@ struct Case {
   std::string worker_codec;
 };
 
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
 class ClusterTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(ClusterTest, ReplicasEqualMastersEqualReference) {

@@ -144,7 +144,8 @@ std::vector<std::string> ConfigArgs(const control::TrainingConfig& c) {
           absl::StrCat("--chunk_elems=", c.chunk_elems()),
           absl::StrCat("--step_timeout=", c.step_timeout_ms(), "ms"),
           absl::StrCat("--heartbeat_timeout=", c.heartbeat_timeout_ms(), "ms"),
-          absl::StrFormat("--noise=%.9g", c.noise())};
+          absl::StrFormat("--noise=%.9g", c.noise()),
+          absl::StrFormat("--curvature_spread=%.9g", c.curvature_spread())};
 }
 
 ReferenceResult Reference(const control::TrainingConfig& cfg) {

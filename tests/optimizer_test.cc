@@ -1,0 +1,390 @@
+// Tests of the optimizers (shard/optimizer.h) against the formulas of
+// DESIGN.md §1, written out here by hand, on vectors small enough to follow.
+#include "shard/optimizer.h"
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "shard/reference.h"
+
+namespace onebit {
+namespace {
+
+using ::testing::HasSubstr;
+
+// The 1-bit codec of DESIGN.md §1.3 for one block of n <= 32 elements: lane
+// l holds element l alone, then the halving tree; s = sum / n.
+float Scale(const std::vector<float>& z) {
+  float t[32] = {};
+  for (size_t i = 0; i < z.size(); ++i) t[i] = std::fabs(z[i]);
+  for (int w = 16; w >= 1; w /= 2) {
+    for (int l = 0; l < w; ++l) t[l] += t[l + w];
+  }
+  return t[0] / static_cast<float>(z.size());
+}
+std::vector<float> OneBit(const std::vector<float>& z) {
+  const float s = Scale(z);
+  std::vector<float> d;
+  for (float v : z) d.push_back(std::signbit(v) ? -s : s);
+  return d;
+}
+
+OptimizerOptions OnebitOptions(OptimizerKind kind) {
+  OptimizerOptions o;
+  o.kind = kind;
+  o.lr = 0.1f;
+  o.weight_decay = 0.25f;
+  o.codec.block_size = 32;
+  o.worker_codec = o.server_codec = "onebit";
+  o.reply = DefaultReplyMode(kind);
+  return o;
+}
+
+TEST(LearningRate, Schedules) {
+  OptimizerOptions o;
+  o.lr = 0.1f;
+  EXPECT_EQ(LearningRate(o, 0), 0.1f);
+  EXPECT_EQ(LearningRate(o, 12345), 0.1f);
+  ASSERT_TRUE(ParseLrSchedule("warmup:4", 100, &o).ok());
+  EXPECT_FLOAT_EQ(LearningRate(o, 0), 0.025f);
+  EXPECT_FLOAT_EQ(LearningRate(o, 1), 0.05f);
+  EXPECT_EQ(LearningRate(o, 3), 0.1f);
+  EXPECT_EQ(LearningRate(o, 50), 0.1f);
+  ASSERT_TRUE(ParseLrSchedule("cosine", 100, &o).ok());
+  EXPECT_EQ(LearningRate(o, 0), 0.1f);
+  EXPECT_FLOAT_EQ(LearningRate(o, 50), 0.05f);
+  EXPECT_NEAR(LearningRate(o, 100), 0.0f, 1e-9);
+  EXPECT_THAT(std::string(ParseLrSchedule("warmup:0", 10, &o).message()),
+              HasSubstr("--lr_schedule"));
+  EXPECT_THAT(std::string(ParseLrSchedule("linear", 10, &o).message()), HasSubstr("--lr_schedule"));
+}
+
+TEST(OptimizerOptions, CombinationsAreCheckedNamingTheFlag) {
+  OptimizerOptions o = OnebitOptions(OptimizerKind::kAdam);
+  EXPECT_THAT(std::string(ValidateOptimizerOptions(o).message()), HasSubstr("--worker_codec"));
+  o.worker_codec = "fp32";
+  EXPECT_THAT(std::string(ValidateOptimizerOptions(o).message()), HasSubstr("--server_codec"));
+  o.server_codec = "fp32";
+  EXPECT_TRUE(ValidateOptimizerOptions(o).ok());
+  o = OnebitOptions(OptimizerKind::kNaiveOnebitAdam);
+  o.reply = ReplyMode::kMomentum;
+  EXPECT_THAT(std::string(ValidateOptimizerOptions(o).message()), HasSubstr("--server_reply"));
+  o = OnebitOptions(OptimizerKind::kOnebitAdam);
+  o.worker_codec = "int8";
+  EXPECT_THAT(std::string(ValidateOptimizerOptions(o).message()), HasSubstr("'int8'"));
+  o = OnebitOptions(OptimizerKind::kOnebitAdam);
+  o.v_floor = -1;
+  EXPECT_THAT(std::string(ValidateOptimizerOptions(o).message()), HasSubstr("--v_floor"));
+  EXPECT_THAT(std::string(ParseOptimizerKind("lamb").status().message()), HasSubstr("lamb"));
+  EXPECT_THAT(std::string(ParseErrorFeedback("some", &o).message()), HasSubstr("--error_feedback"));
+  EXPECT_THAT(std::string(ParseAutoFreeze("auto:0").status().message()), HasSubstr("--freeze"));
+  auto f = ParseAutoFreeze("auto:0.02:7");
+  ASSERT_TRUE(f.ok());
+  EXPECT_TRUE(f->automatic);
+  EXPECT_EQ(f->tau, 0.02);
+  EXPECT_EQ(f->window, 7u);
+}
+
+TEST(ServerOptimizer, AdamWarmupStepMatchesHandComputation) {
+  OptimizerOptions o = OnebitOptions(OptimizerKind::kAdam);
+  o.worker_codec = o.server_codec = "fp32";
+  o.weight_decay = 0.5f;
+  auto server = ServerOptimizer::Create(o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  ServerShardState s;
+  (*server)->InitState(0, 0, 1, &s);
+  s.x[0] = 2.0f;
+  float g = 0.5f;
+  float delta = 0;
+  ASSERT_TRUE((*server)->Step(0, false, &g, 0, 1, &s, reinterpret_cast<uint8_t*>(&delta)).ok());
+  // m = 0.05, v = (1 - 0.999) 0.25; m / sqrt(v) = sqrt(10); Δ = -0.1 (sqrt(10) + 1).
+  EXPECT_FLOAT_EQ(s.m[0], 0.05f);
+  EXPECT_EQ(s.v[0], (1.0f - 0.999f) * 0.5f * 0.5f);
+  EXPECT_NEAR(delta, -0.416227766, 1e-5);
+  EXPECT_EQ(s.x[0], 2.0f + delta);
+}
+
+TEST(ServerOptimizer, BiasCorrectionDividesTheMoments) {
+  OptimizerOptions o = OnebitOptions(OptimizerKind::kAdam);
+  o.worker_codec = o.server_codec = "fp32";
+  o.weight_decay = 0;
+  o.bias_correction = true;
+  auto server = ServerOptimizer::Create(o);
+  ASSERT_TRUE(server.ok());
+  ServerShardState s;
+  (*server)->InitState(0, 0, 1, &s);
+  float g = 0.5f, delta = 0;
+  ASSERT_TRUE((*server)->Step(0, false, &g, 0, 1, &s, reinterpret_cast<uint8_t*>(&delta)).ok());
+  // At t = 1 the corrected moments are g and g²: Δ = -lr g / (|g| + eps) ≈ -lr.
+  EXPECT_NEAR(delta, -0.1, 1e-6);
+}
+
+// The last warm-up step: v frozen with the floor, m and v handed to workers,
+// who then hold m̄ = m and den = sqrt(v) + eps.
+TEST(Optimizer, HandOverFloorsVAndGivesWorkersMAndV) {
+  OptimizerOptions o = OnebitOptions(OptimizerKind::kOnebitAdam);
+  o.v_floor = 1e-8f;
+  auto server = ServerOptimizer::Create(o);
+  auto worker = WorkerOptimizer::Create(o);
+  ASSERT_TRUE(server.ok() && worker.ok());
+  const size_t n = 3;
+  ServerShardState s;
+  (*server)->InitState(0, 0, n, &s);
+  WorkerState w;
+  (*worker)->InitState(n, &w);
+  std::vector<float> g = {1.0f, 0.0f, 1e-5f};
+  std::vector<uint8_t> push((*worker)->push_codec(Phase::kWarmup).EncodedSize(n));
+  ASSERT_TRUE((*worker)->Push(0, g.data(), 0, n, &w, push.data()).ok());
+  EXPECT_EQ(push.size(), 4 * n);  // the warm-up pushes fp32
+  std::vector<float> acc = g;
+  std::vector<uint8_t> reply((*server)->ReplyBytes(Phase::kWarmup, n, true));
+  ASSERT_EQ(reply.size(), 12 * n);  // Δ, m, v
+  ASSERT_TRUE((*server)->Step(0, true, acc.data(), 0, n, &s, reply.data()).ok());
+  ASSERT_TRUE((*worker)->Apply(0, true, reply.data(), 0, n, &w).ok());
+  (*server)->EnterCompression(&s);
+  (*worker)->EnterCompression(&w);
+  const float c2 = 1.0f - 0.999f;
+  EXPECT_EQ(s.v[0], c2 * 1.0f);
+  EXPECT_EQ(s.v[1], 1e-8f);  // 0 raised to the floor
+  EXPECT_EQ(s.v[2], 1e-8f);  // 1e-13 raised to the floor
+  EXPECT_EQ(s.floored, 2u);
+  for (size_t i = 0; i < n; ++i) {
+    EXPECT_EQ(w.mbar[i], (1.0f - 0.9f) * g[i]) << i;
+    EXPECT_EQ(w.den[i], std::sqrt(s.v[i]) + 1e-8f) << i;
+    EXPECT_EQ(w.den[i], s.den[i]) << i;
+    EXPECT_EQ(w.x[i], s.x[i]) << i;
+  }
+  EXPECT_TRUE(s.frozen && w.frozen);
+  EXPECT_EQ((*worker)->push_codec(PhaseOf(w)).name(), "onebit-l1-b32");
+}
+
+// One compression step with two workers, computed by hand: each worker
+// compresses m_i = b1 m̄ + (1 - b1) g_i with its error; the server averages,
+// compresses again with its error, and everyone applies
+// x -= lr (m̄ / den + wd x) with m̄ = D(c_s).
+TEST(Optimizer, CompressionStepMatchesHandComputation) {
+  OptimizerOptions o = OnebitOptions(OptimizerKind::kOnebitAdam);
+  auto server = ServerOptimizer::Create(o);
+  auto worker = WorkerOptimizer::Create(o);
+  ASSERT_TRUE(server.ok() && worker.ok());
+  const size_t n = 5;
+  ServerShardState s;
+  (*server)->InitState(0, 0, n, &s);
+  s.frozen = true;
+  s.den = {1.5f, 0.25f, 2.0f, 1.0f, 0.5f};
+  s.e = {0.01f, -0.02f, 0.0f, 0.03f, -0.01f};
+  s.x = {1.0f, -1.0f, 0.5f, 0.0f, 2.0f};
+  std::vector<WorkerState> ws(2);
+  for (WorkerState& w : ws) {
+    (*worker)->InitState(n, &w);
+    w.frozen = true;
+    w.x = s.x;
+    w.den = s.den;
+    w.mbar = {0.2f, -0.1f, 0.05f, 0.0f, -0.3f};
+  }
+  ws[0].e = {0.0f, 0.01f, -0.01f, 0.02f, 0.0f};
+  ws[1].e = {-0.02f, 0.0f, 0.01f, 0.0f, 0.05f};
+  const std::vector<std::vector<float>> g = {{0.5f, -0.2f, 0.1f, -0.3f, 0.7f},
+                                             {-0.4f, 0.3f, 0.2f, 0.1f, -0.6f}};
+
+  // By hand.
+  std::vector<float> a(n, 0.0f);
+  std::vector<std::vector<float>> e_w(2);
+  for (int r = 0; r < 2; ++r) {
+    std::vector<float> z(n);
+    for (size_t i = 0; i < n; ++i) {
+      const float m = 0.9f * ws[r].mbar[i] + (1.0f - 0.9f) * g[r][i];
+      z[i] = m + ws[r].e[i];
+    }
+    const std::vector<float> d = OneBit(z);
+    for (size_t i = 0; i < n; ++i) {
+      e_w[r].push_back(z[i] - d[i]);
+      a[i] += 0.5f * d[i];
+    }
+  }
+  std::vector<float> zs(n);
+  for (size_t i = 0; i < n; ++i) zs[i] = a[i] + s.e[i];
+  const std::vector<float> mbar = OneBit(zs);
+  std::vector<float> x = s.x, e_s(n);
+  for (size_t i = 0; i < n; ++i) {
+    e_s[i] = zs[i] - mbar[i];
+    x[i] = x[i] - 0.1f * (mbar[i] / s.den[i] + 0.25f * x[i]);
+  }
+
+  // Through the optimizers.
+  const size_t push_bytes = (*worker)->push_codec(Phase::kCompress).EncodedSize(n);
+  EXPECT_EQ(push_bytes, 4u + 1u);  // one scale, five bits
+  std::vector<float> acc(n, 0.0f);
+  for (int r = 0; r < 2; ++r) {
+    std::vector<uint8_t> push(push_bytes);
+    ASSERT_TRUE((*worker)->Push(7, g[r].data(), 0, n, &ws[r], push.data()).ok());
+    ASSERT_TRUE(
+        (*server)->push_codec(Phase::kCompress).DecodeAdd(push.data(), n, 0.5f, acc.data()).ok());
+  }
+  std::vector<uint8_t> reply((*server)->ReplyBytes(Phase::kCompress, n, false));
+  ASSERT_TRUE((*server)->Step(7, false, acc.data(), 0, n, &s, reply.data()).ok());
+  for (WorkerState& w : ws) ASSERT_TRUE((*worker)->Apply(7, false, reply.data(), 0, n, &w).ok());
+
+  for (size_t i = 0; i < n; ++i) {
+    EXPECT_EQ(ws[0].e[i], e_w[0][i]) << i;
+    EXPECT_EQ(ws[1].e[i], e_w[1][i]) << i;
+    EXPECT_EQ(s.e[i], e_s[i]) << i;
+    EXPECT_EQ(s.x[i], x[i]) << i;
+    for (const WorkerState& w : ws) {
+      EXPECT_EQ(w.x[i], x[i]) << i;
+      EXPECT_EQ(w.mbar[i], mbar[i]) << i;
+    }
+  }
+}
+
+// Without error feedback the errors stay zero and the codec sees m itself.
+TEST(Optimizer, ErrorFeedbackOffLeavesErrorsZero) {
+  OptimizerOptions o = OnebitOptions(OptimizerKind::kEfSgd);
+  ASSERT_TRUE(ParseErrorFeedback("none", &o).ok());
+  auto server = ServerOptimizer::Create(o);
+  auto worker = WorkerOptimizer::Create(o);
+  ASSERT_TRUE(server.ok() && worker.ok());
+  const size_t n = 40;
+  ServerShardState s;
+  (*server)->InitState(0, 0, n, &s);
+  WorkerState w;
+  (*worker)->InitState(n, &w);
+  EXPECT_TRUE(s.frozen && w.frozen);  // ef-sgd has no warm-up
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal;
+  for (uint64_t t = 0; t < 4; ++t) {
+    std::vector<float> g(n);
+    for (float& v : g) v = normal(rng);
+    std::vector<uint8_t> push((*worker)->push_codec(Phase::kCompress).EncodedSize(n));
+    ASSERT_TRUE((*worker)->Push(t, g.data(), 0, n, &w, push.data()).ok());
+    std::vector<float> acc(n, 0.0f);
+    ASSERT_TRUE(
+        (*server)->push_codec(Phase::kCompress).DecodeAdd(push.data(), n, 1.0f, acc.data()).ok());
+    std::vector<uint8_t> reply((*server)->ReplyBytes(Phase::kCompress, n, false));
+    ASSERT_TRUE((*server)->Step(t, false, acc.data(), 0, n, &s, reply.data()).ok());
+    ASSERT_TRUE((*worker)->Apply(t, false, reply.data(), 0, n, &w).ok());
+  }
+  for (size_t i = 0; i < n; ++i) {
+    EXPECT_EQ(w.e[i], 0.0f);
+    EXPECT_EQ(s.e[i], 0.0f);
+    EXPECT_EQ(w.x[i], s.x[i]);
+  }
+  EXPECT_NE(w.x[0], 0.0f);
+}
+
+// --server-reply delta: the master takes the exact update, replicas add
+// D(C(Δ + e_s)), so master - replica = e_s up to rounding after any number of
+// steps; every replica equals the server's mirror of it bit for bit.
+TEST(Optimizer, DeltaReplyReplicasTrailTheMasterByTheServerError) {
+  for (OptimizerKind kind :
+       {OptimizerKind::kOnebitAdam, OptimizerKind::kNaiveOnebitAdam, OptimizerKind::kEfSgd}) {
+    OptimizerOptions o = OnebitOptions(kind);
+    o.reply = ReplyMode::kDelta;
+    o.lr = 0.01f;
+    const uint64_t d = 300;
+    ReferenceOptions ro;
+    ro.workers = 3;
+    ro.map = *ShardMap::Create(d, 2, 32);
+    ro.steps = 12;
+    ro.optimizer = o;
+    ro.freeze.step = 4;
+    std::vector<float> x0(d);
+    for (uint64_t j = 0; j < d; ++j) x0[j] = std::sin(static_cast<float>(j));
+    auto r = RunReference(ro, x0, [&](const float* x, uint32_t rank, uint64_t step, float* g) {
+      for (uint64_t j = 0; j < d; ++j) g[j] = x[j] - std::cos(static_cast<float>(j + rank + step));
+      return 0.0;
+    });
+    ASSERT_TRUE(r.ok()) << r.status();
+    double largest = 0;
+    for (const ServerShardState& s : r->servers) {
+      for (size_t i = 0; i < s.x.size(); ++i) {
+        const float master = s.x[i], error = s.e[i];
+        for (const WorkerState& w : r->workers) {
+          const float replica = w.x[s.begin + i];
+          EXPECT_EQ(replica, s.replica[i]);
+          // 12 steps of fp32 rounding on values of order 1.
+          EXPECT_NEAR(replica + error, master, 1e-5) << OptimizerKindName(kind) << " " << i;
+        }
+        largest = std::max(largest, std::fabs(static_cast<double>(error)));
+      }
+    }
+    EXPECT_GT(largest, 1e-4) << "the server error must be non-trivial for the check to mean much";
+  }
+}
+
+// naive-onebit-adam keeps updating v after the warm-up; onebit-adam freezes it.
+TEST(Optimizer, NaiveKeepsAdamRunningOnebitFreezesV) {
+  for (OptimizerKind kind : {OptimizerKind::kOnebitAdam, OptimizerKind::kNaiveOnebitAdam}) {
+    ReferenceOptions ro;
+    ro.workers = 2;
+    ro.map = *ShardMap::Create(64, 1, 32);
+    ro.steps = 6;
+    ro.optimizer = OnebitOptions(kind);
+    ro.freeze.step = 3;
+    std::vector<float> v_at_freeze;
+    std::vector<float> x0(64, 1.0f);
+    auto grad = [&](const float* x, uint32_t rank, uint64_t step, float* g) {
+      for (int j = 0; j < 64; ++j) g[j] = x[j] * (1.0f + static_cast<float>(j + rank + step) / 64);
+      return 0.0;
+    };
+    ro.steps = 3;
+    auto before = RunReference(ro, x0, grad);
+    ro.steps = 6;
+    auto after = RunReference(ro, x0, grad);
+    ASSERT_TRUE(before.ok() && after.ok());
+    EXPECT_EQ(before->freeze_step, 3u);
+    const bool same = before->servers[0].v == after->servers[0].v;
+    EXPECT_EQ(same, kind == OptimizerKind::kOnebitAdam) << OptimizerKindName(kind);
+  }
+}
+
+TEST(AutoFreeze, VarianceChangeAndDecision) {
+  EXPECT_DOUBLE_EQ(VarianceChange({1, 2, -3}, {1, 1, -1}), 3.0 / 6.0);
+  EXPECT_EQ(VarianceChange({}, {}), 0.0);
+  EXPECT_EQ(VarianceChange({0, 0}, {0, 0}), 0.0);
+  FreezeOptions f;
+  f.automatic = true;
+  f.tau = 0.05;
+  f.window = 10;
+  EXPECT_EQ(AutoFreezeStep(f, 30, {0.01, 0.049}), 40u);
+  EXPECT_EQ(AutoFreezeStep(f, 30, {0.01, 0.05}), kNever);
+  EXPECT_EQ(AutoFreezeStep(f, 30, {}), 40u);
+}
+
+// The reference freezes where the rule says: v settles on a problem whose
+// gradients stop changing, and the first check (against v = 0) never fires.
+TEST(AutoFreeze, ReferenceFreezesOnceVSettles) {
+  ReferenceOptions ro;
+  ro.workers = 2;
+  ro.map = *ShardMap::Create(100, 2, 32);
+  ro.steps = 200;
+  ro.optimizer = OnebitOptions(OptimizerKind::kOnebitAdam);
+  ro.optimizer.lr = 0;  // x stays put, so g is constant and v converges as 1 - b2^t
+  ro.freeze = *ParseAutoFreeze("auto:0.05:20");
+  auto r = RunReference(ro, std::vector<float>(100, 1.0f),
+                        [](const float*, uint32_t, uint64_t, float* g) {
+                          for (int j = 0; j < 100; ++j) g[j] = 1.0f + j;
+                          return 0.0;
+                        });
+  ASSERT_TRUE(r.ok()) << r.status();
+  // v_t = (1 - b2^t) g²: ||v_t - v_{t-20}|| / ||v_t|| = (b2^(t-20) - b2^t) / (1 - b2^t),
+  // which with b2 = 0.999 is still 0.09 at t = 200: no freeze.
+  EXPECT_EQ(r->freeze_step, kNever);
+  ro.optimizer.beta2 = 0.9f;
+  r = RunReference(ro, std::vector<float>(100, 1.0f),
+                   [](const float*, uint32_t, uint64_t, float* g) {
+                     for (int j = 0; j < 100; ++j) g[j] = 1.0f + j;
+                     return 0.0;
+                   });
+  ASSERT_TRUE(r.ok());
+  // Check at 20: against v = 0, no. At 40: (0.9^20 - 0.9^40) / (1 - 0.9^40) = 0.107. At 60:
+  // (0.9^40 - 0.9^60) / (1 - 0.9^60) = 0.0132 < 0.05: compression from step 80.
+  EXPECT_EQ(r->freeze_step, 80u);
+}
+
+}  // namespace
+}  // namespace onebit

@@ -1,0 +1,353 @@
+// 1-bit Adam on real clusters (onebit-launch on loopback): every optimizer ×
+// worker codec × server codec × error feedback × server reply ends with every
+// worker and every server equal to the single-process reference, bit for bit;
+// the delta reply, the bytes of the compression phase, the automatic freeze,
+// and the config checks.
+#include <cmath>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "net/job_config.h"
+#include "shard/optimizer.h"
+#include "shard/shard_map.h"
+#include "tests/runtime/test_util.h"
+
+namespace onebit::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+// A field of summary.json as text ("true", "20", "null", "\"onebit\"").
+std::string Field(const std::string& summary, const std::string& key) {
+  const std::string k = absl::StrCat("\"", key, "\": ");
+  const size_t at = summary.find(k);
+  if (at == std::string::npos) return "<missing " + key + ">";
+  const size_t begin = at + k.size();
+  return summary.substr(begin, summary.find_first_of(",\n", begin) - begin);
+}
+
+double NumberField(const std::string& summary, const std::string& key) {
+  double v = NAN;
+  EXPECT_TRUE(absl::SimpleAtod(Field(summary, key), &v)) << key << ": " << Field(summary, key);
+  return v;
+}
+
+// Runs the job through onebit-launch with --dump_params; returns the run folder.
+std::string Launch(const control::TrainingConfig& cfg, const std::string& name) {
+  const std::string out = TempDir(name);
+  std::vector<std::string> argv = {Bin("onebit-launch"), "--out=" + out, "--dump_params"};
+  for (const std::string& a : ConfigArgs(cfg)) argv.push_back(a);
+  RunResult r = RunCommand(argv, absl::Seconds(120));
+  EXPECT_EQ(r.code, 0) << r.output;
+  return out;
+}
+
+struct Combo {
+  std::string optimizer, worker_codec, server_codec, error_feedback, server_reply;
+};
+
+// What gtest and ctest print for a case.
+void PrintTo(const Combo& c, std::ostream* os) {
+  *os << c.optimizer << " " << c.worker_codec << "/" << c.server_codec << " ef=" << c.error_feedback
+      << " reply=" << c.server_reply;
+}
+
+std::vector<Combo> AllCombos() {
+  std::vector<Combo> out;
+  for (const char* opt : {"sgd", "adam", "onebit-adam", "naive-onebit-adam", "ef-sgd"}) {
+    for (const char* wc : {"fp32", "fp16", "onebit"}) {
+      for (const char* sc : {"fp32", "fp16", "onebit"}) {
+        for (const char* ef : {"both", "worker", "server", "none"}) {
+          for (const char* reply : {"momentum", "delta"}) {
+            const OptimizerKind kind = *ParseOptimizerKind(opt);
+            // Without a compression phase, feedback and reply mean nothing.
+            if (!HasCompressionPhase(kind) &&
+                (std::string(ef) != "both" || std::string(reply) != "momentum")) {
+              continue;
+            }
+            OptimizerOptions o;
+            o.kind = kind;
+            o.worker_codec = wc;
+            o.server_codec = sc;
+            o.reply = *ParseReplyMode(reply);
+            if (!ValidateOptimizerOptions(o).ok()) continue;
+            out.push_back(Combo{opt, wc, sc, ef, reply});
+          }
+        }
+      }
+    }
+  }
+  return out;
+}
+
+control::TrainingConfig ComboConfig(const Combo& c) {
+  // 3 workers, 2 servers, d = 1000 = 31.25 blocks of 32, chunks of 256: ragged
+  // blocks, shards and chunks; the warm-up ends in the middle of the run.
+  control::TrainingConfig cfg = MakeConfig(3, 2, 1000, 6, c.optimizer);
+  cfg.set_lr(0.05f);
+  cfg.set_weight_decay(0.01f);
+  cfg.set_worker_codec(c.worker_codec);
+  cfg.set_server_codec(c.server_codec);
+  cfg.set_error_feedback(c.error_feedback);
+  cfg.set_server_reply(c.server_reply);
+  const OptimizerKind kind = *ParseOptimizerKind(c.optimizer);
+  if (HasWarmup(kind) && HasCompressionPhase(kind)) cfg.set_freeze_step(3);
+  // Quick heartbeats: these jobs take milliseconds; shutdown waits for one.
+  cfg.set_heartbeat_timeout_ms(3000);
+  return cfg;
+}
+
+class MatrixTest : public ::testing::TestWithParam<Combo> {};
+
+TEST_P(MatrixTest, EveryWorkerAndServerEqualsTheReference) {
+  const Combo& c = GetParam();
+  const control::TrainingConfig cfg = ComboConfig(c);
+  const std::string out = Launch(cfg, "matrix");
+  const ReferenceResult ref = Reference(cfg);
+  ASSERT_EQ(ref.workers.size(), 3u);
+  for (uint32_t w = 0; w < 3; ++w) {
+    EXPECT_EQ(
+        FirstDifference(ReadFloats(absl::StrCat(out, "/replica_w", w, ".f32")), ref.workers[w]), "")
+        << "worker " << w;
+  }
+  auto map = *ShardMap::Create(cfg.dim(), cfg.servers(), cfg.block_size());
+  bool masters_equal_replicas = true;
+  for (uint32_t s = 0; s < 2; ++s) {
+    const uint64_t begin = map.shard(s).begin;
+    EXPECT_EQ(FirstDifference(ReadFloats(absl::StrCat(out, "/master_s", s, ".f32")),
+                              ref.masters[s].x, begin),
+              "")
+        << "server " << s;
+    EXPECT_EQ(FirstDifference(ReadFloats(absl::StrCat(out, "/error_s", s, ".f32")),
+                              ref.masters[s].e, begin),
+              "")
+        << "server error " << s;
+    for (size_t i = 0; i < ref.masters[s].x.size(); ++i) {
+      masters_equal_replicas &= ref.masters[s].x[i] == ref.workers[0][begin + i];
+    }
+  }
+  const std::string summary = ReadFile(out + "/summary.json");
+  EXPECT_EQ(Field(summary, "replicas_equal"), masters_equal_replicas ? "true" : "false") << summary;
+  EXPECT_EQ(Field(summary, "workers_agree"), "true") << summary;
+  const OptimizerKind kind = *ParseOptimizerKind(c.optimizer);
+  const std::string freeze = !HasCompressionPhase(kind) ? "null" : HasWarmup(kind) ? "3" : "0";
+  EXPECT_EQ(Field(summary, "freeze_step"), freeze) << summary;
+  EXPECT_EQ(ref.freeze_step, !HasCompressionPhase(kind) ? kNever : HasWarmup(kind) ? 3u : 0u);
+  // The phase column follows the freeze.
+  std::vector<std::string> lines =
+      absl::StrSplit(ReadFile(out + "/metrics.csv"), '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 7u);
+  for (uint64_t t = 0; t < 6; ++t) {
+    const bool compress = HasCompressionPhase(kind) && (!HasWarmup(kind) || t >= 3);
+    EXPECT_EQ(std::vector<std::string>(absl::StrSplit(lines[t + 1], ','))[1],
+              compress ? "compress" : "warmup")
+        << "step " << t;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllCombinations, MatrixTest, ::testing::ValuesIn(AllCombos()),
+                         [](const ::testing::TestParamInfo<Combo>& info) {
+                           std::string name = absl::StrCat(
+                               info.param.optimizer, "_", info.param.worker_codec, "_",
+                               info.param.server_codec, "_ef_", info.param.error_feedback, "_",
+                               info.param.server_reply);
+                           for (char& ch : name) ch = ch == '-' ? '_' : ch;
+                           return name;
+                         });
+
+TEST(MatrixSize, CoversEveryValidCombination) {
+  // onebit-adam and ef-sgd: 3 × 3 codecs × 4 feedback modes × 2 replies each;
+  // naive-onebit-adam replies deltas only; sgd and adam are fp32 throughout.
+  EXPECT_EQ(AllCombos().size(), 72u + 72u + 36u + 1u + 1u);
+}
+
+// --server-reply delta: replicas trail the master by the server error.
+TEST(DeltaReply, WorkerPlusServerErrorEqualsMaster) {
+  control::TrainingConfig cfg = MakeConfig(3, 2, 5000, 10, "onebit-adam");
+  cfg.set_server_reply("delta");
+  cfg.set_freeze_step(4);
+  cfg.set_lr(0.02f);
+  const std::string out = Launch(cfg, "delta");
+  auto map = *ShardMap::Create(cfg.dim(), cfg.servers(), cfg.block_size());
+  double largest = 0;
+  for (uint32_t s = 0; s < 2; ++s) {
+    const std::vector<float> master = ReadFloats(absl::StrCat(out, "/master_s", s, ".f32"));
+    const std::vector<float> error = ReadFloats(absl::StrCat(out, "/error_s", s, ".f32"));
+    ASSERT_EQ(master.size(), map.shard(s).size());
+    ASSERT_EQ(error.size(), master.size());
+    for (uint32_t w = 0; w < 3; ++w) {
+      const std::vector<float> x = ReadFloats(absl::StrCat(out, "/replica_w", w, ".f32"));
+      for (size_t i = 0; i < master.size(); ++i) {
+        const float replica = x[map.shard(s).begin + i];
+        // Six compression steps of fp32 rounding on values of order 1.
+        ASSERT_NEAR(replica + error[i], master[i], 1e-5) << "server " << s << " element " << i;
+        largest = std::max(largest, std::fabs(static_cast<double>(master[i]) - replica));
+      }
+    }
+  }
+  ASSERT_GT(largest, 1e-3) << "the 1-bit reply must leave a visible difference";
+  const std::string summary = ReadFile(out + "/summary.json");
+  EXPECT_EQ(Field(summary, "replicas_equal"), "false") << summary;
+  EXPECT_EQ(Field(summary, "workers_agree"), "true") << summary;
+  EXPECT_NEAR(NumberField(summary, "max_replica_master_diff"), largest, 1e-7 * largest + 1e-12);
+}
+
+// Compression-phase bytes, headers included, against an fp32 run of the same job.
+TEST(Bytes, OnebitBothWaysIsUnderOneThirtyFirstOfFp32) {
+  control::TrainingConfig cfg = MakeConfig(2, 2, 1000000, 4, "onebit-adam");
+  cfg.set_block_size(2048);
+  cfg.set_chunk_elems(1 << 20);
+  cfg.set_freeze_step(2);
+  const std::string out = Launch(cfg, "bytes_onebit");
+  control::TrainingConfig fp32 = cfg;
+  fp32.set_optimizer("adam");
+  fp32.set_worker_codec("fp32");
+  fp32.set_server_codec("fp32");
+  fp32.set_freeze_step(0);
+  const std::string out32 = Launch(fp32, "bytes_fp32");
+
+  auto rows = [](const std::string& dir) {
+    std::vector<std::vector<std::string>> r;
+    std::vector<std::string> lines =
+        absl::StrSplit(ReadFile(dir + "/metrics.csv"), '\n', absl::SkipEmpty());
+    for (size_t i = 1; i < lines.size(); ++i) r.push_back(absl::StrSplit(lines[i], ','));
+    return r;
+  };
+  auto onebit_rows = rows(out), fp32_rows = rows(out32);
+  ASSERT_EQ(onebit_rows.size(), 4u);
+  ASSERT_EQ(fp32_rows.size(), 4u);
+  for (size_t t = 2; t < 4; ++t) {
+    ASSERT_EQ(onebit_rows[t][1], "compress");
+    for (int col : {4, 5}) {  // bytes_up, bytes_down
+      double compressed = 0, full = 0;
+      ASSERT_TRUE(absl::SimpleAtod(onebit_rows[t][col], &compressed));
+      ASSERT_TRUE(absl::SimpleAtod(fp32_rows[t][col], &full));
+      EXPECT_GT(full, 2 * 4e6);  // 2 workers × 4 MB, plus headers
+      EXPECT_LE(compressed * 31, full) << "step " << t << " column " << col;
+    }
+  }
+  const std::string summary = ReadFile(out + "/summary.json");
+  EXPECT_LE(NumberField(summary, "compress_ratio_up"), 1.0 / 31);
+  EXPECT_LE(NumberField(summary, "compress_ratio_down"), 1.0 / 31);
+  EXPECT_EQ(Field(summary, "compress_steps"), "2");
+}
+
+// --freeze auto: the coordinator's decision equals the reference's, and the
+// run equals the reference bit for bit.
+TEST(AutoFreeze, CoordinatorFreezesWhereTheReferenceDoes) {
+  control::TrainingConfig cfg = MakeConfig(2, 3, 3000, 40, "onebit-adam");
+  cfg.set_freeze("auto:0.3:5");
+  cfg.set_heartbeat_timeout_ms(3000);
+  const ReferenceResult ref = Reference(cfg);
+  ASSERT_LT(ref.freeze_step, 30u) << "pick tau so that the freeze happens mid-run";
+  ASSERT_GT(ref.freeze_step, 10u);
+  const std::string out = Launch(cfg, "auto_freeze");
+  const std::string summary = ReadFile(out + "/summary.json");
+  EXPECT_EQ(Field(summary, "freeze_step"), absl::StrCat(ref.freeze_step)) << summary;
+  EXPECT_EQ(Field(summary, "freeze"), "\"auto:0.3:5\"");
+  for (uint32_t w = 0; w < 2; ++w) {
+    EXPECT_EQ(
+        FirstDifference(ReadFloats(absl::StrCat(out, "/replica_w", w, ".f32")), ref.workers[w]),
+        "");
+  }
+  EXPECT_EQ(Field(summary, "replicas_equal"), "true");
+}
+
+// onebit-reference, given the same flags, writes what the cluster ends with.
+TEST(ReferenceCommand, WritesWhatTheClusterEndsWith) {
+  const control::TrainingConfig cfg =
+      ComboConfig(Combo{"onebit-adam", "onebit", "fp16", "both", "delta"});
+  const std::string cluster = Launch(cfg, "cluster");
+  const std::string ref = TempDir("reference");
+  std::vector<std::string> argv = {Bin("onebit-reference"), "--out=" + ref};
+  for (const std::string& a : ConfigArgs(cfg)) argv.push_back(a);
+  RunResult r = RunCommand(argv, absl::Seconds(60));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("freeze step 3"));
+  std::vector<std::string> files;
+  for (int w = 0; w < 3; ++w) files.push_back(absl::StrCat("/replica_w", w, ".f32"));
+  for (int k = 0; k < 2; ++k) {
+    files.push_back(absl::StrCat("/master_s", k, ".f32"));
+    files.push_back(absl::StrCat("/error_s", k, ".f32"));
+  }
+  for (const std::string& f : files) {
+    EXPECT_EQ(FirstDifference(ReadFloats(ref + f), ReadFloats(cluster + f)), "") << f;
+  }
+  const std::string a = ReadFile(ref + "/summary.json"), b = ReadFile(cluster + "/summary.json");
+  for (const char* key : {"freeze_step", "replicas_equal", "v_floored"}) {
+    EXPECT_EQ(Field(a, key), Field(b, key)) << key;
+  }
+  // Workers report their losses in fp32.
+  EXPECT_NEAR(NumberField(a, "final_loss"), NumberField(b, "final_loss"),
+              1e-6 * NumberField(a, "final_loss"));
+}
+
+// Bad configs exit 2 with a message naming the flag or key.
+TEST(Config, BadValuesAndKeysExitTwoNamingThem) {
+  struct Bad {
+    std::vector<std::string> args;
+    std::string json;  // written to a --config file when not empty
+    std::string expect;
+  };
+  const std::vector<Bad> cases = {
+      {{"--optimizer=lamb"}, "", "--optimizer"},
+      {{"--optimizer=adam", "--worker_codec=onebit"}, "", "--worker_codec"},
+      {{"--optimizer=naive-onebit-adam", "--server_reply=momentum"}, "", "--server_reply"},
+      {{"--optimizer=onebit-adam", "--freeze=auto:zero"}, "", "--freeze"},
+      {{"--optimizer=onebit-adam", "--freeze=auto", "--freeze_step=5"}, "", "--freeze"},
+      {{"--error_feedback=sometimes"}, "", "--error_feedback"},
+      {{"--lr_schedule=warmup:0"}, "", "--lr_schedule"},
+      {{"--v_floor=-1"}, "", "--v_floor"},
+      {{"--scale=l3"}, "", "--scale"},
+      {{},
+       R"({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "momentum": 0.9}}})",
+       "momentum"},
+      {{}, R"({"optimizer": {"type": "Lamb"}})", "Lamb"},
+      {{}, R"({"onebit": {"worker_codec": "onebit", "colour": "red"}})", "colour"},
+      {{}, R"({"workers": 2, "learning_rate": 0.1})", "learning_rate"},
+  };
+  for (const Bad& b : cases) {
+    std::vector<std::string> argv = {Bin("onebit-launch"), "--steps=1", "--dim=100"};
+    for (const std::string& a : b.args) argv.push_back(a);
+    if (!b.json.empty()) {
+      const std::string path = TempDir("config") + "/c.json";
+      std::ofstream(path) << b.json;
+      argv.push_back("--config=" + path);
+    }
+    RunResult r = RunCommand(argv, absl::Seconds(30));
+    EXPECT_EQ(r.code, 2) << absl::StrJoin(argv, " ") << "\n" << r.output;
+    EXPECT_THAT(r.output, HasSubstr(b.expect)) << absl::StrJoin(argv, " ");
+  }
+}
+
+// A DeepSpeed-style config trains: its optimizer section sets our flags.
+TEST(Config, DeepSpeedOptimizerSectionIsUnderstood) {
+  const std::string dir = TempDir("deepspeed");
+  std::ofstream(dir + "/ds.json") << R"({
+    "optimizer": {"type": "OneBitAdam",
+                  "params": {"lr": 0.002, "betas": [0.8, 0.99], "eps": 1e-7,
+                             "weight_decay": 0.01, "freeze_step": 3}},
+    "onebit": {"workers": 2, "servers": 2, "worker_codec": "onebit", "server_codec": "fp16"},
+    "steps": 6, "dim": 4000
+  })";
+  RunResult r = RunCommand({Bin("onebit-launch"), "--config=" + dir + "/ds.json",
+                            "--out=" + dir + "/run", "--heartbeat_timeout=3s"},
+                           absl::Seconds(60));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string summary = ReadFile(dir + "/run/summary.json");
+  EXPECT_EQ(Field(summary, "optimizer"), "\"onebit-adam\"");
+  EXPECT_EQ(Field(summary, "freeze_step"), "3");
+  EXPECT_EQ(Field(summary, "workers"), "2");
+  EXPECT_EQ(Field(summary, "server_codec"), "\"fp16\"");
+  EXPECT_EQ(Field(summary, "replicas_equal"), "true");
+}
+
+}  // namespace
+}  // namespace onebit::testing

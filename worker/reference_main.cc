@@ -1,0 +1,112 @@
+// onebit-reference: the single-process reference of DESIGN.md §1.5. Takes the
+// same config flags as onebit-launch and runs the whole job in this process,
+// with no network, through the same optimizer code. Its x is what every
+// distributed run of the same config must end with, bit for bit.
+#include <cstdio>
+#include <fstream>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "net/flags.h"
+#include "net/job_config.h"
+#include "net/run_folder.h"
+#include "shard/reference.h"
+#include "worker/model.h"
+
+ABSL_FLAG(std::string, out, "",
+          "folder for metrics.csv, summary.json and the final x (replica_w<R>.f32, "
+          "master_s<K>.f32, error_s<K>.f32, as onebit-launch --dump_params)");
+
+namespace onebit {
+namespace {
+
+absl::Status WriteFloats(const std::string& path, const std::vector<float>& v) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(v.data()),
+            static_cast<std::streamsize>(v.size() * sizeof(float)));
+  return out ? absl::OkStatus() : absl::InternalError(absl::StrCat("cannot write ", path));
+}
+
+int Main(int argc, char** argv) {
+  std::set<std::string> specified = ParseFlagsOrExit(
+      argc, argv,
+      "onebit-reference --workers N --servers S [--optimizer ...] [--out DIR]\n"
+      "Runs the job in one process: the oracle a distributed run must equal bit for bit.");
+  auto cfg = ConfigFromFlags(specified);
+  if (!cfg.ok()) ExitError(2, std::string(cfg.status().message()));
+  auto model = NewModel(*cfg);
+  if (!model.ok()) ExitError(1, std::string(model.status().message()));
+  auto map = ShardMap::Create((*model)->num_params(), cfg->servers(), cfg->block_size());
+  if (!map.ok()) ExitError(1, std::string(map.status().message()));
+  ReferenceOptions o;
+  o.workers = cfg->workers();
+  o.map = *map;
+  o.steps = cfg->steps();
+  o.optimizer = *OptimizerOptionsFromConfig(*cfg);  // validated by ConfigFromFlags
+  o.freeze = *FreezeOptionsFromConfig(*cfg);
+  std::vector<float> x0((*model)->num_params());
+  (*model)->Init(x0.data());
+  auto r = RunReference(o, x0, [&](const float* x, uint32_t rank, uint64_t step, float* g) {
+    return (*model)->Gradient(x, rank, step, g);
+  });
+  if (!r.ok()) ExitError(1, absl::StrCat("reference: ", r.status().message()));
+  const uint64_t freeze = r->freeze_step;
+  std::fprintf(stderr, "reference: %llu steps, final loss %.9g, freeze step %s\n",
+               static_cast<unsigned long long>(cfg->steps()), r->losses.back(),
+               freeze == kNever ? "none" : absl::StrCat(freeze).c_str());
+
+  const std::string out = absl::GetFlag(FLAGS_out);
+  if (out.empty()) return 0;
+  absl::Status st = MakeDirs(out);
+  std::vector<MetricsRow> rows;
+  Summary s;
+  s.optimizer = cfg->optimizer();
+  s.workers = cfg->workers();
+  s.servers = cfg->servers();
+  s.params = map->num_params();
+  s.steps = cfg->steps();
+  s.worker_codec = cfg->worker_codec();
+  s.server_codec = cfg->server_codec();
+  s.error_feedback = cfg->error_feedback();
+  s.server_reply = cfg->server_reply();
+  s.v_floor = cfg->v_floor();
+  s.status = "ok";
+  for (uint64_t t = 0; t < cfg->steps(); ++t) {
+    MetricsRow row;
+    row.step = t;
+    row.phase = freeze != kNever && t >= freeze ? "compress" : "warmup";
+    row.loss = r->losses[t];
+    row.bytes_up = r->push_bytes[t];  // payload only: no headers without a network
+    row.bytes_down = r->reply_bytes[t];
+    rows.push_back(row);
+    s.bytes_up += row.bytes_up;
+    s.bytes_down += row.bytes_down;
+  }
+  s.bytes_up_fp32 = s.bytes_down_fp32 = map->num_params() * 4 * cfg->workers() * cfg->steps();
+  if (freeze != kNever && freeze < cfg->steps()) s.freeze_step = freeze;
+  s.final_loss = r->losses.back();
+  bool equal = true;
+  for (const ServerShardState& k : r->servers) {
+    s.v_floored += k.floored;
+    for (size_t i = 0; i < k.x.size(); ++i) equal &= k.x[i] == r->workers[0].x[k.begin + i];
+  }
+  s.replicas_equal = equal;
+  s.workers_agree = true;
+  for (uint32_t w = 0; st.ok() && w < r->workers.size(); ++w) {
+    s.workers_agree &= r->workers[w].x == r->workers[0].x;
+    st = WriteFloats(absl::StrCat(out, "/replica_w", w, ".f32"), r->workers[w].x);
+  }
+  for (uint32_t k = 0; st.ok() && k < r->servers.size(); ++k) {
+    st = WriteFloats(absl::StrCat(out, "/master_s", k, ".f32"), r->servers[k].x);
+    if (st.ok()) st = WriteFloats(absl::StrCat(out, "/error_s", k, ".f32"), r->servers[k].e);
+  }
+  if (st.ok()) st = WriteMetricsCsv(out + "/metrics.csv", rows);
+  if (st.ok()) st = WriteSummaryJson(out + "/summary.json", s);
+  if (!st.ok()) ExitError(1, std::string(st.message()));
+  return 0;
+}
+
+}  // namespace
+}  // namespace onebit
+
+int main(int argc, char** argv) { return onebit::Main(argc, argv); }
