@@ -1,5 +1,6 @@
 #include "net/job_config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <sstream>
@@ -9,6 +10,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "compress/codec.h"
 #include "google/protobuf/struct.pb.h"
@@ -17,9 +19,22 @@
 
 ABSL_FLAG(uint32_t, workers, 1, "number of workers N");
 ABSL_FLAG(uint32_t, servers, 1, "number of servers S (one shard each)");
-ABSL_FLAG(std::string, model, "synthetic", "model: synthetic");
+ABSL_FLAG(std::string, model, "synthetic",
+          "model: synthetic (a noisy quadratic) | mlp (Fashion-MNIST)");
 ABSL_FLAG(uint64_t, dim, 1000, "parameters d (synthetic model)");
-ABSL_FLAG(uint64_t, steps, 10, "training steps");
+ABSL_FLAG(uint64_t, steps, 10, "training steps (see --epochs)");
+ABSL_FLAG(uint32_t, epochs, 0,
+          "mlp: train this many epochs (sets --steps: an epoch is 60000 / (N * batch) steps, or "
+          "--max_train / (N * batch))");
+ABSL_FLAG(std::string, layers, "784-256-128-10", "mlp: layer widths");
+ABSL_FLAG(uint32_t, batch, 64, "mlp: local batch per worker");
+ABSL_FLAG(std::string, data_dir, "/usr/share/datasets/fashion-mnist",
+          "mlp: folder of the Fashion-MNIST IDX files (.gz)");
+ABSL_FLAG(uint64_t, eval_every, 0,
+          "mlp: evaluate the test set every this many steps (0: once an epoch) and at the end");
+ABSL_FLAG(uint32_t, max_train, 0, "mlp: use only the first N training images (0: all)");
+ABSL_FLAG(uint32_t, max_test, 0, "mlp: use only the first N test images (0: all)");
+ABSL_FLAG(uint32_t, blas_threads, 1, "mlp: OpenBLAS threads per worker");
 ABSL_FLAG(uint64_t, seed, 1, "seed of the model, its data and its noise");
 ABSL_FLAG(std::string, optimizer, "sgd",
           "sgd | adam | onebit-adam | naive-onebit-adam | ef-sgd (DESIGN.md §1.4)");
@@ -79,7 +94,11 @@ const char* const kConfigFlags[] = {"workers",      "servers",
                                     "block_size",   "chunk_elems",
                                     "step_timeout", "heartbeat_timeout",
                                     "noise",        "curvature_spread",
-                                    "skip_model"};
+                                    "skip_model",   "epochs",
+                                    "layers",       "batch",
+                                    "data_dir",     "eval_every",
+                                    "max_train",    "max_test",
+                                    "blas_threads"};
 
 bool IsConfigFlag(const std::string& name) {
   for (const char* f : kConfigFlags) {
@@ -210,6 +229,24 @@ absl::Status LoadJson(const std::string& path, const std::set<std::string>& spec
 
 }  // namespace
 
+absl::StatusOr<uint64_t> MlpParamCount(absl::string_view layers) {
+  std::vector<uint64_t> widths;
+  for (absl::string_view part : absl::StrSplit(layers, '-')) {
+    uint64_t w = 0;
+    if (!absl::SimpleAtoi(part, &w) || w == 0 || w > (1u << 20)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--layers: '", layers, "' is not a list of widths like 784-256-128-10"));
+    }
+    widths.push_back(w);
+  }
+  if (widths.size() < 2) {
+    return absl::InvalidArgumentError(absl::StrCat("--layers: '", layers, "' needs 2+ widths"));
+  }
+  uint64_t d = 0;
+  for (size_t l = 0; l + 1 < widths.size(); ++l) d += widths[l] * widths[l + 1] + widths[l + 1];
+  return d;
+}
+
 absl::StatusOr<control::TrainingConfig> ConfigFromFlags(const std::set<std::string>& specified) {
   const std::string path = absl::GetFlag(FLAGS_config);
   if (!path.empty()) {
@@ -248,6 +285,30 @@ absl::StatusOr<control::TrainingConfig> ConfigFromFlags(const std::set<std::stri
   c.set_noise(absl::GetFlag(FLAGS_noise));
   c.set_skip_model(absl::GetFlag(FLAGS_skip_model));
   c.set_curvature_spread(absl::GetFlag(FLAGS_curvature_spread));
+  c.set_epochs(absl::GetFlag(FLAGS_epochs));
+  c.set_layers(absl::GetFlag(FLAGS_layers));
+  c.set_batch(absl::GetFlag(FLAGS_batch));
+  c.set_data_dir(absl::GetFlag(FLAGS_data_dir));
+  c.set_eval_every(absl::GetFlag(FLAGS_eval_every));
+  c.set_max_train(absl::GetFlag(FLAGS_max_train));
+  c.set_max_test(absl::GetFlag(FLAGS_max_test));
+  c.set_blas_threads(absl::GetFlag(FLAGS_blas_threads));
+  if (c.model() == "mlp") {
+    // The shard map needs d before any worker has built the model.
+    auto d = MlpParamCount(c.layers());
+    if (!d.ok()) return d.status();
+    c.set_dim(*d);
+    const uint64_t train = c.max_train() > 0 ? std::min<uint64_t>(c.max_train(), kFashionMnistTrain)
+                                             : kFashionMnistTrain;
+    const uint64_t per_epoch = train / (uint64_t{c.workers()} * std::max<uint32_t>(c.batch(), 1));
+    if (per_epoch == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--batch: ", c.workers(), " workers x batch ",
+                                                     c.batch(), " exceed the ", train,
+                                                     " training images"));
+    }
+    if (c.epochs() > 0) c.set_steps(c.epochs() * per_epoch);
+    if (c.eval_every() == 0) c.set_eval_every(per_epoch);
+  }
   // Fill in the optimizer's defaults, so every process sees one resolved config.
   auto kind = ParseOptimizerKind(c.optimizer());
   if (kind.ok()) {
@@ -312,7 +373,14 @@ absl::Status ValidateConfig(const control::TrainingConfig& c) {
   };
   if (c.workers() < 1 || c.workers() > 4096) return bad("workers", "must be in [1, 4096]");
   if (c.servers() < 1 || c.servers() > 1024) return bad("servers", "must be in [1, 1024]");
-  if (c.model() != "synthetic") return bad("model", "unknown model (want synthetic)");
+  if (c.model() != "synthetic" && c.model() != "mlp") {
+    return bad("model", absl::StrCat("unknown model '", c.model(), "' (want synthetic or mlp)"));
+  }
+  if (c.model() == "mlp") {
+    if (!MlpParamCount(c.layers()).ok()) return MlpParamCount(c.layers()).status();
+    if (c.batch() < 1) return bad("batch", "must be >= 1");
+    if (c.blas_threads() > 256) return bad("blas_threads", "must be in [0, 256]");
+  }
   if (c.dim() < 1 || c.dim() > (uint64_t{1} << 34)) return bad("dim", "must be in [1, 2^34]");
   if (c.steps() < 1) return bad("steps", "must be >= 1");
   if (c.block_size() < 32 || c.block_size() % 32 != 0 || c.block_size() > (1u << 24)) {

@@ -22,6 +22,13 @@ absl::StatusOr<control::TrainingConfig> ConfigFromFlags(const std::set<std::stri
 // Checks ranges and combinations; errors start with "--<flag>: ".
 absl::Status ValidateConfig(const control::TrainingConfig& config);
 
+// Fashion-MNIST's training images: the mlp's epoch, before --max_train.
+inline constexpr uint64_t kFashionMnistTrain = 60000;
+
+// Parameters of an mlp with these layer widths ("784-256-128-10"): each
+// layer's weights and biases. Errors name --layers.
+absl::StatusOr<uint64_t> MlpParamCount(absl::string_view layers);
+
 // The optimizer and freeze settings of a (validated) config.
 absl::StatusOr<OptimizerOptions> OptimizerOptionsFromConfig(const control::TrainingConfig& config);
 absl::StatusOr<FreezeOptions> FreezeOptionsFromConfig(const control::TrainingConfig& config);

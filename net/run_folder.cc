@@ -61,11 +61,15 @@ std::string JsonQuote(const std::string& s) {
 }
 
 absl::Status WriteMetricsCsv(const std::string& path, const std::vector<MetricsRow>& rows) {
-  std::string text = "step,phase,loss,wall_s,bytes_up,bytes_down,step_s,push_s,reply_s\n";
+  std::string text =
+      "step,phase,loss,wall_s,bytes_up,bytes_down,step_s,push_s,reply_s,epoch,test_loss,"
+      "test_accuracy\n";
+  auto opt = [](const std::optional<double>& v) { return v ? Num(*v) : std::string(); };
   for (const MetricsRow& r : rows) {
     absl::StrAppend(&text, r.step, ",", r.phase, ",", Num(r.loss), ",", Num(r.wall_s), ",",
                     r.bytes_up, ",", r.bytes_down, ",", Num(r.step_s), ",", Num(r.push_s), ",",
-                    Num(r.reply_s), "\n");
+                    Num(r.reply_s), ",", Num(r.epoch), ",", opt(r.test_loss), ",",
+                    opt(r.test_accuracy), "\n");
   }
   return WriteAtomically(path, text);
 }
@@ -94,6 +98,7 @@ absl::Status WriteSummaryJson(const std::string& path, const Summary& s) {
       "  \"bytes_down_fp32\": ", s.bytes_down_fp32, ",\n",
       "  \"final_loss\": ", opt_d(s.final_loss), ",\n",
       "  \"test_accuracy\": ", opt_d(s.test_accuracy), ",\n",
+      "  \"test_loss\": ", opt_d(s.test_loss), ",\n",
       "  \"replicas_equal\": ", s.replicas_equal ? "true" : "false", ",\n",
       "  \"worker_codec\": ", JsonQuote(s.worker_codec), ",\n",
       "  \"server_codec\": ", JsonQuote(s.server_codec), ",\n",

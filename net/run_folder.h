@@ -22,6 +22,9 @@ struct MetricsRow {
   double step_s = 0;  // max over workers of this step's duration
   double push_s = 0;  // max over workers; see StepMetrics in control.proto
   double reply_s = 0;
+  double epoch = 0;                 // fractional epochs done (mlp); 0 otherwise
+  std::optional<double> test_loss;  // when the test set was scored after this step
+  std::optional<double> test_accuracy;
 };
 
 struct Summary {
@@ -38,6 +41,7 @@ struct Summary {
   uint64_t bytes_down_fp32 = 0;
   std::optional<double> final_loss;
   std::optional<double> test_accuracy;
+  std::optional<double> test_loss;
   bool replicas_equal = false;
   std::string status;  // "ok" or the failure
   std::string job_id;

@@ -397,6 +397,11 @@ std::vector<MetricsRow> CoordinatorService::MetricsRows() const {
       r.bytes_down += m->bytes_down();
     }
     r.loss = loss / static_cast<double>(per_rank.size());
+    r.epoch = per_rank[0]->epoch();
+    if (per_rank[0]->has_eval()) {
+      r.test_loss = per_rank[0]->test_loss();
+      r.test_accuracy = per_rank[0]->test_accuracy();
+    }
     rows.push_back(r);
   }
   return rows;
@@ -441,6 +446,12 @@ Summary CoordinatorService::MakeSummary() const {
   s.bytes_up_fp32 = fp32;
   s.bytes_down_fp32 = fp32;
   if (!rows.empty()) s.final_loss = rows.back().loss;
+  for (const MetricsRow& r : rows) {
+    if (r.test_accuracy) {
+      s.test_accuracy = r.test_accuracy;
+      s.test_loss = r.test_loss;
+    }
+  }
   s.replicas_equal = state_ == State::kFinished && replicas_equal_;
   s.status = state_ == State::kFinished ? "ok" : absl::StrCat(StateName(state_), ": ", reason_);
   s.job_id = absl::StrFormat("%016x", job_id_);

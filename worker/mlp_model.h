@@ -71,7 +71,7 @@ class MlpModel final : public Model, public Evaluator {
   const MlpOptions& options() const { return o_; }
   const ImageDataset& dataset() const { return *data_; }
   const EpochSampler& sampler() const { return *sampler_; }
-  uint64_t steps_per_epoch() const { return sampler_->steps_per_epoch(); }
+  uint64_t steps_per_epoch() const override { return sampler_->steps_per_epoch(); }
   size_t num_layers() const { return o_.layers.size() - 1; }
   // Where W_l and b_l start in x.
   uint64_t weight_offset(size_t l) const { return w_off_[l]; }

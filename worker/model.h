@@ -23,9 +23,11 @@ class Model {
   // loss at x. Non-finite results are an error.
   virtual absl::StatusOr<double> Gradient(const float* x, uint32_t rank, uint64_t step,
                                           float* g) const = 0;
+  // Steps per pass over the training data; 0 when the model has no data set.
+  virtual uint64_t steps_per_epoch() const { return 0; }
 };
 
-// The model named by config.model() ("synthetic").
+// The model named by config.model(): "synthetic" or "mlp".
 absl::StatusOr<std::unique_ptr<Model>> NewModel(const control::TrainingConfig& config);
 
 }  // namespace onebit

@@ -65,17 +65,4 @@ absl::StatusOr<double> SyntheticModel::Gradient(const float* x, uint32_t rank, u
   return loss;
 }
 
-absl::StatusOr<std::unique_ptr<Model>> NewModel(const control::TrainingConfig& config) {
-  if (config.model() == "synthetic") {
-    SyntheticOptions o;
-    o.dim = config.dim();
-    o.seed = config.seed();
-    o.noise = config.noise();
-    o.curvature_spread = config.curvature_spread();
-    o.skip = config.skip_model();
-    return std::unique_ptr<Model>(new SyntheticModel(o));
-  }
-  return absl::InvalidArgumentError(absl::StrCat("unknown model '", config.model(), "'"));
-}
-
 }  // namespace onebit

@@ -14,6 +14,7 @@
 #include "net/flags.h"
 #include "net/health.h"
 #include "net/job_config.h"
+#include "worker/evaluator.h"
 #include "worker/model.h"
 #include "worker/ps_client.h"
 
@@ -111,6 +112,10 @@ int Main(int argc, char** argv) {
   };
 
   const uint64_t steps = cfg.steps();
+  const uint64_t per_epoch = (*model)->steps_per_epoch();
+  const Evaluator* evaluator =
+      rank == 0 && cfg.eval_every() > 0 ? dynamic_cast<const Evaluator*>(model->get()) : nullptr;
+  double last_accuracy = -1;
   const int64_t stall = absl::GetFlag(FLAGS_stall_at_step);
   const absl::Duration progress_every = absl::GetFlag(FLAGS_progress_interval);
   const absl::Time t0 = absl::Now();
@@ -141,6 +146,16 @@ int Main(int argc, char** argv) {
     m.set_push_s((*client)->last_push_s());
     m.set_reply_s((*client)->last_reply_s());
     m.set_phase(phase == Phase::kCompress ? "compress" : "warmup");
+    if (per_epoch > 0) m.set_epoch(static_cast<double>(step + 1) / per_epoch);
+    // Rank 0 scores its replica (equal to every other) on the test set.
+    if (evaluator != nullptr && ((step + 1) % cfg.eval_every() == 0 || step + 1 == steps)) {
+      auto eval = evaluator->Evaluate(x.data());
+      if (!eval.ok()) Fail(&hb, absl::StrCat("worker 0: evaluation: ", eval.status().message()));
+      m.set_has_eval(true);
+      m.set_test_loss(eval->loss);
+      m.set_test_accuracy(eval->accuracy);
+      last_accuracy = eval->accuracy;
+    }
     total_up += m.bytes_up();
     total_down += m.bytes_down();
     hb.AddMetrics(m);
@@ -149,12 +164,17 @@ int Main(int argc, char** argv) {
       last_progress = s1;
       const double elapsed = absl::ToDoubleSeconds(s1 - t0);
       const double rate = static_cast<double>(step + 1) / std::max(elapsed, 1e-9);
+      const std::string epoch =
+          per_epoch > 0 ? absl::StrFormat(" epoch %.2f", m.epoch()) : std::string();
+      const std::string acc =
+          last_accuracy >= 0 ? absl::StrFormat(" test acc %.4f", last_accuracy) : std::string();
       std::fprintf(stderr,
-                   "worker %u: step %llu/%llu loss %.6g %.2f steps/s up %.1f MB down %.1f MB "
-                   "ETA %.0fs\n",
+                   "worker %u: step %llu/%llu%s loss %.6g%s %s %.2f steps/s up %.1f MB down %.1f "
+                   "MB ETA %.0fs\n",
                    rank, static_cast<unsigned long long>(step + 1),
-                   static_cast<unsigned long long>(steps), *loss, rate, total_up / 1e6,
-                   total_down / 1e6, static_cast<double>(steps - step - 1) / rate);
+                   static_cast<unsigned long long>(steps), epoch.c_str(), *loss, acc.c_str(),
+                   m.phase().c_str(), rate, total_up / 1e6, total_down / 1e6,
+                   static_cast<double>(steps - step - 1) / rate);
     }
   }
 

@@ -349,5 +349,48 @@ TEST(Config, DeepSpeedOptimizerSectionIsUnderstood) {
   EXPECT_EQ(Field(summary, "replicas_equal"), "true");
 }
 
+// The mlp on a slice of Fashion-MNIST through a real cluster: the loss falls,
+// the test set is scored every epoch, and replicas stay equal.
+TEST(Mlp, ShortClusterRunLearns) {
+  const std::string dir = TempDir("mlp");
+  RunResult r = RunCommand(
+      {Bin("onebit-launch"), "--workers=2", "--servers=2", "--model=mlp", "--layers=784-32-10",
+       "--optimizer=onebit-adam", "--lr=2e-3", "--batch=32", "--max_train=2048", "--max_test=1000",
+       "--epochs=6", "--freeze_step=64", "--heartbeat_timeout=3s", "--out=" + dir},
+      absl::Seconds(120));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string summary = ReadFile(dir + "/summary.json");
+  EXPECT_EQ(Field(summary, "steps"), "192");     // 6 epochs of 2048 / (2 × 32)
+  EXPECT_EQ(Field(summary, "params"), "25450");  // 784·32 + 32 + 32·10 + 10
+  EXPECT_EQ(Field(summary, "replicas_equal"), "true");
+  EXPECT_GT(NumberField(summary, "test_accuracy"), 0.7);  // chance is 0.1
+  std::vector<std::string> lines =
+      absl::StrSplit(ReadFile(dir + "/metrics.csv"), '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 193u);
+  auto loss = [&](size_t row) {
+    double v = 0;
+    EXPECT_TRUE(absl::SimpleAtod(std::vector<std::string>(absl::StrSplit(lines[row], ','))[2], &v));
+    return v;
+  };
+  double first = 0, last = 0;
+  for (size_t i = 1; i <= 10; ++i) first += loss(i) / 10;
+  for (size_t i = 183; i <= 192; ++i) last += loss(i) / 10;
+  EXPECT_LT(last, 0.5 * first) << "training loss must fall";
+  int evaluations = 0;
+  for (size_t i = 1; i < lines.size(); ++i) {
+    evaluations += std::vector<std::string>(absl::StrSplit(lines[i], ',')).back() != "";
+  }
+  EXPECT_EQ(evaluations, 6);  // once an epoch (the last one is also the end)
+}
+
+TEST(Mlp, MissingDataFolderIsNamed) {
+  RunResult r =
+      RunCommand({Bin("onebit-launch"), "--workers=1", "--servers=1", "--model=mlp",
+                  "--data_dir=/nonexistent/fmnist", "--steps=2", "--heartbeat_timeout=3s"},
+                 absl::Seconds(60));
+  EXPECT_NE(r.code, 0);
+  EXPECT_THAT(r.output, HasSubstr("/nonexistent/fmnist"));
+}
+
 }  // namespace
 }  // namespace onebit::testing
