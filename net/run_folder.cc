@@ -60,6 +60,15 @@ std::string JsonQuote(const std::string& s) {
   return out + "\"";
 }
 
+absl::Status WriteFloats(const std::string& path, const std::vector<float>& v) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(v.data()),
+            static_cast<std::streamsize>(v.size() * sizeof(float)));
+  out.close();
+  if (!out) return absl::InternalError(absl::StrCat("cannot write ", path));
+  return absl::OkStatus();
+}
+
 absl::Status WriteMetricsCsv(const std::string& path, const std::vector<MetricsRow>& rows) {
   std::string text =
       "step,phase,loss,wall_s,bytes_up,bytes_down,step_s,push_s,reply_s,epoch,test_loss,"

@@ -65,6 +65,8 @@ struct Summary {
 absl::Status MakeDirs(const std::string& dir);
 absl::Status WriteMetricsCsv(const std::string& path, const std::vector<MetricsRow>& rows);
 absl::Status WriteSummaryJson(const std::string& path, const Summary& s);
+// Writes v as raw fp32 (the --dump_x files); errors name the path.
+absl::Status WriteFloats(const std::string& path, const std::vector<float>& v);
 // JSON string literal with escapes.
 std::string JsonQuote(const std::string& s);
 

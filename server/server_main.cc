@@ -16,6 +16,7 @@
 #include "net/flags.h"
 #include "net/health.h"
 #include "net/job_config.h"
+#include "net/run_folder.h"
 #include "server/ps_server.h"
 
 ABSL_FLAG(std::string, coordinator, "", "coordinator address host:port (required)");
@@ -33,11 +34,6 @@ ABSL_FLAG(std::string, dump_error, "",
 
 namespace onebit {
 namespace {
-
-[[noreturn]] void Fail(Heartbeater* hb, const std::string& msg) {
-  if (hb != nullptr) hb->ReportError(msg);
-  ExitError(1, msg);
-}
 
 int Main(int argc, char** argv) {
   KeepLargeBuffers();
@@ -117,7 +113,7 @@ int Main(int argc, char** argv) {
     return hb.FreezeDecision(completed, window);
   };
   auto server = PsServer::Create(o, &socket);
-  if (!server.ok()) Fail(&hb, std::string(server.status().message()));
+  if (!server.ok()) FailAndExit(&hb, std::string(server.status().message()));
   const Range r = map->shard(rank);
   std::fprintf(stderr, "server %u: shard [%llu, %llu) on tcp://%s:%d, job %016llx\n", rank,
                static_cast<unsigned long long>(r.begin), static_cast<unsigned long long>(r.end),
@@ -150,15 +146,14 @@ int Main(int argc, char** argv) {
         }
         done_status = hb.Done({c});
       });
-  if (!st.ok()) Fail(&hb, absl::StrCat("server ", rank, ": ", st.message()));
-  if (!done_status.ok()) Fail(&hb, absl::StrCat("server ", rank, ": ", done_status.message()));
+  if (!st.ok()) FailAndExit(&hb, absl::StrCat("server ", rank, ": ", st.message()));
+  if (!done_status.ok())
+    FailAndExit(&hb, absl::StrCat("server ", rank, ": ", done_status.message()));
 
   auto dump = [](const std::string& flag, const std::string& path, const std::vector<float>& v) {
     if (path.empty()) return;
-    std::ofstream out(path, std::ios::binary | std::ios::trunc);
-    out.write(reinterpret_cast<const char*>(v.data()),
-              static_cast<std::streamsize>(v.size() * sizeof(float)));
-    if (!out) ExitError(1, absl::StrCat("cannot write --", flag, " ", path));
+    absl::Status st = WriteFloats(path, v);
+    if (!st.ok()) ExitError(1, absl::StrCat("--", flag, ": ", st.message()));
   };
   dump("dump_x", absl::GetFlag(FLAGS_dump_x), ps.state().x);
   dump("dump_error", absl::GetFlag(FLAGS_dump_error), ps.state().e);

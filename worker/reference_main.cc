@@ -20,13 +20,6 @@ ABSL_FLAG(std::string, out, "",
 namespace onebit {
 namespace {
 
-absl::Status WriteFloats(const std::string& path, const std::vector<float>& v) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(reinterpret_cast<const char*>(v.data()),
-            static_cast<std::streamsize>(v.size() * sizeof(float)));
-  return out ? absl::OkStatus() : absl::InternalError(absl::StrCat("cannot write ", path));
-}
-
 int Main(int argc, char** argv) {
   std::set<std::string> specified = ParseFlagsOrExit(
       argc, argv,

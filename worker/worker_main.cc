@@ -14,6 +14,7 @@
 #include "net/flags.h"
 #include "net/health.h"
 #include "net/job_config.h"
+#include "net/run_folder.h"
 #include "worker/evaluator.h"
 #include "worker/model.h"
 #include "worker/ps_client.h"
@@ -33,11 +34,6 @@ ABSL_FLAG(absl::Duration, progress_interval, absl::Seconds(1),
 
 namespace onebit {
 namespace {
-
-[[noreturn]] void Fail(Heartbeater* hb, const std::string& msg) {
-  if (hb != nullptr) hb->ReportError(msg);
-  ExitError(1, msg);
-}
 
 int Main(int argc, char** argv) {
   KeepLargeBuffers();
@@ -72,16 +68,16 @@ int Main(int argc, char** argv) {
   hb.Start();
 
   auto map = ShardMap::Deserialize(reg->shard_map());
-  if (!map.ok()) Fail(&hb, absl::StrCat("bad shard map: ", map.status().message()));
+  if (!map.ok()) FailAndExit(&hb, absl::StrCat("bad shard map: ", map.status().message()));
   auto model = NewModel(cfg);
-  if (!model.ok()) Fail(&hb, std::string(model.status().message()));
+  if (!model.ok()) FailAndExit(&hb, std::string(model.status().message()));
   const uint64_t d = (*model)->num_params();
-  if (d != map->num_params()) Fail(&hb, "model size differs from the shard map");
+  if (d != map->num_params()) FailAndExit(&hb, "model size differs from the shard map");
 
   auto opt_options = OptimizerOptionsFromConfig(cfg);
-  if (!opt_options.ok()) Fail(&hb, std::string(opt_options.status().message()));
+  if (!opt_options.ok()) FailAndExit(&hb, std::string(opt_options.status().message()));
   auto optimizer = WorkerOptimizer::Create(*opt_options);
-  if (!optimizer.ok()) Fail(&hb, std::string(optimizer.status().message()));
+  if (!optimizer.ok()) FailAndExit(&hb, std::string(optimizer.status().message()));
 
   zmq::context_t ctx(static_cast<int>(std::min<uint32_t>(cfg.servers(), 2)));
   PsClientOptions po;
@@ -95,7 +91,7 @@ int Main(int argc, char** argv) {
   // us why; this is the backstop for a server that died.
   po.reply_timeout = 2 * absl::Milliseconds(cfg.step_timeout_ms());
   auto client = PsClient::Connect(po, &ctx);
-  if (!client.ok()) Fail(&hb, std::string(client.status().message()));
+  if (!client.ok()) FailAndExit(&hb, std::string(client.status().message()));
 
   WorkerState state;
   (*optimizer)->InitState(d, &state);
@@ -104,7 +100,7 @@ int Main(int argc, char** argv) {
   (*model)->Init(x.data());
   if (rank == 0) {
     absl::Status st = (*client)->SendInit(x.data());
-    if (!st.ok()) Fail(&hb, absl::StrCat("worker 0: sending the initial x: ", st.message()));
+    if (!st.ok()) FailAndExit(&hb, absl::StrCat("worker 0: sending the initial x: ", st.message()));
   }
   auto check = [&]() -> absl::Status {
     if (hb.command() == control::CONTINUE) return absl::OkStatus();
@@ -131,10 +127,10 @@ int Main(int argc, char** argv) {
     }
     const absl::Time s0 = absl::Now();
     auto loss = (*model)->Gradient(x.data(), rank, step, g.data());
-    if (!loss.ok()) Fail(&hb, absl::StrCat("worker ", rank, ": ", loss.status().message()));
+    if (!loss.ok()) FailAndExit(&hb, absl::StrCat("worker ", rank, ": ", loss.status().message()));
     const Phase phase = PhaseOf(state);
     absl::Status st = (*client)->PushPull(step, g.data(), &state, check);
-    if (!st.ok()) Fail(&hb, absl::StrCat("worker ", rank, ": ", st.message()));
+    if (!st.ok()) FailAndExit(&hb, absl::StrCat("worker ", rank, ": ", st.message()));
     const absl::Time s1 = absl::Now();
     control::StepMetrics m;
     m.set_step(step);
@@ -150,7 +146,8 @@ int Main(int argc, char** argv) {
     // Rank 0 scores its replica (equal to every other) on the test set.
     if (evaluator != nullptr && ((step + 1) % cfg.eval_every() == 0 || step + 1 == steps)) {
       auto eval = evaluator->Evaluate(x.data());
-      if (!eval.ok()) Fail(&hb, absl::StrCat("worker 0: evaluation: ", eval.status().message()));
+      if (!eval.ok())
+        FailAndExit(&hb, absl::StrCat("worker 0: evaluation: ", eval.status().message()));
       m.set_has_eval(true);
       m.set_test_loss(eval->loss);
       m.set_test_accuracy(eval->accuracy);
@@ -190,13 +187,12 @@ int Main(int argc, char** argv) {
   }
   const std::string dump = absl::GetFlag(FLAGS_dump_x);
   if (!dump.empty()) {
-    std::ofstream out(dump, std::ios::binary | std::ios::trunc);
-    out.write(reinterpret_cast<const char*>(x.data()),
-              static_cast<std::streamsize>(x.size() * sizeof(float)));
-    if (!out) Fail(&hb, absl::StrCat("cannot write --dump_x ", dump));
+    absl::Status st = WriteFloats(dump, x);
+    if (!st.ok()) FailAndExit(&hb, absl::StrCat("--dump_x: ", st.message()));
   }
+
   absl::Status st = hb.Done(sums);
-  if (!st.ok()) Fail(&hb, absl::StrCat("worker ", rank, ": ", st.message()));
+  if (!st.ok()) FailAndExit(&hb, absl::StrCat("worker ", rank, ": ", st.message()));
   return 0;
 }
 
