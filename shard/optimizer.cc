@@ -7,23 +7,13 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "shard/update_kernels.h"
 
 namespace onebit {
 namespace {
 
 absl::Status Bad(absl::string_view flag, absl::string_view why) {
   return absl::InvalidArgumentError(absl::StrCat("--", flag, ": ", why));
-}
-
-// x <- x - lr * (mbar / den + wd * x): the compression-phase update, applied
-// identically by the server to its master and by every worker to its replica.
-// den == nullptr: no preconditioner (ef-sgd).
-void ApplyMomentum(const float* mbar, const float* den, float lr, float wd, size_t n, float* x) {
-  if (den != nullptr) {
-    for (size_t i = 0; i < n; ++i) x[i] = x[i] - lr * (mbar[i] / den[i] + wd * x[i]);
-  } else {
-    for (size_t i = 0; i < n; ++i) x[i] = x[i] - lr * (mbar[i] + wd * x[i]);
-  }
 }
 
 // delta = -lr * (m / den + wd * x) and x += delta, for the delta reply.
@@ -283,26 +273,9 @@ void ServerOptimizer::EnterCompression(ServerShardState* s) const {
 absl::Status ServerOptimizer::AdamStep(uint64_t step, float* g, uint64_t off, size_t n,
                                        ServerShardState* s) const {
   float* x = s->x.data() + off;
-  float* m = s->m.data() + off;
-  float* v = s->v.data() + off;
-  const float b1 = o_.beta1, b2 = o_.beta2, eps = o_.eps, wd = o_.weight_decay;
-  const float c1 = 1.0f - b1, c2 = 1.0f - b2, neg_lr = -LearningRate(o_, step);
-  // Bias correction (off by default): m / (1 - b1^t), v / (1 - b2^t), t = step + 1.
-  const double t = static_cast<double>(step) + 1.0;
-  const float k1 = o_.bias_correction ? static_cast<float>(1.0 - std::pow(b1, t)) : 1.0f;
-  const float k2 = o_.bias_correction ? static_cast<float>(1.0 - std::pow(b2, t)) : 1.0f;
-  for (size_t i = 0; i < n; ++i) {
-    const float gi = g[i];
-    const float mi = b1 * m[i] + c1 * gi;
-    const float vi = b2 * v[i] + c2 * gi * gi;
-    const float mh = o_.bias_correction ? mi / k1 : mi;
-    const float vh = o_.bias_correction ? vi / k2 : vi;
-    const float d = neg_lr * (mh / (std::sqrt(vh) + eps) + wd * x[i]);
-    m[i] = mi;
-    v[i] = vi;
-    g[i] = d;
-    x[i] += d;
-  }
+  const AdamCoefficients c = MakeAdamCoefficients(o_.beta1, o_.beta2, o_.eps, o_.weight_decay,
+                                                  LearningRate(o_, step), o_.bias_correction, step);
+  AdamUpdate(c, n, g, s->m.data() + off, s->v.data() + off, x);
   for (size_t i = 0; i < n; ++i) {
     if (!std::isfinite(x[i])) return NotFinite("the Adam update", step, s->begin + off + i, x[i]);
   }

@@ -1,0 +1,48 @@
+#include "shard/update_kernels.h"
+
+#include <cmath>
+
+namespace onebit {
+
+void ApplyMomentum(const float* mbar, const float* den, float lr, float wd, size_t n, float* x) {
+  if (den != nullptr) {
+    for (size_t i = 0; i < n; ++i) x[i] = x[i] - lr * (mbar[i] / den[i] + wd * x[i]);
+  } else {
+    for (size_t i = 0; i < n; ++i) x[i] = x[i] - lr * (mbar[i] + wd * x[i]);
+  }
+}
+
+AdamCoefficients MakeAdamCoefficients(float beta1, float beta2, float eps, float weight_decay,
+                                      float lr, bool bias_correction, uint64_t step) {
+  AdamCoefficients c;
+  c.b1 = beta1;
+  c.b2 = beta2;
+  c.c1 = 1.0f - beta1;
+  c.c2 = 1.0f - beta2;
+  c.eps = eps;
+  c.wd = weight_decay;
+  c.neg_lr = -lr;
+  c.bias_correction = bias_correction;
+  // In double, then rounded once: the same floats the reference always used.
+  const double t = static_cast<double>(step) + 1.0;
+  c.k1 = bias_correction ? static_cast<float>(1.0 - std::pow(beta1, t)) : 1.0f;
+  c.k2 = bias_correction ? static_cast<float>(1.0 - std::pow(beta2, t)) : 1.0f;
+  return c;
+}
+
+void AdamUpdate(const AdamCoefficients& c, size_t n, float* g, float* m, float* v, float* x) {
+  for (size_t i = 0; i < n; ++i) {
+    const float gi = g[i];
+    const float mi = c.b1 * m[i] + c.c1 * gi;
+    const float vi = c.b2 * v[i] + c.c2 * gi * gi;
+    const float mh = c.bias_correction ? mi / c.k1 : mi;
+    const float vh = c.bias_correction ? vi / c.k2 : vi;
+    const float d = c.neg_lr * (mh / (std::sqrt(vh) + c.eps) + c.wd * x[i]);
+    m[i] = mi;
+    v[i] = vi;
+    g[i] = d;
+    x[i] += d;
+  }
+}
+
+}  // namespace onebit

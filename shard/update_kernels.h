@@ -1,0 +1,39 @@
+// The element loops of the parameter updates (DESIGN.md §1.1, §1.2), shared by
+// the server, the workers and the reference, and the CPU twins of the CUDA
+// update kernels in cuda/kernels.h: both sides evaluate the same expressions
+// in the same order (no FMA contraction), so they agree bit for bit.
+#ifndef ONEBIT_SHARD_UPDATE_KERNELS_H_
+#define ONEBIT_SHARD_UPDATE_KERNELS_H_
+
+#include <cstddef>
+#include <cstdint>
+
+namespace onebit {
+
+// Compression phase: x <- x - lr * (mbar / den + wd * x), identically on the
+// server's master and every worker's replica. den == nullptr: no
+// preconditioner (ef-sgd), x <- x - lr * (mbar + wd * x).
+void ApplyMomentum(const float* mbar, const float* den, float lr, float wd, size_t n, float* x);
+
+// The per-step scalars of one warm-up Adam step, computed once on the host so
+// that CPU and GPU loops use the very same floats.
+struct AdamCoefficients {
+  float b1 = 0, b2 = 0;  // beta1, beta2
+  float c1 = 0, c2 = 0;  // 1 - beta1, 1 - beta2
+  float eps = 0, wd = 0;
+  float neg_lr = 0;              // -learning rate of this step
+  bool bias_correction = false;  // divide m, v by k1, k2
+  float k1 = 1, k2 = 1;          // 1 - beta1^t, 1 - beta2^t with t = step + 1
+};
+
+AdamCoefficients MakeAdamCoefficients(float beta1, float beta2, float eps, float weight_decay,
+                                      float lr, bool bias_correction, uint64_t step);
+
+// One Adam step on n elements: m = b1 m + c1 g; v = b2 v + c2 g g;
+// d = -lr (m^ / (sqrt(v^) + eps) + wd x); g <- d; x += d. Does not check that
+// x stays finite (callers do).
+void AdamUpdate(const AdamCoefficients& c, size_t n, float* g, float* m, float* v, float* x);
+
+}  // namespace onebit
+
+#endif  // ONEBIT_SHARD_UPDATE_KERNELS_H_
