@@ -19,6 +19,9 @@ namespace {
 constexpr unsigned kFull = 0xffffffffu;
 constexpr int kThreads = 256;
 constexpr unsigned long long kNone = ULLONG_MAX;
+// Independent loads a thread issues before it uses the first: memory-level
+// parallelism, which these bandwidth-bound kernels live on.
+constexpr int kU = 8;
 
 // ---------------------------------------------------------------- device code
 
@@ -55,25 +58,28 @@ __device__ __forceinline__ size_t GridThreads() {
 }
 
 // The canonical block sum (DESIGN.md §1.3) of one block by one warp: lane l
-// adds elements l, l+32, ... in order from +0.0f (four loads in flight, added
-// in order), then the halving tree w = 16 .. 1, t[l] += t[l+w]. Returns the
-// sum in every lane... lane 0's value is the canonical one. *any_bad: some z
-// of the block is not finite (all lanes agree).
+// adds elements l, l+32, ... in order from +0.0f, then the halving tree
+// w = 16 .. 1, t[l] += t[l+w]. Loads go kU at a time (all issued before the
+// adds, which keep their order) so that enough bytes are in flight to fill
+// the memory system. Returns lane 0's sum in every lane; *any_bad: some z of
+// the block is not finite (all lanes agree).
 __device__ __forceinline__ float BlockSum(const float* y, const float* e, size_t len, bool l2,
                                           bool* any_bad) {
   const unsigned lane = threadIdx.x & 31;
   float t = 0.0f;
   bool bad = false;
-  size_t i = lane;
-  for (; i + 96 < len; i += 128) {
-    const float z0 = Z(y, e, i), z1 = Z(y, e, i + 32), z2 = Z(y, e, i + 64), z3 = Z(y, e, i + 96);
-    bad |= !Finite(z0) | !Finite(z1) | !Finite(z2) | !Finite(z3);
-    t += Term(z0, l2);
-    t += Term(z1, l2);
-    t += Term(z2, l2);
-    t += Term(z3, l2);
+  size_t base = 0;
+  for (; base + 32 * kU <= len; base += 32 * kU) {
+    float z[kU];
+#pragma unroll
+    for (int j = 0; j < kU; ++j) z[j] = Z(y, e, base + 32 * j + lane);
+#pragma unroll
+    for (int j = 0; j < kU; ++j) {
+      bad |= !Finite(z[j]);
+      t += Term(z[j], l2);
+    }
   }
-  for (; i < len; i += 32) {
+  for (size_t i = base + lane; i < len; i += 32) {
     const float z = Z(y, e, i);
     bad |= !Finite(z);
     t += Term(z, l2);
@@ -166,9 +172,24 @@ __global__ void OnebitEncodeKernel(const float* y, const float* e_in, float* e_o
       continue;
     }
     if (lane == 0) scales[b] = s;
-    for (size_t base = start; base < start + len; base += 32) {
+    // Bits and errors; the block was just read, so this comes from cache.
+    // Each chunk's loads precede its stores, so e_out == e_in is safe.
+    const size_t end = start + len;
+    size_t base = start;
+    for (; base + 32 * kU <= end; base += 32 * kU) {
+      float z[kU];
+#pragma unroll
+      for (int j = 0; j < kU; ++j) z[j] = Z(y, e_in, base + 32 * j + lane);
+#pragma unroll
+      for (int j = 0; j < kU; ++j) {
+        const bool neg = signbit(z[j]);
+        if (e_out) e_out[base + 32 * j + lane] = z[j] - (neg ? -s : s);
+        StoreWord(bits, base + 32 * j, n, __ballot_sync(kFull, neg));
+      }
+    }
+    for (; base < end; base += 32) {
       const size_t i = base + lane;
-      const bool active = i < start + len;
+      const bool active = i < end;
       const float z = active ? Z(y, e_in, i) : 0.0f;
       const bool neg = active && signbit(z);
       if (active && e_out) e_out[i] = z - (neg ? -s : s);
@@ -181,16 +202,26 @@ template <bool kAdd>
 __global__ void OnebitExpandKernel(const float* scales, const uint8_t* bits, size_t n,
                                    uint32_t block, float w, float* out) {
   const unsigned lane = threadIdx.x & 31;
-  const size_t words = (n + 31) / 32;
-  for (size_t k = GlobalThread() / 32; k < words; k += GridThreads() / 32) {
-    const size_t base = 32 * k, i = base + lane;
-    if (i >= n) continue;
-    const float s = scales[Div(base, block)];
-    const float v = (bits[i / 8] >> (lane % 8)) & 1 ? -s : s;
-    if (kAdd) {
-      out[i] += w * v;
-    } else {
-      out[i] = v;
+  const size_t words = (n + 31) / 32, warps = GridThreads() / 32;
+  for (size_t k0 = GlobalThread() / 32; k0 < words; k0 += kU * warps) {
+    float s[kU], a[kU];
+    unsigned byte[kU];
+#pragma unroll
+    for (int j = 0; j < kU; ++j) {
+      const size_t k = k0 + j * warps, i = 32 * k + lane;
+      if (k < words && i < n) {
+        s[j] = scales[Div(32 * k, block)];
+        byte[j] = bits[i / 8];
+        if (kAdd) a[j] = out[i];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kU; ++j) {
+      const size_t k = k0 + j * warps, i = 32 * k + lane;
+      if (k < words && i < n) {
+        const float v = (byte[j] >> (lane % 8)) & 1 ? -s[j] : s[j];
+        out[i] = kAdd ? a[j] + w * v : v;
+      }
     }
   }
 }
@@ -223,17 +254,27 @@ enum class CheckKind { kNonFinite, kHalfOverflow, kHalfPayload };
 
 template <CheckKind kKind>
 __global__ void CheckKernel(const void* in, const float* e, size_t n, unsigned long long* bad) {
-  for (size_t i = GlobalThread(); i < n; i += GridThreads()) {
-    bool hit;
-    if (kKind == CheckKind::kHalfPayload) {
-      hit = (static_cast<const uint16_t*>(in)[i] & 0x7c00) == 0x7c00;
-    } else {
-      const float z = Z(static_cast<const float*>(in), e, i);
-      hit = kKind == CheckKind::kNonFinite ? !Finite(z) : !(fabsf(z) < kHalfOverflow);
+  const size_t stride = GridThreads();
+  for (size_t i0 = GlobalThread(); i0 < n; i0 += kU * stride) {
+    bool hit[kU];
+#pragma unroll
+    for (int j = 0; j < kU; ++j) {
+      const size_t i = i0 + j * stride;
+      hit[j] = false;
+      if (i >= n) continue;
+      if (kKind == CheckKind::kHalfPayload) {
+        hit[j] = (static_cast<const uint16_t*>(in)[i] & 0x7c00) == 0x7c00;
+      } else {
+        const float z = Z(static_cast<const float*>(in), e, i);
+        hit[j] = kKind == CheckKind::kNonFinite ? !Finite(z) : !(fabsf(z) < kHalfOverflow);
+      }
     }
-    if (hit) {
-      atomicMin(bad, static_cast<unsigned long long>(i));
-      return;  // this thread's later elements have larger indices
+#pragma unroll
+    for (int j = 0; j < kU; ++j) {
+      if (hit[j]) {
+        atomicMin(bad, static_cast<unsigned long long>(i0 + j * stride));
+        return;  // this thread's later elements have larger indices
+      }
     }
   }
 }
@@ -249,11 +290,22 @@ __global__ void Fp16EncodeKernel(const float* y, float* e, size_t n, uint16_t* o
 
 template <bool kAdd>
 __global__ void Fp16ExpandKernel(const uint16_t* in, size_t n, float w, float* out) {
-  for (size_t i = GlobalThread(); i < n; i += GridThreads()) {
-    if (kAdd) {
-      out[i] += w * FromHalf(in[i]);
-    } else {
-      out[i] = FromHalf(in[i]);
+  const size_t stride = GridThreads();
+  for (size_t i0 = GlobalThread(); i0 < n; i0 += kU * stride) {
+    uint16_t h[kU];
+    float a[kU];
+#pragma unroll
+    for (int j = 0; j < kU; ++j) {
+      const size_t i = i0 + j * stride;
+      if (i < n) {
+        h[j] = in[i];
+        if (kAdd) a[j] = out[i];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kU; ++j) {
+      const size_t i = i0 + j * stride;
+      if (i < n) out[i] = kAdd ? a[j] + w * FromHalf(h[j]) : FromHalf(h[j]);
     }
   }
 }
