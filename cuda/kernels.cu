@@ -8,6 +8,9 @@
 #include <algorithm>
 #include <cfloat>
 #include <climits>
+#include <cstring>
+#include <memory>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "cuda/cuda_status.h"
@@ -363,34 +366,63 @@ absl::StatusOr<unsigned> GridFor(size_t work, size_t per_block) {
 
 absl::Status Launched(const char* what) { return CudaError(cudaGetLastError(), what); }
 
-// A pair of 64-bit device flags, set to kNone, for kernels that report a
-// first bad index; freed on destruction (stream-ordered).
+// Per thread and device, allocated once: the result flags on the device and
+// a pinned host copy (a pageable copy back costs far more than the tiny
+// kernel launch it follows). Reuse is safe: each user waits for its stream
+// before it returns, and a thread runs one call at a time.
+struct FlagScratch {
+  unsigned long long* dev = nullptr;
+  unsigned long long* host = nullptr;
+  ~FlagScratch() {
+    if (dev != nullptr) cudaFree(dev);
+    if (host != nullptr) cudaFreeHost(host);
+  }
+};
+
+// Two 64-bit flags (a first bad index, a first bad block), set to kNone on
+// the stream, for kernels that report with atomicMin.
 class BadFlags {
  public:
   explicit BadFlags(Stream stream) : stream_(stream) {}
-  ~BadFlags() {
-    if (dev_ != nullptr) cudaFreeAsync(dev_, stream_);
-  }
   absl::Status Init() {
-    if (cudaError_t err = cudaMallocAsync(reinterpret_cast<void**>(&dev_), sizeof(host_), stream_);
-        err != cudaSuccess) {
-      dev_ = nullptr;
-      return CudaError(err, "cudaMallocAsync");
+    thread_local std::vector<std::unique_ptr<FlagScratch>> per_device;
+    int device = 0;
+    if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) {
+      return CudaError(err, "cudaGetDevice");
     }
-    return CudaError(cudaMemsetAsync(dev_, 0xff, sizeof(host_), stream_), "cudaMemsetAsync");
+    if (per_device.size() <= static_cast<size_t>(device)) per_device.resize(device + 1);
+    if (per_device[device] == nullptr) {
+      auto s = std::make_unique<FlagScratch>();
+      if (cudaError_t err = cudaMalloc(reinterpret_cast<void**>(&s->dev), kBytes);
+          err != cudaSuccess) {
+        s->dev = nullptr;
+        return CudaError(err, "cudaMalloc");
+      }
+      if (cudaError_t err = cudaMallocHost(reinterpret_cast<void**>(&s->host), kBytes);
+          err != cudaSuccess) {
+        s->host = nullptr;
+        return CudaError(err, "cudaMallocHost");
+      }
+      per_device[device] = std::move(s);
+    }
+    scratch_ = per_device[device].get();
+    return CudaError(cudaMemsetAsync(scratch_->dev, 0xff, kBytes, stream_), "cudaMemsetAsync");
   }
-  unsigned long long* dev() { return dev_; }
+  unsigned long long* dev() { return scratch_->dev; }
   // Copies the flags back and waits for the stream.
   absl::Status Read() {
-    cudaError_t err = cudaMemcpyAsync(host_, dev_, sizeof(host_), cudaMemcpyDeviceToHost, stream_);
+    cudaError_t err =
+        cudaMemcpyAsync(scratch_->host, scratch_->dev, kBytes, cudaMemcpyDeviceToHost, stream_);
     if (err == cudaSuccess) err = cudaStreamSynchronize(stream_);
+    if (err == cudaSuccess) std::memcpy(host_, scratch_->host, kBytes);
     return CudaError(err, "reading the kernel's result");
   }
   unsigned long long operator[](int i) const { return host_[i]; }
 
  private:
+  static constexpr size_t kBytes = 2 * sizeof(unsigned long long);
   Stream stream_;
-  unsigned long long* dev_ = nullptr;
+  FlagScratch* scratch_ = nullptr;
   unsigned long long host_[2] = {kNone, kNone};
 };
 

@@ -25,7 +25,9 @@ using testing::Download;
 using testing::SameBits;
 using testing::Upload;
 
-const uint32_t kBlocks[] = {32, 96, 2048};
+// Block sizes: the smallest, one that is no power of two, the default and
+// a larger one.
+const uint32_t kBlocks[] = {32, 96, 2048, 4096};
 const ScaleRule kRules[] = {ScaleRule::kL1, ScaleRule::kL2};
 
 std::vector<size_t> Sizes(uint32_t block) {
@@ -224,9 +226,8 @@ TEST(CudaOnebit, DecodeAndDecodeAddMatchCpu) {
 
 // The first non-finite z, wherever it is (in y or only in e; NaN or Inf), is
 // the index both sides report; the fused encode then changes neither y nor e_in.
-TEST(CudaOnebit, FirstNonFiniteIndexMatchesCpu) {
-  ONEBIT_REQUIRE_GPU_OR_SKIP();
-  const uint32_t block = 96;
+void CheckFirstNonFinite(uint32_t block) {
+  SCOPED_TRACE(absl::StrCat("B=", block));
   const size_t n = 20 * block + 17;
   const float inf = std::numeric_limits<float>::infinity();
   const float nan = std::numeric_limits<float>::quiet_NaN();
@@ -275,6 +276,12 @@ TEST(CudaOnebit, FirstNonFiniteIndexMatchesCpu) {
     EXPECT_TRUE(SameBits(Download<float>(de, n), e)) << "e_in changed on error";
     EXPECT_TRUE(SameBits(Download<float>(dy, n), y)) << "y changed on error";
   }
+}
+
+TEST(CudaOnebit, FirstNonFiniteIndexMatchesCpu) {
+  ONEBIT_REQUIRE_GPU_OR_SKIP();
+  CheckFirstNonFinite(96);
+  CheckFirstNonFinite(4096);
 }
 
 // Finite values whose l2 scale overflows: an error on both sides.
