@@ -54,7 +54,7 @@ class Fp16Codec final : public Codec {
     }
     std::vector<uint16_t> halves(n);
     k_.fp16_encode(y, e, n, halves.data());
-    std::memcpy(out, halves.data(), 2 * n);
+    if (n > 0) std::memcpy(out, halves.data(), 2 * n);
   }
 
   static absl::Status Unrepresentable(const float* y, const float* e, size_t i) {

@@ -21,7 +21,7 @@ class Fp32Codec final : public Codec {
     if (size_t bad = k_.first_nonfinite(x, nullptr, n); bad < n) {
       return NonFiniteInput(x, nullptr, bad);
     }
-    std::memcpy(out, x, 4 * n);
+    if (n > 0) std::memcpy(out, x, 4 * n);  // memcpy from null (n = 0) is undefined
     return absl::OkStatus();
   }
 
@@ -41,7 +41,7 @@ class Fp32Codec final : public Codec {
     if (size_t bad = k_.first_nonfinite(p.data(), nullptr, n); bad < n) {
       return BadValue(p.data(), bad);
     }
-    std::memcpy(out, p.data(), 4 * n);
+    if (n > 0) std::memcpy(out, p.data(), 4 * n);
     return absl::OkStatus();
   }
 

@@ -70,7 +70,7 @@ class OnebitCodec final : public Codec {
       }
     }
     if (bad < n) return NonFiniteInput(y, e, bad);
-    std::memcpy(out, scales.data(), 4 * blocks);
+    if (blocks > 0) std::memcpy(out, scales.data(), 4 * blocks);
     k_.onebit_signs(y, e, n, block_, scales.data(), out + 4 * blocks);
     return absl::OkStatus();
   }
