@@ -34,11 +34,12 @@ inline __m256 LoadZMasked(const float* y, const float* e, size_t i, __m256i mask
   return e ? _mm256_add_ps(v, _mm256_maskload_ps(e + i, mask)) : v;
 }
 
-// Accumulates |z| or z*z into acc; flags NaN and +-Inf lanes in bad.
-inline void Accumulate(__m256 z, ScaleRule rule, __m256* acc, __m256* bad) {
-  const __m256 a = _mm256_andnot_ps(kSignMask, z);
-  *bad = _mm256_or_ps(*bad, _mm256_cmp_ps(a, kFltMax, _CMP_NLE_UQ));
-  *acc = _mm256_add_ps(*acc, rule == ScaleRule::kL1 ? a : _mm256_mul_ps(z, z));
+// Accumulates |z| or z*z into acc. A NaN or +-Inf z makes the block's sum
+// non-finite (the terms are never negative, so nothing cancels), which is
+// how the caller finds bad input without a test per element.
+inline void Accumulate(__m256 z, ScaleRule rule, __m256* acc) {
+  *acc = _mm256_add_ps(
+      *acc, rule == ScaleRule::kL1 ? _mm256_andnot_ps(kSignMask, z) : _mm256_mul_ps(z, z));
 }
 
 size_t OnebitScales(const float* y, const float* e, size_t n, uint32_t block, ScaleRule rule,
@@ -47,22 +48,16 @@ size_t OnebitScales(const float* y, const float* e, size_t n, uint32_t block, Sc
     const size_t len = std::min<size_t>(block, n - start);
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                      _mm256_setzero_ps()};
-    __m256 bad = _mm256_setzero_ps();
     const size_t end = start + len;
     size_t i = start;
     for (; i + 32 <= end; i += 32) {
-      for (int k = 0; k < 4; ++k) Accumulate(LoadZ(y, e, i + 8 * k), rule, &acc[k], &bad);
+      for (int k = 0; k < 4; ++k) Accumulate(LoadZ(y, e, i + 8 * k), rule, &acc[k]);
     }
     // Short last block: masked-off lanes load as 0 and add +0 to a
     // non-negative sum, which leaves it unchanged, as in the scalar loop.
     for (int k = 0; i < end; i += 8, ++k) {
       const __m256 z = LoadZMasked(y, e, i, TailMask(std::min<size_t>(8, end - i)));
-      Accumulate(z, rule, &acc[k], &bad);
-    }
-    if (_mm256_movemask_ps(bad)) {
-      for (size_t j = start; j < end; ++j) {
-        if (!std::isfinite(e ? y[j] + e[j] : y[j])) return j;
-      }
+      Accumulate(z, rule, &acc[k]);
     }
     // The halving tree: w = 16, 8, then 4, 2, 1 inside one register.
     const __m256 h0 = _mm256_add_ps(acc[0], acc[2]);
@@ -71,7 +66,14 @@ size_t OnebitScales(const float* y, const float* e, size_t n, uint32_t block, Sc
     __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
     q = _mm_add_ps(q, _mm_movehl_ps(q, q));
     q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
-    const float mean = _mm_cvtss_f32(q) / static_cast<float>(len);
+    const float sum = _mm_cvtss_f32(q);
+    if (!std::isfinite(sum)) {
+      for (size_t j = start; j < end; ++j) {
+        if (!std::isfinite(e ? y[j] + e[j] : y[j])) return j;
+      }
+      // Every z is finite, the sum overflowed: the caller reports the scale.
+    }
+    const float mean = sum / static_cast<float>(len);
     scales[b] = rule == ScaleRule::kL1 ? mean : std::sqrt(mean);
   }
   return n;
