@@ -302,15 +302,18 @@ absl::Status ServerOptimizer::Step(uint64_t step, bool last_warmup, float* acc, 
     // The hand-over (DESIGN.md §1.1): freeze v, floored, and send m and v.
     float* v = s->v.data() + off;
     s->den.resize(s->x.size());
+    // With bias correction the frozen v is the corrected one, v / (1 - b2^t),
+    // divided by the same float the step itself used.
+    const float k2 = MakeAdamCoefficients(o_.beta1, o_.beta2, o_.eps, o_.weight_decay, lr,
+                                          o_.bias_correction, step)
+                         .k2;
     for (size_t i = 0; i < n; ++i) {
-      if (o_.bias_correction) {
-        v[i] = v[i] / static_cast<float>(1.0 - std::pow(o_.beta2, static_cast<double>(step) + 1));
-      }
+      if (o_.bias_correction) v[i] = v[i] / k2;
       if (v[i] < o_.v_floor) {
         v[i] = o_.v_floor;
         ++s->floored;
       }
-      s->den[off + i] = std::sqrt(v[i]) + o_.eps;
+      s->den[off + i] = FrozenDenominator(v[i], o_.eps);
     }
     uint8_t* tail = reply + fp32_->EncodedSize(n);
     std::memcpy(tail, s->m.data() + off, 4 * n);
@@ -412,7 +415,7 @@ absl::Status WorkerOptimizer::Apply(uint64_t step, bool last_warmup, const uint8
         return absl::DataLossError(
             absl::StrCat("hand-over: negative second moment ", den[i], " at parameter ", i));
       }
-      den[i] = std::sqrt(den[i]) + o_.eps;
+      den[i] = FrozenDenominator(den[i], o_.eps);
     }
     return absl::OkStatus();
   }

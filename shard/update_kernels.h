@@ -5,10 +5,15 @@
 #ifndef ONEBIT_SHARD_UPDATE_KERNELS_H_
 #define ONEBIT_SHARD_UPDATE_KERNELS_H_
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
 namespace onebit {
+
+// The frozen preconditioner of one coordinate, sqrt(v) + eps: the server
+// computes it from its v at the hand-over, every worker from the v it is sent.
+inline float FrozenDenominator(float v, float eps) { return std::sqrt(v) + eps; }
 
 // Compression phase: x <- x - lr * (mbar / den + wd * x), identically on the
 // server's master and every worker's replica. den == nullptr: no

@@ -162,6 +162,24 @@ TEST(Optimizer, HandOverFloorsVAndGivesWorkersMAndV) {
   EXPECT_EQ((*worker)->push_codec(PhaseOf(w)).name(), "onebit-l1-b32");
 }
 
+// With bias correction the frozen v is the corrected v / (1 - b2^t).
+TEST(Optimizer, HandOverWithBiasCorrectionFreezesTheCorrectedV) {
+  OptimizerOptions o = OnebitOptions(OptimizerKind::kOnebitAdam);
+  o.bias_correction = true;
+  auto server = ServerOptimizer::Create(o);
+  ASSERT_TRUE(server.ok());
+  ServerShardState s;
+  (*server)->InitState(0, 0, 2, &s);
+  std::vector<float> acc = {2.0f, -0.5f};
+  std::vector<uint8_t> reply((*server)->ReplyBytes(Phase::kWarmup, 2, true));
+  ASSERT_TRUE((*server)->Step(0, true, acc.data(), 0, 2, &s, reply.data()).ok());
+  const float k2 = static_cast<float>(1.0 - std::pow(static_cast<double>(0.999f), 1.0));
+  EXPECT_EQ(s.v[0], ((1.0f - 0.999f) * 2.0f * 2.0f) / k2);
+  EXPECT_EQ(s.v[1], ((1.0f - 0.999f) * -0.5f * -0.5f) / k2);
+  EXPECT_NEAR(s.v[0], 4.0f, 1e-5);  // at t = 1 the corrected v is g²
+  EXPECT_EQ(s.den[0], std::sqrt(s.v[0]) + 1e-8f);
+}
+
 // One compression step with two workers, computed by hand: each worker
 // compresses m_i = b1 m̄ + (1 - b1) g_i with its error; the server averages,
 // compresses again with its error, and everyone applies
