@@ -10,11 +10,6 @@
 #include "zmq_addon.hpp"
 
 namespace onebit {
-namespace {
-
-constexpr uint64_t kUpdatePiece = 16384;  // elements: 64 KB of fp32
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Create(PsServerOptions options,
                                                            zmq::socket_t* socket) {

@@ -287,17 +287,24 @@ absl::Status ServerOptimizer::Step(uint64_t step, bool last_warmup, float* acc, 
   float* x = s->x.data() + off;
   const float lr = LearningRate(o_, step);
   if (!s->frozen) {
-    // Warm-up: full precision both ways; the reply is Δ itself.
-    if (o_.kind == OptimizerKind::kSgd) {
-      for (size_t i = 0; i < n; ++i) {
-        acc[i] = -lr * acc[i];
-        x[i] += acc[i];
+    // Warm-up: full precision both ways; the reply is Δ itself. Update and
+    // encode piece by piece, so Δ is still in L2 when it is copied out (fp32
+    // encodes element by element: the pieces' encodings concatenate).
+    constexpr size_t kPiece = 16384;
+    for (size_t p = 0; p < n; p += kPiece) {
+      const size_t m = std::min(kPiece, n - p);
+      float* d = acc + p;
+      if (o_.kind == OptimizerKind::kSgd) {
+        for (size_t i = 0; i < m; ++i) {
+          d[i] = -lr * d[i];
+          x[p + i] += d[i];
+        }
+      } else if (absl::Status st = AdamStep(step, d, off + p, m, s); !st.ok()) {
+        return st;
       }
-    } else if (absl::Status st = AdamStep(step, acc, off, n, s); !st.ok()) {
-      return st;
+      absl::Status st = fp32_->Encode(d, m, reply + 4 * p);
+      if (!st.ok()) return Diverged("the update", step, s->begin + off + p, st);
     }
-    absl::Status st = fp32_->Encode(acc, n, reply);
-    if (!st.ok()) return Diverged("the update", step, s->begin + off, st);
     if (!last_warmup || !HandsOver()) return absl::OkStatus();
     // The hand-over (DESIGN.md §1.1): freeze v, floored, and send m and v.
     float* v = s->v.data() + off;
