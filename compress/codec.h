@@ -70,6 +70,11 @@ class Codec {
 
   // acc[i] += w * D(in)[i], so a server averages N pushes without temporaries.
   virtual absl::Status DecodeAdd(const uint8_t* in, size_t n, float w, float* acc) const = 0;
+  // OK when Decode would accept in[0, EncodedSize(n)), else the error it
+  // would return; writes nothing. For callers that decode elsewhere (a GPU
+  // worker checks on the host, where the bytes arrive, then decodes on the
+  // device).
+  virtual absl::Status CheckPayload(const uint8_t* in, size_t n) const = 0;
 };
 
 // kind is "fp32", "fp16" or "onebit". Errors name the bad option.

@@ -45,6 +45,12 @@ class Fp16Codec final : public Codec {
     return absl::OkStatus();
   }
 
+  absl::Status CheckPayload(const uint8_t* in, size_t n) const override {
+    AlignedPayload<uint16_t> p(in, n);
+    if (size_t bad = k_.fp16_check_payload(p.data(), n); bad < n) return BadValue(bad);
+    return absl::OkStatus();
+  }
+
  private:
   // Encodes into out at any address; an odd one (rare) goes through a copy.
   void EncodeTo(const float* y, float* e, size_t n, uint8_t* out) const {

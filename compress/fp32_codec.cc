@@ -54,6 +54,14 @@ class Fp32Codec final : public Codec {
     return absl::OkStatus();
   }
 
+  absl::Status CheckPayload(const uint8_t* in, size_t n) const override {
+    AlignedPayload<float> p(in, n);
+    if (size_t bad = k_.first_nonfinite(p.data(), nullptr, n); bad < n) {
+      return BadValue(p.data(), bad);
+    }
+    return absl::OkStatus();
+  }
+
  private:
   static absl::Status BadValue(const float* v, size_t i) {
     return absl::InvalidArgumentError(

@@ -50,6 +50,11 @@ class OnebitCodec final : public Codec {
     return absl::OkStatus();
   }
 
+  absl::Status CheckPayload(const uint8_t* in, size_t n) const override {
+    AlignedPayload<float> scales(in, NumBlocks(n));
+    return CheckScales(scales.data(), n);
+  }
+
  private:
   size_t NumBlocks(size_t n) const { return (n + block_ - 1) / block_; }
 

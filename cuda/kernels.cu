@@ -317,6 +317,10 @@ __global__ void AxpyKernel(const float* x, size_t n, float w, float* acc) {
   for (size_t i = GlobalThread(); i < n; i += GridThreads()) acc[i] += w * x[i];
 }
 
+__global__ void UpdateMomentumKernel(const float* g, float b1, float c1, size_t n, float* m) {
+  for (size_t i = GlobalThread(); i < n; i += GridThreads()) m[i] = b1 * m[i] + c1 * g[i];
+}
+
 __global__ void ApplyMomentumKernel(const float* mbar, const float* den, float lr, float wd,
                                     size_t n, float* x) {
   for (size_t i = GlobalThread(); i < n; i += GridThreads()) {
@@ -566,6 +570,14 @@ absl::Status Axpy(const float* x, size_t n, float w, float* acc, Stream stream) 
   if (!grid.ok()) return grid.status();
   AxpyKernel<<<*grid, kThreads, 0, stream>>>(x, n, w, acc);
   return Launched("axpy");
+}
+
+absl::Status UpdateMomentum(const float* g, float b1, float c1, size_t n, float* m, Stream stream) {
+  if (n == 0) return absl::OkStatus();
+  absl::StatusOr<unsigned> grid = GridFor(n, kThreads);
+  if (!grid.ok()) return grid.status();
+  UpdateMomentumKernel<<<*grid, kThreads, 0, stream>>>(g, b1, c1, n, m);
+  return Launched("update_momentum");
 }
 
 absl::Status ApplyMomentum(const float* mbar, const float* den, float lr, float wd, size_t n,

@@ -79,8 +79,10 @@ absl::StatusOr<size_t> FirstNonFinite(const float* y, const float* e, size_t n, 
 // acc += w * x.
 absl::Status Axpy(const float* x, size_t n, float w, float* acc, Stream stream);
 
-// Twins of shard/update_kernels.h: the compression-phase apply (den may be
-// nullptr) and the warm-up Adam step (g becomes the delta).
+// Twins of shard/update_kernels.h: a worker's momentum update, the
+// compression-phase apply (den may be nullptr) and the warm-up Adam step (g
+// becomes the delta).
+absl::Status UpdateMomentum(const float* g, float b1, float c1, size_t n, float* m, Stream stream);
 absl::Status ApplyMomentum(const float* mbar, const float* den, float lr, float wd, size_t n,
                            float* x, Stream stream);
 absl::Status AdamUpdate(const AdamCoefficients& c, size_t n, float* g, float* m, float* v, float* x,

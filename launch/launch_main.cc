@@ -29,6 +29,9 @@ ABSL_FLAG(std::string, bin_dir, "", "where the onebit binaries are (default: nex
 ABSL_FLAG(bool, dump_params, false,
           "workers and servers write their final x to --out (replica_w<R>.f32, master_s<K>.f32, "
           "and the server error error_s<K>.f32)");
+ABSL_FLAG(std::vector<std::string>, worker_devices, {},
+          "each worker's --device, by rank, comma-separated (cpu, cuda, cuda:N, auto, cuda-twin); "
+          "the last one repeats for the rest; empty: the workers' default (auto)");
 ABSL_FLAG(int32_t, stall_worker, -1, "fault injection: this worker stops pushing ...");
 ABSL_FLAG(int64_t, stall_at_step, -1, "... at this step");
 ABSL_FLAG(absl::Duration, grace, absl::Seconds(1),
@@ -111,6 +114,11 @@ int Main(int argc, char** argv) {
   const int stall_worker = absl::GetFlag(FLAGS_stall_worker);
   if (stall_worker >= static_cast<int>(cfg->workers())) {
     ExitFlagError("stall_worker", "no such worker");
+  }
+  const std::vector<std::string> devices = absl::GetFlag(FLAGS_worker_devices);
+  if (devices.size() > cfg->workers()) {
+    ExitFlagError("worker_devices",
+                  absl::StrCat(devices.size(), " devices for ", cfg->workers(), " workers"));
   }
   std::string bin = absl::GetFlag(FLAGS_bin_dir);
   if (bin.empty()) bin = SelfDir();
@@ -223,6 +231,9 @@ int Main(int argc, char** argv) {
                                   "--register_timeout=" + reg_timeout};
     if (absl::GetFlag(FLAGS_dump_params)) {
       a.push_back(absl::StrCat("--dump_x=", out, "/replica_w", i, ".f32"));
+    }
+    if (!devices.empty()) {
+      a.push_back("--device=" + devices[std::min<size_t>(i, devices.size() - 1)]);
     }
     if (static_cast<int>(i) == stall_worker) {
       a.push_back(absl::StrCat("--stall_at_step=", absl::GetFlag(FLAGS_stall_at_step)));

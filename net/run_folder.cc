@@ -60,6 +60,14 @@ std::string JsonQuote(const std::string& s) {
   return out + "\"";
 }
 
+namespace {
+std::string JsonStrings(const std::vector<std::string>& v) {
+  std::string out = "[";
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + JsonQuote(v[i]);
+  return out + "]";
+}
+}  // namespace
+
 absl::Status WriteFloats(const std::string& path, const std::vector<float>& v) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out.write(reinterpret_cast<const char*>(v.data()),
@@ -124,6 +132,7 @@ absl::Status WriteSummaryJson(const std::string& path, const Summary& s) {
       "  \"compress_ratio_down\": ", CompressRatio(s, s.bytes_down_compress), ",\n",
       "  \"workers_agree\": ", s.workers_agree ? "true" : "false", ",\n",
       "  \"max_replica_master_diff\": ", opt_d(s.max_replica_master_diff), ",\n",
+      "  \"worker_devices\": ", JsonStrings(s.worker_devices), ",\n",
       "  \"job_id\": ", JsonQuote(s.job_id), ",\n", "  \"status\": ", JsonQuote(s.status), "\n}\n");
   return WriteAtomically(path, text);
 }

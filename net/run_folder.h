@@ -59,6 +59,7 @@ struct Summary {
   uint64_t bytes_down_compress = 0;
   bool workers_agree = false;                     // every worker's replica equals every other's
   std::optional<double> max_replica_master_diff;  // --server-reply delta
+  std::vector<std::string> worker_devices;        // by rank: "cpu", "cuda:0 (NVIDIA H200)", ...
 };
 
 // Creates dir (and parents) when missing.

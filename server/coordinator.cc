@@ -457,6 +457,7 @@ Summary CoordinatorService::MakeSummary() const {
   s.job_id = absl::StrFormat("%016x", job_id_);
   s.worker_codec = config_.worker_codec();
   s.server_codec = config_.server_codec();
+  for (const Process& w : workers_) s.worker_devices.push_back(w.info.device());
   return s;
 }
 

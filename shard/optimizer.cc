@@ -393,8 +393,7 @@ absl::Status WorkerOptimizer::Push(uint64_t step, const float* g, uint64_t b, si
     // m_i = b1 m̄ + (1 - b1) g_i, kept in m̄ (a momentum reply overwrites it;
     // a delta reply leaves the worker its own momentum).
     float* m = s->mbar.data() + b;
-    const float b1 = o_.beta1, c1 = 1.0f - o_.beta1;
-    for (size_t i = 0; i < n; ++i) m[i] = b1 * m[i] + c1 * y[i];
+    UpdateMomentum(y, o_.beta1, 1.0f - o_.beta1, n, m);
     y = m;
   }
   return o_.worker_error_feedback ? codec.EncodeWithFeedback(y, e, n, out)

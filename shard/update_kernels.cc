@@ -4,6 +4,10 @@
 
 namespace onebit {
 
+void UpdateMomentum(const float* g, float b1, float c1, size_t n, float* m) {
+  for (size_t i = 0; i < n; ++i) m[i] = b1 * m[i] + c1 * g[i];
+}
+
 void ApplyMomentum(const float* mbar, const float* den, float lr, float wd, size_t n, float* x) {
   if (den != nullptr) {
     for (size_t i = 0; i < n; ++i) x[i] = x[i] - lr * (mbar[i] / den[i] + wd * x[i]);

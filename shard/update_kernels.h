@@ -15,6 +15,10 @@ namespace onebit {
 // computes it from its v at the hand-over, every worker from the v it is sent.
 inline float FrozenDenominator(float v, float eps) { return std::sqrt(v) + eps; }
 
+// A worker's local momentum before it compresses it: m <- b1 * m + c1 * g,
+// c1 = 1 - b1 (DESIGN.md §1.2).
+void UpdateMomentum(const float* g, float b1, float c1, size_t n, float* m);
+
 // Compression phase: x <- x - lr * (mbar / den + wd * x), identically on the
 // server's master and every worker's replica. den == nullptr: no
 // preconditioner (ef-sgd), x <- x - lr * (mbar + wd * x).

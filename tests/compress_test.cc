@@ -1208,6 +1208,9 @@ void ExpectDecodeRejects(const Codec& codec, const std::vector<uint8_t>& payload
     EXPECT_TRUE(MentionsNumber(st2, index)) << "DecodeAdd message: " << st2.message();
   }
   EXPECT_TRUE(SameFloats(acc.data(), acc0.data(), acc.size())) << "DecodeAdd changed acc on error";
+  // CheckPayload (what a GPU worker calls before decoding on the device)
+  // refuses it with Decode's very error.
+  EXPECT_EQ(codec.CheckPayload(payload.data(), n), st);
 }
 
 TEST(NonFinite, DecodeRejectsBadOnebitScale) {
@@ -1253,6 +1256,25 @@ TEST(NonFinite, DecodeRejectsNonFiniteFp32AndFp16Payload) {
       p[2 * kBadLater] = static_cast<uint8_t>(bad & 0xFF);
       p[2 * kBadLater + 1] = static_cast<uint8_t>(bad >> 8);
       ExpectDecodeRejects(*fp16, p, kN, "fp16 " + PathLabel(path) + " " + Hex(bad), kBad);
+    }
+  }
+}
+
+TEST(CheckPayload, AcceptsWhatTheEncoderWrites) {
+  const std::vector<float> x = Gaussian(kN, 52);
+  std::vector<Config> configs = OnebitConfigs();
+  configs.push_back({CodecKind::kFp32});
+  configs.push_back({CodecKind::kFp16});
+  for (const Config& cfg : configs) {
+    for (SimdPath path : Paths()) {
+      auto codec = Make(cfg, path);
+      ASSERT_NE(codec, nullptr);
+      const std::vector<uint8_t> p = RefCodec(cfg).Encode(x.data(), kN);
+      EXPECT_TRUE(codec->CheckPayload(p.data(), kN).ok()) << Label(cfg) << " " << PathLabel(path);
+      // An odd address (a small ZeroMQ frame) is read through a copy.
+      std::vector<uint8_t> odd(p.size() + 1);
+      std::copy(p.begin(), p.end(), odd.begin() + 1);
+      EXPECT_TRUE(codec->CheckPayload(odd.data() + 1, kN).ok()) << Label(cfg);
     }
   }
 }

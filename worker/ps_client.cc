@@ -100,7 +100,7 @@ absl::Status PsClient::SendInit(const float* x) {
 }
 
 absl::Status PsClient::HandleReply(uint32_t server, uint64_t step,
-                                   std::vector<zmq::message_t>& frames, WorkerState* state,
+                                   std::vector<zmq::message_t>& frames, Replica* replica,
                                    std::vector<bool>* got, int* last_warmup) {
   const std::string& ep = options_.server_endpoints[server];
   auto who = [&] { return absl::StrCat("server ", server, " (", ep, ")"); };
@@ -128,7 +128,7 @@ absl::Status PsClient::HandleReply(uint32_t server, uint64_t step,
   const Chunk& c = chunks_[by_shard_[server][index]];
   if (h->count() != c.range.size()) return bad("count ", h->count());
   const WorkerOptimizer& opt = *options_.optimizer;
-  const Phase phase = PhaseOf(*state);
+  const Phase phase = replica->phase();
   if (h->codec() != opt.reply_codec(phase).name()) {
     return bad("codec '", h->codec(), "' (want ", opt.reply_codec(phase).name(), ")");
   }
@@ -142,8 +142,9 @@ absl::Status PsClient::HandleReply(uint32_t server, uint64_t step,
     return bad("payload of ", frames.size() == 2 ? frames[1].size() : 0, " bytes, want ", need);
   }
   if ((*got)[by_shard_[server][index]]) return bad("duplicate reply for chunk ", index);
-  absl::Status st = opt.Apply(step, h->last_warmup(), static_cast<const uint8_t*>(frames[1].data()),
-                              c.range.begin, c.range.size(), state);
+  absl::Status st =
+      replica->Apply(step, h->last_warmup(), static_cast<const uint8_t*>(frames[1].data()),
+                     c.range.begin, c.range.size());
   if (!st.ok()) return bad(st.message());
   (*got)[by_shard_[server][index]] = true;
   bytes_down_ += frames[0].size() + need;
@@ -153,7 +154,7 @@ absl::Status PsClient::HandleReply(uint32_t server, uint64_t step,
   return absl::OkStatus();
 }
 
-absl::Status PsClient::PushPull(uint64_t step, const float* g, WorkerState* state,
+absl::Status PsClient::PushPull(uint64_t step, Replica* replica,
                                 const std::function<absl::Status()>& check) {
   bytes_up_ = 0;
   bytes_down_ = 0;
@@ -162,10 +163,9 @@ absl::Status PsClient::PushPull(uint64_t step, const float* g, WorkerState* stat
   const uint64_t start_ns = MonotonicNs();
   const WorkerOptimizer& opt = *options_.optimizer;
   for (size_t i = 0; i < chunks_.size(); ++i) {
-    absl::Status st = SendChunk(i, step, opt.push_codec(PhaseOf(*state)), data::PUSH,
-                                [&](const Range& r, uint8_t* out) {
-                                  return opt.Push(step, g, r.begin, r.size(), state, out);
-                                });
+    absl::Status st = SendChunk(
+        i, step, opt.push_codec(replica->phase()), data::PUSH,
+        [&](const Range& r, uint8_t* out) { return replica->Push(step, r.begin, r.size(), out); });
     if (!st.ok()) return st;
   }
   int last_warmup = -1;  // unknown until the first reply
@@ -186,7 +186,7 @@ absl::Status PsClient::PushPull(uint64_t step, const float* g, WorkerState* stat
         auto r =
             zmq::recv_multipart(sockets_[k], std::back_inserter(frames), zmq::recv_flags::dontwait);
         if (!r) break;
-        absl::Status st = HandleReply(k, step, frames, state, &got, &last_warmup);
+        absl::Status st = HandleReply(k, step, frames, replica, &got, &last_warmup);
         if (!st.ok()) return st;
         last_heard[k] = absl::Now();
         --outstanding[k];
@@ -205,7 +205,7 @@ absl::Status PsClient::PushPull(uint64_t step, const float* g, WorkerState* stat
     absl::Status st = check();
     if (!st.ok()) return st;
   }
-  if (last_warmup == 1) opt.EnterCompression(state);
+  if (absl::Status st = replica->FinishStep(last_warmup == 1); !st.ok()) return st;
   const uint64_t end_ns = MonotonicNs();
   auto seconds = [](uint64_t from, uint64_t to) { return to > from ? (to - from) * 1e-9 : 0.0; };
   push_s_ = seconds(start_ns, last_pushed_ns_);

@@ -17,6 +17,7 @@
 #include "compress/codec.h"
 #include "shard/optimizer.h"
 #include "shard/shard_map.h"
+#include "worker/replica.h"
 #include "zmq.hpp"
 
 namespace onebit {
@@ -41,11 +42,12 @@ class PsClient {
   // same initial parameters as the replicas.
   absl::Status SendInit(const float* x);
 
-  // One step: pushes every chunk of g[0, d) through the optimizer (the
-  // gradient in the warm-up, the compressed momentum after it), waits for
-  // all replies and applies them to `state`. `check` runs between waits
-  // (~100 ms); a non-OK result aborts the step with it.
-  absl::Status PushPull(uint64_t step, const float* g, WorkerState* state,
+  // One step: pushes every chunk of the replica's gradient (the gradient in
+  // the warm-up, the compressed momentum after it), waits for all replies
+  // and has the replica apply them. The replica must follow
+  // options.optimizer. `check` runs between waits (~100 ms); a non-OK result
+  // aborts the step with it.
+  absl::Status PushPull(uint64_t step, Replica* replica,
                         const std::function<absl::Status()>& check);
 
   // Bytes of the last step, headers included.
@@ -68,7 +70,7 @@ class PsClient {
   absl::Status SendChunk(size_t i, uint64_t step, const Codec& codec, int kind,
                          const std::function<absl::Status(const Range&, uint8_t*)>& encode);
   absl::Status HandleReply(uint32_t server, uint64_t step, std::vector<zmq::message_t>& frames,
-                           WorkerState* state, std::vector<bool>* got, int* last_warmup);
+                           Replica* replica, std::vector<bool>* got, int* last_warmup);
 
   PsClientOptions options_;
   std::unique_ptr<const Codec> fp32_;  // INIT

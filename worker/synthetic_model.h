@@ -5,13 +5,15 @@
 // noise ξ_j ∈ [-1, 1) drawn from a counter-based hash of (seed, j) and
 // (seed, rank, step, j): no tables, so it runs from 10 to 300 M parameters in
 // O(1) memory and gives the same numbers on every host. (The gradient is of
-// the unnormalised sum; the loss is reported per parameter.)
+// the unnormalised sum; the loss is reported per parameter.) The arithmetic
+// is in worker/synthetic_hash.h, shared with the GPU version (cuda/synthetic.h).
 #ifndef ONEBIT_WORKER_SYNTHETIC_MODEL_H_
 #define ONEBIT_WORKER_SYNTHETIC_MODEL_H_
 
 #include <vector>
 
 #include "worker/model.h"
+#include "worker/synthetic_hash.h"
 
 namespace onebit {
 
@@ -34,13 +36,15 @@ class SyntheticModel final : public Model {
   absl::StatusOr<double> Gradient(const float* x, uint32_t rank, uint64_t step,
                                   float* g) const override;
 
+  const SyntheticOptions& options() const { return o_; }
+  // The curvature factors 10^(spread·u_j), j < dim; empty when
+  // curvature_spread is 0 (then the factor is 1).
+  const std::vector<float>& spread() const { return spread_; }
+
  private:
   const SyntheticOptions o_;
   std::vector<float> spread_;  // 10^(spread·u_j), only when spread != 0
 };
-
-// The counter-based generator (splitmix64 finaliser of a combined key).
-uint64_t HashCounter(uint64_t key, uint64_t counter);
 
 }  // namespace onebit
 

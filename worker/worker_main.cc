@@ -15,9 +15,10 @@
 #include "net/health.h"
 #include "net/job_config.h"
 #include "net/run_folder.h"
-#include "worker/evaluator.h"
+#include "worker/device.h"
 #include "worker/model.h"
 #include "worker/ps_client.h"
+#include "worker/replica.h"
 
 ABSL_FLAG(std::string, coordinator, "", "coordinator address host:port (required)");
 ABSL_FLAG(int32_t, rank, -1, "worker rank to request; -1: any free one");
@@ -29,6 +30,11 @@ ABSL_FLAG(absl::Duration, register_timeout, absl::Seconds(60),
 ABSL_FLAG(std::string, dump_x, "", "write the final replica (raw fp32) to this file");
 ABSL_FLAG(int64_t, stall_at_step, -1,
           "fault injection for tests: stop pushing at this step (hang until killed or aborted)");
+ABSL_FLAG(std::string, device, "auto",
+          "where the replica, its optimizer state and the gradient live: cpu; cuda or cuda:N "
+          "(a GPU; an error when none is usable); auto (GPU 0 when one is usable, else the "
+          "CPU); cuda-twin (the GPU worker's code on the CPU twins of its kernels, for "
+          "testing without a GPU)");
 ABSL_FLAG(absl::Duration, progress_interval, absl::Seconds(1),
           "how often to print the progress line on stderr");
 
@@ -46,6 +52,10 @@ int Main(int argc, char** argv) {
   if (health_port < 0 || health_port > 65535) ExitFlagError("health_port", "must be in [0, 65535]");
   std::string advertise = absl::GetFlag(FLAGS_advertise_host);
   if (advertise.empty()) advertise = Hostname();
+  // Before joining: a worker that cannot use its device must not hold up a job.
+  auto device = ChooseDevice(absl::GetFlag(FLAGS_device));
+  if (!device.ok()) ExitError(2, std::string(device.status().message()));
+  if (!device->notice.empty()) std::fprintf(stderr, "onebit-worker: %s\n", device->notice.c_str());
 
   int health_bound = 0;
   auto health = StartHealthServer(absl::GetFlag(FLAGS_bind_host), health_port, &health_bound);
@@ -57,6 +67,7 @@ int Main(int argc, char** argv) {
   req.set_requested_rank(absl::GetFlag(FLAGS_rank));
   req.set_health_endpoint(absl::StrCat(advertise, ":", health_bound));
   req.set_host(Hostname());
+  req.set_device(DeviceName(*device));
   auto reg =
       RegisterWithCoordinator(stub.get(), coordinator, req, absl::GetFlag(FLAGS_register_timeout));
   if (!reg.ok()) ExitError(1, std::string(reg.status().message()));
@@ -93,13 +104,21 @@ int Main(int argc, char** argv) {
   auto client = PsClient::Connect(po, &ctx);
   if (!client.ok()) FailAndExit(&hb, std::string(client.status().message()));
 
-  WorkerState state;
-  (*optimizer)->InitState(d, &state);
-  std::vector<float>& x = state.x;
-  std::vector<float> g(d, 0.0f);
-  (*model)->Init(x.data());
+  auto replica = NewReplica(*device, model->get(), optimizer->get());
+  if (!replica.ok()) {
+    FailAndExit(&hb, absl::StrCat("worker ", rank, ": --device ", absl::GetFlag(FLAGS_device), ": ",
+                                  replica.status().message()));
+  }
+  Replica& rep = **replica;
+  if (absl::Status st = rep.Init(); !st.ok()) {
+    FailAndExit(
+        &hb, absl::StrCat("worker ", rank, ": initialising on ", rep.device(), ": ", st.message()));
+  }
+  std::fprintf(stderr, "worker %u: training on %s\n", rank, rep.device().c_str());
+  std::vector<float> x(d);
   if (rank == 0) {
-    absl::Status st = (*client)->SendInit(x.data());
+    absl::Status st = rep.ReadX(x.data());
+    if (st.ok()) st = (*client)->SendInit(x.data());
     if (!st.ok()) FailAndExit(&hb, absl::StrCat("worker 0: sending the initial x: ", st.message()));
   }
   auto check = [&]() -> absl::Status {
@@ -109,8 +128,7 @@ int Main(int argc, char** argv) {
 
   const uint64_t steps = cfg.steps();
   const uint64_t per_epoch = (*model)->steps_per_epoch();
-  const Evaluator* evaluator =
-      rank == 0 && cfg.eval_every() > 0 ? dynamic_cast<const Evaluator*>(model->get()) : nullptr;
+  const bool evaluate = rank == 0 && cfg.eval_every() > 0 && rep.can_evaluate();
   double last_accuracy = -1;
   const int64_t stall = absl::GetFlag(FLAGS_stall_at_step);
   const absl::Duration progress_every = absl::GetFlag(FLAGS_progress_interval);
@@ -126,10 +144,10 @@ int Main(int argc, char** argv) {
       ExitError(1, absl::StrCat("worker ", rank, ": ", check().message()));
     }
     const absl::Time s0 = absl::Now();
-    auto loss = (*model)->Gradient(x.data(), rank, step, g.data());
+    auto loss = rep.ComputeGradient(rank, step);
     if (!loss.ok()) FailAndExit(&hb, absl::StrCat("worker ", rank, ": ", loss.status().message()));
-    const Phase phase = PhaseOf(state);
-    absl::Status st = (*client)->PushPull(step, g.data(), &state, check);
+    const Phase phase = rep.phase();
+    absl::Status st = (*client)->PushPull(step, &rep, check);
     if (!st.ok()) FailAndExit(&hb, absl::StrCat("worker ", rank, ": ", st.message()));
     const absl::Time s1 = absl::Now();
     control::StepMetrics m;
@@ -144,8 +162,8 @@ int Main(int argc, char** argv) {
     m.set_phase(phase == Phase::kCompress ? "compress" : "warmup");
     if (per_epoch > 0) m.set_epoch(static_cast<double>(step + 1) / per_epoch);
     // Rank 0 scores its replica (equal to every other) on the test set.
-    if (evaluator != nullptr && ((step + 1) % cfg.eval_every() == 0 || step + 1 == steps)) {
-      auto eval = evaluator->Evaluate(x.data());
+    if (evaluate && ((step + 1) % cfg.eval_every() == 0 || step + 1 == steps)) {
+      auto eval = rep.Evaluate();
       if (!eval.ok())
         FailAndExit(&hb, absl::StrCat("worker 0: evaluation: ", eval.status().message()));
       m.set_has_eval(true);
@@ -175,6 +193,10 @@ int Main(int argc, char** argv) {
     }
   }
 
+  if (absl::Status st = rep.ReadX(x.data()); !st.ok()) {
+    FailAndExit(
+        &hb, absl::StrCat("worker ", rank, ": reading x from ", rep.device(), ": ", st.message()));
+  }
   std::vector<control::ShardChecksum> sums;
   for (uint32_t k = 0; k < map->num_shards(); ++k) {
     const Range r = map->shard(k);

@@ -460,6 +460,23 @@ std::vector<float> Denominators(size_t n, uint32_t seed) {
   return v;
 }
 
+TEST(CudaUpdate, UpdateMomentumMatchesCpu) {
+  ONEBIT_REQUIRE_GPU_OR_SKIP();
+  for (size_t n : Sizes(2048)) {
+    SCOPED_TRACE(absl::StrCat("n=", n));
+    const std::vector<float> g = Values(n, 40);
+    std::vector<float> m = Values(n, 41, 1e-2f);
+    DeviceBuffer dg = Upload(g), dm = Upload(m);
+    for (int step = 0; step < 2; ++step) {  // the second from a non-zero m, as in training
+      onebit::UpdateMomentum(g.data(), 0.9f, 1.0f - 0.9f, n, m.data());
+      absl::Status st =
+          UpdateMomentum(dg.as<float>(), 0.9f, 1.0f - 0.9f, n, dm.as<float>(), nullptr);
+      ASSERT_TRUE(st.ok()) << st;
+      EXPECT_TRUE(SameBits(Download<float>(dm, n), m)) << "step " << step;
+    }
+  }
+}
+
 TEST(CudaUpdate, ApplyMomentumMatchesCpu) {
   ONEBIT_REQUIRE_GPU_OR_SKIP();
   for (size_t n : Sizes(2048)) {

@@ -40,9 +40,11 @@ double NumberField(const std::string& summary, const std::string& key) {
 }
 
 // Runs the job through onebit-launch with --dump_params; returns the run folder.
-std::string Launch(const control::TrainingConfig& cfg, const std::string& name) {
+std::string Launch(const control::TrainingConfig& cfg, const std::string& name,
+                   const std::string& worker_devices = "") {
   const std::string out = TempDir(name);
   std::vector<std::string> argv = {Bin("onebit-launch"), "--out=" + out, "--dump_params"};
+  if (!worker_devices.empty()) argv.push_back("--worker_devices=" + worker_devices);
   for (const std::string& a : ConfigArgs(cfg)) argv.push_back(a);
   RunResult r = RunCommand(argv, absl::Seconds(120));
   EXPECT_EQ(r.code, 0) << r.output;
@@ -106,10 +108,15 @@ control::TrainingConfig ComboConfig(const Combo& c) {
 
 class MatrixTest : public ::testing::TestWithParam<Combo> {};
 
+// Worker 0 runs the GPU worker's code on the CPU twins of its kernels,
+// worker 1 the CPU worker, worker 2 a GPU where one is usable (else the CPU):
+// a mixed cluster, and with a GPU the whole matrix on it.
+constexpr char kMixedDevices[] = "cuda-twin,cpu,auto";
+
 TEST_P(MatrixTest, EveryWorkerAndServerEqualsTheReference) {
   const Combo& c = GetParam();
   const control::TrainingConfig cfg = ComboConfig(c);
-  const std::string out = Launch(cfg, "matrix");
+  const std::string out = Launch(cfg, "matrix", kMixedDevices);
   const ReferenceResult ref = Reference(cfg);
   ASSERT_EQ(ref.workers.size(), 3u);
   for (uint32_t w = 0; w < 3; ++w) {

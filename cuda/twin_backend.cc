@@ -1,0 +1,130 @@
+// The CPU twin backend (cuda/backend.h): host memory and the CPU twins of the
+// kernels, run at once (there are no streams). Always built, so that the GPU
+// worker's code is compiled and tested everywhere.
+#include <cstdlib>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "compress/kernels.h"
+#include "cuda/backend.h"
+#include "shard/update_kernels.h"
+
+namespace onebit::cuda {
+namespace {
+
+using compress_internal::Kernels;
+
+// Every SIMD path gives the same bytes (compress/codec.h): take the fast one.
+const Kernels& K() {
+  static const Kernels& k =
+      CpuHasAvx2() ? compress_internal::Avx2Kernels() : compress_internal::ScalarKernels();
+  return k;
+}
+
+absl::StatusOr<void*> Alloc(size_t bytes) {
+  if (bytes == 0) return nullptr;
+  // 64-byte aligned like the device's allocations (at least 256 there).
+  void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+  if (p == nullptr) {
+    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " bytes"));
+  }
+  return p;
+}
+void Free(void* p) { std::free(p); }
+
+absl::StatusOr<Stream> CreateStream() { return nullptr; }
+void DestroyStream(Stream) {}
+
+absl::Status Copy(void* dst, const void* src, size_t bytes, Stream) {
+  if (bytes > 0) std::memmove(dst, src, bytes);
+  return absl::OkStatus();
+}
+absl::Status SetZero(void* dst, size_t bytes, Stream) {
+  if (bytes > 0) std::memset(dst, 0, bytes);
+  return absl::OkStatus();
+}
+absl::Status Synchronize(Stream) { return absl::OkStatus(); }
+
+absl::Status OnebitEncodeTwin(const float* y, const float* e_in, float* e_out, size_t n,
+                              uint32_t block, ScaleRule rule, uint8_t* out, Stream) {
+  return OnebitEncodeCpu(y, e_in, e_out, n, block, rule, out);
+}
+absl::Status OnebitDecodeTwin(const float* scales, const uint8_t* bits, size_t n, uint32_t block,
+                              float* out, Stream) {
+  K().onebit_decode(scales, bits, n, block, out);
+  return absl::OkStatus();
+}
+absl::Status OnebitDecodeAddTwin(const float* scales, const uint8_t* bits, size_t n, uint32_t block,
+                                 float w, float* acc, Stream) {
+  K().onebit_decode_add(scales, bits, n, block, w, acc);
+  return absl::OkStatus();
+}
+absl::StatusOr<size_t> Fp16CheckTwin(const float* y, const float* e, size_t n, Stream) {
+  return K().fp16_check(y, e, n);
+}
+absl::Status Fp16EncodeTwin(const float* y, float* e, size_t n, uint16_t* out, Stream) {
+  K().fp16_encode(y, e, n, out);
+  return absl::OkStatus();
+}
+absl::Status Fp16DecodeTwin(const uint16_t* in, size_t n, float* out, Stream) {
+  K().fp16_decode(in, n, out);
+  return absl::OkStatus();
+}
+absl::Status Fp16DecodeAddTwin(const uint16_t* in, size_t n, float w, float* acc, Stream) {
+  K().fp16_decode_add(in, n, w, acc);
+  return absl::OkStatus();
+}
+absl::StatusOr<size_t> FirstNonFiniteTwin(const float* y, const float* e, size_t n, Stream) {
+  return K().first_nonfinite(y, e, n);
+}
+absl::Status AxpyTwin(const float* x, size_t n, float w, float* acc, Stream) {
+  K().axpy(x, n, w, acc);
+  return absl::OkStatus();
+}
+absl::Status UpdateMomentumTwin(const float* g, float b1, float c1, size_t n, float* m, Stream) {
+  onebit::UpdateMomentum(g, b1, c1, n, m);
+  return absl::OkStatus();
+}
+absl::Status ApplyMomentumTwin(const float* mbar, const float* den, float lr, float wd, size_t n,
+                               float* x, Stream) {
+  onebit::ApplyMomentum(mbar, den, lr, wd, n, x);
+  return absl::OkStatus();
+}
+
+const Backend kTwin = {
+    "cuda-twin",
+    Alloc,
+    Free,
+    Alloc,
+    Free,
+    CreateStream,
+    DestroyStream,
+    Copy,
+    Copy,
+    SetZero,
+    Synchronize,
+    OnebitEncodeTwin,
+    OnebitDecodeTwin,
+    OnebitDecodeAddTwin,
+    Fp16CheckTwin,
+    Fp16EncodeTwin,
+    Fp16DecodeTwin,
+    Fp16DecodeAddTwin,
+    FirstNonFiniteTwin,
+    AxpyTwin,
+    UpdateMomentumTwin,
+    ApplyMomentumTwin,
+};
+
+}  // namespace
+
+const Backend& TwinBackend() { return kTwin; }
+
+#ifndef ONEBIT_WITH_CUDA
+const Backend* CudaBackend() { return nullptr; }
+absl::StatusOr<std::string> SelectDevice(int) {
+  return absl::FailedPreconditionError("this binary was built without CUDA");
+}
+#endif
+
+}  // namespace onebit::cuda

@@ -1,0 +1,65 @@
+#include "worker/replica.h"
+
+#include "absl/status/status.h"
+
+namespace onebit {
+namespace {
+
+class CpuReplica final : public Replica {
+ public:
+  CpuReplica(const Model* model, const WorkerOptimizer* optimizer)
+      : model_(model),
+        opt_(optimizer),
+        evaluator_(dynamic_cast<const Evaluator*>(model)),
+        g_(model->num_params(), 0.0f) {}
+
+  const std::string& device() const override { return device_; }
+  uint64_t num_params() const override { return g_.size(); }
+  Phase phase() const override { return PhaseOf(state_); }
+  const WorkerOptimizer& optimizer() const override { return *opt_; }
+
+  absl::Status Init() override {
+    opt_->InitState(g_.size(), &state_);
+    model_->Init(state_.x.data());
+    return absl::OkStatus();
+  }
+  absl::StatusOr<double> ComputeGradient(uint32_t rank, uint64_t step) override {
+    return model_->Gradient(state_.x.data(), rank, step, g_.data());
+  }
+  absl::Status Push(uint64_t step, uint64_t b, size_t n, uint8_t* out) override {
+    return opt_->Push(step, g_.data(), b, n, &state_, out);
+  }
+  absl::Status Apply(uint64_t step, bool last_warmup, const uint8_t* reply, uint64_t b,
+                     size_t n) override {
+    return opt_->Apply(step, last_warmup, reply, b, n, &state_);
+  }
+  absl::Status FinishStep(bool entered_compression) override {
+    if (entered_compression) opt_->EnterCompression(&state_);
+    return absl::OkStatus();
+  }
+  absl::Status ReadX(float* x) override {
+    std::copy(state_.x.begin(), state_.x.end(), x);
+    return absl::OkStatus();
+  }
+  bool can_evaluate() const override { return evaluator_ != nullptr; }
+  absl::StatusOr<EvalResult> Evaluate() override {
+    if (evaluator_ == nullptr) return absl::FailedPreconditionError("the model has no test set");
+    return evaluator_->Evaluate(state_.x.data());
+  }
+
+ private:
+  const Model* model_;
+  const WorkerOptimizer* opt_;
+  const Evaluator* evaluator_;
+  const std::string device_ = "cpu";
+  WorkerState state_;
+  std::vector<float> g_;
+};
+
+}  // namespace
+
+std::unique_ptr<Replica> NewCpuReplica(const Model* model, const WorkerOptimizer* optimizer) {
+  return std::make_unique<CpuReplica>(model, optimizer);
+}
+
+}  // namespace onebit

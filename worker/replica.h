@@ -1,0 +1,67 @@
+// What a worker trains: its replica of x, the optimizer state beside it and
+// the gradient of its model, wherever they live. CpuReplica keeps them in
+// host memory (shard/optimizer.h's WorkerOptimizer on a WorkerState);
+// DeviceReplica (worker/device_replica.h) keeps them on a GPU. PsClient drives
+// a replica chunk by chunk; every replica of a job, on any device, applies the
+// same replies with the same arithmetic, so replicas stay bitwise equal.
+//
+// Not thread-safe: one thread drives a replica.
+#ifndef ONEBIT_WORKER_REPLICA_H_
+#define ONEBIT_WORKER_REPLICA_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "shard/optimizer.h"
+#include "worker/evaluator.h"
+#include "worker/model.h"
+
+namespace onebit {
+
+class Replica {
+ public:
+  virtual ~Replica() = default;
+
+  // Where it lives, for logs: "cpu", "cuda:0 (NVIDIA H200)", "cuda-twin".
+  virtual const std::string& device() const = 0;
+  virtual uint64_t num_params() const = 0;
+  virtual Phase phase() const = 0;
+  // The optimizer whose codecs and reply sizes the replica follows.
+  virtual const WorkerOptimizer& optimizer() const = 0;
+
+  // x = the model's initial parameters, the rest of the state zero.
+  virtual absl::Status Init() = 0;
+  // Computes and keeps the gradient of worker `rank`'s loss at x for `step`;
+  // returns the loss.
+  virtual absl::StatusOr<double> ComputeGradient(uint32_t rank, uint64_t step) = 0;
+  // The push of elements [b, b + n) for `step` from the kept gradient:
+  // optimizer().push_codec(phase()).EncodedSize(n) bytes into host memory
+  // out, complete when this returns.
+  virtual absl::Status Push(uint64_t step, uint64_t b, size_t n, uint8_t* out) = 0;
+  // Applies the server's reply for [b, b + n) (host memory, ReplyBytes bytes;
+  // see WorkerOptimizer::Apply). A device may still be working when this
+  // returns, but `reply` is no longer needed.
+  virtual absl::Status Apply(uint64_t step, bool last_warmup, const uint8_t* reply, uint64_t b,
+                             size_t n) = 0;
+  // After the last reply of a step: waits for the device and reports its
+  // errors; `entered_compression`: that step was the last of the warm-up.
+  virtual absl::Status FinishStep(bool entered_compression) = 0;
+
+  // Copies x[0, d) to host memory.
+  virtual absl::Status ReadX(float* x) = 0;
+  // Whether Evaluate works: the model has a test set.
+  virtual bool can_evaluate() const = 0;
+  // Scores x on the model's test set.
+  virtual absl::StatusOr<EvalResult> Evaluate() = 0;
+};
+
+// The replica in host memory. `model` and `optimizer` must outlive it.
+std::unique_ptr<Replica> NewCpuReplica(const Model* model, const WorkerOptimizer* optimizer);
+
+}  // namespace onebit
+
+#endif  // ONEBIT_WORKER_REPLICA_H_
