@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "cuda/device.h"
+#include "tests/cuda/mlp_test_util.h"
 #include "tests/cuda/test_util.h"
 #include "worker/dataset.h"
 #include "worker/mlp_model.h"
@@ -28,7 +29,9 @@
 namespace onebit::cuda {
 namespace {
 
+using testing::Data;
 using testing::Download;
+using testing::ExpectGradientsClose;
 using testing::SameBits;
 using testing::Upload;
 
@@ -180,32 +183,6 @@ TEST(CudaMlpKernels, SoftmaxXentFlagsBadLabels) {
   EXPECT_TRUE(std::isnan(Download<double>(d_loss, 3)[1]));
 }
 
-// Random images (h x w pixels) and labels.
-std::shared_ptr<const ImageDataset> Data(uint32_t h, uint32_t w, uint32_t train, uint32_t test,
-                                         uint32_t seed) {
-  std::mt19937 rng(seed);
-  auto images = [&](uint32_t count) {
-    IdxImages im;
-    im.count = count;
-    im.rows = h;
-    im.cols = w;
-    im.pixels.resize(size_t{count} * h * w);
-    for (uint8_t& p : im.pixels) p = static_cast<uint8_t>(rng() % 256);
-    return im;
-  };
-  auto labels = [&](uint32_t count) {
-    std::vector<uint8_t> y(count);
-    for (uint8_t& v : y) v = static_cast<uint8_t>(rng() % ImageDataset::kNumClasses);
-    return y;
-  };
-  IdxImages tr = images(train), te = images(test);
-  std::vector<uint8_t> ytr = labels(train), yte = labels(test);
-  absl::StatusOr<std::shared_ptr<const ImageDataset>> d =
-      ImageDataset::Create(std::move(tr), std::move(ytr), std::move(te), std::move(yte), "random");
-  EXPECT_TRUE(d.ok()) << d.status();
-  return d.ok() ? *d : nullptr;
-}
-
 struct Fixture {
   std::shared_ptr<const ImageDataset> data;
   std::unique_ptr<MlpModel> cpu;
@@ -243,31 +220,6 @@ Fixture Make(const std::vector<uint32_t>& layers, uint32_t h, uint32_t w, uint32
   return s;
 }
 
-// ||gpu - cpu|| / ||cpu|| of each W_l and b_l, and each element against the
-// part's largest magnitude.
-void ExpectClose(const Fixture& s, const std::vector<float>& gpu, const std::vector<float>& cpu) {
-  const std::vector<uint32_t>& layers = s.cpu->options().layers;
-  for (size_t l = 0; l + 1 < layers.size(); ++l) {
-    const uint64_t parts[2][2] = {{s.cpu->weight_offset(l), s.cpu->bias_offset(l)},
-                                  {s.cpu->bias_offset(l), s.cpu->bias_offset(l) + layers[l + 1]}};
-    for (int p = 0; p < 2; ++p) {
-      SCOPED_TRACE(absl::StrCat(p == 0 ? "W" : "b", l));
-      double diff2 = 0, ref2 = 0, amax = 0;
-      for (uint64_t j = parts[p][0]; j < parts[p][1]; ++j) {
-        diff2 += (double{gpu[j]} - cpu[j]) * (double{gpu[j]} - cpu[j]);
-        ref2 += double{cpu[j]} * cpu[j];
-        amax = std::max(amax, std::fabs(double{cpu[j]}));
-      }
-      ASSERT_GT(ref2, 0) << "a zero CPU gradient compares nothing";
-      EXPECT_LT(std::sqrt(diff2 / ref2), kGradTol);
-      for (uint64_t j = parts[p][0]; j < parts[p][1]; ++j) {
-        ASSERT_LE(std::fabs(double{gpu[j]} - cpu[j]), kGradTol * amax)
-            << "element " << j - parts[p][0] << ": gpu " << gpu[j] << " cpu " << cpu[j];
-      }
-    }
-  }
-}
-
 void CheckGradients(const std::vector<uint32_t>& layers, uint32_t h, uint32_t w, uint32_t batch,
                     size_t gpu_batch) {
   SCOPED_TRACE(absl::StrCat(absl::StrJoin(layers, "-"), " batch ", batch));
@@ -295,7 +247,7 @@ void CheckGradients(const std::vector<uint32_t>& layers, uint32_t h, uint32_t w,
     EXPECT_LE(std::fabs(*loss_gpu - *loss_cpu), kLossTol * std::fabs(*loss_cpu))
         << "gpu " << *loss_gpu << " cpu " << *loss_cpu;
     const std::vector<float> g_gpu = Download<float>(*d_g, s.x.size());
-    ExpectClose(s, g_gpu, g_cpu);
+    ExpectGradientsClose(*s.cpu, kGradTol, g_gpu, g_cpu);
 
     // The same call again gives the same bits (no atomics, no TF32).
     absl::StatusOr<double> again = s.gpu->Gradient(d_x.as<float>(), d_images.as<float>(),

@@ -6,6 +6,7 @@
 // the same tests run the GPU worker.
 #include "cuda/device.h"
 
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -21,16 +22,6 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-std::string Field(const std::string& summary, const std::string& key) {
-  const std::string k = absl::StrCat("\"", key, "\": ");
-  const size_t at = summary.find(k);
-  if (at == std::string::npos) return "<missing " + key + ">";
-  const size_t begin = at + k.size();
-  std::string v = summary.substr(begin, summary.find('\n', begin) - begin);
-  if (!v.empty() && v.back() == ',') v.pop_back();
-  return v;
-}
-
 RunResult Synthetic(const std::string& out, const std::string& devices) {
   return RunCommand({Bin("onebit-launch"), "--workers=2", "--servers=1", "--model=synthetic",
                      "--dim=5000", "--steps=8", "--optimizer=onebit-adam", "--freeze_step=3",
@@ -38,7 +29,16 @@ RunResult Synthetic(const std::string& out, const std::string& devices) {
                     absl::Seconds(60));
 }
 
-bool HaveGpu() { return cuda::DeviceCount() > 0; }
+// Whether a GPU is usable; with ONEBIT_REQUIRE_GPU set (tools/gpu-check) the
+// lack of one is a failure, not a reason to check the CPU fallback.
+bool HaveGpu() {
+  std::string why;
+  const bool have = cuda::DeviceCount(&why) > 0;
+  if (!have && std::getenv("ONEBIT_REQUIRE_GPU") != nullptr) {
+    ADD_FAILURE() << "ONEBIT_REQUIRE_GPU is set but no CUDA device is usable: " << why;
+  }
+  return have;
+}
 
 TEST(Device, AutoTrainsWhereItCanAndSaysWhy) {
   const std::string out = TempDir("auto");

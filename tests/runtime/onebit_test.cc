@@ -4,6 +4,7 @@
 // the delta reply, the bytes of the compression phase, the automatic freeze,
 // and the config checks.
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -12,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "cuda/device.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "net/job_config.h"
@@ -23,15 +25,6 @@ namespace onebit::testing {
 namespace {
 
 using ::testing::HasSubstr;
-
-// A field of summary.json as text ("true", "20", "null", "\"onebit\"").
-std::string Field(const std::string& summary, const std::string& key) {
-  const std::string k = absl::StrCat("\"", key, "\": ");
-  const size_t at = summary.find(k);
-  if (at == std::string::npos) return "<missing " + key + ">";
-  const size_t begin = at + k.size();
-  return summary.substr(begin, summary.find_first_of(",\n", begin) - begin);
-}
 
 double NumberField(const std::string& summary, const std::string& key) {
   double v = NAN;
@@ -113,6 +106,19 @@ class MatrixTest : public ::testing::TestWithParam<Combo> {};
 // a mixed cluster, and with a GPU the whole matrix on it.
 constexpr char kMixedDevices[] = "cuda-twin,cpu,auto";
 
+// With ONEBIT_REQUIRE_GPU set (tools/gpu-check), no GPU is a failure.
+bool GpuUsable() {
+  static const bool usable = [] {
+    std::string why;
+    const bool have = cuda::DeviceCount(&why) > 0;
+    if (!have && std::getenv("ONEBIT_REQUIRE_GPU") != nullptr) {
+      ADD_FAILURE() << "ONEBIT_REQUIRE_GPU is set but no CUDA device is usable: " << why;
+    }
+    return have;
+  }();
+  return usable;
+}
+
 TEST_P(MatrixTest, EveryWorkerAndServerEqualsTheReference) {
   const Combo& c = GetParam();
   const control::TrainingConfig cfg = ComboConfig(c);
@@ -143,6 +149,8 @@ TEST_P(MatrixTest, EveryWorkerAndServerEqualsTheReference) {
   const std::string summary = ReadFile(out + "/summary.json");
   EXPECT_EQ(Field(summary, "replicas_equal"), masters_equal_replicas ? "true" : "false") << summary;
   EXPECT_EQ(Field(summary, "workers_agree"), "true") << summary;
+  EXPECT_THAT(summary, HasSubstr(absl::StrCat("\"worker_devices\": [\"cuda-twin\", \"cpu\", \"",
+                                              GpuUsable() ? "cuda:0" : "cpu", "\"]")));
   const OptimizerKind kind = *ParseOptimizerKind(c.optimizer);
   const std::string freeze = !HasCompressionPhase(kind) ? "null" : HasWarmup(kind) ? "3" : "0";
   EXPECT_EQ(Field(summary, "freeze_step"), freeze) << summary;

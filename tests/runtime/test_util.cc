@@ -21,7 +21,20 @@
 
 namespace onebit::testing {
 
-std::string Bin(const std::string& name) { return std::string(ONEBIT_BIN_DIR) + "/" + name; }
+std::string Field(const std::string& summary, const std::string& key) {
+  const std::string k = absl::StrCat("\"", key, "\": ");
+  const size_t at = summary.find(k);
+  if (at == std::string::npos) return "<missing " + key + ">";
+  const size_t begin = at + k.size();
+  std::string v = summary.substr(begin, summary.find('\n', begin) - begin);
+  if (!v.empty() && v.back() == ',') v.pop_back();
+  return v;
+}
+
+std::string Bin(const std::string& name) {
+  const char* dir = std::getenv("ONEBIT_TEST_BIN_DIR");
+  return std::string(dir != nullptr && *dir != '\0' ? dir : ONEBIT_BIN_DIR) + "/" + name;
+}
 
 std::string TempDir(const std::string& name) {
   const char* base = std::getenv("TEST_TMPDIR");

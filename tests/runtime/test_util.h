@@ -15,7 +15,13 @@
 
 namespace onebit::testing {
 
-// Path of a binary in the build root, e.g. Bin("onebit-launch").
+// A field of summary.json as its JSON text ("true", "20", "null",
+// "\"onebit\"", "[\"cpu\", \"cuda:0\"]"): the rest of the key's line.
+std::string Field(const std::string& summary, const std::string& key);
+
+// Path of a binary in the build root, e.g. Bin("onebit-launch"); the
+// environment's ONEBIT_TEST_BIN_DIR, when set, instead (binaries built on
+// another machine, as tools/gpu-check runs them).
 std::string Bin(const std::string& name);
 
 // A fresh empty folder under the test's temporary directory.
