@@ -400,29 +400,37 @@ absl::Status WorkerOptimizer::Push(uint64_t step, const float* g, uint64_t b, si
                                   : codec.Encode(y, n, out);
 }
 
+absl::Status HandOverDenominators(const float* v, size_t n, uint64_t first, float eps, float* den) {
+  for (size_t i = 0; i < n; ++i) {
+    if (!(v[i] >= 0)) {
+      return absl::DataLossError(
+          absl::StrCat("hand-over: negative second moment ", v[i], " at parameter ", first + i));
+    }
+  }
+  for (size_t i = 0; i < n; ++i) den[i] = FrozenDenominator(v[i], eps);
+  return absl::OkStatus();
+}
+
 absl::Status WorkerOptimizer::Apply(uint64_t step, bool last_warmup, const uint8_t* reply,
                                     uint64_t b, size_t n, WorkerState* s) const {
   float* x = s->x.data() + b;
   if (!s->frozen) {
     // x += Δ: the same fp32 addition the server applied to its master.
-    absl::Status st = fp32_->DecodeAdd(reply, n, 1.0f, x);
-    if (!st.ok() || !last_warmup || !HandsOver()) return st;
+    if (!last_warmup || !HandsOver()) return fp32_->DecodeAdd(reply, n, 1.0f, x);
+    // The hand-over: Δ, then m and v. Everything is checked before anything
+    // changes, so a bad reply leaves the state as it was.
     const uint8_t* tail = reply + fp32_->EncodedSize(n);
-    float* den = s->den.data();
-    if (s->den.size() != s->x.size()) {
-      s->den.assign(s->x.size(), 0.0f);
-      den = s->den.data();
-    }
-    st = fp32_->Decode(tail, n, s->mbar.data() + b);
-    if (st.ok()) st = fp32_->Decode(tail + 4 * n, n, den + b);
+    absl::Status st = fp32_->CheckPayload(reply, n);
+    if (st.ok()) st = fp32_->CheckPayload(tail, n);
+    std::vector<float> den(n);
+    if (st.ok()) st = fp32_->Decode(tail + 4 * n, n, den.data());
+    if (st.ok()) st = HandOverDenominators(den.data(), n, b, o_.eps, den.data());
     if (!st.ok()) return st;
-    for (size_t i = b; i < b + n; ++i) {
-      if (!(den[i] >= 0)) {
-        return absl::DataLossError(
-            absl::StrCat("hand-over: negative second moment ", den[i], " at parameter ", i));
-      }
-      den[i] = FrozenDenominator(den[i], o_.eps);
-    }
+    if (s->den.size() != s->x.size()) s->den.assign(s->x.size(), 0.0f);
+    st = fp32_->DecodeAdd(reply, n, 1.0f, x);
+    if (st.ok()) st = fp32_->Decode(tail, n, s->mbar.data() + b);
+    if (!st.ok()) return st;  // not reached: both were checked
+    std::copy(den.begin(), den.end(), s->den.begin() + b);
     return absl::OkStatus();
   }
   const Codec& codec = *server_codec_;

@@ -205,6 +205,12 @@ class WorkerOptimizer : public OptimizerCodecs {
   using OptimizerCodecs::OptimizerCodecs;
 };
 
+// A worker's side of the hand-over (DESIGN.md §1.1): den[i] =
+// FrozenDenominator(v[i], eps) for the second moments the server sent for
+// parameters [first, first + n). A negative or NaN v is an error naming the
+// parameter, and then den is untouched. den may be v.
+absl::Status HandOverDenominators(const float* v, size_t n, uint64_t first, float eps, float* den);
+
 // The automatic freeze (DESIGN.md §1.4): ||v_t - v_{t-K}||_1 / ||v_t||_1 of a
 // shard, summed in double in index order (0 when both are zero).
 double VarianceChange(const std::vector<float>& v, const std::vector<float>& v_before);

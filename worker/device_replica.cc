@@ -150,13 +150,8 @@ class DeviceReplica final : public Replica {
       if (!st.ok()) return st;
       den.resize(n);
       std::memcpy(den.data(), tail + 4 * n, 4 * n);
-      for (size_t i = 0; i < n; ++i) {
-        if (!(den[i] >= 0)) {
-          return absl::DataLossError(
-              absl::StrCat("hand-over: negative second moment ", den[i], " at parameter ", b + i));
-        }
-        den[i] = FrozenDenominator(den[i], o_.eps);
-      }
+      st = HandOverDenominators(den.data(), n, b, o_.eps, den.data());
+      if (!st.ok()) return st;
     }
     // The payload goes through this chunk's own pinned slot into g[b, b+n),
     // free since the chunk was pushed (every payload fits in 4n bytes); an

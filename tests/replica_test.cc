@@ -1,0 +1,223 @@
+// The worker's replicas (worker/replica.h) without a network: the CPU replica
+// and the device replica on the CPU twin backend (the GPU worker's code) are
+// driven with the same gradients and the same server replies, made here by
+// the server's own optimizer. Their pushes and their x must agree bit for bit
+// through the warm-up, the hand-over and the compression phase; a bad reply
+// or a non-finite gradient must be refused by both with the same error,
+// naming the element, and change nothing either of them goes on with.
+#include "worker/replica.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "shard/optimizer.h"
+#include "worker/device.h"
+
+namespace onebit {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr uint64_t kD = 200;  // 6.25 blocks of 32: a short last block
+
+// Gradients set by the test; the loss is unused.
+class FixedModel final : public Model {
+ public:
+  uint64_t num_params() const override { return kD; }
+  void Init(float* x) const override {
+    for (uint64_t i = 0; i < kD; ++i) x[i] = 0.01f * static_cast<float>(i % 13) - 0.05f;
+  }
+  absl::StatusOr<double> Gradient(const float*, uint32_t, uint64_t step, float* g) const override {
+    for (uint64_t i = 0; i < kD; ++i) {
+      g[i] = std::sin(0.37f * static_cast<float>(i) + static_cast<float>(step)) * 1e-2f;
+    }
+    if (nan_at < kD) g[nan_at] = std::numeric_limits<float>::quiet_NaN();
+    return 1.0;
+  }
+  uint64_t nan_at = kD;  // an index < kD: that gradient element is NaN
+};
+
+struct Fixture {
+  FixedModel model;
+  std::unique_ptr<WorkerOptimizer> worker;
+  std::unique_ptr<ServerOptimizer> server;
+  ServerShardState shard;
+  std::unique_ptr<Replica> cpu, twin;
+
+  explicit Fixture(const std::string& kind = "onebit-adam") {
+    OptimizerOptions o;
+    o.kind = *ParseOptimizerKind(kind);
+    o.lr = 0.01f;
+    o.weight_decay = 0.01f;
+    o.codec.block_size = 32;
+    o.worker_codec = o.server_codec = "onebit";
+    o.reply = DefaultReplyMode(o.kind);
+    worker = *WorkerOptimizer::Create(o);
+    server = *ServerOptimizer::Create(o);
+    server->InitState(0, 0, kD, &shard);
+    model.Init(shard.x.data());
+    cpu = NewCpuReplica(&model, worker.get());
+    DeviceChoice twin_choice;
+    twin_choice.kind = DeviceChoice::Kind::kCudaTwin;
+    twin = *NewReplica(twin_choice, &model, worker.get());
+    EXPECT_TRUE(cpu->Init().ok());
+    EXPECT_TRUE(twin->Init().ok());
+  }
+
+  std::vector<float> X(Replica* r) {
+    std::vector<float> x(kD);
+    EXPECT_TRUE(r->ReadX(x.data()).ok());
+    return x;
+  }
+
+  // Both replicas push step t (their payloads must be equal); returns the
+  // server's reply to that push.
+  std::vector<uint8_t> PushAndServe(uint64_t t, bool last_warmup) {
+    const Phase phase = cpu->phase();
+    EXPECT_EQ(twin->phase(), phase);
+    EXPECT_TRUE(cpu->ComputeGradient(0, t).ok());
+    EXPECT_TRUE(twin->ComputeGradient(0, t).ok());
+    const size_t bytes = worker->push_codec(phase).EncodedSize(kD);
+    std::vector<uint8_t> a(bytes), b(bytes);
+    EXPECT_TRUE(cpu->Push(t, 0, kD, a.data()).ok());
+    EXPECT_TRUE(twin->Push(t, 0, kD, b.data()).ok());
+    EXPECT_EQ(a, b) << "push of step " << t;
+    std::vector<float> acc(kD);
+    EXPECT_TRUE(server->push_codec(phase).Decode(a.data(), kD, acc.data()).ok());
+    std::vector<uint8_t> reply(server->ReplyBytes(phase, kD, last_warmup));
+    absl::Status st = server->Step(t, last_warmup, acc.data(), 0, kD, &shard, reply.data());
+    EXPECT_TRUE(st.ok()) << st;
+    return reply;
+  }
+
+  // Both apply `reply` and finish the step.
+  void ApplyBoth(uint64_t t, bool last_warmup, const std::vector<uint8_t>& reply) {
+    for (Replica* r : {cpu.get(), twin.get()}) {
+      absl::Status st = r->Apply(t, last_warmup, reply.data(), 0, kD);
+      ASSERT_TRUE(st.ok()) << r->device() << ": " << st;
+      ASSERT_TRUE(r->FinishStep(last_warmup).ok());
+    }
+    if (last_warmup) server->EnterCompression(&shard);
+  }
+
+  void Step(uint64_t t, bool last_warmup) {
+    ApplyBoth(t, last_warmup, PushAndServe(t, last_warmup));
+  }
+};
+
+// Both refuse `reply` with the same error containing `what`, and keep x.
+void ExpectBothRefuse(Fixture* f, uint64_t t, bool last_warmup, const std::vector<uint8_t>& reply,
+                      const std::string& what) {
+  const std::vector<float> x_cpu = f->X(f->cpu.get()), x_twin = f->X(f->twin.get());
+  const absl::Status a = f->cpu->Apply(t, last_warmup, reply.data(), 0, kD);
+  const absl::Status b = f->twin->Apply(t, last_warmup, reply.data(), 0, kD);
+  EXPECT_THAT(std::string(a.message()), HasSubstr(what)) << a;
+  EXPECT_EQ(a, b);
+  EXPECT_TRUE(f->twin->FinishStep(false).ok());
+  EXPECT_EQ(f->X(f->cpu.get()), x_cpu) << "the CPU replica changed x on a refused reply";
+  EXPECT_EQ(f->X(f->twin.get()), x_twin) << "the device replica changed x on a refused reply";
+}
+
+void SetFloat(std::vector<uint8_t>* bytes, size_t offset, float v) {
+  std::memcpy(bytes->data() + offset, &v, 4);
+}
+
+TEST(Replica, DeviceCodeOnTheTwinEqualsTheCpuReplicaStepByStep) {
+  for (const char* kind : {"onebit-adam", "naive-onebit-adam", "ef-sgd"}) {
+    SCOPED_TRACE(kind);
+    Fixture f(kind);
+    EXPECT_EQ(f.cpu->device(), "cpu");
+    EXPECT_EQ(f.twin->device(), "cuda-twin");
+    const bool warmup = HasWarmup(*ParseOptimizerKind(kind));
+    for (uint64_t t = 0; t < 6; ++t) {
+      f.Step(t, warmup && t == 1);  // steps 0, 1 warm up; 2.. compress
+      ASSERT_EQ(f.X(f.cpu.get()), f.X(f.twin.get())) << "x after step " << t;
+    }
+    EXPECT_EQ(f.cpu->phase(), Phase::kCompress);
+    EXPECT_NE(f.X(f.cpu.get()), [&] {
+      std::vector<float> x0(kD);
+      f.model.Init(x0.data());
+      return x0;
+    }()) << "nothing was trained";
+  }
+}
+
+TEST(Replica, BadHandOverIsRefusedByBothAndChangesNothing) {
+  Fixture f;
+  f.Step(0, false);
+  std::vector<uint8_t> reply = f.PushAndServe(1, true);
+  std::vector<uint8_t> bad = reply;
+  SetFloat(&bad, 4 * kD * 2 + 4 * 5, -1.0f);  // v of parameter 5
+  ExpectBothRefuse(&f, 1, true, bad, "negative second moment -1 at parameter 5");
+  bad = reply;
+  SetFloat(&bad, 4 * kD + 4 * 7, std::numeric_limits<float>::infinity());  // m of parameter 7
+  ExpectBothRefuse(&f, 1, true, bad, "non-finite value inf at index 7");
+  bad = reply;
+  SetFloat(&bad, 4 * 9, std::numeric_limits<float>::quiet_NaN());  // Δ of parameter 9
+  ExpectBothRefuse(&f, 1, true, bad, "at index 9");
+  // The good reply still applies, and the replicas go on equal.
+  f.ApplyBoth(1, true, reply);
+  for (uint64_t t = 2; t < 5; ++t) f.Step(t, false);
+  EXPECT_EQ(f.X(f.cpu.get()), f.X(f.twin.get()));
+}
+
+TEST(Replica, BadCompressedReplyIsRefusedByBoth) {
+  Fixture f;
+  f.Step(0, true);
+  std::vector<uint8_t> reply = f.PushAndServe(1, false);
+  std::vector<uint8_t> bad = reply;
+  SetFloat(&bad, 4 * 3, std::numeric_limits<float>::quiet_NaN());  // scale of block 3
+  ExpectBothRefuse(&f, 1, false, bad, "bad scale nan for block 3");
+  bad = reply;
+  SetFloat(&bad, 0, -0.5f);
+  ExpectBothRefuse(&f, 1, false, bad, "bad scale -0.5 for block 0");
+  f.ApplyBoth(1, false, reply);
+  EXPECT_EQ(f.X(f.cpu.get()), f.X(f.twin.get()));
+}
+
+TEST(Replica, NonFiniteGradientIsRefusedAndTheErrorBufferKept) {
+  // naive-onebit-adam encodes the gradient itself (no momentum in between),
+  // so after a refused push the next one shows whether e was kept.
+  Fixture f("naive-onebit-adam");
+  f.Step(0, true);
+  f.Step(1, false);
+  f.model.nan_at = 11;
+  std::vector<uint8_t> out(f.worker->push_codec(Phase::kCompress).EncodedSize(kD));
+  for (Replica* r : {f.cpu.get(), f.twin.get()}) {
+    ASSERT_TRUE(r->ComputeGradient(0, 2).ok());
+    const absl::Status st = r->Push(2, 0, kD, out.data());
+    EXPECT_THAT(std::string(st.message()), HasSubstr("non-finite input at index 11")) << st;
+  }
+  f.model.nan_at = kD;
+  for (uint64_t t = 2; t < 5; ++t) f.Step(t, false);  // pushes compared inside
+  EXPECT_EQ(f.X(f.cpu.get()), f.X(f.twin.get()));
+}
+
+TEST(Replica, NonFiniteGradientInTheWarmupNamesTheIndex) {
+  Fixture f;
+  f.model.nan_at = 3;
+  std::vector<uint8_t> out(4 * kD);
+  for (Replica* r : {f.cpu.get(), f.twin.get()}) {
+    ASSERT_TRUE(r->ComputeGradient(0, 0).ok());
+    const absl::Status st = r->Push(0, 0, kD, out.data());
+    EXPECT_THAT(std::string(st.message()), HasSubstr("non-finite input at index 3")) << st;
+  }
+}
+
+TEST(Replica, ChunksOutsideTheParametersAreRefused) {
+  Fixture f;
+  std::vector<uint8_t> out(4 * kD);
+  ASSERT_TRUE(f.twin->ComputeGradient(0, 0).ok());
+  const absl::Status st = f.twin->Push(0, kD - 10, 20, out.data());
+  EXPECT_EQ(st.code(), absl::StatusCode::kOutOfRange) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("[190, 210) outside the 200 parameters"));
+}
+
+}  // namespace
+}  // namespace onebit
