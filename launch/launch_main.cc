@@ -103,22 +103,20 @@ std::string SelfDir() {
 }
 
 int Main(int argc, char** argv) {
-  std::set<std::string> specified = ParseFlagsOrExit(
+  const control::TrainingConfig cfg = ConfigFromCommandLineOrExit(
       argc, argv,
       "onebit-launch --workers N --servers S [--model synthetic --dim D --steps T] [--out DIR]\n"
       "Runs a whole job on this machine over loopback; takes every coordinator config flag.");
-  auto cfg = ConfigFromFlags(specified);
-  if (!cfg.ok()) ExitError(2, std::string(cfg.status().message()));
   const std::string out = absl::GetFlag(FLAGS_out);
   if (absl::GetFlag(FLAGS_dump_params) && out.empty()) ExitFlagError("dump_params", "needs --out");
   const int stall_worker = absl::GetFlag(FLAGS_stall_worker);
-  if (stall_worker >= static_cast<int>(cfg->workers())) {
+  if (stall_worker >= static_cast<int>(cfg.workers())) {
     ExitFlagError("stall_worker", "no such worker");
   }
   const std::vector<std::string> devices = absl::GetFlag(FLAGS_worker_devices);
-  if (devices.size() > cfg->workers()) {
+  if (devices.size() > cfg.workers()) {
     ExitFlagError("worker_devices",
-                  absl::StrCat(devices.size(), " devices for ", cfg->workers(), " workers"));
+                  absl::StrCat(devices.size(), " devices for ", cfg.workers(), " workers"));
   }
   std::string bin = absl::GetFlag(FLAGS_bin_dir);
   if (bin.empty()) bin = SelfDir();
@@ -139,7 +137,7 @@ int Main(int argc, char** argv) {
       absl::FormatDuration(absl::GetFlag(FLAGS_launch_register_timeout));
   const absl::Duration grace = absl::GetFlag(FLAGS_grace);
 
-  std::vector<Child> children(1 + cfg->servers() + cfg->workers());
+  std::vector<Child> children(1 + cfg.servers() + cfg.workers());
   int exit_code = 0;
   auto stop_all = [&](const std::string& why) {
     Log(why);
@@ -200,10 +198,10 @@ int Main(int argc, char** argv) {
     Log(std::string(st.message()));
     return finish(1);
   }
-  Log(absl::StrCat("coordinator at ", target, " is serving; starting ", cfg->servers(),
-                   " servers and ", cfg->workers(), " workers"));
+  Log(absl::StrCat("coordinator at ", target, " is serving; starting ", cfg.servers(),
+                   " servers and ", cfg.workers(), " workers"));
 
-  for (uint32_t k = 0; k < cfg->servers(); ++k) {
+  for (uint32_t k = 0; k < cfg.servers(); ++k) {
     Child& c = children[1 + k];
     c.name = absl::StrCat("server", k);
     std::vector<std::string> a = {
@@ -219,8 +217,8 @@ int Main(int argc, char** argv) {
       return finish(1);
     }
   }
-  for (uint32_t i = 0; i < cfg->workers(); ++i) {
-    Child& c = children[1 + cfg->servers() + i];
+  for (uint32_t i = 0; i < cfg.workers(); ++i) {
+    Child& c = children[1 + cfg.servers() + i];
     c.name = absl::StrCat("worker", i);
     std::vector<std::string> a = {bin + "/onebit-worker",
                                   "--coordinator=" + target,

@@ -15,6 +15,7 @@
 #include "compress/codec.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
+#include "net/flags.h"
 #include "shard/optimizer.h"
 
 ABSL_FLAG(uint32_t, workers, 1, "number of workers N");
@@ -417,6 +418,13 @@ std::string FlagOfError(const absl::Status& status) {
     if (colon != m.npos) return std::string(m.substr(2, colon - 2));
   }
   return "config";
+}
+
+control::TrainingConfig ConfigFromCommandLineOrExit(int argc, char** argv,
+                                                    absl::string_view usage) {
+  auto cfg = ConfigFromFlags(ParseFlagsOrExit(argc, argv, usage));
+  if (!cfg.ok()) ExitError(2, std::string(cfg.status().message()));
+  return *std::move(cfg);
 }
 
 }  // namespace onebit

@@ -19,6 +19,11 @@ namespace onebit {
 // Errors name the flag or JSON key, e.g. "--dim: must be >= 1".
 absl::StatusOr<control::TrainingConfig> ConfigFromFlags(const std::set<std::string>& specified);
 
+// What the binaries that take the training flags start with: parses the
+// command line (net/flags.h) and builds the config; exits 2 naming the
+// problem when either fails.
+control::TrainingConfig ConfigFromCommandLineOrExit(int argc, char** argv, absl::string_view usage);
+
 // Checks ranges and combinations; errors start with "--<flag>: ".
 absl::Status ValidateConfig(const control::TrainingConfig& config);
 

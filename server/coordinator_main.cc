@@ -33,15 +33,13 @@ uint64_t NewJobId() {
 }
 
 int Main(int argc, char** argv) {
-  std::set<std::string> specified = ParseFlagsOrExit(
+  const control::TrainingConfig cfg = ConfigFromCommandLineOrExit(
       argc, argv,
       "onebit-coordinator --workers N --servers S [--model synthetic --dim D --steps T ...]\n"
       "Forms the cluster, hands out ranks and the shard map, watches it, writes --out.");
-  auto cfg = ConfigFromFlags(specified);
-  if (!cfg.ok()) ExitError(2, std::string(cfg.status().message()));
   const int port = absl::GetFlag(FLAGS_port);
   if (port < 0 || port > 65535) ExitFlagError("port", "must be in [0, 65535]");
-  auto map = ShardMap::Create(cfg->dim(), cfg->servers(), cfg->block_size());
+  auto map = ShardMap::Create(cfg.dim(), cfg.servers(), cfg.block_size());
   if (!map.ok()) ExitError(2, std::string(map.status().message()));
   const std::string out = absl::GetFlag(FLAGS_out);
   if (!out.empty()) {
@@ -50,7 +48,7 @@ int Main(int argc, char** argv) {
   }
 
   const uint64_t job_id = NewJobId();
-  CoordinatorService service(*cfg, job_id, *map, absl::GetFlag(FLAGS_register_timeout));
+  CoordinatorService service(cfg, job_id, *map, absl::GetFlag(FLAGS_register_timeout));
   EnableHealthService();
   grpc::ServerBuilder builder;
   ConfigureExclusivePort(&builder);
@@ -74,9 +72,9 @@ int Main(int argc, char** argv) {
                "coordinator: job %016llx on %s:%d, waiting for %u servers and %u workers "
                "(%s, d=%llu, %llu steps)\n",
                static_cast<unsigned long long>(job_id), absl::GetFlag(FLAGS_bind_host).c_str(),
-               bound, cfg->servers(), cfg->workers(), cfg->optimizer().c_str(),
-               static_cast<unsigned long long>(cfg->dim()),
-               static_cast<unsigned long long>(cfg->steps()));
+               bound, cfg.servers(), cfg.workers(), cfg.optimizer().c_str(),
+               static_cast<unsigned long long>(cfg.dim()),
+               static_cast<unsigned long long>(cfg.steps()));
 
   while (true) {
     service.Tick();
@@ -113,7 +111,7 @@ int Main(int argc, char** argv) {
   }
   // Let every live process hear the outcome through its heartbeat, bounded.
   const absl::Time deadline =
-      absl::Now() + std::max(absl::Seconds(2), absl::Milliseconds(cfg->heartbeat_timeout_ms()) / 2);
+      absl::Now() + std::max(absl::Seconds(2), absl::Milliseconds(cfg.heartbeat_timeout_ms()) / 2);
   while (!service.EveryoneTold() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
   server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
   std::fprintf(stderr, "coordinator: %s (%.3f s, final loss %s)\n", verdict.c_str(), wall,

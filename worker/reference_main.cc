@@ -21,22 +21,20 @@ namespace onebit {
 namespace {
 
 int Main(int argc, char** argv) {
-  std::set<std::string> specified = ParseFlagsOrExit(
+  const control::TrainingConfig cfg = ConfigFromCommandLineOrExit(
       argc, argv,
       "onebit-reference --workers N --servers S [--optimizer ...] [--out DIR]\n"
       "Runs the job in one process: the oracle a distributed run must equal bit for bit.");
-  auto cfg = ConfigFromFlags(specified);
-  if (!cfg.ok()) ExitError(2, std::string(cfg.status().message()));
-  auto model = NewModel(*cfg);
+  auto model = NewModel(cfg);
   if (!model.ok()) ExitError(1, std::string(model.status().message()));
-  auto map = ShardMap::Create((*model)->num_params(), cfg->servers(), cfg->block_size());
+  auto map = ShardMap::Create((*model)->num_params(), cfg.servers(), cfg.block_size());
   if (!map.ok()) ExitError(1, std::string(map.status().message()));
   ReferenceOptions o;
-  o.workers = cfg->workers();
+  o.workers = cfg.workers();
   o.map = *map;
-  o.steps = cfg->steps();
-  o.optimizer = *OptimizerOptionsFromConfig(*cfg);  // validated by ConfigFromFlags
-  o.freeze = *FreezeOptionsFromConfig(*cfg);
+  o.steps = cfg.steps();
+  o.optimizer = *OptimizerOptionsFromConfig(cfg);  // validated by ConfigFromFlags
+  o.freeze = *FreezeOptionsFromConfig(cfg);
   std::vector<float> x0((*model)->num_params());
   (*model)->Init(x0.data());
   auto r = RunReference(o, x0, [&](const float* x, uint32_t rank, uint64_t step, float* g) {
@@ -45,7 +43,7 @@ int Main(int argc, char** argv) {
   if (!r.ok()) ExitError(1, absl::StrCat("reference: ", r.status().message()));
   const uint64_t freeze = r->freeze_step;
   std::fprintf(stderr, "reference: %llu steps, final loss %.9g, freeze step %s\n",
-               static_cast<unsigned long long>(cfg->steps()), r->losses.back(),
+               static_cast<unsigned long long>(cfg.steps()), r->losses.back(),
                freeze == kNever ? "none" : absl::StrCat(freeze).c_str());
 
   const std::string out = absl::GetFlag(FLAGS_out);
@@ -53,18 +51,18 @@ int Main(int argc, char** argv) {
   absl::Status st = MakeDirs(out);
   std::vector<MetricsRow> rows;
   Summary s;
-  s.optimizer = cfg->optimizer();
-  s.workers = cfg->workers();
-  s.servers = cfg->servers();
+  s.optimizer = cfg.optimizer();
+  s.workers = cfg.workers();
+  s.servers = cfg.servers();
   s.params = map->num_params();
-  s.steps = cfg->steps();
-  s.worker_codec = cfg->worker_codec();
-  s.server_codec = cfg->server_codec();
-  s.error_feedback = cfg->error_feedback();
-  s.server_reply = cfg->server_reply();
-  s.v_floor = cfg->v_floor();
+  s.steps = cfg.steps();
+  s.worker_codec = cfg.worker_codec();
+  s.server_codec = cfg.server_codec();
+  s.error_feedback = cfg.error_feedback();
+  s.server_reply = cfg.server_reply();
+  s.v_floor = cfg.v_floor();
   s.status = "ok";
-  for (uint64_t t = 0; t < cfg->steps(); ++t) {
+  for (uint64_t t = 0; t < cfg.steps(); ++t) {
     MetricsRow row;
     row.step = t;
     row.phase = freeze != kNever && t >= freeze ? "compress" : "warmup";
@@ -75,8 +73,8 @@ int Main(int argc, char** argv) {
     s.bytes_up += row.bytes_up;
     s.bytes_down += row.bytes_down;
   }
-  s.bytes_up_fp32 = s.bytes_down_fp32 = map->num_params() * 4 * cfg->workers() * cfg->steps();
-  if (freeze != kNever && freeze < cfg->steps()) s.freeze_step = freeze;
+  s.bytes_up_fp32 = s.bytes_down_fp32 = map->num_params() * 4 * cfg.workers() * cfg.steps();
+  if (freeze != kNever && freeze < cfg.steps()) s.freeze_step = freeze;
   s.final_loss = r->losses.back();
   bool equal = true;
   for (const ServerShardState& k : r->servers) {
