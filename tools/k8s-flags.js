@@ -12,27 +12,12 @@
 // "<Kind>/<name> <container>: <what>"; 2: usage or input errors.
 'use strict';
 
-// A crash must not look like a found violation (exit 1).
-process.on('uncaughtException', (e) => {
-  process.stderr.write(`${e.stack || e}\n`);
-  process.exit(2);
-});
-
 const fs = require('fs');
 const path = require('path');
 const {execFileSync} = require('child_process');
+const {start, readDocuments, isObject} = require('./k8s-common');
 
-function die(msg) {
-  process.stderr.write(`k8s-flags: ${msg}\n`);
-  process.exit(2);
-}
-
-let yaml;
-try {
-  yaml = require('js-yaml');
-} catch (e) {
-  die(`npm package js-yaml missing; run tools/setup`);
-}
+const die = start('k8s-flags');
 
 const args = process.argv.slice(2);
 let binDir = null;
@@ -89,16 +74,7 @@ function podSpecOf(obj) {
   }
 }
 
-const docs = [];
-for (const f of files) {
-  try {
-    for (const d of yaml.loadAll(fs.readFileSync(f === '-' ? 0 : f, 'utf8'))) {
-      if (d && typeof d === 'object') docs.push(d);
-    }
-  } catch (e) {
-    die(`cannot read ${f}: ${e.message}`);
-  }
-}
+const docs = readDocuments(files, die).map((d) => d.doc).filter(isObject);
 if (docs.length === 0) die(`no objects in ${files.join(' ')}`);
 
 const problems = [];

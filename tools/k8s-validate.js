@@ -11,26 +11,10 @@
 // or input errors.
 'use strict';
 
-// A crash must not look like a found violation (exit 1).
-process.on('uncaughtException', (e) => {
-  process.stderr.write(`${e.stack || e}\n`);
-  process.exit(2);
-});
+const {start, requirePackage, readDocuments, isObject} = require('./k8s-common');
 
-const fs = require('fs');
-
-function die(msg) {
-  process.stderr.write(`k8s-validate: ${msg}\n`);
-  process.exit(2);
-}
-
-let yaml;
-try {
-  yaml = require('js-yaml');
-  require.resolve('kubernetes-models/package.json');
-} catch (e) {
-  die(`npm packages missing (${e.message.split('\n')[0]}); run tools/setup`);
-}
+const die = start('k8s-validate');
+requirePackage('kubernetes-models/package.json', die);
 
 // The kubernetes-models class for apiVersion/kind ("apps/v1" is the folder
 // apps/v1, core "v1" is v1), or null.
@@ -124,28 +108,13 @@ function main() {
   if (files.length === 0) files.push('-');
   const problems = [];
   let count = 0;
-  for (const f of files) {
-    let text;
-    try {
-      text = fs.readFileSync(f === '-' ? 0 : f, 'utf8');
-    } catch (e) {
-      die(`cannot read ${f}: ${e.message}`);
+  for (const {file, doc} of readDocuments(files, die)) {
+    if (!isObject(doc)) {
+      problems.push(`${file}: a document is not a Kubernetes object`);
+      continue;
     }
-    let docs;
-    try {
-      docs = yaml.loadAll(text);
-    } catch (e) {
-      die(`${f}: not YAML: ${e.message}`);
-    }
-    for (const doc of docs) {
-      if (doc === null || doc === undefined) continue;
-      if (typeof doc !== 'object' || Array.isArray(doc)) {
-        problems.push(`${f}: a document is not a Kubernetes object`);
-        continue;
-      }
-      count++;
-      problems.push(...validate(doc));
-    }
+    count++;
+    problems.push(...validate(doc));
   }
   if (count === 0) die(`no objects in ${files.join(' ')}`);
   for (const p of problems) process.stdout.write(`${p}\n`);
