@@ -77,6 +77,9 @@ absl::StatusOr<std::unique_ptr<Replica>> NewReplica(const DeviceChoice& choice, 
             return NewHostDeviceModel(model);
           });
     case DeviceChoice::Kind::kCuda: {
+      if (cuda::CudaBackend() == nullptr) {
+        return absl::FailedPreconditionError("this binary was built without CUDA");
+      }
       auto name = cuda::SelectDevice(choice.index);
       if (!name.ok()) return name.status();
       return NewDeviceReplica(
