@@ -1,4 +1,4 @@
-// The codecs of onebit-ps (DESIGN.md §1.3): how a vector of fp32 values travels
+// The codecs of onebit-ps (docs/design.md §1.3): how a vector of fp32 values travels
 // between workers and servers. A Codec is immutable and thread-safe; build one
 // with NewCodec() and share it.
 //

@@ -19,7 +19,7 @@ struct Kernels {
   const char* name;
 
   // Onebit pass 1: scales[b] of every block of z, in the canonical order of
-  // DESIGN.md §1.3. Returns the index of the first non-finite z (scales of the
+  // docs/design.md §1.3. Returns the index of the first non-finite z (scales of the
   // blocks before it are written), or n when all are finite.
   size_t (*onebit_scales)(const float* y, const float* e, size_t n, uint32_t block, ScaleRule rule,
                           float* scales);

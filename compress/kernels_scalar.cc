@@ -20,7 +20,7 @@ inline float FromBits(uint32_t u) {
 }
 inline float Z(const float* y, const float* e, size_t i) { return e ? y[i] + e[i] : y[i]; }
 
-// The canonical block reduction (DESIGN.md §1.3): lane l sums elements l,
+// The canonical block reduction (docs/design.md §1.3): lane l sums elements l,
 // l+32, ... in order, then the lanes meet in a halving tree.
 inline float CanonicalSum(const float* y, const float* e, size_t len, ScaleRule rule) {
   float t[32] = {};

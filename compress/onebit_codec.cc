@@ -1,5 +1,5 @@
 // onebit: per block of B elements one fp32 scale and one sign bit per element
-// (DESIGN.md §1.3). Wire layout: all block scales (fp32, little endian), then
+// (docs/design.md §1.3). Wire layout: all block scales (fp32, little endian), then
 // the bits, element j in byte j/8 at bit j%8.
 #include <algorithm>
 #include <cmath>

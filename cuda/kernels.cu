@@ -60,7 +60,7 @@ __device__ __forceinline__ size_t GridThreads() {
   return static_cast<size_t>(gridDim.x) * blockDim.x;
 }
 
-// The canonical block sum (DESIGN.md §1.3) of one block by one warp: lane l
+// The canonical block sum (docs/design.md §1.3) of one block by one warp: lane l
 // adds elements l, l+32, ... in order from +0.0f, then the halving tree
 // w = 16 .. 1, t[l] += t[l+w]. Loads go kU at a time (all issued before the
 // adds, which keep their order) so that enough bytes are in flight to fill

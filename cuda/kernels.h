@@ -1,7 +1,7 @@
 // GPU twins of the codec kernels (compress/kernels.h) and of the update loops
 // (shard/update_kernels.h). Same arguments as the CPU twins, plus a stream;
 // every pointer is a device pointer. Outputs equal the scalar CPU twins byte
-// for byte (DESIGN.md §1.3: canonical reduction order, no FMA, no fast-math),
+// for byte (docs/design.md §1.3: canonical reduction order, no FMA, no fast-math),
 // which tests/cuda/ checks element by element.
 //
 // Requires a build with ONEBIT_WITH_CUDA (target onebit_cuda_kernels). On a

@@ -32,6 +32,11 @@ ABSL_FLAG(bool, dump_params, false,
 ABSL_FLAG(std::vector<std::string>, worker_devices, {},
           "each worker's --device, by rank, comma-separated (cpu, cuda, cuda:N, auto, cuda-twin); "
           "the last one repeats for the rest; empty: the workers' default (auto)");
+ABSL_FLAG(std::string, worker_cmd, "",
+          "run this program (with its arguments, shell-quoted) as each worker instead of "
+          "onebit-worker; it finds the job in its environment: ONEBIT_COORDINATOR, ONEBIT_RANK, "
+          "ONEBIT_WORLD_SIZE (also RANK, WORLD_SIZE, LOCAL_RANK as torchrun sets them), "
+          "ONEBIT_DEVICE (from --worker_devices) and, with --dump_params, ONEBIT_DUMP_X");
 ABSL_FLAG(int32_t, stall_worker, -1, "fault injection: this worker stops pushing ...");
 ABSL_FLAG(int64_t, stall_at_step, -1, "... at this step");
 ABSL_FLAG(absl::Duration, grace, absl::Seconds(1),
@@ -81,10 +86,11 @@ void Log(const std::string& msg) {
   std::fprintf(stderr, "launch: %s\n", msg.c_str());
 }
 
-absl::Status Start(Child* c, const std::vector<std::string>& argv) {
+absl::Status Start(Child* c, const std::vector<std::string>& argv,
+                   const std::vector<std::string>& env = {}) {
   int fds[2];
   if (pipe2(fds, O_CLOEXEC) != 0) return absl::InternalError("pipe2 failed");
-  auto p = Subprocess::Spawn(argv, fds[1], fds[1]);
+  auto p = Subprocess::Spawn(argv, fds[1], fds[1], env);
   close(fds[1]);
   if (!p.ok()) {
     close(fds[0]);
@@ -118,9 +124,14 @@ int Main(int argc, char** argv) {
     ExitFlagError("worker_devices",
                   absl::StrCat(devices.size(), " devices for ", cfg.workers(), " workers"));
   }
+  const std::string worker_cmd = absl::GetFlag(FLAGS_worker_cmd);
+  if (!worker_cmd.empty() && stall_worker >= 0) {
+    ExitFlagError("stall_worker", "works with onebit-worker only, not --worker_cmd");
+  }
   std::string bin = absl::GetFlag(FLAGS_bin_dir);
   if (bin.empty()) bin = SelfDir();
   for (const char* b : {"onebit-coordinator", "onebit-server", "onebit-worker"}) {
+    if (!worker_cmd.empty() && std::string(b) == "onebit-worker") continue;
     if (access((bin + "/" + b).c_str(), X_OK) != 0) {
       ExitFlagError("bin_dir", absl::StrCat("no executable ", b, " in ", bin));
     }
@@ -220,6 +231,28 @@ int Main(int argc, char** argv) {
   for (uint32_t i = 0; i < cfg.workers(); ++i) {
     Child& c = children[1 + cfg.servers() + i];
     c.name = absl::StrCat("worker", i);
+    if (!worker_cmd.empty()) {
+      // The user's program: `exec` so that the child is the program itself
+      // (it gets our signals and dies with us).
+      std::vector<std::string> env = {"ONEBIT_COORDINATOR=" + target,
+                                      absl::StrCat("ONEBIT_RANK=", i),
+                                      absl::StrCat("ONEBIT_WORLD_SIZE=", cfg.workers()),
+                                      absl::StrCat("RANK=", i),
+                                      absl::StrCat("WORLD_SIZE=", cfg.workers()),
+                                      absl::StrCat("LOCAL_RANK=", i),
+                                      "ONEBIT_ADVERTISE_HOST=127.0.0.1"};
+      if (!devices.empty()) {
+        env.push_back("ONEBIT_DEVICE=" + devices[std::min<size_t>(i, devices.size() - 1)]);
+      }
+      if (absl::GetFlag(FLAGS_dump_params)) {
+        env.push_back(absl::StrCat("ONEBIT_DUMP_X=", out, "/replica_w", i, ".f32"));
+      }
+      if (absl::Status st = Start(&c, {"/bin/sh", "-c", "exec " + worker_cmd}, env); !st.ok()) {
+        stop_all(std::string(st.message()));
+        return finish(1);
+      }
+      continue;
+    }
     std::vector<std::string> a = {bin + "/onebit-worker",
                                   "--coordinator=" + target,
                                   absl::StrCat("--rank=", i),

@@ -154,6 +154,7 @@ void Heartbeater::SendOnce() {
   last_ok_ = absl::Now();
   freeze_decided_ = std::max(freeze_decided_, reply.freeze_decided());
   if (reply.freeze_step() != 0) freeze_step_ = reply.freeze_step();
+  if (reply.has_end_step()) end_step_ = reply.end_step();
   if (command_ == control::CONTINUE && reply.command() != control::CONTINUE) {
     command_ = reply.command();
     reason_ = reply.reason();
@@ -201,11 +202,18 @@ void Heartbeater::ReportError(const std::string& error) {
   (void)stub_->Heartbeat(&ctx, req, &reply);
 }
 
-absl::Status Heartbeater::Done(const std::vector<control::ShardChecksum>& checksums) {
+std::optional<uint64_t> Heartbeater::end_step() const {
+  absl::MutexLock l(&mu_);
+  return end_step_;
+}
+
+absl::Status Heartbeater::Done(const std::vector<control::ShardChecksum>& checksums,
+                               uint64_t steps) {
   control::DoneRequest req;
   req.set_role(role_);
   req.set_rank(rank_);
   req.set_job_id(job_id_);
+  req.set_steps(steps);
   for (const auto& c : checksums) *req.add_checksums() = c;
   {
     absl::MutexLock l(&mu_);

@@ -55,8 +55,13 @@ class Heartbeater {
   // process exits non-zero either way).
   void ReportError(const std::string& error);
 
-  // Sends the final checksums and any pending metrics.
-  absl::Status Done(const std::vector<control::ShardChecksum>& checksums);
+  // Sends the final checksums, the steps done (workers) and any pending
+  // metrics.
+  absl::Status Done(const std::vector<control::ShardChecksum>& checksums, uint64_t steps = 0);
+
+  // A job without a fixed step count: the steps every worker finished
+  // after, once the coordinator knows it.
+  std::optional<uint64_t> end_step() const;
 
   // CONTINUE until the coordinator says SHUTDOWN or ABORT, or is lost (ABORT).
   control::Command command() const;
@@ -92,6 +97,7 @@ class Heartbeater {
   std::vector<control::FreezeCheck> checks_ ABSL_GUARDED_BY(mu_);
   uint64_t freeze_decided_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t freeze_step_ ABSL_GUARDED_BY(mu_) = 0;
+  std::optional<uint64_t> end_step_ ABSL_GUARDED_BY(mu_);
   uint64_t step_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<control::StepMetrics> pending_ ABSL_GUARDED_BY(mu_);
   control::Command command_ ABSL_GUARDED_BY(mu_) = control::CONTINUE;

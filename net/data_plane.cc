@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -47,8 +48,8 @@ absl::Status ValidateRequest(const data::Header& h, const DataPlaneJob& job, uin
   if (h.job_id() != job.job_id) {
     return bad(absl::StrFormat("wrong job id %016x (this job is %016x)", h.job_id(), job.job_id));
   }
-  if (h.kind() != data::PUSH && h.kind() != data::INIT) {
-    return bad("unexpected message kind ", data::Kind_Name(h.kind()), " (want PUSH or INIT)");
+  if (h.kind() != data::PUSH && h.kind() != data::INIT && h.kind() != data::PULL) {
+    return bad("unexpected message kind ", data::Kind_Name(h.kind()), " (want PUSH, INIT or PULL)");
   }
   if (h.rank() >= job.workers) {
     return bad("unknown worker rank ", h.rank(), " (job has ", job.workers, " workers)");
@@ -78,15 +79,20 @@ absl::Status ValidateRequest(const data::Header& h, const DataPlaneJob& job, uin
     return bad("wrong element count ", h.count(), " for chunk ", chunk, " of shard ", h.shard(),
                " (want ", want.size(), ")");
   }
-  const Codec* codec = h.kind() == data::INIT ? job.init_codec : job.push_codec;
+  const bool init = h.kind() != data::PUSH;
+  const Codec* codec = init ? job.init_codec : job.push_codec;
   if (h.codec() != codec->name()) {
     return bad("unknown codec '", absl::CHexEscape(h.codec()), "' (this job ",
-               h.kind() == data::INIT ? "initialises with" : "pushes", " '", codec->name(), "')");
+               init ? "initialises with" : "pushes", " '", codec->name(), "')");
   }
   if (h.block_size() != job.map.block_size()) {
     return bad("wrong block size ", h.block_size(), " (job uses ", job.map.block_size(), ")");
   }
-  const size_t need = codec->EncodedSize(h.count());
+  if (h.has_lr() && (h.kind() != data::PUSH || !std::isfinite(h.lr()) || h.lr() < 0)) {
+    return bad("learning rate ", h.lr(), " (a PUSH may carry a finite lr >= 0)");
+  }
+  // A PULL asks for data: it carries none.
+  const size_t need = h.kind() == data::PULL ? 0 : codec->EncodedSize(h.count());
   if (h.payload_bytes() != need) {
     return bad("wrong payload length ", h.payload_bytes(), " in header (", codec->name(), " needs ",
                need, " bytes for ", h.count(), " elements)");

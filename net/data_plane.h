@@ -1,4 +1,4 @@
-// The data plane between workers and servers (DESIGN.md §2, proto/README.md):
+// The data plane between workers and servers (docs/design.md §2, proto/README.md):
 // chunking of shards, header checks, and zero-copy ZeroMQ frames.
 #ifndef ONEBIT_NET_DATA_PLANE_H_
 #define ONEBIT_NET_DATA_PLANE_H_
@@ -24,7 +24,7 @@ constexpr uint32_t kProtocolVersion = data::VERSION_CURRENT;
 struct DataPlaneJob {
   uint64_t job_id = 0;
   uint32_t workers = 0;
-  uint64_t steps = 0;
+  uint64_t steps = 0;  // 0: not fixed (the job ends when the workers finish)
   ShardMap map = ShardMap::Create(0, 1, 32).value();
   uint64_t chunk_elems = 0;  // a multiple of map.block_size()
   const Codec* push_codec = nullptr;
@@ -44,7 +44,7 @@ std::string WorkerIdentity(uint64_t job_id, uint32_t rank);
 // Parses frame 0. Errors say "malformed header".
 absl::StatusOr<data::Header> ParseHeader(const void* data, size_t size);
 
-// Checks a PUSH or INIT request against the job and the shard this server
+// Checks a PUSH, INIT or PULL request against the job and the shard this server
 // owns, without the step (the server checks that against its own state):
 // version, job id, kind, rank vs routing id, shard, chunk range and count,
 // codec, block size, payload length (header vs codec vs the frame's size).

@@ -1,4 +1,4 @@
-// grpc.health.v1 on every process (DESIGN.md §2): gRPC's built-in health
+// grpc.health.v1 on every process (docs/design.md §2): gRPC's built-in health
 // service, on its own small gRPC server for servers and workers.
 #ifndef ONEBIT_NET_HEALTH_H_
 #define ONEBIT_NET_HEALTH_H_

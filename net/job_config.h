@@ -1,6 +1,12 @@
-// The one training config of a job (proto TrainingConfig), built from flags
-// and/or a JSON file (--config, keys are flag names). Defined here because the
-// coordinator owns it and onebit-launch forwards it.
+// The one training config of a job (proto TrainingConfig): its settings are
+// the rows of net/job_settings.h, given as flags and/or a JSON file (--config,
+// which also reads DeepSpeed configs). Defined here because the coordinator
+// owns it and onebit-launch forwards it.
+//
+// Two libraries: onebit_net has everything flag-free (validation, the
+// optimizer and freeze options a worker needs); onebit_job_flags, linked only
+// by the binaries that take the job settings, has the command line and the
+// file (the functions marked so below).
 #ifndef ONEBIT_NET_JOB_CONFIG_H_
 #define ONEBIT_NET_JOB_CONFIG_H_
 
@@ -9,23 +15,50 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "net/job_settings.h"
 #include "proto/control.pb.h"
 #include "shard/optimizer.h"
 
 namespace onebit {
 
-// Builds the config from the config flags. Values in the --config JSON file
-// apply unless the same flag was given on the command line (`specified`).
-// Errors name the flag or JSON key, e.g. "--dim: must be >= 1".
-absl::StatusOr<control::TrainingConfig> ConfigFromFlags(const std::set<std::string>& specified);
+// onebit_job_flags: builds the config from job-setting arguments ("--lr=0.1",
+// "--lr", "0.1", "--bias-correction", "--nobias_correction", "--config=FILE").
+// Values in the --config file apply unless an argument gives the same
+// setting (the command line wins). DeepSpeed keys of the file that have no
+// meaning here go to *ignored (may be null) as dotted paths. Errors name the
+// flag or key, e.g. "--dim: must be >= 1".
+absl::StatusOr<control::TrainingConfig> ConfigFromFlags(
+    const std::vector<std::string>& args, std::vector<std::string>* ignored = nullptr);
 
-// What the binaries that take the training flags start with: parses the
-// command line (net/flags.h) and builds the config; exits 2 naming the
-// problem when either fails.
+// onebit_job_flags: what the binaries that take the job settings start with:
+// parses the command line (net/flags.h: the binary's own flags and the job
+// settings) and builds the config; prints the ignored DeepSpeed keys once;
+// exits 2 naming the problem when either fails.
 control::TrainingConfig ConfigFromCommandLineOrExit(int argc, char** argv, absl::string_view usage);
+
+// onebit_job_flags: "--name=value" for every setting of the config that
+// ConfigFromCommandLineOrExit built (the defaults before it ran), for
+// forwarding to another binary.
+std::vector<std::string> ConfigFlagArgs();
+
+// "--name=value" for every setting of `config`; ConfigFromFlags of them
+// gives `config` back when it is resolved.
+std::vector<std::string> ConfigFlagArgs(const control::TrainingConfig& config);
+
+// Fills in what the settings imply, so every process sees one resolved
+// config: the mlp's d, steps and evaluation period, an external model's d,
+// the optimizer's codecs, reply and freeze. `given`: the settings set
+// explicitly (command line or file).
+absl::Status ResolveConfig(const std::set<std::string>& given, control::TrainingConfig* config);
 
 // Checks ranges and combinations; errors start with "--<flag>: ".
 absl::Status ValidateConfig(const control::TrainingConfig& config);
+
+// --model external: the workers' own model (the library's Worker): they
+// declare d when they register; steps 0 means "until every worker finishes".
+inline constexpr char kExternalModel[] = "external";
+// The largest d a job may have.
+inline constexpr uint64_t kMaxParams = uint64_t{1} << 34;
 
 // Fashion-MNIST's training images: the mlp's epoch, before --max_train.
 inline constexpr uint64_t kFashionMnistTrain = 60000;
@@ -37,9 +70,6 @@ absl::StatusOr<uint64_t> MlpParamCount(absl::string_view layers);
 // The optimizer and freeze settings of a (validated) config.
 absl::StatusOr<OptimizerOptions> OptimizerOptionsFromConfig(const control::TrainingConfig& config);
 absl::StatusOr<FreezeOptions> FreezeOptionsFromConfig(const control::TrainingConfig& config);
-
-// "--name=value" for every config flag (and --config), for forwarding.
-std::vector<std::string> ConfigFlagArgs();
 
 // Extracts the flag name from a ValidateConfig/ConfigFromFlags error, for
 // ExitFlagError; "config" when none.

@@ -1,4 +1,4 @@
-// The run folder every launch writes (DESIGN.md §2): metrics.csv, one row per
+// The run folder every launch writes (docs/design.md §2): metrics.csv, one row per
 // step, and summary.json.
 #ifndef ONEBIT_NET_RUN_FOLDER_H_
 #define ONEBIT_NET_RUN_FOLDER_H_

@@ -13,11 +13,22 @@
 namespace onebit {
 
 absl::StatusOr<Subprocess> Subprocess::Spawn(const std::vector<std::string>& argv, int stdout_fd,
-                                             int stderr_fd) {
+                                             int stderr_fd, const std::vector<std::string>& env) {
   if (argv.empty()) return absl::InvalidArgumentError("empty argv");
   std::vector<char*> cargv;
   for (const std::string& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));
   cargv.push_back(nullptr);
+  // Built before fork: the child may only exec.
+  std::vector<char*> cenv;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const char* eq = std::strchr(*e, '=');
+    const size_t name = eq == nullptr ? std::strlen(*e) : static_cast<size_t>(eq - *e) + 1;
+    bool replaced = false;
+    for (const std::string& x : env) replaced |= x.compare(0, name, *e, name) == 0;
+    if (!replaced) cenv.push_back(*e);
+  }
+  for (const std::string& x : env) cenv.push_back(const_cast<char*>(x.c_str()));
+  cenv.push_back(nullptr);
   const pid_t parent = getpid();
   pid_t pid = fork();
   if (pid < 0) return absl::InternalError(absl::StrCat("fork: ", std::strerror(errno)));
@@ -27,7 +38,7 @@ absl::StatusOr<Subprocess> Subprocess::Spawn(const std::vector<std::string>& arg
     if (getppid() != parent) _exit(127);  // the parent died already
     if (stdout_fd >= 0) dup2(stdout_fd, 1);
     if (stderr_fd >= 0) dup2(stderr_fd, 2);
-    execv(cargv[0], cargv.data());
+    execve(cargv[0], cargv.data(), cenv.data());
     const char msg[] = "exec failed\n";
     ssize_t ignored = write(2, msg, sizeof(msg) - 1);
     (void)ignored;

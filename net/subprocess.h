@@ -19,8 +19,11 @@ namespace onebit {
 class Subprocess {
  public:
   // argv[0] is the program path. stdout_fd / stderr_fd: -1 inherits ours.
+  // `env`: "NAME=value" entries added to (or replacing those of) our
+  // environment.
   static absl::StatusOr<Subprocess> Spawn(const std::vector<std::string>& argv, int stdout_fd = -1,
-                                          int stderr_fd = -1);
+                                          int stderr_fd = -1,
+                                          const std::vector<std::string>& env = {});
 
   pid_t pid() const { return pid_; }
 

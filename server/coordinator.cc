@@ -26,10 +26,9 @@ const char* StateName(CoordinatorService::State s) {
 }
 
 CoordinatorService::CoordinatorService(control::TrainingConfig config, uint64_t job_id,
-                                       ShardMap map, absl::Duration register_timeout)
+                                       absl::Duration register_timeout)
     : config_(std::move(config)),
       job_id_(job_id),
-      map_(map),
       register_deadline_(absl::Now() + register_timeout),
       heartbeat_timeout_(absl::Milliseconds(config_.heartbeat_timeout_ms())),
       servers_(config_.servers()),
@@ -110,22 +109,21 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx,
   if (req->role() == control::SERVER && req->data_endpoint().empty()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "a server must give its data_endpoint");
   }
+  if (req->role() == control::WORKER) {
+    absl::Status st = CheckDeclaredParamsLocked(static_cast<uint32_t>(rank), req->num_params());
+    if (!st.ok()) {
+      // The job cannot run: tell everyone now rather than at the deadline.
+      FailLocked(std::string(st.message()));
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(st.message()));
+    }
+  }
   Process& p = group[rank];
   p.registered = true;
   p.info = *req;
   p.last_seen = absl::Now();
   std::fprintf(stderr, "coordinator: %s %d registered (%s)\n", what, rank,
                req->data_endpoint().empty() ? req->host().c_str() : req->data_endpoint().c_str());
-  if (AllRegisteredLocked()) {
-    state_ = State::kRunning;
-    const absl::Time now = absl::Now();
-    started_ = now;
-    for (auto* g : {&servers_, &workers_}) {
-      for (Process& q : *g) q.last_seen = now;
-    }
-    std::fprintf(stderr, "coordinator: all %u servers and %u workers registered; running\n",
-                 config_.servers(), config_.workers());
-  }
+  if (AllRegisteredLocked()) FormLocked();
   const absl::Time deadline = std::min(register_deadline_, absl::FromChrono(ctx->deadline()));
   auto ready = [this]()
                    ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return state_ != State::kRegistering; };
@@ -148,6 +146,54 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx,
     s->set_data_endpoint(servers_[i].info.data_endpoint());
   }
   return grpc::Status::OK;
+}
+
+absl::Status CoordinatorService::CheckDeclaredParamsLocked(uint32_t rank, uint64_t d) {
+  const bool external = config_.model() == kExternalModel;
+  if (d == 0) {
+    if (!external) return absl::OkStatus();  // the job's built-in model decides
+    return absl::InvalidArgumentError(
+        absl::StrCat("worker ", rank,
+                     " declares no parameter count; a --model external job takes d from "
+                     "its workers"));
+  }
+  if (d > kMaxParams) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("worker ", rank, " declares d = ", d, ", above the limit of ", kMaxParams));
+  }
+  if (!external) {
+    if (d == config_.dim()) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat("worker ", rank, " declares d = ", d,
+                                                   ", but the job's model (", config_.model(),
+                                                   ") has d = ", config_.dim()));
+  }
+  if (!declared_by_) {
+    declared_by_ = rank;
+    config_.set_dim(d);
+    return absl::OkStatus();
+  }
+  if (d == config_.dim()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("worker ", rank, " declares d = ", d,
+                                                 ", but worker ", *declared_by_,
+                                                 " declared d = ", config_.dim()));
+}
+
+void CoordinatorService::FormLocked() {
+  auto map = ShardMap::Create(config_.dim(), config_.servers(), config_.block_size());
+  if (!map.ok()) {
+    FailLocked(absl::StrCat("cannot shard d = ", config_.dim(), ": ", map.status().message()));
+    return;
+  }
+  map_ = *std::move(map);
+  state_ = State::kRunning;
+  const absl::Time now = absl::Now();
+  started_ = now;
+  for (auto* g : {&servers_, &workers_}) {
+    for (Process& q : *g) q.last_seen = now;
+  }
+  std::fprintf(
+      stderr, "coordinator: all %u servers and %u workers registered; running (d = %llu)\n",
+      config_.servers(), config_.workers(), static_cast<unsigned long long>(config_.dim()));
 }
 
 grpc::Status CoordinatorService::CheckJob(control::Role role, uint32_t rank,
@@ -187,6 +233,7 @@ grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext*,
   }
   reply->set_freeze_decided(freeze_decided_);
   reply->set_freeze_step(freeze_step_);
+  if (end_step_) reply->set_end_step(*end_step_);
   if (!req->error().empty())
     FailLocked(absl::StrCat(Name(req->role(), req->rank()), " failed: ", req->error()));
   switch (state_) {
@@ -249,7 +296,12 @@ grpc::Status CoordinatorService::Done(grpc::ServerContext*, const control::DoneR
   p.checksums.assign(req->checksums().begin(), req->checksums().end());
   if (req->role() == control::WORKER) {
     for (const auto& m : req->metrics()) AddMetricsLocked(req->rank(), m);
-    p.step = config_.steps();
+    p.step = req->steps() > 0 ? req->steps() : config_.steps();
+    if (config_.steps() > 0 && p.step != config_.steps()) {
+      FailLocked(absl::StrCat("worker ", req->rank(), " finished after ", p.step,
+                              " steps; the job has ", config_.steps()));
+      return grpc::Status::OK;
+    }
   }
   MaybeFinishLocked();
   return grpc::Status::OK;
@@ -257,6 +309,25 @@ grpc::Status CoordinatorService::Done(grpc::ServerContext*, const control::DoneR
 
 void CoordinatorService::MaybeFinishLocked() {
   if (state_ != State::kRunning) return;
+  if (config_.steps() == 0 && !end_step_) {
+    // The workers' program decided the length: the servers finish where
+    // every worker did, so all must agree.
+    for (const Process& w : workers_) {
+      if (!w.done) return;
+    }
+    for (uint32_t w = 1; w < workers_.size(); ++w) {
+      if (workers_[w].step != workers_[0].step) {
+        FailLocked(
+            absl::StrCat("the workers finished after different numbers of steps: worker 0 "
+                         "after ",
+                         workers_[0].step, ", worker ", w, " after ", workers_[w].step));
+        return;
+      }
+    }
+    end_step_ = workers_[0].step;
+    std::fprintf(stderr, "coordinator: every worker finished after %llu steps\n",
+                 static_cast<unsigned long long>(*end_step_));
+  }
   for (auto* g : {&servers_, &workers_}) {
     for (const Process& p : *g) {
       if (!p.done) return;
@@ -422,7 +493,7 @@ Summary CoordinatorService::MakeSummary() const {
   s.workers = config_.workers();
   s.servers = config_.servers();
   s.params = config_.dim();
-  s.steps = config_.steps();
+  s.steps = config_.steps() > 0 ? config_.steps() : end_step_.value_or(0);
   s.wall_s = wall_s;
   for (const MetricsRow& r : rows) {
     s.bytes_up += r.bytes_up;

@@ -26,7 +26,10 @@ class CoordinatorService final : public control::Coordinator::Service {
  public:
   enum class State { kRegistering, kRunning, kFinished, kFailed };
 
-  CoordinatorService(control::TrainingConfig config, uint64_t job_id, ShardMap map,
+  // `config` must be valid (ValidateConfig). The shard map is built once the
+  // cluster has formed: from config.dim(), or for --model external from the
+  // d every worker declared.
+  CoordinatorService(control::TrainingConfig config, uint64_t job_id,
                      absl::Duration register_timeout);
 
   grpc::Status Register(grpc::ServerContext* ctx, const control::RegisterRequest* req,
@@ -66,6 +69,12 @@ class CoordinatorService final : public control::Coordinator::Service {
   std::vector<Process>& Group(control::Role role) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailLocked(const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool AllRegisteredLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A worker's declared parameter count against the job's, or the other
+  // workers'; the error names both.
+  absl::Status CheckDeclaredParamsLocked(uint32_t rank, uint64_t d)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The cluster has formed: fixes d and the shard map, starts the job.
+  void FormLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string MissingLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AddMetricsLocked(uint32_t rank, const control::StepMetrics& m)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -77,9 +86,9 @@ class CoordinatorService final : public control::Coordinator::Service {
   void AddFreezeCheckLocked(uint32_t shard, const control::FreezeCheck& c)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  const control::TrainingConfig config_;
+  control::TrainingConfig config_;  // dim() fixed once the cluster forms
   const uint64_t job_id_;
-  const ShardMap map_;
+  ShardMap map_ ABSL_GUARDED_BY(mu_) = ShardMap::Create(0, 1, 32).value();
   const absl::Time register_deadline_;
   const absl::Duration heartbeat_timeout_;
   FreezeOptions freeze_;
@@ -98,8 +107,11 @@ class CoordinatorService final : public control::Coordinator::Service {
   uint64_t floored_ ABSL_GUARDED_BY(mu_) = 0;
   // completed steps -> shard -> VarianceChange
   std::map<uint64_t, std::map<uint32_t, double>> freeze_checks_ ABSL_GUARDED_BY(mu_);
-  uint64_t freeze_decided_ ABSL_GUARDED_BY(mu_) = 0;        // checks decided so far
-  uint64_t freeze_step_ ABSL_GUARDED_BY(mu_) = 0;           // decided first compression step
+  uint64_t freeze_decided_ ABSL_GUARDED_BY(mu_) = 0;          // checks decided so far
+  uint64_t freeze_step_ ABSL_GUARDED_BY(mu_) = 0;             // decided first compression step
+  std::optional<uint32_t> declared_by_ ABSL_GUARDED_BY(mu_);  // first worker to declare d
+  // A job without a fixed length: the steps every worker finished after.
+  std::optional<uint64_t> end_step_ ABSL_GUARDED_BY(mu_);
   std::optional<absl::Time> started_ ABSL_GUARDED_BY(mu_);  // all registered
   std::optional<absl::Time> ended_ ABSL_GUARDED_BY(mu_);    // finished or failed
 };

@@ -39,8 +39,10 @@ int Main(int argc, char** argv) {
       "Forms the cluster, hands out ranks and the shard map, watches it, writes --out.");
   const int port = absl::GetFlag(FLAGS_port);
   if (port < 0 || port > 65535) ExitFlagError("port", "must be in [0, 65535]");
-  auto map = ShardMap::Create(cfg.dim(), cfg.servers(), cfg.block_size());
-  if (!map.ok()) ExitError(2, std::string(map.status().message()));
+  if (cfg.model() != kExternalModel) {
+    auto map = ShardMap::Create(cfg.dim(), cfg.servers(), cfg.block_size());
+    if (!map.ok()) ExitError(2, std::string(map.status().message()));
+  }
   const std::string out = absl::GetFlag(FLAGS_out);
   if (!out.empty()) {
     absl::Status st = MakeDirs(out);
@@ -48,7 +50,7 @@ int Main(int argc, char** argv) {
   }
 
   const uint64_t job_id = NewJobId();
-  CoordinatorService service(cfg, job_id, *map, absl::GetFlag(FLAGS_register_timeout));
+  CoordinatorService service(cfg, job_id, absl::GetFlag(FLAGS_register_timeout));
   EnableHealthService();
   grpc::ServerBuilder builder;
   ConfigureExclusivePort(&builder);
@@ -96,7 +98,7 @@ int Main(int argc, char** argv) {
     verdict = "job finished but the replicas differ from the masters";
     summary.status = verdict;
   } else if (!summary.replicas_equal) {
-    // --server-reply delta with a lossy reply codec: by design (DESIGN.md §1.4).
+    // --server-reply delta with a lossy reply codec: by design (docs/design.md §1.4).
     verdict =
         absl::StrFormat("job finished; replicas trail the masters by the server error (largest %g)",
                         summary.max_replica_master_diff.value_or(0.0));

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <iterator>
 
 #include "absl/strings/escaping.h"
@@ -40,14 +41,36 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Create(PsServerOptions optio
     c.acc.assign(c.range.size(), 0.0f);
     c.pushed.assign(o.job.workers, false);
     c.held.resize(o.job.workers);
+    c.pulled.assign(o.job.workers, false);
+    c.waiting.assign(o.job.workers, false);
+    c.lr.resize(o.job.workers);
   }
-  // An empty shard has nothing to aggregate: it is done from the start.
-  if (n == 0) s->state_.step = o.job.steps;
+  if (o.job.steps > 0) {
+    s->end_step_ = o.job.steps;
+    // An empty shard has nothing to aggregate: it is done from the start.
+    if (n == 0) s->state_.step = o.job.steps;
+  }
   return s;
 }
 
 PsServer::PsServer(PsServerOptions options, zmq::socket_t* socket)
     : options_(std::move(options)), socket_(socket) {}
+
+absl::Status PsServer::SetEndStep(uint64_t steps) {
+  if (end_step_) {
+    if (*end_step_ == steps) return absl::OkStatus();
+    return absl::FailedPreconditionError(
+        absl::StrCat("told the job ends after ", steps, " steps, but it has ", *end_step_));
+  }
+  if (chunks_.empty()) state_.step = steps;
+  if (state_.step != steps) {
+    return absl::FailedPreconditionError(absl::StrCat("the workers finished after ", steps,
+                                                      " steps, but shard ", options_.shard,
+                                                      " has completed ", state_.step));
+  }
+  end_step_ = steps;
+  return absl::OkStatus();
+}
 
 absl::Status PsServer::Serve(const std::function<bool()>& should_stop,
                              const std::function<void()>& on_finished) {
@@ -144,9 +167,31 @@ absl::Status PsServer::HandleRequest(const std::string& routing_id, const data::
     if (!st.ok())
       return absl::InvalidArgumentError(absl::StrCat("bad INIT payload: ", st.message()));
     c.initialized = true;
+    for (uint32_t r = 0; r < options_.job.workers; ++r) {
+      if (c.waiting[r]) SendParams(r, c);
+      c.waiting[r] = false;
+    }
     return DrainInOrder(c, index);
   }
-  if (h.step() >= steps) {
+  if (h.kind() == data::PULL) {
+    if (h.step() != 0) return absl::InvalidArgumentError("PULL must carry step 0");
+    if (state_.step > 0 || c.done) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("PULL is from the past (shard ", options_.shard, " is past step 0)"));
+    }
+    if (c.pulled[h.rank()]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("duplicate PULL from rank ", h.rank(), " for chunk ", index));
+    }
+    c.pulled[h.rank()] = true;
+    if (c.initialized) {
+      SendParams(h.rank(), c);
+    } else {
+      c.waiting[h.rank()] = true;  // at most one per rank: bounded
+    }
+    return absl::OkStatus();
+  }
+  if (steps > 0 && h.step() >= steps) {
     return absl::InvalidArgumentError(absl::StrCat("step ", h.step(),
                                                    " is from the future: beyond the job's last "
                                                    "step ",
@@ -168,6 +213,7 @@ absl::Status PsServer::HandleRequest(const std::string& routing_id, const data::
   }
   c.pushed[h.rank()] = true;
   c.held[h.rank()] = std::move(payload);
+  c.lr[h.rank()] = h.has_lr() ? std::optional<float>(h.lr()) : std::nullopt;
   if (!step_started_) step_started_ = absl::Now();
   return DrainInOrder(c, index);
 }
@@ -201,10 +247,69 @@ absl::Status PsServer::DrainInOrder(Chunk& c, uint64_t index) {
     ++c.next_rank;
   }
   if (c.next_rank == n_workers && (c.initialized || state_.step > 0)) {
+    if (absl::Status st = AgreeOnLr(c, index); !st.ok()) {
+      failure_ = st;
+      for (uint32_t r = 0; r < n_workers; ++r) {
+        SendError(WorkerIdentity(options_.job.job_id, r), nullptr, std::string(st.message()));
+      }
+      return absl::OkStatus();
+    }
     c.ready = true;
     CompleteReady();
   }
   return absl::OkStatus();
+}
+
+absl::Status PsServer::AgreeOnLr(const Chunk& c, uint64_t index) {
+  auto text = [](const std::optional<float>& lr) {
+    return lr ? absl::StrCat(*lr) : std::string("none (the job's schedule)");
+  };
+  auto same = [](const std::optional<float>& a, const std::optional<float>& b) {
+    // Bitwise: every replica must apply the same float.
+    return a.has_value() == b.has_value() && (!a || std::memcmp(&*a, &*b, sizeof(float)) == 0);
+  };
+  for (uint32_t r = 1; r < options_.job.workers; ++r) {
+    if (!same(c.lr[r], c.lr[0])) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "step ", state_.step, ": the workers disagree on the learning rate: rank 0 sends ",
+          text(c.lr[0]), ", rank ", r, " sends ", text(c.lr[r]), "; nothing was applied"));
+    }
+  }
+  if (step_lr_known_ && !same(step_lr_, c.lr[0])) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("step ", state_.step, ": chunk ", index, " carries learning rate ",
+                     text(c.lr[0]), " but earlier chunks of the step carried ", text(step_lr_)));
+  }
+  step_lr_known_ = true;
+  step_lr_ = c.lr[0];
+  return absl::OkStatus();
+}
+
+void PsServer::SendParams(uint32_t rank, const Chunk& c) {
+  const uint64_t n = c.range.size();
+  auto buf = std::make_shared<std::vector<uint8_t>>(init_codec_->EncodedSize(n));
+  absl::Status st =
+      init_codec_->Encode(state_.x.data() + (c.range.begin - state_.begin), n, buf->data());
+  if (!st.ok()) {
+    // rank 0 sent x through the same codec, so this does not happen.
+    failure_ = absl::InternalError(absl::StrCat("encoding the initial x: ", st.message()));
+    return;
+  }
+  data::Header h;
+  h.set_version(kProtocolVersion);
+  h.set_job_id(options_.job.job_id);
+  h.set_kind(data::PARAMS);
+  h.set_rank(rank);
+  h.set_step(0);
+  h.set_shard(options_.shard);
+  h.set_begin(c.range.begin);
+  h.set_count(n);
+  h.set_codec(init_codec_->name());
+  h.set_block_size(options_.job.map.block_size());
+  h.set_payload_bytes(buf->size());
+  const SharedBytes shared = buf;
+  zmq::message_t payload = ShareFrame(shared, 0, shared->size());
+  Send(WorkerIdentity(options_.job.job_id, rank), h, &payload);
 }
 
 std::optional<bool> PsServer::LastWarmup() {
@@ -245,7 +350,8 @@ void PsServer::Complete(Chunk& c, uint64_t index) {
     c.reply = std::make_shared<std::vector<uint8_t>>(bytes);
   }
   c.ready = false;
-  absl::Status st = optimizer_->Step(state_.step, last_warmup, c.acc.data(),
+  const float lr = step_lr_ ? *step_lr_ : LearningRate(options_.optimizer, state_.step);
+  absl::Status st = optimizer_->Step(state_.step, lr, last_warmup, c.acc.data(),
                                      c.range.begin - state_.begin, n, &state_, c.reply->data());
   if (!st.ok()) {
     failure_ = absl::InternalError(
@@ -283,6 +389,8 @@ void PsServer::EndStep() {
   ++state_.step;
   chunks_done_ = 0;
   step_started_.reset();
+  step_lr_known_ = false;
+  step_lr_.reset();
   for (Chunk& ch : chunks_) {
     ch.next_rank = 0;
     std::fill(ch.pushed.begin(), ch.pushed.end(), false);

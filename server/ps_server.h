@@ -1,4 +1,4 @@
-// The data plane of one server (DESIGN.md §2): owns one shard's state,
+// The data plane of one server (docs/design.md §2): owns one shard's state,
 // aggregates exactly N pushes per chunk per step — decoded and summed in
 // worker-rank order, holding out-of-order pushes until the ranks before them
 // are in — applies the update rule, and replies to all N workers from one
@@ -52,7 +52,12 @@ class PsServer {
                      const std::function<void()>& on_finished);
 
   const ServerShardState& state() const { return state_; }
-  bool finished() const { return state_.step >= options_.job.steps; }
+  // Whether the job's last step is done here.
+  bool finished() const { return end_step_ && state_.step >= *end_step_; }
+  // A job without a fixed step count (job.steps 0): the workers have all
+  // finished after `steps` steps. An error when this shard is not at that
+  // step. Call from the thread that runs Serve (e.g. in should_stop).
+  absl::Status SetEndStep(uint64_t steps);
 
  private:
   // Aggregation of one chunk for the current step.
@@ -62,9 +67,12 @@ class PsServer {
     uint32_t next_rank = 0;                           // next rank to decode-add
     std::vector<bool> pushed;                         // by rank, this step
     std::vector<std::optional<zmq::message_t>> held;  // out-of-order payloads
-    bool initialized = false;  // INIT received (needed before step 0 applies)
-    bool ready = false;        // every push is in; waits for the freeze decision
-    bool done = false;         // this step's update applied and replied
+    bool initialized = false;              // INIT received (needed before step 0 applies)
+    std::vector<bool> pulled;              // by rank: asked for the initial x (PULL)
+    std::vector<bool> waiting;             // by rank: PULL before INIT, answered when it comes
+    std::vector<std::optional<float>> lr;  // by rank, this step: the lr of its push
+    bool ready = false;                    // every push is in; waits for the freeze decision
+    bool done = false;                     // this step's update applied and replied
     // The reply payload, reused once ZeroMQ has released every message over
     // it (fresh 4 MB buffers cost page faults on every step).
     std::shared_ptr<std::vector<uint8_t>> reply;
@@ -81,6 +89,11 @@ class PsServer {
   std::optional<bool> LastWarmup();
   void CompleteReady();
   void EndStep();
+  // The pushes of a complete chunk agree on the step's learning rate, and
+  // with the chunks before them; else the step fails and nothing applies.
+  absl::Status AgreeOnLr(const Chunk& c, uint64_t chunk_index);
+  // PARAMS: chunk c's initial x to worker `rank`.
+  void SendParams(uint32_t rank, const Chunk& c);
   void SendError(const std::string& routing_id, const data::Header* request,
                  const std::string& error);
   void Send(const std::string& routing_id, const data::Header& h, zmq::message_t* payload);
@@ -95,6 +108,9 @@ class PsServer {
   std::vector<Chunk> chunks_;
   uint64_t chunks_done_ = 0;
   std::optional<absl::Time> step_started_;  // first push of the current step
+  std::optional<uint64_t> end_step_;        // the job's step count, once known
+  bool step_lr_known_ = false;              // the current step's lr has been agreed...
+  std::optional<float> step_lr_;            // ...as this (nullopt: the schedule's)
   bool reported_finished_ = false;
   absl::Status failure_;  // first fatal error, e.g. a decode failure of the update
 };

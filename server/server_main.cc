@@ -124,6 +124,10 @@ int Main(int argc, char** argv) {
   absl::Status st = ps.Serve(
       [&] {
         hb.SetStep(ps.state().step);
+        // A job without a fixed length ends where the workers finished.
+        if (cfg.steps() == 0 && done_status.ok() && !ps.finished()) {
+          if (auto end = hb.end_step()) done_status = ps.SetEndStep(*end);
+        }
         return hb.command() != control::CONTINUE || !done_status.ok();
       },
       [&] {

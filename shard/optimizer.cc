@@ -88,6 +88,7 @@ absl::Status ParseLrSchedule(absl::string_view text, uint64_t steps, OptimizerOp
     return absl::OkStatus();
   }
   if (text == "cosine") {
+    if (steps == 0) return Bad("lr_schedule", "cosine needs the job's length (--steps)");
     o->schedule = LrScheduleKind::kCosine;
     o->schedule_steps = steps;
     return absl::OkStatus();
@@ -270,11 +271,11 @@ void ServerOptimizer::EnterCompression(ServerShardState* s) const {
 }
 
 // Adam on the averaged gradient g (overwritten with Δ); x += Δ.
-absl::Status ServerOptimizer::AdamStep(uint64_t step, float* g, uint64_t off, size_t n,
+absl::Status ServerOptimizer::AdamStep(uint64_t step, float lr, float* g, uint64_t off, size_t n,
                                        ServerShardState* s) const {
   float* x = s->x.data() + off;
-  const AdamCoefficients c = MakeAdamCoefficients(o_.beta1, o_.beta2, o_.eps, o_.weight_decay,
-                                                  LearningRate(o_, step), o_.bias_correction, step);
+  const AdamCoefficients c = MakeAdamCoefficients(o_.beta1, o_.beta2, o_.eps, o_.weight_decay, lr,
+                                                  o_.bias_correction, step);
   AdamUpdate(c, n, g, s->m.data() + off, s->v.data() + off, x);
   for (size_t i = 0; i < n; ++i) {
     if (!std::isfinite(x[i])) return NotFinite("the Adam update", step, s->begin + off + i, x[i]);
@@ -284,8 +285,13 @@ absl::Status ServerOptimizer::AdamStep(uint64_t step, float* g, uint64_t off, si
 
 absl::Status ServerOptimizer::Step(uint64_t step, bool last_warmup, float* acc, uint64_t off,
                                    size_t n, ServerShardState* s, uint8_t* reply) const {
+  return Step(step, LearningRate(o_, step), last_warmup, acc, off, n, s, reply);
+}
+
+absl::Status ServerOptimizer::Step(uint64_t step, float lr, bool last_warmup, float* acc,
+                                   uint64_t off, size_t n, ServerShardState* s,
+                                   uint8_t* reply) const {
   float* x = s->x.data() + off;
-  const float lr = LearningRate(o_, step);
   if (!s->frozen) {
     // Warm-up: full precision both ways; the reply is Δ itself. Update and
     // encode piece by piece, so Δ is still in L2 when it is copied out (fp32
@@ -299,14 +305,14 @@ absl::Status ServerOptimizer::Step(uint64_t step, bool last_warmup, float* acc, 
           d[i] = -lr * d[i];
           x[p + i] += d[i];
         }
-      } else if (absl::Status st = AdamStep(step, d, off + p, m, s); !st.ok()) {
+      } else if (absl::Status st = AdamStep(step, lr, d, off + p, m, s); !st.ok()) {
         return st;
       }
       absl::Status st = fp32_->Encode(d, m, reply + 4 * p);
       if (!st.ok()) return Diverged("the update", step, s->begin + off + p, st);
     }
     if (!last_warmup || !HandsOver()) return absl::OkStatus();
-    // The hand-over (DESIGN.md §1.1): freeze v, floored, and send m and v.
+    // The hand-over (docs/design.md §1.1): freeze v, floored, and send m and v.
     float* v = s->v.data() + off;
     s->den.resize(s->x.size());
     // With bias correction the frozen v is the corrected one, v / (1 - b2^t),
@@ -338,7 +344,7 @@ absl::Status ServerOptimizer::Step(uint64_t step, bool last_warmup, float* acc, 
     if (s->replica.size() != s->x.size()) s->replica = s->x;
     // The exact update on the master; reply C(Δ + e_s).
     if (o_.kind == OptimizerKind::kNaiveOnebitAdam) {
-      st = AdamStep(step, acc, off, n, s);
+      st = AdamStep(step, lr, acc, off, n, s);
       if (!st.ok()) return st;
     } else {
       DeltaFromMomentum(acc, den, lr, o_.weight_decay, n, x, acc);
@@ -413,6 +419,12 @@ absl::Status HandOverDenominators(const float* v, size_t n, uint64_t first, floa
 
 absl::Status WorkerOptimizer::Apply(uint64_t step, bool last_warmup, const uint8_t* reply,
                                     uint64_t b, size_t n, WorkerState* s) const {
+  return Apply(step, LearningRate(o_, step), last_warmup, reply, b, n, s);
+}
+
+absl::Status WorkerOptimizer::Apply(uint64_t step, float lr, bool last_warmup, const uint8_t* reply,
+                                    uint64_t b, size_t n, WorkerState* s) const {
+  (void)step;
   float* x = s->x.data() + b;
   if (!s->frozen) {
     // x += Δ: the same fp32 addition the server applied to its master.
@@ -441,7 +453,7 @@ absl::Status WorkerOptimizer::Apply(uint64_t step, bool last_warmup, const uint8
   absl::Status st = codec.Decode(reply, n, mbar);
   if (!st.ok()) return st;
   const float* den = o_.kind == OptimizerKind::kOnebitAdam ? s->den.data() + b : nullptr;
-  ApplyMomentum(mbar, den, LearningRate(o_, step), o_.weight_decay, n, x);
+  ApplyMomentum(mbar, den, lr, o_.weight_decay, n, x);
   return absl::OkStatus();
 }
 

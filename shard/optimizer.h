@@ -1,4 +1,4 @@
-// The optimizers of onebit-ps in parameter-server form (DESIGN.md §1): the
+// The optimizers of onebit-ps in parameter-server form (docs/design.md §1): the
 // arithmetic a server applies to its shard and a worker to its replica, chunk
 // by chunk. Servers, workers and the single-process reference (reference.h)
 // all call these functions, so a distributed run and the reference round the
@@ -36,7 +36,7 @@ enum class OptimizerKind : uint8_t {
   kEfSgd,            // 1-bit error-feedback momentum SGD from step 0
 };
 
-// What the server replies in the compression phase (DESIGN.md §1.4).
+// What the server replies in the compression phase (docs/design.md §1.4).
 enum class ReplyMode : uint8_t {
   kMomentum,  // C(synchronized momentum): every replica equals the master
   kDelta,     // C(Δ + e_s): replicas trail the master by the server error
@@ -58,7 +58,7 @@ struct OptimizerOptions {
   float eps = 1e-8f;
   float weight_decay = 0.0f;     // decoupled: Δ includes -lr * wd * x
   bool bias_correction = false;  // off, as DeepSpeed's OneBitAdam
-  float v_floor = 1e-8f;         // frozen v = max(v, v_floor) (DESIGN.md §1.1)
+  float v_floor = 1e-8f;         // frozen v = max(v, v_floor) (docs/design.md §1.1)
   bool worker_error_feedback = true;
   bool server_error_feedback = true;
   ReplyMode reply = ReplyMode::kMomentum;
@@ -123,7 +123,7 @@ inline Phase PhaseOf(const ServerShardState& s) {
 }
 inline Phase PhaseOf(const WorkerState& s) { return s.frozen ? Phase::kCompress : Phase::kWarmup; }
 
-// When the warm-up ends (DESIGN.md §1.4): at a fixed step, or automatically
+// When the warm-up ends (docs/design.md §1.4): at a fixed step, or automatically
 // once every shard's v has settled. Optimizers without a warm-up ignore it.
 struct FreezeOptions {
   uint64_t step = kNever;  // first compression step, when fixed
@@ -171,6 +171,10 @@ class ServerOptimizer : public OptimizerCodecs {
   // the update is not finite.
   absl::Status Step(uint64_t step, bool last_warmup, float* acc, uint64_t off, size_t n,
                     ServerShardState* s, uint8_t* reply) const;
+  // The same with the step's learning rate given (the workers' loop chose
+  // it) instead of LearningRate(options(), step).
+  absl::Status Step(uint64_t step, float lr, bool last_warmup, float* acc, uint64_t off, size_t n,
+                    ServerShardState* s, uint8_t* reply) const;
 
   // Called once every chunk of the last warm-up step is done: the shard is in
   // the compression phase from the next step on.
@@ -178,7 +182,8 @@ class ServerOptimizer : public OptimizerCodecs {
 
  private:
   using OptimizerCodecs::OptimizerCodecs;
-  absl::Status AdamStep(uint64_t step, float* g, uint64_t off, size_t n, ServerShardState* s) const;
+  absl::Status AdamStep(uint64_t step, float lr, float* g, uint64_t off, size_t n,
+                        ServerShardState* s) const;
 };
 
 class WorkerOptimizer : public OptimizerCodecs {
@@ -197,6 +202,9 @@ class WorkerOptimizer : public OptimizerCodecs {
   // last_warmup) bytes (see ServerOptimizer::Step).
   absl::Status Apply(uint64_t step, bool last_warmup, const uint8_t* reply, uint64_t b, size_t n,
                      WorkerState* s) const;
+  // The same with the step's learning rate given, as ServerOptimizer::Step.
+  absl::Status Apply(uint64_t step, float lr, bool last_warmup, const uint8_t* reply, uint64_t b,
+                     size_t n, WorkerState* s) const;
 
   // Called once every reply of the last warm-up step has been applied.
   void EnterCompression(WorkerState* s) const;
@@ -205,13 +213,13 @@ class WorkerOptimizer : public OptimizerCodecs {
   using OptimizerCodecs::OptimizerCodecs;
 };
 
-// A worker's side of the hand-over (DESIGN.md §1.1): den[i] =
+// A worker's side of the hand-over (docs/design.md §1.1): den[i] =
 // FrozenDenominator(v[i], eps) for the second moments the server sent for
 // parameters [first, first + n). A negative or NaN v is an error naming the
 // parameter, and then den is untouched. den may be v.
 absl::Status HandOverDenominators(const float* v, size_t n, uint64_t first, float eps, float* den);
 
-// The automatic freeze (DESIGN.md §1.4): ||v_t - v_{t-K}||_1 / ||v_t||_1 of a
+// The automatic freeze (docs/design.md §1.4): ||v_t - v_{t-K}||_1 / ||v_t||_1 of a
 // shard, summed in double in index order (0 when both are zero).
 double VarianceChange(const std::vector<float>& v, const std::vector<float>& v_before);
 

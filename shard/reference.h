@@ -1,4 +1,4 @@
-// The single-process reference of DESIGN.md §1.5: N workers and S server
+// The single-process reference of docs/design.md §1.5: N workers and S server
 // shards in one process, no network, the same optimizer code. A distributed
 // run fed the same gradients must end with the same x, bit for bit.
 #ifndef ONEBIT_SHARD_REFERENCE_H_

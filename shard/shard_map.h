@@ -1,5 +1,5 @@
 // ShardMap: how the flat parameter vector x[0, d) is cut into S contiguous
-// shards, one per server shard (DESIGN.md §1). Shard boundaries fall on codec
+// shards, one per server shard (docs/design.md §1). Shard boundaries fall on codec
 // block boundaries, so every shard (and every block-aligned chunk of one)
 // encodes independently of its neighbours; shard sizes differ by at most one
 // block. With more shards than blocks the trailing shards are empty.

@@ -1,4 +1,4 @@
-// The element loops of the parameter updates (DESIGN.md §1.1, §1.2), shared by
+// The element loops of the parameter updates (docs/design.md §1.1, §1.2), shared by
 // the server, the workers and the reference, and the CPU twins of the CUDA
 // update kernels in cuda/kernels.h: both sides evaluate the same expressions
 // in the same order (no FMA contraction), so they agree bit for bit.
@@ -16,7 +16,7 @@ namespace onebit {
 inline float FrozenDenominator(float v, float eps) { return std::sqrt(v) + eps; }
 
 // A worker's local momentum before it compresses it: m <- b1 * m + c1 * g,
-// c1 = 1 - b1 (DESIGN.md §1.2).
+// c1 = 1 - b1 (docs/design.md §1.2).
 void UpdateMomentum(const float* g, float b1, float c1, size_t n, float* m);
 
 // Compression phase: x <- x - lr * (mbar / den + wd * x), identically on the

@@ -1,4 +1,4 @@
-// Tests for the codecs of compress/codec.h, written from DESIGN.md §1.3 and the
+// Tests for the codecs of compress/codec.h, written from docs/design.md §1.3 and the
 // header alone. The file carries its own scalar reference of every codec (the
 // onebit canonical reduction, IEEE half rounding) and compares the library's
 // bytes and floats to it bit for bit.
@@ -166,7 +166,7 @@ float RefHalfToFloat(uint16_t h) {
 }
 
 // ---------------------------------------------------------------------------
-// Reference onebit (DESIGN.md §1.3).
+// Reference onebit (docs/design.md §1.3).
 
 // The canonical block reduction: 32 lanes, lane l sums elements l, l+32, ...
 // in order from 0.0f; then for w = 16, 8, 4, 2, 1: t[l] += t[l+w] for l < w.
@@ -1140,7 +1140,7 @@ TEST(NonFinite, EncodeWithFeedbackRejectsBadYOrEAndWritesNothing) {
 
 TEST(NonFinite, FeedbackSumThatOverflowsIsRejected) {
   // y and e are finite but z = y + e = 3e38 + 3e38 overflows to +Inf: C(z) would
-  // encode a non-finite value, which DESIGN.md §1.3 forbids.
+  // encode a non-finite value, which docs/design.md §1.3 forbids.
   for (const Config& cfg : AllConfigs()) {
     for (SimdPath path : Paths()) {
       SCOPED_TRACE(Label(cfg) + " " + PathLabel(path));

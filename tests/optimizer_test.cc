@@ -1,5 +1,5 @@
 // Tests of the optimizers (shard/optimizer.h) against the formulas of
-// DESIGN.md §1, written out here by hand, on vectors small enough to follow.
+// docs/design.md §1, written out here by hand, on vectors small enough to follow.
 #include "shard/optimizer.h"
 
 #include <cmath>
@@ -16,7 +16,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// The 1-bit codec of DESIGN.md §1.3 for one block of n <= 32 elements: lane
+// The 1-bit codec of docs/design.md §1.3 for one block of n <= 32 elements: lane
 // l holds element l alone, then the halving tree; s = sum / n.
 float Scale(const std::vector<float>& z) {
   float t[32] = {};

@@ -62,13 +62,15 @@ struct Fixture {
     server = *ServerOptimizer::Create(o);
     server->InitState(0, 0, kD, &shard);
     model.Init(shard.x.data());
-    cpu = NewCpuReplica(&model, worker.get());
+    cpu = NewCpuReplica(kD, &model, worker.get());
     DeviceChoice twin_choice;
     twin_choice.kind = DeviceChoice::Kind::kCudaTwin;
-    twin = *NewReplica(twin_choice, &model, worker.get());
+    twin = *NewReplica(twin_choice, kD, &model, worker.get());
     EXPECT_TRUE(cpu->Init().ok());
     EXPECT_TRUE(twin->Init().ok());
   }
+
+  float Lr(uint64_t t) const { return LearningRate(worker->options(), t); }
 
   std::vector<float> X(Replica* r) {
     std::vector<float> x(kD);
@@ -99,7 +101,7 @@ struct Fixture {
   // Both apply `reply` and finish the step.
   void ApplyBoth(uint64_t t, bool last_warmup, const std::vector<uint8_t>& reply) {
     for (Replica* r : {cpu.get(), twin.get()}) {
-      absl::Status st = r->Apply(t, last_warmup, reply.data(), 0, kD);
+      absl::Status st = r->Apply(t, Lr(t), last_warmup, reply.data(), 0, kD);
       ASSERT_TRUE(st.ok()) << r->device() << ": " << st;
       ASSERT_TRUE(r->FinishStep(last_warmup).ok());
     }
@@ -115,8 +117,8 @@ struct Fixture {
 void ExpectBothRefuse(Fixture* f, uint64_t t, bool last_warmup, const std::vector<uint8_t>& reply,
                       const std::string& what) {
   const std::vector<float> x_cpu = f->X(f->cpu.get()), x_twin = f->X(f->twin.get());
-  const absl::Status a = f->cpu->Apply(t, last_warmup, reply.data(), 0, kD);
-  const absl::Status b = f->twin->Apply(t, last_warmup, reply.data(), 0, kD);
+  const absl::Status a = f->cpu->Apply(t, f->Lr(t), last_warmup, reply.data(), 0, kD);
+  const absl::Status b = f->twin->Apply(t, f->Lr(t), last_warmup, reply.data(), 0, kD);
   EXPECT_THAT(std::string(a.message()), HasSubstr(what)) << a;
   EXPECT_EQ(a, b);
   EXPECT_TRUE(f->twin->FinishStep(false).ok());

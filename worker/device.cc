@@ -65,26 +65,38 @@ std::string DeviceName(const DeviceChoice& choice) {
   return "?";
 }
 
-absl::StatusOr<std::unique_ptr<Replica>> NewReplica(const DeviceChoice& choice, const Model* model,
+absl::StatusOr<std::unique_ptr<Replica>> NewReplica(const DeviceChoice& choice, uint64_t d,
+                                                    const Model* model,
                                                     const WorkerOptimizer* optimizer) {
+  if (model != nullptr && model->num_params() != d) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the model has ", model->num_params(), " parameters, not ", d));
+  }
   switch (choice.kind) {
     case DeviceChoice::Kind::kCpu:
-      return NewCpuReplica(model, optimizer);
-    case DeviceChoice::Kind::kCudaTwin:
-      return NewDeviceReplica(
-          &cuda::TwinBackend(), "cuda-twin", model, optimizer,
-          [model](cuda::Stream) -> absl::StatusOr<std::unique_ptr<DeviceModel>> {
-            return NewHostDeviceModel(model);
-          });
+      return NewCpuReplica(d, model, optimizer);
+    case DeviceChoice::Kind::kCudaTwin: {
+      DeviceModelFactory make;
+      if (model != nullptr) {
+        make = [model](cuda::Stream) -> absl::StatusOr<std::unique_ptr<DeviceModel>> {
+          return NewHostDeviceModel(model);
+        };
+      }
+      return NewDeviceReplica(&cuda::TwinBackend(), "cuda-twin", d, model, optimizer, make);
+    }
     case DeviceChoice::Kind::kCuda: {
       if (cuda::CudaBackend() == nullptr) {
         return absl::FailedPreconditionError("this binary was built without CUDA");
       }
       auto name = cuda::SelectDevice(choice.index);
       if (!name.ok()) return name.status();
-      return NewDeviceReplica(
-          cuda::CudaBackend(), absl::StrCat("cuda:", choice.index, " (", *name, ")"), model,
-          optimizer, [model](cuda::Stream s) { return NewCudaDeviceModel(model, s); });
+      DeviceModelFactory make;
+      if (model != nullptr) {
+        make = [model](cuda::Stream s) { return NewCudaDeviceModel(model, s); };
+      }
+      return NewDeviceReplica(cuda::CudaBackend(),
+                              absl::StrCat("cuda:", choice.index, " (", *name, ")"), d, model,
+                              optimizer, make);
     }
   }
   return absl::InternalError("unknown device kind");

@@ -28,9 +28,11 @@ absl::StatusOr<DeviceChoice> ChooseDevice(absl::string_view flag);
 // "cpu", "cuda:N" or "cuda-twin".
 std::string DeviceName(const DeviceChoice& choice);
 
-// The replica for `choice`: selects the GPU and builds the model's device
-// version for kCuda. `model` and `optimizer` must outlive it.
-absl::StatusOr<std::unique_ptr<Replica>> NewReplica(const DeviceChoice& choice, const Model* model,
+// The replica of d parameters for `choice`: selects the GPU and builds the
+// model's device version for kCuda. `model` (null: the caller computes the
+// gradient into Replica::grads()) and `optimizer` must outlive it.
+absl::StatusOr<std::unique_ptr<Replica>> NewReplica(const DeviceChoice& choice, uint64_t d,
+                                                    const Model* model,
                                                     const WorkerOptimizer* optimizer);
 
 }  // namespace onebit

@@ -44,14 +44,14 @@ class Buffer {
 
 class DeviceReplica final : public Replica {
  public:
-  DeviceReplica(const Backend* backend, std::string device, const Model* model,
+  DeviceReplica(const Backend* backend, std::string device, uint64_t d, const Model* model,
                 const WorkerOptimizer* optimizer)
       : b_(*backend),
         device_(std::move(device)),
         model_(model),
         opt_(optimizer),
         o_(optimizer->options()),
-        d_(model->num_params()) {}
+        d_(d) {}
 
   ~DeviceReplica() override {
     // Work still queued may touch the buffers freed after this.
@@ -83,6 +83,7 @@ class DeviceReplica final : public Replica {
     if (o_.kind == OptimizerKind::kOnebitAdam) {
       if (absl::Status st = Alloc(bytes, false, &den_); !st.ok()) return st;
     }
+    if (!make_model) return absl::OkStatus();  // the caller computes the gradient
     auto m = make_model(push_);
     if (!m.ok()) return m.status();
     dmodel_ = std::move(*m);
@@ -96,7 +97,7 @@ class DeviceReplica final : public Replica {
 
   absl::Status Init() override {
     std::vector<float> x(d_);
-    model_->Init(x.data());
+    if (model_ != nullptr) model_->Init(x.data());
     const size_t bytes = 4 * d_;
     absl::Status st = b_.copy_to_device(x_.f(), x.data(), bytes, push_);
     for (const Buffer* buf : {&g_, &mbar_, &e_[0], &e_[1], &den_}) {
@@ -108,7 +109,11 @@ class DeviceReplica final : public Replica {
     return st;
   }
 
+  float* params() override { return x_.f(); }
+  float* grads() override { return g_.f(); }
+
   absl::StatusOr<double> ComputeGradient(uint32_t rank, uint64_t step) override {
+    if (dmodel_ == nullptr) return absl::FailedPreconditionError("the replica has no model");
     return dmodel_->Gradient(x_.f(), rank, step, g_.f());
   }
 
@@ -132,8 +137,9 @@ class DeviceReplica final : public Replica {
     return absl::OkStatus();
   }
 
-  absl::Status Apply(uint64_t step, bool last_warmup, const uint8_t* reply, uint64_t b,
+  absl::Status Apply(uint64_t step, float lr, bool last_warmup, const uint8_t* reply, uint64_t b,
                      size_t n) override {
+    (void)step;
     if (absl::Status st = CheckRange(b, n); !st.ok()) return st;
     const Phase ph = phase();
     const Codec& codec = opt_->reply_codec(ph);
@@ -182,7 +188,7 @@ class DeviceReplica final : public Replica {
     if (!direct) st = DecodeTo(codec, p, n, /*add=*/false, mbar);
     if (!st.ok()) return st;
     const float* dn = o_.kind == OptimizerKind::kOnebitAdam ? den_.f() + b : nullptr;
-    return b_.apply_momentum(mbar, dn, LearningRate(o_, step), o_.weight_decay, n, x, reply_);
+    return b_.apply_momentum(mbar, dn, lr, o_.weight_decay, n, x, reply_);
   }
 
   absl::Status FinishStep(bool entered_compression) override {
@@ -199,8 +205,17 @@ class DeviceReplica final : public Replica {
     return st;
   }
 
-  bool can_evaluate() const override { return dmodel_->can_evaluate(); }
+  absl::Status WriteX(uint64_t b, size_t n, const float* host) override {
+    if (absl::Status st = CheckRange(b, n); !st.ok()) return st;
+    absl::Status st = b_.synchronize(reply_);
+    if (st.ok()) st = b_.copy_to_device(x_.f() + b, host, 4 * n, push_);
+    if (st.ok()) st = b_.synchronize(push_);  // host is pageable memory
+    return st;
+  }
+
+  bool can_evaluate() const override { return dmodel_ != nullptr && dmodel_->can_evaluate(); }
   absl::StatusOr<EvalResult> Evaluate() override {
+    if (!can_evaluate()) return absl::FailedPreconditionError("the model has no test set");
     if (absl::Status st = b_.synchronize(reply_); !st.ok()) return st;
     return dmodel_->Evaluate(x_.f());
   }
@@ -346,10 +361,11 @@ class DeviceReplica final : public Replica {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Replica>> NewDeviceReplica(const cuda::Backend* backend,
-                                                          std::string device, const Model* model,
+                                                          std::string device, uint64_t d,
+                                                          const Model* model,
                                                           const WorkerOptimizer* optimizer,
                                                           const DeviceModelFactory& make_model) {
-  auto r = std::make_unique<DeviceReplica>(backend, std::move(device), model, optimizer);
+  auto r = std::make_unique<DeviceReplica>(backend, std::move(device), d, model, optimizer);
   if (absl::Status st = r->Create(make_model); !st.ok()) return st;
   return std::unique_ptr<Replica>(std::move(r));
 }

@@ -8,7 +8,7 @@
 //
 // The arithmetic is CpuReplica's (shard/optimizer.h, WorkerOptimizer), kernel
 // for kernel through the CPU twins' GPU versions, so a GPU replica equals a
-// CPU replica of the same job bit for bit (DESIGN.md §1.3). Replies are
+// CPU replica of the same job bit for bit (docs/design.md §1.3). Replies are
 // checked on the host, where they arrive (Codec::CheckPayload), before
 // anything is copied; a push that fails (a non-finite value) leaves the error
 // buffers as they were, as the codecs do.
@@ -35,11 +35,14 @@ namespace onebit {
 using DeviceModelFactory =
     std::function<absl::StatusOr<std::unique_ptr<DeviceModel>>(cuda::Stream stream)>;
 
-// `device`: its name for logs. `model` (the host model: initial x, sizes)
-// and `optimizer` must outlive the replica. For the CUDA backend the device
-// must be selected (cuda::SelectDevice) on the calling thread.
+// `device`: its name for logs. `model` (the host model of d parameters:
+// initial x) and `optimizer` must outlive the replica. Without a model
+// (`model` null, `make_model` empty) x starts at zero and the caller writes
+// the gradient into grads(). For the CUDA backend the device must be
+// selected (cuda::SelectDevice) on the calling thread.
 absl::StatusOr<std::unique_ptr<Replica>> NewDeviceReplica(const cuda::Backend* backend,
-                                                          std::string device, const Model* model,
+                                                          std::string device, uint64_t d,
+                                                          const Model* model,
                                                           const WorkerOptimizer* optimizer,
                                                           const DeviceModelFactory& make_model);
 

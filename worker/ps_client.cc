@@ -45,6 +45,11 @@ absl::StatusOr<std::unique_ptr<PsClient>> PsClient::Connect(PsClientOptions opti
       c->chunks_.push_back(Chunk{k, i, ChunkRange(o.map, k, o.chunk_elems, i), nullptr});
     }
   }
+  for (size_t i = 0; i < c->chunks_.size(); ++i) c->by_begin_.push_back(i);
+  std::sort(c->by_begin_.begin(), c->by_begin_.end(), [&](size_t a, size_t b) {
+    return c->chunks_[a].range.begin < c->chunks_[b].range.begin;
+  });
+  c->pushed_.assign(c->chunks_.size(), false);
   return c;
 }
 
@@ -53,7 +58,7 @@ absl::Status PsClient::SendChunk(
     const std::function<absl::Status(const Range&, uint8_t*)>& encode) {
   Chunk& c = chunks_[i];
   const size_t n = c.range.size();
-  const size_t bytes = codec.EncodedSize(n);
+  const size_t bytes = kind == data::PULL ? 0 : codec.EncodedSize(n);
   // Reuse the buffer once ZeroMQ has let go of it, else take a fresh one.
   if (c.buf == nullptr || c.buf.use_count() > 1 || c.buf->size() != bytes) {
     c.buf = std::make_shared<std::vector<uint8_t>>(bytes);
@@ -76,6 +81,7 @@ absl::Status PsClient::SendChunk(
   h.set_codec(codec.name());
   h.set_block_size(options_.map.block_size());
   h.set_payload_bytes(bytes);
+  if (kind == data::PUSH && lr_) h.set_lr(*lr_);
   const std::string header = h.SerializeAsString();
   zmq::socket_t& s = sockets_[c.shard];
   try {
@@ -99,14 +105,16 @@ absl::Status PsClient::SendInit(const float* x) {
   return absl::OkStatus();
 }
 
-absl::Status PsClient::HandleReply(uint32_t server, uint64_t step,
-                                   std::vector<zmq::message_t>& frames, Replica* replica,
-                                   std::vector<bool>* got, int* last_warmup) {
+absl::StatusOr<size_t> PsClient::CheckReply(uint32_t server, uint64_t step, int kind,
+                                            const std::vector<zmq::message_t>& frames,
+                                            data::Header* h) {
   const std::string& ep = options_.server_endpoints[server];
   auto who = [&] { return absl::StrCat("server ", server, " (", ep, ")"); };
   if (frames.empty()) return absl::DataLossError(absl::StrCat("empty message from ", who()));
-  auto h = ParseHeader(frames[0].data(), frames[0].size());
-  if (!h.ok()) return absl::DataLossError(absl::StrCat(who(), ": ", h.status().message()));
+  auto parsed = ParseHeader(frames[0].data(), frames[0].size());
+  if (!parsed.ok())
+    return absl::DataLossError(absl::StrCat(who(), ": ", parsed.status().message()));
+  *h = *std::move(parsed);
   if (h->kind() == data::ERROR) {
     return absl::FailedPreconditionError(absl::StrCat(who(), " refused rank ", options_.rank,
                                                       "'s step ", h->step(), ": ", h->error()));
@@ -116,7 +124,7 @@ absl::Status PsClient::HandleReply(uint32_t server, uint64_t step,
   };
   if (h->version() != kProtocolVersion) return bad("protocol version ", h->version());
   if (h->job_id() != options_.job_id) return bad("wrong job id");
-  if (h->kind() != data::REPLY) return bad("kind ", data::Kind_Name(h->kind()));
+  if (h->kind() != kind) return bad("kind ", data::Kind_Name(h->kind()));
   if (h->step() != step) return bad("step ", h->step(), " while at step ", step);
   if (h->shard() != server) return bad("shard ", h->shard());
   const Range s = options_.map.shard(server);
@@ -124,56 +132,19 @@ absl::Status PsClient::HandleReply(uint32_t server, uint64_t step,
       (h->begin() - s.begin) % options_.chunk_elems != 0) {
     return bad("range begins at ", h->begin());
   }
-  const uint64_t index = (h->begin() - s.begin) / options_.chunk_elems;
-  const Chunk& c = chunks_[by_shard_[server][index]];
-  if (h->count() != c.range.size()) return bad("count ", h->count());
-  const WorkerOptimizer& opt = *options_.optimizer;
-  const Phase phase = replica->phase();
-  if (h->codec() != opt.reply_codec(phase).name()) {
-    return bad("codec '", h->codec(), "' (want ", opt.reply_codec(phase).name(), ")");
-  }
-  // Every server ends the warm-up at the same (coordinator-wide) step.
-  if (*last_warmup >= 0 && *last_warmup != static_cast<int>(h->last_warmup())) {
-    return bad("servers disagree on whether step ", step, " ends the warm-up");
-  }
-  *last_warmup = h->last_warmup();
-  const size_t need = opt.ReplyBytes(phase, c.range.size(), h->last_warmup());
-  if (frames.size() != 2 || h->payload_bytes() != need || frames[1].size() != need) {
-    return bad("payload of ", frames.size() == 2 ? frames[1].size() : 0, " bytes, want ", need);
-  }
-  if ((*got)[by_shard_[server][index]]) return bad("duplicate reply for chunk ", index);
-  absl::Status st =
-      replica->Apply(step, h->last_warmup(), static_cast<const uint8_t*>(frames[1].data()),
-                     c.range.begin, c.range.size());
-  if (!st.ok()) return bad(st.message());
-  (*got)[by_shard_[server][index]] = true;
-  bytes_down_ += frames[0].size() + need;
-  last_pushed_ns_ = std::max<uint64_t>(last_pushed_ns_, h->pushed_ns());
-  first_sent_ns_ =
-      first_sent_ns_ == 0 ? h->sent_ns() : std::min<uint64_t>(first_sent_ns_, h->sent_ns());
-  return absl::OkStatus();
+  const size_t i = by_shard_[server][(h->begin() - s.begin) / options_.chunk_elems];
+  if (h->count() != chunks_[i].range.size()) return bad("count ", h->count());
+  return i;
 }
 
-absl::Status PsClient::PushPull(uint64_t step, Replica* replica,
-                                const std::function<absl::Status()>& check) {
-  bytes_up_ = 0;
-  bytes_down_ = 0;
-  last_pushed_ns_ = 0;
-  first_sent_ns_ = 0;
-  const uint64_t start_ns = MonotonicNs();
-  const WorkerOptimizer& opt = *options_.optimizer;
-  for (size_t i = 0; i < chunks_.size(); ++i) {
-    absl::Status st = SendChunk(
-        i, step, opt.push_codec(replica->phase()), data::PUSH,
-        [&](const Range& r, uint8_t* out) { return replica->Push(step, r.begin, r.size(), out); });
-    if (!st.ok()) return st;
-  }
-  int last_warmup = -1;  // unknown until the first reply
+absl::Status PsClient::ReceiveAll(
+    const std::string& what,
+    const std::function<absl::Status(uint32_t k, std::vector<zmq::message_t>&)>& handle,
+    const Check& check) {
   const size_t S = sockets_.size();
-  std::vector<bool> got(chunks_.size(), false);
   std::vector<size_t> outstanding(S);
-  for (uint32_t k = 0; k < S; ++k) outstanding[k] = by_shard_[k].size();
-  size_t left = chunks_.size();
+  size_t left = 0;
+  for (uint32_t k = 0; k < S; ++k) left += outstanding[k] = by_shard_[k].size();
   std::vector<absl::Time> last_heard(S, absl::Now());
   std::vector<zmq::pollitem_t> items(S);
   while (left > 0) {
@@ -186,8 +157,7 @@ absl::Status PsClient::PushPull(uint64_t step, Replica* replica,
         auto r =
             zmq::recv_multipart(sockets_[k], std::back_inserter(frames), zmq::recv_flags::dontwait);
         if (!r) break;
-        absl::Status st = HandleReply(k, step, frames, replica, &got, &last_warmup);
-        if (!st.ok()) return st;
+        if (absl::Status st = handle(k, frames); !st.ok()) return st;
         last_heard[k] = absl::Now();
         --outstanding[k];
         --left;
@@ -197,20 +167,186 @@ absl::Status PsClient::PushPull(uint64_t step, Replica* replica,
     for (uint32_t k = 0; k < S; ++k) {
       if (outstanding[k] > 0 && now - last_heard[k] > options_.reply_timeout) {
         return absl::DeadlineExceededError(absl::StrCat(
-            "no reply from server ", k, " (", options_.server_endpoints[k], ") for step ", step,
+            "no reply from server ", k, " (", options_.server_endpoints[k], ") for ", what,
             " within ", absl::FormatDuration(options_.reply_timeout), " (", outstanding[k], " of ",
             by_shard_[k].size(), " chunks outstanding): is it dead?"));
       }
     }
-    absl::Status st = check();
+    if (absl::Status st = check(); !st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PsClient::PullInit(Replica* replica, const Check& check) {
+  for (size_t i = 0; i < chunks_.size(); ++i) {
+    absl::Status st = SendChunk(i, 0, *fp32_, data::PULL,
+                                [](const Range&, uint8_t*) { return absl::OkStatus(); });
     if (!st.ok()) return st;
   }
+  std::vector<bool> got(chunks_.size(), false);
+  std::vector<float> x;
+  return ReceiveAll(
+      "the initial parameters",
+      [&](uint32_t k, std::vector<zmq::message_t>& frames) -> absl::Status {
+        data::Header h;
+        auto i = CheckReply(k, 0, data::PARAMS, frames, &h);
+        if (!i.ok()) return i.status();
+        const Range& r = chunks_[*i].range;
+        const size_t need = fp32_->EncodedSize(r.size());
+        if (frames.size() != 2 || h.payload_bytes() != need || frames[1].size() != need) {
+          return absl::DataLossError(absl::StrCat("bad initial parameters from server ", k,
+                                                  ": payload of ", need, " bytes expected"));
+        }
+        if (got[*i]) {
+          return absl::DataLossError(absl::StrCat("server ", k, " sent chunk [", r.begin, ", ",
+                                                  r.end, ") of the initial parameters twice"));
+        }
+        got[*i] = true;
+        x.resize(r.size());
+        absl::Status st =
+            fp32_->Decode(static_cast<const uint8_t*>(frames[1].data()), r.size(), x.data());
+        if (!st.ok()) {
+          return absl::DataLossError(
+              absl::StrCat("initial parameters from server ", k, ": ", st.message()));
+        }
+        return replica->WriteX(r.begin, r.size(), x.data());
+      },
+      check);
+}
+
+absl::Status PsClient::HandleReply(uint32_t server, std::vector<zmq::message_t>& frames,
+                                   Replica* replica, std::vector<bool>* got, int* last_warmup) {
+  data::Header h;
+  auto i = CheckReply(server, step_, data::REPLY, frames, &h);
+  if (!i.ok()) return i.status();
+  const Chunk& c = chunks_[*i];
+  auto bad = [&](auto&&... parts) {
+    return absl::DataLossError(absl::StrCat("bad reply from server ", server, " (",
+                                            options_.server_endpoints[server], "): ", parts...));
+  };
+  const WorkerOptimizer& opt = *options_.optimizer;
+  const Phase phase = replica->phase();
+  if (h.codec() != opt.reply_codec(phase).name()) {
+    return bad("codec '", h.codec(), "' (want ", opt.reply_codec(phase).name(), ")");
+  }
+  // Every server ends the warm-up at the same (coordinator-wide) step.
+  if (*last_warmup >= 0 && *last_warmup != static_cast<int>(h.last_warmup())) {
+    return bad("servers disagree on whether step ", step_, " ends the warm-up");
+  }
+  *last_warmup = h.last_warmup();
+  const size_t need = opt.ReplyBytes(phase, c.range.size(), h.last_warmup());
+  if (frames.size() != 2 || h.payload_bytes() != need || frames[1].size() != need) {
+    return bad("payload of ", frames.size() == 2 ? frames[1].size() : 0, " bytes, want ", need);
+  }
+  if ((*got)[*i]) return bad("duplicate reply for chunk ", c.index);
+  const float lr = lr_ ? *lr_ : LearningRate(opt.options(), step_);
+  absl::Status st =
+      replica->Apply(step_, lr, h.last_warmup(), static_cast<const uint8_t*>(frames[1].data()),
+                     c.range.begin, c.range.size());
+  if (!st.ok()) return bad(st.message());
+  (*got)[*i] = true;
+  bytes_down_ += frames[0].size() + need;
+  last_pushed_ns_ = std::max<uint64_t>(last_pushed_ns_, h.pushed_ns());
+  first_sent_ns_ =
+      first_sent_ns_ == 0 ? h.sent_ns() : std::min<uint64_t>(first_sent_ns_, h.sent_ns());
+  return absl::OkStatus();
+}
+
+absl::Status PsClient::BeginStep(uint64_t step, std::optional<float> lr) {
+  if (in_step_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", step_, " has begun and not completed"));
+  }
+  in_step_ = true;
+  step_ = step;
+  lr_ = lr;
+  std::fill(pushed_.begin(), pushed_.end(), false);
+  pushed_count_ = 0;
+  ready_.clear();
+  bytes_up_ = 0;
+  bytes_down_ = 0;
+  last_pushed_ns_ = 0;
+  first_sent_ns_ = 0;
+  start_ns_ = 0;
+  return absl::OkStatus();
+}
+
+absl::Status PsClient::SetStepLr(std::optional<float> lr) {
+  if (pushed_count_ > 0) {
+    return absl::FailedPreconditionError("the step's pushes have gone out with another lr");
+  }
+  lr_ = lr;
+  return absl::OkStatus();
+}
+
+absl::Status PsClient::PushChunk(size_t i, Replica* replica) {
+  if (pushed_count_ == 0) start_ns_ = MonotonicNs();
+  const WorkerOptimizer& opt = *options_.optimizer;
+  absl::Status st = SendChunk(
+      i, step_, opt.push_codec(replica->phase()), data::PUSH,
+      [&](const Range& r, uint8_t* out) { return replica->Push(step_, r.begin, r.size(), out); });
+  if (!st.ok()) return st;
+  pushed_[i] = true;
+  ++pushed_count_;
+  return absl::OkStatus();
+}
+
+absl::Status PsClient::PushReady(uint64_t b, uint64_t e, Replica* replica) {
+  if (!in_step_) return absl::FailedPreconditionError("no step has begun");
+  const uint64_t d = options_.map.num_params();
+  if (b > e || e > d) {
+    return absl::OutOfRangeError(
+        absl::StrCat("gradient range [", b, ", ", e, ") is not within [0, ", d, ")"));
+  }
+  if (b == e) return absl::OkStatus();
+  // Merge [b, e) into the released ranges.
+  auto it = ready_.upper_bound(b);
+  if (it != ready_.begin() && std::prev(it)->second >= b) {
+    --it;
+    b = it->first;
+  }
+  while (it != ready_.end() && it->first <= e) {
+    e = std::max(e, it->second);
+    it = ready_.erase(it);
+  }
+  ready_[b] = e;
+  // Push every chunk that [b, e) now covers, in the order of x.
+  auto first = std::lower_bound(by_begin_.begin(), by_begin_.end(), b,
+                                [&](size_t i, uint64_t v) { return chunks_[i].range.begin < v; });
+  for (auto c = first; c != by_begin_.end() && chunks_[*c].range.end <= e; ++c) {
+    if (pushed_[*c]) continue;
+    if (absl::Status st = PushChunk(*c, replica); !st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PsClient::CompleteStep(Replica* replica, const Check& check) {
+  if (!in_step_) return absl::FailedPreconditionError("no step has begun");
+  in_step_ = false;  // a failed step is not retried: the job fails
+  for (size_t i = 0; i < chunks_.size(); ++i) {
+    if (pushed_[i]) continue;
+    if (absl::Status st = PushChunk(i, replica); !st.ok()) return st;
+  }
+  int last_warmup = -1;  // unknown until the first reply
+  std::vector<bool> got(chunks_.size(), false);
+  absl::Status st = ReceiveAll(
+      absl::StrCat("step ", step_),
+      [&](uint32_t k, std::vector<zmq::message_t>& frames) {
+        return HandleReply(k, frames, replica, &got, &last_warmup);
+      },
+      check);
+  if (!st.ok()) return st;
   if (absl::Status st = replica->FinishStep(last_warmup == 1); !st.ok()) return st;
   const uint64_t end_ns = MonotonicNs();
   auto seconds = [](uint64_t from, uint64_t to) { return to > from ? (to - from) * 1e-9 : 0.0; };
-  push_s_ = seconds(start_ns, last_pushed_ns_);
+  push_s_ = seconds(start_ns_, last_pushed_ns_);
   reply_s_ = seconds(first_sent_ns_, end_ns);
   return absl::OkStatus();
+}
+
+absl::Status PsClient::PushPull(uint64_t step, Replica* replica, const Check& check) {
+  if (absl::Status st = BeginStep(step, std::nullopt); !st.ok()) return st;
+  return CompleteStep(replica, check);
 }
 
 }  // namespace onebit

@@ -1,6 +1,7 @@
 // The worker's side of the data plane: one ZeroMQ DEALER per server; pushes
 // every shard's chunks (interleaved across servers, so all servers receive
-// at once), waits for every reply and adds the replied deltas to the replica.
+// at once, or in the order the caller releases them), waits for every reply
+// and has the replica apply them.
 //
 // Not thread-safe: one thread drives it.
 #ifndef ONEBIT_WORKER_PS_CLIENT_H_
@@ -8,13 +9,16 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "compress/codec.h"
+#include "net/data_plane.h"
 #include "shard/optimizer.h"
 #include "shard/shard_map.h"
 #include "worker/replica.h"
@@ -35,20 +39,38 @@ struct PsClientOptions {
 
 class PsClient {
  public:
+  // Runs between waits (~100 ms); a non-OK result aborts the wait with it.
+  using Check = std::function<absl::Status()>;
+
   static absl::StatusOr<std::unique_ptr<PsClient>> Connect(PsClientOptions options,
                                                            zmq::context_t* ctx);
 
-  // Rank 0 only, before step 0: sends x (fp32) so the masters start from the
-  // same initial parameters as the replicas.
+  // Rank 0 only, before step 0: sends x (fp32, host memory) so the masters
+  // start from it.
   absl::Status SendInit(const float* x);
+  // Every other rank, before step 0: fetches the masters' initial x (rank
+  // 0's, once it has arrived) into the replica.
+  absl::Status PullInit(Replica* replica, const Check& check);
 
-  // One step: pushes every chunk of the replica's gradient (the gradient in
-  // the warm-up, the compressed momentum after it), waits for all replies
-  // and has the replica apply them. The replica must follow
-  // options.optimizer. `check` runs between waits (~100 ms); a non-OK result
-  // aborts the step with it.
-  absl::Status PushPull(uint64_t step, Replica* replica,
-                        const std::function<absl::Status()>& check);
+  // A step in parts: BeginStep, then PushReady as gradient ranges become
+  // final (each chunk is pushed once all of it is ready), then CompleteStep,
+  // which pushes the rest, waits for every reply and has the replica apply
+  // them. The order of pushes does not change the result. `lr`: the step's
+  // learning rate when the caller sets it (sent with every push; the servers
+  // check that all workers agree); nullopt: the job's schedule.
+  absl::Status BeginStep(uint64_t step, std::optional<float> lr);
+  // Changes the current step's lr while none of its chunks has gone out.
+  absl::Status SetStepLr(std::optional<float> lr);
+  // [b, e) of the replica's gradient is final for this step.
+  absl::Status PushReady(uint64_t b, uint64_t e, Replica* replica);
+  absl::Status CompleteStep(Replica* replica, const Check& check);
+  // All three at once.
+  absl::Status PushPull(uint64_t step, Replica* replica, const Check& check);
+
+  // Whether a step is between BeginStep and the end of CompleteStep, and
+  // whether any of its chunks has gone out.
+  bool in_step() const { return in_step_; }
+  bool pushed_any() const { return pushed_count_ > 0; }
 
   // Bytes of the last step, headers included.
   uint64_t last_bytes_up() const { return bytes_up_; }
@@ -69,14 +91,35 @@ class PsClient {
   // and sends it.
   absl::Status SendChunk(size_t i, uint64_t step, const Codec& codec, int kind,
                          const std::function<absl::Status(const Range&, uint8_t*)>& encode);
-  absl::Status HandleReply(uint32_t server, uint64_t step, std::vector<zmq::message_t>& frames,
-                           Replica* replica, std::vector<bool>* got, int* last_warmup);
+  absl::Status PushChunk(size_t i, Replica* replica);
+  // Receives until every chunk of every server has been answered; `handle`
+  // takes one message of server k (and fails the wait with its error).
+  absl::Status ReceiveAll(
+      const std::string& what,
+      const std::function<absl::Status(uint32_t k, std::vector<zmq::message_t>&)>& handle,
+      const Check& check);
+  // Checks what every reply header must have: parses it, turns ERROR into
+  // its reason, checks version, job, kind, step, shard and chunk; returns
+  // the chunk's index into chunks_.
+  absl::StatusOr<size_t> CheckReply(uint32_t server, uint64_t step, int kind,
+                                    const std::vector<zmq::message_t>& frames, data::Header* h);
+  absl::Status HandleReply(uint32_t server, std::vector<zmq::message_t>& frames, Replica* replica,
+                           std::vector<bool>* got, int* last_warmup);
 
   PsClientOptions options_;
-  std::unique_ptr<const Codec> fp32_;  // INIT
+  std::unique_ptr<const Codec> fp32_;  // INIT, PULL
   std::vector<zmq::socket_t> sockets_;
   std::vector<Chunk> chunks_;                  // send order: interleaved across servers
   std::vector<std::vector<size_t>> by_shard_;  // shard -> chunk index -> chunks_ index
+  std::vector<size_t> by_begin_;               // chunks_ indices in the order of x
+  // The current step.
+  bool in_step_ = false;
+  uint64_t step_ = 0;
+  std::optional<float> lr_;
+  std::vector<bool> pushed_;  // by chunks_ index
+  size_t pushed_count_ = 0;
+  std::map<uint64_t, uint64_t> ready_;  // released ranges, merged: begin -> end
+  uint64_t start_ns_ = 0;               // the step's first push
   uint64_t bytes_up_ = 0;
   uint64_t bytes_down_ = 0;
   uint64_t last_pushed_ns_ = 0;  // max over this step's replies

@@ -1,4 +1,4 @@
-// onebit-reference: the single-process reference of DESIGN.md §1.5. Takes the
+// onebit-reference: the single-process reference of docs/design.md §1.5. Takes the
 // same config flags as onebit-launch and runs the whole job in this process,
 // with no network, through the same optimizer code. Its x is what every
 // distributed run of the same config must end with, bit for bit.

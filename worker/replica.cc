@@ -1,5 +1,7 @@
 #include "worker/replica.h"
 
+#include <algorithm>
+
 #include "absl/status/status.h"
 
 namespace onebit {
@@ -7,11 +9,11 @@ namespace {
 
 class CpuReplica final : public Replica {
  public:
-  CpuReplica(const Model* model, const WorkerOptimizer* optimizer)
+  CpuReplica(uint64_t d, const Model* model, const WorkerOptimizer* optimizer)
       : model_(model),
         opt_(optimizer),
         evaluator_(dynamic_cast<const Evaluator*>(model)),
-        g_(model->num_params(), 0.0f) {}
+        g_(d, 0.0f) {}
 
   const std::string& device() const override { return device_; }
   uint64_t num_params() const override { return g_.size(); }
@@ -20,18 +22,22 @@ class CpuReplica final : public Replica {
 
   absl::Status Init() override {
     opt_->InitState(g_.size(), &state_);
-    model_->Init(state_.x.data());
+    std::fill(g_.begin(), g_.end(), 0.0f);
+    if (model_ != nullptr) model_->Init(state_.x.data());
     return absl::OkStatus();
   }
+  float* params() override { return state_.x.data(); }
+  float* grads() override { return g_.data(); }
   absl::StatusOr<double> ComputeGradient(uint32_t rank, uint64_t step) override {
+    if (model_ == nullptr) return absl::FailedPreconditionError("the replica has no model");
     return model_->Gradient(state_.x.data(), rank, step, g_.data());
   }
   absl::Status Push(uint64_t step, uint64_t b, size_t n, uint8_t* out) override {
     return opt_->Push(step, g_.data(), b, n, &state_, out);
   }
-  absl::Status Apply(uint64_t step, bool last_warmup, const uint8_t* reply, uint64_t b,
+  absl::Status Apply(uint64_t step, float lr, bool last_warmup, const uint8_t* reply, uint64_t b,
                      size_t n) override {
-    return opt_->Apply(step, last_warmup, reply, b, n, &state_);
+    return opt_->Apply(step, lr, last_warmup, reply, b, n, &state_);
   }
   absl::Status FinishStep(bool entered_compression) override {
     if (entered_compression) opt_->EnterCompression(&state_);
@@ -39,6 +45,13 @@ class CpuReplica final : public Replica {
   }
   absl::Status ReadX(float* x) override {
     std::copy(state_.x.begin(), state_.x.end(), x);
+    return absl::OkStatus();
+  }
+  absl::Status WriteX(uint64_t b, size_t n, const float* host) override {
+    if (b > state_.x.size() || n > state_.x.size() - b) {
+      return absl::OutOfRangeError("WriteX: range outside the parameters");
+    }
+    std::copy(host, host + n, state_.x.begin() + b);
     return absl::OkStatus();
   }
   bool can_evaluate() const override { return evaluator_ != nullptr; }
@@ -58,8 +71,9 @@ class CpuReplica final : public Replica {
 
 }  // namespace
 
-std::unique_ptr<Replica> NewCpuReplica(const Model* model, const WorkerOptimizer* optimizer) {
-  return std::make_unique<CpuReplica>(model, optimizer);
+std::unique_ptr<Replica> NewCpuReplica(uint64_t d, const Model* model,
+                                       const WorkerOptimizer* optimizer) {
+  return std::make_unique<CpuReplica>(d, model, optimizer);
 }
 
 }  // namespace onebit

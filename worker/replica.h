@@ -33,10 +33,16 @@ class Replica {
   // The optimizer whose codecs and reply sizes the replica follows.
   virtual const WorkerOptimizer& optimizer() const = 0;
 
-  // x = the model's initial parameters, the rest of the state zero.
+  // x = the model's initial parameters (zero without a model), the rest of
+  // the state zero.
   virtual absl::Status Init() = 0;
+  // x and the gradient, d floats each, in the replica's memory (host or
+  // device): a caller's own model reads x and writes the gradient there.
+  // Push reads the gradient; Apply may use it as scratch.
+  virtual float* params() = 0;
+  virtual float* grads() = 0;
   // Computes and keeps the gradient of worker `rank`'s loss at x for `step`;
-  // returns the loss.
+  // returns the loss. FailedPrecondition without a model.
   virtual absl::StatusOr<double> ComputeGradient(uint32_t rank, uint64_t step) = 0;
   // The push of elements [b, b + n) for `step` from the kept gradient:
   // optimizer().push_codec(phase()).EncodedSize(n) bytes into host memory
@@ -45,22 +51,28 @@ class Replica {
   // Applies the server's reply for [b, b + n) (host memory, ReplyBytes bytes;
   // see WorkerOptimizer::Apply). A device may still be working when this
   // returns, but `reply` is no longer needed.
-  virtual absl::Status Apply(uint64_t step, bool last_warmup, const uint8_t* reply, uint64_t b,
-                             size_t n) = 0;
+  // `lr`: the step's learning rate.
+  virtual absl::Status Apply(uint64_t step, float lr, bool last_warmup, const uint8_t* reply,
+                             uint64_t b, size_t n) = 0;
   // After the last reply of a step: waits for the device and reports its
   // errors; `entered_compression`: that step was the last of the warm-up.
   virtual absl::Status FinishStep(bool entered_compression) = 0;
 
   // Copies x[0, d) to host memory.
   virtual absl::Status ReadX(float* x) = 0;
+  // x[b, b + n) = host[0, n).
+  virtual absl::Status WriteX(uint64_t b, size_t n, const float* host) = 0;
   // Whether Evaluate works: the model has a test set.
   virtual bool can_evaluate() const = 0;
   // Scores x on the model's test set.
   virtual absl::StatusOr<EvalResult> Evaluate() = 0;
 };
 
-// The replica in host memory. `model` and `optimizer` must outlive it.
-std::unique_ptr<Replica> NewCpuReplica(const Model* model, const WorkerOptimizer* optimizer);
+// The replica of d parameters in host memory. `model` (may be null: the
+// caller computes gradients into grads()) and `optimizer` must outlive it;
+// a model must have d parameters.
+std::unique_ptr<Replica> NewCpuReplica(uint64_t d, const Model* model,
+                                       const WorkerOptimizer* optimizer);
 
 }  // namespace onebit
 

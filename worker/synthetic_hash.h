@@ -3,7 +3,7 @@
 // both compute the same gradient bit for bit. Plain integer and fp32
 // operations, each an IEEE operation on either side as long as no FMA is
 // contracted (-ffp-contract=off for g++, -fmad=false for nvcc: both set in the
-// build, DESIGN.md §1.3).
+// build, docs/design.md §1.3).
 #ifndef ONEBIT_WORKER_SYNTHETIC_HASH_H_
 #define ONEBIT_WORKER_SYNTHETIC_HASH_H_
 

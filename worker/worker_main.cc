@@ -1,24 +1,19 @@
-// onebit-worker: registers with the coordinator, connects to every server and
-// runs the training loop: gradient -> push every shard -> wait for the
-// replies -> apply. Reports per-step metrics through its heartbeat and the
-// checksums of its replica at the end.
+// onebit-worker: the built-in models (synthetic, mlp) trained by the
+// library's Worker (include/onebit/worker.h): gradient -> Step() -> repeat,
+// with the test set scored on rank 0 and a progress line.
 #include <cstdio>
 #include <fstream>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "net/checksum.h"
-#include "net/control.h"
 #include "net/data_plane.h"
 #include "net/flags.h"
-#include "net/health.h"
-#include "net/job_config.h"
 #include "net/run_folder.h"
-#include "worker/device.h"
+#include "onebit/worker.h"
 #include "worker/model.h"
-#include "worker/ps_client.h"
-#include "worker/replica.h"
+#include "worker/worker_internal.h"
 
 ABSL_FLAG(std::string, coordinator, "", "coordinator address host:port (required)");
 ABSL_FLAG(int32_t, rank, -1, "worker rank to request; -1: any free one");
@@ -44,90 +39,38 @@ namespace {
 int Main(int argc, char** argv) {
   KeepLargeBuffers();
   ParseFlagsOrExit(argc, argv,
-                   "onebit-worker --coordinator HOST:PORT [--rank R]\n"
-                   "Trains: computes gradients, pushes them to the servers, applies the replies.");
-  const std::string coordinator = absl::GetFlag(FLAGS_coordinator);
-  if (coordinator.empty()) ExitFlagError("coordinator", "required");
-  const int health_port = absl::GetFlag(FLAGS_health_port);
-  if (health_port < 0 || health_port > 65535) ExitFlagError("health_port", "must be in [0, 65535]");
-  std::string advertise = absl::GetFlag(FLAGS_advertise_host);
-  if (advertise.empty()) advertise = Hostname();
-  // Before joining: a worker that cannot use its device must not hold up a job.
-  auto device = ChooseDevice(absl::GetFlag(FLAGS_device));
-  if (!device.ok()) ExitError(2, std::string(device.status().message()));
-  if (!device->notice.empty()) std::fprintf(stderr, "onebit-worker: %s\n", device->notice.c_str());
-
-  int health_bound = 0;
-  auto health = StartHealthServer(absl::GetFlag(FLAGS_bind_host), health_port, &health_bound);
-  if (!health.ok()) ExitError(1, std::string(health.status().message()));
-
-  auto stub = control::Coordinator::NewStub(MakeChannel(coordinator));
-  control::RegisterRequest req;
-  req.set_role(control::WORKER);
-  req.set_requested_rank(absl::GetFlag(FLAGS_rank));
-  req.set_health_endpoint(absl::StrCat(advertise, ":", health_bound));
-  req.set_host(Hostname());
-  req.set_device(DeviceName(*device));
-  auto reg =
-      RegisterWithCoordinator(stub.get(), coordinator, req, absl::GetFlag(FLAGS_register_timeout));
-  if (!reg.ok()) ExitError(1, std::string(reg.status().message()));
-  const control::TrainingConfig& cfg = reg->config();
-  const uint32_t rank = reg->rank();
-  const absl::Duration hb_timeout = absl::Milliseconds(cfg.heartbeat_timeout_ms());
-  Heartbeater hb(stub.get(), coordinator, control::WORKER, rank, reg->job_id(),
-                 std::clamp(hb_timeout / 10, absl::Milliseconds(20), absl::Seconds(1)), hb_timeout);
-  hb.Start();
-
-  auto map = ShardMap::Deserialize(reg->shard_map());
-  if (!map.ok()) FailAndExit(&hb, absl::StrCat("bad shard map: ", map.status().message()));
-  auto model = NewModel(cfg);
-  if (!model.ok()) FailAndExit(&hb, std::string(model.status().message()));
-  const uint64_t d = (*model)->num_params();
-  if (d != map->num_params()) FailAndExit(&hb, "model size differs from the shard map");
-
-  auto opt_options = OptimizerOptionsFromConfig(cfg);
-  if (!opt_options.ok()) FailAndExit(&hb, std::string(opt_options.status().message()));
-  auto optimizer = WorkerOptimizer::Create(*opt_options);
-  if (!optimizer.ok()) FailAndExit(&hb, std::string(optimizer.status().message()));
-
-  zmq::context_t ctx(static_cast<int>(std::min<uint32_t>(cfg.servers(), 2)));
-  PsClientOptions po;
-  po.job_id = reg->job_id();
-  po.rank = rank;
-  po.map = *map;
-  po.chunk_elems = cfg.chunk_elems();
-  po.optimizer = optimizer->get();
-  for (const auto& s : reg->servers()) po.server_endpoints.push_back(s.data_endpoint());
-  // The server gives up on a missing push after the step timeout and tells
-  // us why; this is the backstop for a server that died.
-  po.reply_timeout = 2 * absl::Milliseconds(cfg.step_timeout_ms());
-  auto client = PsClient::Connect(po, &ctx);
-  if (!client.ok()) FailAndExit(&hb, std::string(client.status().message()));
-
-  auto replica = NewReplica(*device, model->get(), optimizer->get());
-  if (!replica.ok()) {
-    FailAndExit(&hb, absl::StrCat("worker ", rank, ": --device ", absl::GetFlag(FLAGS_device), ": ",
-                                  replica.status().message()));
+                   "onebit-worker --coordinator HOST:PORT [--rank R] [--device D]\n"
+                   "Trains the job's built-in model: computes gradients, pushes them to the "
+                   "servers, applies the replies.");
+  WorkerOptions o;
+  o.coordinator = absl::GetFlag(FLAGS_coordinator);
+  if (o.coordinator.empty()) ExitFlagError("coordinator", "required");
+  o.rank = absl::GetFlag(FLAGS_rank);
+  o.health_port = absl::GetFlag(FLAGS_health_port);
+  if (o.health_port < 0 || o.health_port > 65535) {
+    ExitFlagError("health_port", "must be in [0, 65535]");
   }
-  Replica& rep = **replica;
-  if (absl::Status st = rep.Init(); !st.ok()) {
-    FailAndExit(
-        &hb, absl::StrCat("worker ", rank, ": initialising on ", rep.device(), ": ", st.message()));
+  o.bind_host = absl::GetFlag(FLAGS_bind_host);
+  o.advertise_host = absl::GetFlag(FLAGS_advertise_host);
+  o.device = absl::GetFlag(FLAGS_device);
+  o.register_timeout = absl::GetFlag(FLAGS_register_timeout);
+  auto connected = ConnectWithModel(o, NewModel);
+  if (!connected.ok()) {
+    const bool device = absl::StartsWith(connected.status().message(), "--device");
+    ExitError(device ? 2 : 1, std::string(connected.status().message()));
   }
-  std::fprintf(stderr, "worker %u: training on %s\n", rank, rep.device().c_str());
-  std::vector<float> x(d);
-  if (rank == 0) {
-    absl::Status st = rep.ReadX(x.data());
-    if (st.ok()) st = (*client)->SendInit(x.data());
-    if (!st.ok()) FailAndExit(&hb, absl::StrCat("worker 0: sending the initial x: ", st.message()));
-  }
-  auto check = [&]() -> absl::Status {
-    if (hb.command() == control::CONTINUE) return absl::OkStatus();
-    return absl::AbortedError(absl::StrCat("job aborted by the coordinator: ", hb.reason()));
+  Worker& w = **connected;
+  const uint32_t rank = w.rank();
+  auto fail = [&](absl::string_view what, const absl::Status& st) {
+    ExitError(1, absl::StrCat("worker ", rank, ": ", what, st.message()));
   };
+  Replica& rep = WorkerAccess::replica(w);
+  const control::TrainingConfig& cfg = WorkerAccess::config(w);
+  std::fprintf(stderr, "worker %u: training on %s\n", rank, w.device().c_str());
+  if (absl::Status st = w.BroadcastParameters(); !st.ok()) fail("", st);
 
   const uint64_t steps = cfg.steps();
-  const uint64_t per_epoch = (*model)->steps_per_epoch();
+  const uint64_t per_epoch = WorkerAccess::model(w)->steps_per_epoch();
   const bool evaluate = rank == 0 && cfg.eval_every() > 0 && rep.can_evaluate();
   double last_accuracy = -1;
   const int64_t stall = absl::GetFlag(FLAGS_stall_at_step);
@@ -139,48 +82,38 @@ int Main(int argc, char** argv) {
     if (stall >= 0 && step == static_cast<uint64_t>(stall)) {
       std::fprintf(stderr, "worker %u: stalling at step %llu (--stall_at_step)\n", rank,
                    static_cast<unsigned long long>(step));
-      while (hb.WaitForCommand(absl::Seconds(1)) == control::CONTINUE) {
+      absl::Status st;
+      while ((st = WorkerAccess::WaitForJobEnd(w, absl::Seconds(1))).ok()) {
       }
-      ExitError(1, absl::StrCat("worker ", rank, ": ", check().message()));
+      fail("", st);
     }
-    const absl::Time s0 = absl::Now();
     auto loss = rep.ComputeGradient(rank, step);
-    if (!loss.ok()) FailAndExit(&hb, absl::StrCat("worker ", rank, ": ", loss.status().message()));
-    const Phase phase = rep.phase();
-    absl::Status st = (*client)->PushPull(step, &rep, check);
-    if (!st.ok()) FailAndExit(&hb, absl::StrCat("worker ", rank, ": ", st.message()));
-    const absl::Time s1 = absl::Now();
-    control::StepMetrics m;
-    m.set_step(step);
-    m.set_loss(static_cast<float>(*loss));
-    m.set_wall_s(absl::ToDoubleSeconds(s1 - t0));
-    m.set_step_s(absl::ToDoubleSeconds(s1 - s0));
-    m.set_bytes_up((*client)->last_bytes_up());
-    m.set_bytes_down((*client)->last_bytes_down());
-    m.set_push_s((*client)->last_push_s());
-    m.set_reply_s((*client)->last_reply_s());
-    m.set_phase(phase == Phase::kCompress ? "compress" : "warmup");
-    if (per_epoch > 0) m.set_epoch(static_cast<double>(step + 1) / per_epoch);
+    if (!loss.ok()) fail("", WorkerAccess::Fail(w, loss.status()));
+    StepOptions so;
+    so.loss = *loss;
+    if (per_epoch > 0) so.epoch = static_cast<double>(step + 1) / per_epoch;
+    auto stats = w.Step(so);
+    if (!stats.ok()) fail("", stats.status());
     // Rank 0 scores its replica (equal to every other) on the test set.
     if (evaluate && ((step + 1) % cfg.eval_every() == 0 || step + 1 == steps)) {
       auto eval = rep.Evaluate();
-      if (!eval.ok())
-        FailAndExit(&hb, absl::StrCat("worker 0: evaluation: ", eval.status().message()));
-      m.set_has_eval(true);
-      m.set_test_loss(eval->loss);
-      m.set_test_accuracy(eval->accuracy);
+      if (!eval.ok()) {
+        fail("", WorkerAccess::Fail(
+                     w, absl::Status(eval.status().code(),
+                                     absl::StrCat("evaluation: ", eval.status().message()))));
+      }
+      WorkerAccess::AttachEvaluation(w, eval->loss, eval->accuracy);
       last_accuracy = eval->accuracy;
     }
-    total_up += m.bytes_up();
-    total_down += m.bytes_down();
-    hb.AddMetrics(m);
-    hb.SetStep(step + 1);
-    if (s1 - last_progress >= progress_every || step + 1 == steps) {
-      last_progress = s1;
-      const double elapsed = absl::ToDoubleSeconds(s1 - t0);
+    total_up += stats->bytes_up;
+    total_down += stats->bytes_down;
+    const absl::Time now = absl::Now();
+    if (now - last_progress >= progress_every || step + 1 == steps) {
+      last_progress = now;
+      const double elapsed = absl::ToDoubleSeconds(now - t0);
       const double rate = static_cast<double>(step + 1) / std::max(elapsed, 1e-9);
       const std::string epoch =
-          per_epoch > 0 ? absl::StrFormat(" epoch %.2f", m.epoch()) : std::string();
+          per_epoch > 0 ? absl::StrFormat(" epoch %.2f", so.epoch) : std::string();
       const std::string acc =
           last_accuracy >= 0 ? absl::StrFormat(" test acc %.4f", last_accuracy) : std::string();
       std::fprintf(stderr,
@@ -188,33 +121,22 @@ int Main(int argc, char** argv) {
                    "MB ETA %.0fs\n",
                    rank, static_cast<unsigned long long>(step + 1),
                    static_cast<unsigned long long>(steps), epoch.c_str(), *loss, acc.c_str(),
-                   m.phase().c_str(), rate, total_up / 1e6, total_down / 1e6,
-                   static_cast<double>(steps - step - 1) / rate);
+                   stats->compressed ? "compress" : "warmup", rate, total_up / 1e6,
+                   total_down / 1e6, static_cast<double>(steps - step - 1) / rate);
     }
   }
 
-  if (absl::Status st = rep.ReadX(x.data()); !st.ok()) {
-    FailAndExit(
-        &hb, absl::StrCat("worker ", rank, ": reading x from ", rep.device(), ": ", st.message()));
-  }
-  std::vector<control::ShardChecksum> sums;
-  for (uint32_t k = 0; k < map->num_shards(); ++k) {
-    const Range r = map->shard(k);
-    control::ShardChecksum c;
-    c.set_shard(k);
-    c.set_begin(r.begin);
-    c.set_end(r.end);
-    c.set_crc32(Crc32OfFloats(x.data() + r.begin, r.size()));
-    sums.push_back(c);
-  }
   const std::string dump = absl::GetFlag(FLAGS_dump_x);
   if (!dump.empty()) {
-    absl::Status st = WriteFloats(dump, x);
-    if (!st.ok()) FailAndExit(&hb, absl::StrCat("--dump_x: ", st.message()));
+    std::vector<float> x(w.num_params());
+    absl::Status st = w.ReadParams(x.data());
+    if (st.ok()) st = WriteFloats(dump, x);
+    if (!st.ok()) {
+      fail("", WorkerAccess::Fail(
+                   w, absl::Status(st.code(), absl::StrCat("--dump_x: ", st.message()))));
+    }
   }
-
-  absl::Status st = hb.Done(sums);
-  if (!st.ok()) FailAndExit(&hb, absl::StrCat("worker ", rank, ": ", st.message()));
+  if (absl::Status st = w.Finish(); !st.ok()) fail("", st);
   return 0;
 }
 

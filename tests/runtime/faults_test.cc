@@ -1,4 +1,4 @@
-// Integration: bad input and faults (issue 3). Every refusal must name the
+// Integration: bad input and faults. Every refusal must name the
 // problem and change no state; every failure must name what died or is
 // missing, within its timeout, never hang.
 #include <arpa/inet.h>

@@ -1,5 +1,5 @@
 // Helpers for the runtime tests: running the binaries, reading run folders,
-// and the single-process reference of a job (the oracle of DESIGN.md §1.5
+// and the single-process reference of a job (the oracle of docs/design.md §1.5
 // for sgd/adam: same model, same codecs, same update rule, same order).
 #ifndef ONEBIT_TESTS_RUNTIME_TEST_UTIL_H_
 #define ONEBIT_TESTS_RUNTIME_TEST_UTIL_H_

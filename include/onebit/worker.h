@@ -1,0 +1,177 @@
+// onebit-ps from the worker's side: the training loop is yours, the optimizer
+// is the job's. A Worker joins a job (onebit-coordinator, onebit-launch),
+// holds the model's parameters as one flat fp32 vector, and turns each
+// step's gradient into an update through the parameter servers: momentum,
+// error feedback and 1-bit compression on the way out, the servers' reply
+// applied on the way back, so every worker's parameters stay equal, bit for
+// bit, to every other's and to the servers' master copy.
+//
+//   onebit::WorkerOptions o;
+//   o.coordinator = "10.0.0.1:7070";
+//   o.num_params = d;
+//   auto w = onebit::Worker::Connect(o);          // check w.ok()
+//   InitMyModel((*w)->params());                  // any values: rank 0's win
+//   (*w)->BroadcastParameters();
+//   for (...) {
+//     onebit::StepOptions s;
+//     s.loss = MyBackward((*w)->params(), (*w)->grads());
+//     auto stats = (*w)->Step(s);
+//   }
+//   (*w)->Finish();
+//
+// Every call returns an error instead of exiting; after a failed call the
+// worker has told the coordinator, the job is over, and later calls return
+// the same error. Calls must not overlap (one thread at a time; they may come
+// from different threads).
+#ifndef ONEBIT_WORKER_H_
+#define ONEBIT_WORKER_H_
+
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+
+namespace onebit {
+
+struct WorkerOptions {
+  // "host:port" of the job's coordinator. Required.
+  std::string coordinator;
+  // The rank to ask for; -1: any free one.
+  int rank = -1;
+  // d, the length of params() and grads(): the number of parameters of your
+  // model. Every worker must declare the same d; a --model external job is
+  // sharded by it. 0: the job's built-in model decides (onebit-worker).
+  uint64_t num_params = 0;
+  // Where params() and grads() live: "cpu" (host memory); "cuda" or
+  // "cuda:N" (a GPU; an error when none is usable or the library was built
+  // without CUDA); "auto" (GPU 0 when usable, else the CPU); "cuda-twin"
+  // (the GPU code path on the CPU, for tests).
+  std::string device = "cpu";
+  // This worker's address for the cluster status; default: the hostname.
+  std::string advertise_host;
+  // Where its grpc.health.v1 service listens; port 0: any free port.
+  std::string bind_host = "0.0.0.0";
+  int health_port = 0;
+  // How long to wait for the coordinator and the rest of the cluster.
+  absl::Duration register_timeout = absl::Seconds(60);
+};
+
+// Options from the environment onebit-launch --worker_cmd (or a Kubernetes
+// manifest) sets: ONEBIT_COORDINATOR (required), ONEBIT_RANK (else RANK;
+// else any), ONEBIT_DEVICE, ONEBIT_ADVERTISE_HOST; `num_params` as given.
+// An error names a missing or malformed variable.
+absl::StatusOr<WorkerOptions> WorkerOptionsFromEnvironment(uint64_t num_params);
+
+// The job this worker belongs to, fixed once Connect returns.
+struct JobInfo {
+  uint64_t job_id = 0;
+  uint32_t rank = 0;
+  uint32_t workers = 0;
+  uint32_t servers = 0;
+  uint64_t num_params = 0;
+  // Steps the job runs; 0: until every worker has called Finish().
+  uint64_t steps = 0;
+  std::string model;      // "external" for your own, or a built-in's name
+  std::string optimizer;  // "onebit-adam", "adam", "ef-sgd", ...
+  float lr = 0;           // the base learning rate of the job's schedule
+  // The job's whole training config as JSON (the coordinator's settings).
+  std::string config_json;
+};
+
+struct StepOptions {
+  // Your loss at this step, for metrics.csv (NaN: none reported).
+  double loss = std::numeric_limits<double>::quiet_NaN();
+  // Fractional epochs done after this step, for metrics.csv (0: none).
+  double epoch = 0;
+};
+
+struct StepStats {
+  uint64_t step = 0;        // the step just completed (0-based)
+  bool compressed = false;  // it ran in the compression phase (1-bit)
+  uint64_t bytes_up = 0;    // sent to the servers, headers included
+  uint64_t bytes_down = 0;  // received from them
+  double step_s = 0;        // from the first push to the last reply applied
+  double push_s = 0;        // see metrics.csv: same-host clocks only
+  double reply_s = 0;
+};
+
+class Worker {
+ public:
+  // Registers with the coordinator and waits until the whole cluster has
+  // (at most options.register_timeout), then connects to every server.
+  // params() and grads() are zero.
+  static absl::StatusOr<std::unique_ptr<Worker>> Connect(const WorkerOptions& options);
+
+  // Without Finish(), tells the coordinator that this worker left: the job
+  // fails rather than waiting for it.
+  ~Worker();
+
+  const JobInfo& job() const;
+  uint32_t rank() const { return job().rank; }
+  uint64_t num_params() const { return job().num_params; }
+  // Where the buffers live, e.g. "cpu" or "cuda:0 (NVIDIA H200)"; and
+  // whether that is device memory (then params() and grads() are device
+  // pointers).
+  const std::string& device() const;
+  bool on_device() const;
+
+  // The parameters x[0, d) and the gradient g[0, d). Your model reads x and
+  // writes g; Step() reads g and updates x. Write x yourself only before
+  // BroadcastParameters(). g is scratch for Step(): write all of it every
+  // step. The pointers stay valid for the Worker's life.
+  float* params();
+  float* grads();
+
+  // Before the first step: rank 0's params() become every worker's and the
+  // servers' master copy, so each rank may initialise its model its own
+  // way. Blocks until this worker has them.
+  absl::Status BroadcastParameters();
+
+  // The learning rate of this step and the following ones (until changed),
+  // instead of the job's schedule; every worker must set the same, else the
+  // step fails and nothing is applied. Call before the step's first
+  // GradientsReady(); lr finite and >= 0.
+  absl::Status SetLearningRate(float lr);
+
+  // Overlap: g[begin, end) is final for the current step, so the chunks it
+  // completes are compressed and pushed now, while you compute the rest.
+  // Ranges may come in any order and overlap; the result equals a plain
+  // Step(). x must not change meanwhile: replies are applied in Step().
+  absl::Status GradientsReady(uint64_t begin, uint64_t end);
+
+  // Completes the step: pushes what GradientsReady has not, waits for every
+  // server's reply (each wait bounded by the job's step timeout) and applies
+  // them to params().
+  absl::StatusOr<StepStats> Step(const StepOptions& options = {});
+
+  // Steps completed, and whether the next runs in the compression phase.
+  uint64_t steps_done() const;
+  bool compressing() const;
+
+  // Copies params() to host memory (d floats).
+  absl::Status ReadParams(float* out) const;
+
+  // Ends this worker's part: sends the checksums of its parameters to the
+  // coordinator, which compares them with every other replica and the
+  // masters. In a job with a fixed step count, call it after the last step.
+  absl::Status Finish();
+
+  // Ends the job now with this reason (shown by the coordinator).
+  void Abort(absl::string_view reason);
+
+  struct Impl;
+
+ private:
+  explicit Worker(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+  friend struct WorkerAccess;
+};
+
+}  // namespace onebit
+
+#endif  // ONEBIT_WORKER_H_

@@ -1,0 +1,112 @@
+// The job settings on the command line (onebit_job_flags): the functions of
+// net/job_config.h that only onebit-coordinator, onebit-launch and
+// onebit-reference link.
+#include <cstdio>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "net/config_file.h"
+#include "net/flags.h"
+#include "net/job_config.h"
+#include "net/job_settings.h"
+
+namespace onebit {
+namespace {
+
+// The job settings and --config as ExtraFlags: values are checked as they
+// are parsed, so an error names the flag as it was given, and kept in order
+// until the file has been read (the command line wins).
+class JobFlags : public ExtraFlags {
+ public:
+  bool Has(const std::string& name, bool* is_bool) const override {
+    const JobSetting* s = FindJobSetting(name);
+    *is_bool = s != nullptr && s->type == SettingType::kBool;
+    return s != nullptr || name == "config";
+  }
+
+  absl::Status Set(const std::string& name, const std::string& value) override {
+    if (name == "config") {
+      config_path_ = value;
+      return absl::OkStatus();
+    }
+    const JobSetting* s = FindJobSetting(name);
+    control::TrainingConfig scratch;
+    if (absl::Status st = SetJobSetting(*s, value, &scratch); !st.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("invalid value '", value, "': ", st.message()));
+    }
+    values_.emplace_back(s, value);
+    return absl::OkStatus();
+  }
+
+  std::string Help() const override {
+    return absl::StrCat(
+        "\nJob settings (one config for the whole job: onebit-launch forwards it to\n"
+        "onebit-coordinator, which hands it to every server and worker):\n",
+        FlagHelpEntry("config",
+                      "JSON file of job settings, keys as the flags' names; or a DeepSpeed "
+                      "config, whose optimizer section sets ours, with an \"onebit\" section "
+                      "of job settings; the command line wins",
+                      "\"\""),
+        JobSettingsHelp());
+  }
+
+  absl::StatusOr<control::TrainingConfig> Build(std::vector<std::string>* ignored) const {
+    control::TrainingConfig c = DefaultJobConfig();
+    std::set<std::string> given;
+    std::vector<std::string> dropped;
+    if (!config_path_.empty()) {
+      if (absl::Status st = LoadConfigFile(config_path_, &c, &given, &dropped); !st.ok()) {
+        return st;
+      }
+    }
+    for (const auto& [s, value] : values_) {
+      SetJobSetting(*s, value, &c).IgnoreError();  // checked by Set
+      given.insert(s->name);
+    }
+    if (absl::Status st = ResolveConfig(given, &c); !st.ok()) return st;
+    if (absl::Status st = ValidateConfig(c); !st.ok()) return st;
+    if (ignored != nullptr) *ignored = std::move(dropped);
+    return c;
+  }
+
+  const std::string& config_path() const { return config_path_; }
+
+ private:
+  std::string config_path_;
+  std::vector<std::pair<const JobSetting*, std::string>> values_;
+};
+
+control::TrainingConfig& CommandLineConfig() {
+  static control::TrainingConfig* config = new control::TrainingConfig(DefaultJobConfig());
+  return *config;
+}
+
+}  // namespace
+
+absl::StatusOr<control::TrainingConfig> ConfigFromFlags(const std::vector<std::string>& args,
+                                                        std::vector<std::string>* ignored) {
+  JobFlags flags;
+  if (absl::Status st = ParseExtraFlags(args, &flags); !st.ok()) return st;
+  return flags.Build(ignored);
+}
+
+control::TrainingConfig ConfigFromCommandLineOrExit(int argc, char** argv,
+                                                    absl::string_view usage) {
+  JobFlags flags;
+  ParseFlagsOrExit(argc, argv, usage, &flags);
+  std::vector<std::string> ignored;
+  auto cfg = flags.Build(&ignored);
+  if (!cfg.ok()) ExitError(2, std::string(cfg.status().message()));
+  if (!ignored.empty()) {
+    std::fprintf(stderr, "%s: --config %s: ignored DeepSpeed keys: %s\n", ProgramName().c_str(),
+                 flags.config_path().c_str(), absl::StrJoin(ignored, ", ").c_str());
+  }
+  CommandLineConfig() = *cfg;
+  return *std::move(cfg);
+}
+
+std::vector<std::string> ConfigFlagArgs() { return ConfigFlagArgs(CommandLineConfig()); }
+
+}  // namespace onebit

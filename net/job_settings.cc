@@ -1,0 +1,247 @@
+#include "net/job_settings.h"
+
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_replace.h"
+#include "absl/time/time.h"
+#include "google/protobuf/descriptor.h"
+#include "net/flags.h"
+
+namespace onebit {
+namespace {
+
+using T = SettingType;
+
+// A new setting: add its TrainingConfig field (proto/control.proto) and one
+// row here; validation, if any, goes in ValidateConfig.
+constexpr JobSetting kSettings[] = {
+    {"workers", T::kUint32, "1", "cluster", "number of workers N"},
+    {"servers", T::kUint32, "1", "cluster", "number of servers S (one shard each)"},
+
+    {"model", T::kString, "synthetic", "model",
+     "model: synthetic (a noisy quadratic) | mlp (Fashion-MNIST) | external (the workers' own "
+     "program, onebit-launch --worker-cmd: they declare d, and the job ends when every worker "
+     "has finished unless --steps is given)"},
+    {"dim", T::kUint64, "1000", "model", "parameters d (synthetic model)"},
+    {"steps", T::kUint64, "10", "model", "training steps (see --epochs)"},
+    {"seed", T::kUint64, "1", "model", "seed of the model, its data and its noise"},
+    {"noise", T::kFloat, "0.1", "model", "synthetic: gradient noise scale"},
+    {"curvature_spread", T::kFloat, "0", "model",
+     "synthetic: spread the curvatures over 10^±spread (an ill-conditioned problem)"},
+    {"skip_model", T::kBool, "false", "model",
+     "synthetic: skip the model arithmetic (zero gradients; data-plane benchmark)"},
+    {"epochs", T::kUint32, "0", "model",
+     "mlp: train this many epochs (sets --steps: an epoch is 60000 / (N * batch) steps, or "
+     "--max_train / (N * batch))"},
+    {"layers", T::kString, "784-256-128-10", "model", "mlp: layer widths"},
+    {"batch", T::kUint32, "64", "model", "mlp: local batch per worker"},
+    {"data_dir", T::kString, "/usr/share/datasets/fashion-mnist", "model",
+     "mlp: folder of the Fashion-MNIST IDX files (.gz)"},
+    {"eval_every", T::kUint64, "0", "model",
+     "mlp: evaluate the test set every this many steps (0: once an epoch) and at the end"},
+    {"max_train", T::kUint32, "0", "model", "mlp: use only the first N training images (0: all)"},
+    {"max_test", T::kUint32, "0", "model", "mlp: use only the first N test images (0: all)"},
+    {"blas_threads", T::kUint32, "1", "model", "mlp: OpenBLAS threads per worker"},
+
+    {"optimizer", T::kString, "sgd", "optimizer",
+     "sgd | adam | onebit-adam | naive-onebit-adam | ef-sgd (docs/design.md §1.4)"},
+    {"lr", T::kFloat, "0.01", "optimizer", "learning rate"},
+    {"lr_schedule", T::kString, "constant", "optimizer",
+     "learning rate schedule: constant | warmup:N | cosine"},
+    {"beta1", T::kFloat, "0.9", "optimizer", "Adam beta1"},
+    {"beta2", T::kFloat, "0.999", "optimizer", "Adam beta2"},
+    {"eps", T::kFloat, "1e-8", "optimizer", "Adam epsilon"},
+    {"weight_decay", T::kFloat, "0", "optimizer", "decoupled weight decay"},
+    {"bias_correction", T::kBool, "false", "optimizer",
+     "Adam bias correction (off, as DeepSpeed's OneBitAdam)"},
+    {"freeze_step", T::kUint64, "0", "optimizer",
+     "first compression step (the warm-up is steps 0..N-1); 0: use --freeze"},
+    {"freeze", T::kString, "", "optimizer",
+     "auto[:tau[:window]]: freeze once ||v_t - v_{t-K}||_1 / ||v_t||_1 < tau on every shard, "
+     "checked every K steps (default auto:0.05:50 when --freeze_step is not given)"},
+    {"v_floor", T::kFloat, "1e-8", "optimizer",
+     "floor of the frozen variance: v = max(v, v_floor)"},
+
+    {"worker_codec", T::kString, "", "compression",
+     "compression-phase push codec: fp32 | fp16 | onebit (default: onebit for the compressing "
+     "optimizers, fp32 otherwise)"},
+    {"server_codec", T::kString, "", "compression",
+     "compression-phase reply codec (default as --worker_codec)"},
+    {"error_feedback", T::kString, "both", "compression",
+     "error feedback: both | worker | server | none"},
+    {"server_reply", T::kString, "", "compression",
+     "compression-phase reply: momentum (replicas equal the master) | delta (C(Δ + e_s)); "
+     "default momentum, delta for naive-onebit-adam"},
+    {"scale", T::kString, "l1", "compression",
+     "onebit block scale: l1 (mean |y|) | l2 (||y||/sqrt(n))"},
+    {"block_size", T::kUint32, "2048", "compression", "codec block size B (multiple of 32)"},
+
+    {"chunk_elems", T::kUint64, "1048576", "data plane",
+     "elements per data-plane chunk (multiple of --block-size; 1M fp32 = 4 MB)"},
+    {"step_timeout", T::kDuration, "30s", "data plane",
+     "how long a server waits for the missing pushes of a step, and a worker for its replies "
+     "(worker waits twice this)"},
+    {"heartbeat_timeout", T::kDuration, "10s", "data plane",
+     "a process silent this long is declared dead by the coordinator"},
+};
+
+std::string Normalize(absl::string_view name) { return absl::StrReplaceAll(name, {{"-", "_"}}); }
+
+const google::protobuf::FieldDescriptor* FieldOf(const JobSetting& s) {
+  const std::string field = s.type == T::kDuration ? absl::StrCat(s.name, "_ms") : s.name;
+  return control::TrainingConfig::descriptor()->FindFieldByName(field);
+}
+
+google::protobuf::FieldDescriptor::CppType CppTypeOf(SettingType t) {
+  using F = google::protobuf::FieldDescriptor;
+  switch (t) {
+    case T::kBool:
+      return F::CPPTYPE_BOOL;
+    case T::kUint32:
+    case T::kDuration:
+      return F::CPPTYPE_UINT32;
+    case T::kUint64:
+      return F::CPPTYPE_UINT64;
+    case T::kFloat:
+      return F::CPPTYPE_FLOAT;
+    case T::kString:
+      break;
+  }
+  return F::CPPTYPE_STRING;
+}
+
+const char* TypeName(SettingType t) {
+  switch (t) {
+    case T::kBool:
+      return "true or false";
+    case T::kUint32:
+    case T::kUint64:
+      return "an unsigned integer";
+    case T::kFloat:
+      return "a number";
+    case T::kDuration:
+      return "a duration like 30s or 500ms";
+    case T::kString:
+      break;
+  }
+  return "a string";
+}
+
+}  // namespace
+
+absl::Span<const JobSetting> JobSettings() { return kSettings; }
+
+const JobSetting* FindJobSetting(absl::string_view name) {
+  const std::string n = Normalize(name);
+  for (const JobSetting& s : kSettings) {
+    if (n == s.name) return &s;
+  }
+  return nullptr;
+}
+
+absl::Status SetJobSetting(const JobSetting& s, absl::string_view text,
+                           control::TrainingConfig* c) {
+  const google::protobuf::FieldDescriptor* f = FieldOf(s);
+  if (f == nullptr || f->is_repeated() || f->cpp_type() != CppTypeOf(s.type)) {
+    return absl::InternalError(absl::StrCat("no TrainingConfig field matches setting ", s.name));
+  }
+  const google::protobuf::Reflection* r = c->GetReflection();
+  const absl::Status bad = absl::InvalidArgumentError(absl::StrCat("want ", TypeName(s.type)));
+  const std::string t(absl::StripAsciiWhitespace(text));
+  switch (s.type) {
+    case T::kBool: {
+      bool v = false;
+      if (!absl::SimpleAtob(t, &v)) return bad;
+      r->SetBool(c, f, v);
+      break;
+    }
+    case T::kUint32: {
+      uint32_t v = 0;
+      if (!absl::SimpleAtoi(t, &v)) return bad;
+      r->SetUInt32(c, f, v);
+      break;
+    }
+    case T::kUint64: {
+      uint64_t v = 0;
+      if (!absl::SimpleAtoi(t, &v)) return bad;
+      r->SetUInt64(c, f, v);
+      break;
+    }
+    case T::kFloat: {
+      float v = 0;
+      if (!absl::SimpleAtof(t, &v)) return bad;
+      r->SetFloat(c, f, v);
+      break;
+    }
+    case T::kDuration: {
+      absl::Duration d;
+      if (!absl::ParseDuration(t, &d)) return bad;
+      if (d < absl::ZeroDuration() ||
+          d > absl::Milliseconds(std::numeric_limits<uint32_t>::max())) {
+        return absl::InvalidArgumentError("out of range (0 to 49 days)");
+      }
+      r->SetUInt32(c, f, static_cast<uint32_t>(absl::ToInt64Milliseconds(d)));
+      break;
+    }
+    case T::kString:
+      r->SetString(c, f, std::string(text));
+      break;
+  }
+  return absl::OkStatus();
+}
+
+std::string JobSettingText(const JobSetting& s, const control::TrainingConfig& c) {
+  const google::protobuf::FieldDescriptor* f = FieldOf(s);
+  if (f == nullptr || f->cpp_type() != CppTypeOf(s.type)) return "";
+  const google::protobuf::Reflection* r = c.GetReflection();
+  switch (s.type) {
+    case T::kBool:
+      return r->GetBool(c, f) ? "true" : "false";
+    case T::kUint32:
+      return absl::StrCat(r->GetUInt32(c, f));
+    case T::kUint64:
+      return absl::StrCat(r->GetUInt64(c, f));
+    case T::kFloat:
+      return absl::StrFormat("%.9g", r->GetFloat(c, f));  // 9 digits: exact for any float
+    case T::kDuration:
+      return absl::FormatDuration(absl::Milliseconds(r->GetUInt32(c, f)));
+    case T::kString:
+      break;
+  }
+  return r->GetString(c, f);
+}
+
+control::TrainingConfig DefaultJobConfig() {
+  control::TrainingConfig c;
+  // Every default parses (config_test checks), so errors cannot happen here.
+  for (const JobSetting& s : kSettings) SetJobSetting(s, s.default_value, &c).IgnoreError();
+  return c;
+}
+
+std::string JobSettingsHelp() {
+  std::string out;
+  std::vector<std::string> groups;
+  for (const JobSetting& s : kSettings) {
+    bool seen = false;
+    for (const std::string& g : groups) seen = seen || g == s.group;
+    if (!seen) groups.push_back(s.group);
+  }
+  for (const std::string& g : groups) {
+    absl::StrAppend(&out, "\n  ", g, ":\n");
+    for (const JobSetting& s : kSettings) {
+      if (g != s.group) continue;
+      const std::string dflt =
+          s.type == T::kString ? absl::StrCat("\"", s.default_value, "\"") : s.default_value;
+      absl::StrAppend(&out, FlagHelpEntry(s.name, s.help, dflt));
+    }
+  }
+  return out;
+}
+
+}  // namespace onebit

@@ -1,0 +1,116 @@
+// A worker program written against the public API (include/onebit/worker.h)
+// for the tests that run it through onebit-launch --worker_cmd. Its model is
+// a deterministic quadratic: g_i = x_i - t_i + noise(rank, step, i).
+//   --d N            parameters to declare (default 1000)
+//   --bad_d_rank R   rank R declares d + 1 instead
+//   --init rank|same each rank starts from its own x (rank-dependent) or
+//                    every rank from rank 0's values
+//   --steps N        steps to run when the job does not fix them
+//   --release K      release the gradient in K GradientsReady calls, last
+//                    range first (0: one plain Step())
+//   --lr V           SetLearningRate(V) before every step (<0: never)
+//   --lr_rank R --lr_value V   ... rank R sets V instead
+// Writes its final x to $ONEBIT_DUMP_X when set. Exits 1 with the error.
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "onebit/worker.h"
+
+namespace {
+
+float Noise(uint32_t rank, uint64_t step, uint64_t i) {
+  uint64_t h = (rank + 1) * 0x9E3779B97F4A7C15ull ^ (step + 7) * 0xC2B2AE3D27D4EB4Full ^ i;
+  h ^= h >> 31;
+  h *= 0xBF58476D1CE4E5B9ull;
+  h ^= h >> 29;
+  return static_cast<float>(static_cast<double>(h >> 40) / (1 << 24) - 0.5) * 0.1f;
+}
+
+int Fail(const std::string& what, const absl::Status& st) {
+  std::fprintf(stderr, "api_worker: %s: %s\n", what.c_str(), std::string(st.message()).c_str());
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  uint64_t d = 1000, steps = 6;
+  int bad_d_rank = -1, lr_rank = -1, release = 0;
+  std::string init = "rank";
+  double lr = -1, lr_value = 0;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i];
+    const char* v = argv[i + 1];
+    if (k == "--d")
+      d = std::strtoull(v, nullptr, 10);
+    else if (k == "--bad_d_rank")
+      bad_d_rank = std::atoi(v);
+    else if (k == "--init")
+      init = v;
+    else if (k == "--steps")
+      steps = std::strtoull(v, nullptr, 10);
+    else if (k == "--release")
+      release = std::atoi(v);
+    else if (k == "--lr")
+      lr = std::atof(v);
+    else if (k == "--lr_rank")
+      lr_rank = std::atoi(v);
+    else if (k == "--lr_value")
+      lr_value = std::atof(v);
+    else {
+      std::fprintf(stderr, "api_worker: unknown argument %s\n", k.c_str());
+      return 2;
+    }
+  }
+  const char* r = std::getenv("ONEBIT_RANK");
+  const int my_rank = r == nullptr ? -1 : std::atoi(r);
+  auto options = onebit::WorkerOptionsFromEnvironment(my_rank == bad_d_rank ? d + 1 : d);
+  if (!options.ok()) return Fail("environment", options.status());
+  auto connected = onebit::Worker::Connect(*options);
+  if (!connected.ok()) return Fail("connect", connected.status());
+  onebit::Worker& w = **connected;
+  const uint32_t rank = w.rank();
+  float* x = w.params();
+  for (uint64_t i = 0; i < d; ++i) {
+    x[i] = std::sin(0.01f * static_cast<float>(i) + (init == "same" ? 0.0f : 1.0f * rank));
+  }
+  if (absl::Status st = w.BroadcastParameters(); !st.ok()) return Fail("broadcast", st);
+  const uint64_t n = w.job().steps > 0 ? w.job().steps : steps;
+  for (uint64_t t = 0; t < n; ++t) {
+    const double my_lr = static_cast<int>(rank) == lr_rank ? lr_value : lr;
+    if (my_lr >= 0) {
+      if (absl::Status st = w.SetLearningRate(static_cast<float>(my_lr)); !st.ok()) {
+        return Fail("lr", st);
+      }
+    }
+    float* g = w.grads();
+    double loss = 0;
+    for (uint64_t i = 0; i < d; ++i) {
+      const float target = std::cos(0.003f * static_cast<float>(i));
+      g[i] = x[i] - target + Noise(rank, t, i);
+      loss += 0.5 * (x[i] - target) * (x[i] - target);
+    }
+    for (int k = release; k > 0; --k) {
+      if (absl::Status st = w.GradientsReady(d * (k - 1) / release, d * k / release); !st.ok()) {
+        return Fail("GradientsReady", st);
+      }
+    }
+    onebit::StepOptions so;
+    so.loss = loss / static_cast<double>(d);
+    auto stats = w.Step(so);
+    if (!stats.ok()) return Fail("step", stats.status());
+  }
+  if (const char* dump = std::getenv("ONEBIT_DUMP_X")) {
+    std::vector<float> out(d);
+    if (absl::Status st = w.ReadParams(out.data()); !st.ok()) return Fail("read", st);
+    std::ofstream(dump, std::ios::binary)
+        .write(reinterpret_cast<const char*>(out.data()), static_cast<std::streamsize>(4 * d));
+  }
+  if (absl::Status st = w.Finish(); !st.ok()) return Fail("finish", st);
+  return 0;
+}

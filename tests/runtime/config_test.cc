@@ -1,0 +1,342 @@
+// The job settings: the table, the command line, --config files (ours and
+// DeepSpeed's), and which binary takes which flags.
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "gmock/gmock.h"
+#include "google/protobuf/descriptor.h"
+#include "google/protobuf/util/message_differencer.h"
+#include "gtest/gtest.h"
+#include "net/job_config.h"
+#include "net/job_settings.h"
+#include "tests/runtime/test_util.h"
+
+namespace onebit::testing {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+std::string WriteConfig(const std::string& name, const std::string& json) {
+  const std::string path = TempDir("config-" + name) + "/" + name + ".json";
+  std::ofstream(path) << json;
+  return path;
+}
+
+// What ConfigFromFlags refuses: the error's message.
+std::string ErrorOf(const std::vector<std::string>& args) {
+  auto c = ConfigFromFlags(args);
+  return c.ok() ? "<accepted>" : std::string(c.status().message());
+}
+
+std::string ConfigError(const std::string& json) {
+  return ErrorOf({"--config=" + WriteConfig("bad", json)});
+}
+
+// A DeepSpeed config as DeepSpeed's users write it, with a 1-bit Adam
+// optimizer and an "onebit" section of our own settings.
+constexpr char kDeepSpeed[] = R"({
+  "train_batch_size": 256,
+  "train_micro_batch_size_per_gpu": 64,
+  "gradient_accumulation_steps": 1,
+  "steps_per_print": 100,
+  "wall_clock_breakdown": false,
+  "fp16": {"enabled": false, "loss_scale": 0, "initial_scale_power": 16},
+  "bf16": {"enabled": false},
+  "gradient_clipping": 0.0,
+  "zero_optimization": {"stage": 0},
+  "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},
+  "optimizer": {
+    "type": "OneBitAdam",
+    "params": {"lr": 0.002, "betas": [0.8, 0.99], "eps": 1e-7, "weight_decay": 0.01,
+               "freeze_step": 3, "cuda_aware": false, "comm_backend_name": "nccl"}
+  },
+  "onebit": {"workers": 2, "servers": 2, "dim": 4000, "steps": 6, "block_size": 32,
+             "chunk_elems": 1024}
+})";
+
+TEST(DeepSpeedConfig, MapsTheOptimizerAndListsWhatItIgnores) {
+  std::vector<std::string> ignored;
+  auto c = ConfigFromFlags({"--config=" + WriteConfig("ds", kDeepSpeed)}, &ignored);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->optimizer(), "onebit-adam");
+  EXPECT_EQ(c->lr(), 0.002f);
+  EXPECT_EQ(c->beta1(), 0.8f);
+  EXPECT_EQ(c->beta2(), 0.99f);
+  EXPECT_EQ(c->eps(), 1e-7f);
+  EXPECT_EQ(c->weight_decay(), 0.01f);
+  EXPECT_EQ(c->freeze_step(), 3u);
+  EXPECT_EQ(c->freeze(), "");  // a fixed freeze step: no automatic freeze
+  EXPECT_FALSE(c->bias_correction());
+  EXPECT_EQ(c->workers(), 2u);
+  EXPECT_EQ(c->dim(), 4000u);
+  EXPECT_EQ(c->worker_codec(), "onebit");  // resolved for onebit-adam
+  EXPECT_THAT(ignored, ElementsAre("bf16", "fp16", "gradient_accumulation_steps",
+                                   "gradient_clipping", "optimizer.params.comm_backend_name",
+                                   "optimizer.params.cuda_aware", "scheduler", "steps_per_print",
+                                   "train_batch_size", "train_micro_batch_size_per_gpu",
+                                   "wall_clock_breakdown", "zero_optimization"));
+}
+
+TEST(DeepSpeedConfig, AdamTypesAndBiasCorrectionMap) {
+  for (const char* type : {"Adam", "AdamW", "adam"}) {
+    const std::string json = absl::StrCat(R"({"optimizer": {"type": ")", type,
+                                          R"(", "params": {"lr": 0.003, "bias_correction": true,
+                                          "adam_w_mode": true}}})");
+    auto c = ConfigFromFlags({"--config=" + WriteConfig("adam", json)});
+    ASSERT_TRUE(c.ok()) << type << ": " << c.status();
+    EXPECT_EQ(c->optimizer(), "adam") << type;
+    EXPECT_EQ(c->lr(), 0.003f);
+    EXPECT_TRUE(c->bias_correction());
+  }
+}
+
+TEST(DeepSpeedConfig, WhatContradictsTheJobIsRefusedNamingTheKey) {
+  struct Case {
+    std::string json;
+    std::vector<std::string> expect;
+  };
+  const std::vector<Case> cases = {
+      {R"({"train_batch_size": 8, "zero_optimization": {"stage": 2, "overlap_comm": true}})",
+       {"zero_optimization.stage", "2", "does not support ZeRO"}},
+      {R"({"zero_optimization": {"stage": 1}})", {"zero_optimization.stage", "1"}},
+      {R"({"fp16": {"enabled": true, "loss_scale": 0}})", {"fp16.enabled", "fp32"}},
+      {R"({"bf16": {"enabled": true}})", {"bf16.enabled", "fp32"}},
+      {R"({"fp16": {"enabled": "auto"}})", {"fp16.enabled", "true or false"}},
+      {R"({"gradient_clipping": 1.0})", {"gradient_clipping", "not implemented"}},
+      {R"({"gradient_accumulation_steps": 4})", {"gradient_accumulation_steps", "4"}},
+      {R"({"optimizer": {"type": "Lamb", "params": {"lr": 0.1}}})",
+       {"optimizer.type", "'Lamb'", "OneBitAdam"}},
+      {R"({"optimizer": {"type": "OneBitAdam", "params": {"amsgrad": true}}})",
+       {"optimizer.params.amsgrad"}},
+      {R"({"optimizer": {"type": "Adam", "params": {"adam_w_mode": false, "weight_decay": 0.1}}})",
+       {"optimizer.params.adam_w_mode", "decoupled"}},
+  };
+  for (const Case& c : cases) {
+    const std::string error = ConfigError(c.json);
+    EXPECT_THAT(error, HasSubstr("--config: ")) << c.json;
+    for (const std::string& e : c.expect) EXPECT_THAT(error, HasSubstr(e)) << c.json;
+  }
+}
+
+TEST(DeepSpeedConfig, UnknownKeysAreRefusedNamingThem) {
+  EXPECT_THAT(ConfigError(R"({"train_batch_size": 8, "learning_rate": 0.1})"),
+              HasSubstr("unknown key 'learning_rate'"));
+  EXPECT_THAT(ConfigError(R"({"optimizer": {"type": "OneBitAdam", "params": {"momentum": 0.9}}})"),
+              HasSubstr("unknown key 'momentum'"));
+  EXPECT_THAT(ConfigError(R"({"onebit": {"workers": 2, "colour": "red"}})"),
+              HasSubstr("unknown key 'onebit.colour'"));
+  EXPECT_THAT(ConfigError(R"({"optimizer": {"type": "Adam", "parameters": {}}})"),
+              HasSubstr("unknown key 'parameters'"));
+  // A value of the wrong kind names the setting and where it was.
+  EXPECT_THAT(ConfigError(R"({"optimizer": {"type": "Adam", "params": {"lr": "auto"}}})"),
+              HasSubstr("--lr: invalid value 'auto'"));
+}
+
+TEST(ConfigFile, TheCommandLineWinsOverTheFileAndOursOverDeepSpeed) {
+  const std::string path = WriteConfig("wins", R"({
+    "steps": 7, "seed": 5, "step-timeout": "2s",
+    "optimizer": {"type": "Adam", "params": {"lr": 0.1, "eps": 1e-6, "betas": [0.5, 0.6]}},
+    "onebit": {"beta1": 0.7}
+  })");
+  auto c = ConfigFromFlags({"--lr", "0.25", "--config=" + path, "--steps=9"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->lr(), 0.25f);    // command line over the DeepSpeed section
+  EXPECT_EQ(c->steps(), 9u);    // command line over a key of ours
+  EXPECT_EQ(c->seed(), 5u);     // the file's
+  EXPECT_EQ(c->eps(), 1e-6f);   // the DeepSpeed section's
+  EXPECT_EQ(c->beta1(), 0.7f);  // "onebit" over the DeepSpeed section
+  EXPECT_EQ(c->beta2(), 0.6f);  // the DeepSpeed section's
+  EXPECT_EQ(c->step_timeout_ms(), 2000u);
+  EXPECT_EQ(c->optimizer(), "adam");
+}
+
+TEST(JobSettings, TheTableCoversEveryTrainingConfigField) {
+  const google::protobuf::Descriptor* d = control::TrainingConfig::descriptor();
+  for (int i = 0; i < d->field_count(); ++i) {
+    std::string name = d->field(i)->name();
+    const JobSetting* s = FindJobSetting(name);
+    if (s == nullptr && name.size() > 3 && name.substr(name.size() - 3) == "_ms") {
+      s = FindJobSetting(name.substr(0, name.size() - 3));
+      if (s != nullptr) {
+        EXPECT_EQ(s->type, SettingType::kDuration) << name;
+      }
+    }
+    EXPECT_NE(s, nullptr) << "TrainingConfig." << name << " has no row in net/job_settings.cc";
+  }
+  EXPECT_EQ(JobSettings().size(), static_cast<size_t>(d->field_count()));
+}
+
+TEST(JobSettings, DefaultsParseAndAreTheDocumentedOnes) {
+  for (const JobSetting& s : JobSettings()) {
+    control::TrainingConfig c;
+    EXPECT_TRUE(SetJobSetting(s, s.default_value, &c).ok()) << s.name << ": " << s.default_value;
+  }
+  const control::TrainingConfig c = DefaultJobConfig();
+  EXPECT_EQ(c.workers(), 1u);
+  EXPECT_EQ(c.model(), "synthetic");
+  EXPECT_EQ(c.lr(), 0.01f);
+  EXPECT_EQ(c.eps(), 1e-8f);
+  EXPECT_EQ(c.block_size(), 2048u);
+  EXPECT_EQ(c.chunk_elems(), uint64_t{1} << 20);
+  EXPECT_EQ(c.step_timeout_ms(), 30000u);
+  EXPECT_EQ(c.heartbeat_timeout_ms(), 10000u);
+  EXPECT_EQ(c.layers(), "784-256-128-10");
+  EXPECT_EQ(c.error_feedback(), "both");
+}
+
+TEST(JobSettings, ConfigFlagArgsRoundTrip) {
+  const std::vector<std::vector<std::string>> jobs = {
+      {},
+      {"--optimizer=onebit-adam", "--workers=3", "--lr=0.1", "--beta2=0.97", "--v_floor=3e-9",
+       "--step_timeout=1500ms", "--bias_correction", "--noise=0.3333333",
+       "--seed=18446744073709551615"},
+      {"--optimizer=adam", "--model=mlp", "--layers=784-16-10", "--epochs=2", "--batch=32",
+       "--max_train=1024", "--skip_model"},
+      {"--model=external", "--optimizer=ef-sgd", "--block_size=64", "--chunk_elems=640"},
+      {"--optimizer=naive-onebit-adam", "--freeze=auto:0.1:5", "--lr_schedule=warmup:10"},
+  };
+  for (const std::vector<std::string>& args : jobs) {
+    auto c = ConfigFromFlags(args);
+    ASSERT_TRUE(c.ok()) << absl::StrJoin(args, " ") << ": " << c.status();
+    const std::vector<std::string> forwarded = ConfigFlagArgs(*c);
+    EXPECT_EQ(forwarded.size(), JobSettings().size());
+    auto back = ConfigFromFlags(forwarded);
+    ASSERT_TRUE(back.ok()) << absl::StrJoin(forwarded, " ") << ": " << back.status();
+    EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(*c, *back))
+        << absl::StrJoin(args, " ") << "\nwant " << c->ShortDebugString() << "\ngot  "
+        << back->ShortDebugString();
+  }
+  auto c = ConfigFromFlags(jobs[1]);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->workers(), 3u);
+  EXPECT_EQ(c->step_timeout_ms(), 1500u);
+  EXPECT_TRUE(c->bias_correction());
+  EXPECT_EQ(c->seed(), UINT64_MAX);
+  EXPECT_EQ(c->freeze(), "auto");  // resolved: onebit-adam without a freeze step
+  const std::vector<std::string> a = ConfigFlagArgs(*c);
+  EXPECT_THAT(a, ::testing::Contains("--step_timeout=1.5s"));
+  EXPECT_THAT(a, ::testing::Contains("--bias_correction=true"));
+  EXPECT_THAT(a, ::testing::Contains("--lr=0.100000001"));  // the float, exactly
+}
+
+TEST(JobSettings, CommandLineSpellings) {
+  auto on = [](const std::vector<std::string>& args) {
+    auto c = ConfigFromFlags(args);
+    EXPECT_TRUE(c.ok()) << absl::StrJoin(args, " ") << ": " << c.status();
+    return c.ok() && c->bias_correction();
+  };
+  EXPECT_TRUE(on({"--bias_correction"}));
+  EXPECT_TRUE(on({"--bias-correction=true"}));
+  EXPECT_FALSE(on({"--bias_correction", "--nobias-correction"}));
+  EXPECT_FALSE(on({"--bias_correction", "--bias_correction=false"}));
+  auto c = ConfigFromFlags({"--weight-decay", "0.5", "-dim=77", "--lr_schedule", "cosine"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->weight_decay(), 0.5f);
+  EXPECT_EQ(c->dim(), 77u);
+  EXPECT_EQ(c->lr_schedule(), "cosine");
+  EXPECT_THAT(ErrorOf({"--dim=-5"}), HasSubstr("--dim: invalid value '-5'"));
+  EXPECT_THAT(ErrorOf({"--step-timeout=soon"}), HasSubstr("--step_timeout: invalid value 'soon'"));
+  EXPECT_THAT(ErrorOf({"--lr"}), HasSubstr("--lr: missing value"));
+  EXPECT_THAT(ErrorOf({"--bogus=1"}), HasSubstr("--bogus: unknown flag"));
+  EXPECT_THAT(ErrorOf({"--workers=0"}), HasSubstr("--workers: must be in [1, 4096]"));
+  EXPECT_THAT(ErrorOf({"stray"}), HasSubstr("unexpected argument 'stray'"));
+}
+
+// The binaries: each --help lists its own flags, and the ones that do not
+// take the job settings name the ones that do.
+TEST(Binaries, WorkerAndServerHelpListOnlyTheirOwnFlags) {
+  for (const auto& [bin, own] : std::vector<std::pair<std::string, std::string>>{
+           {"onebit-worker", "--rank"}, {"onebit-server", "--data_port"}}) {
+    RunResult r = RunCommand({Bin(bin), "--help"}, absl::Seconds(10));
+    EXPECT_EQ(r.code, 0) << bin << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr("    --coordinator (")) << bin;
+    EXPECT_THAT(r.output, HasSubstr("    " + own + " (")) << bin;
+    EXPECT_THAT(r.output, Not(HasSubstr("--lr"))) << bin;
+    EXPECT_THAT(r.output, Not(HasSubstr("--optimizer"))) << bin;
+    EXPECT_THAT(r.output, Not(HasSubstr("--config"))) << bin;
+    EXPECT_THAT(r.output, Not(HasSubstr("/work"))) << bin;
+    EXPECT_THAT(r.output, Not(HasSubstr(".cc"))) << bin;
+    EXPECT_THAT(r.output, Not(HasSubstr("--flagfile"))) << bin;  // absl's own
+  }
+}
+
+TEST(Binaries, AJobSettingGivenToWorkerOrServerNamesWhoTakesIt) {
+  for (const std::string bin : {"onebit-worker", "onebit-server"}) {
+    for (const std::vector<std::string>& flag :
+         std::vector<std::vector<std::string>>{{"--lr", "0.1"},
+                                               {"--bias-correction"},
+                                               {"--nobias_correction"},
+                                               {"--config=x.json"}}) {
+      std::vector<std::string> argv = {Bin(bin), "--coordinator", "127.0.0.1:1"};
+      argv.insert(argv.end(), flag.begin(), flag.end());
+      RunResult r = RunCommand(argv, absl::Seconds(10));
+      const std::string name = flag[0] == "--config=x.json" ? "--config"
+                               : flag[0] == "--lr"          ? "--lr"
+                                                            : "--bias_correction";
+      EXPECT_EQ(r.code, 2) << absl::StrJoin(argv, " ") << ": " << r.output;
+      EXPECT_THAT(r.output, HasSubstr(absl::StrCat(bin, ": ", name,
+                                                   " is a job setting: give it to "
+                                                   "onebit-coordinator or onebit-launch")))
+          << absl::StrJoin(argv, " ");
+    }
+    RunResult u = RunCommand({Bin(bin), "--coordinator=127.0.0.1:1", "--bogus"}, absl::Seconds(10));
+    EXPECT_EQ(u.code, 2) << u.output;
+    EXPECT_THAT(u.output, HasSubstr("--bogus: unknown flag"));
+  }
+}
+
+TEST(Binaries, LaunchCoordinatorAndReferenceHelpListTheJobSettings) {
+  for (const auto& [bin, own] :
+       std::vector<std::pair<std::string, std::string>>{{"onebit-launch", "--bin_dir"},
+                                                        {"onebit-coordinator", "--port_file"},
+                                                        {"onebit-reference", "--out"}}) {
+    RunResult r = RunCommand({Bin(bin), "--helpfull"}, absl::Seconds(10));
+    EXPECT_EQ(r.code, 0) << bin << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr("    " + own + " (")) << bin;
+    EXPECT_THAT(r.output, HasSubstr("    --lr (learning rate); default: 0.01;\n")) << bin;
+    EXPECT_THAT(r.output, HasSubstr("    --step_timeout (")) << bin;
+    EXPECT_THAT(r.output, HasSubstr("    --config (")) << bin;
+    EXPECT_THAT(r.output, HasSubstr("\n  optimizer:\n")) << bin;
+    EXPECT_THAT(r.output, Not(HasSubstr("/work"))) << bin;
+    EXPECT_THAT(r.output, Not(HasSubstr(".cc"))) << bin;
+  }
+}
+
+// onebit-launch reads the DeepSpeed file, says once what it ignored (the
+// coordinator gets the settings, not the file), and trains with it.
+TEST(Binaries, LaunchTrainsFromADeepSpeedConfigAndListsTheIgnoredKeysOnce) {
+  const std::string path = WriteConfig("launch-ds", kDeepSpeed);
+  const std::string out = TempDir("launch-ds-run");
+  RunResult r =
+      RunCommand({Bin("onebit-launch"), "--config", path, "--out=" + out, "--heartbeat_timeout=3s"},
+                 absl::Seconds(60));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string line = absl::StrCat(
+      "onebit-launch: --config ", path,
+      ": ignored DeepSpeed keys: bf16, fp16, gradient_accumulation_steps, gradient_clipping, "
+      "optimizer.params.comm_backend_name, optimizer.params.cuda_aware, scheduler, "
+      "steps_per_print, train_batch_size, train_micro_batch_size_per_gpu, wall_clock_breakdown, "
+      "zero_optimization\n");
+  EXPECT_THAT(r.output, HasSubstr(line));
+  EXPECT_EQ(r.output.find("ignored DeepSpeed keys"), r.output.rfind("ignored DeepSpeed keys"))
+      << r.output;
+  const std::string summary = ReadFile(out + "/summary.json");
+  EXPECT_EQ(Field(summary, "optimizer"), "\"onebit-adam\"");
+  EXPECT_EQ(Field(summary, "freeze_step"), "3");
+  EXPECT_EQ(Field(summary, "workers"), "2");
+  EXPECT_EQ(Field(summary, "replicas_equal"), "true");
+
+  RunResult z = RunCommand({Bin("onebit-launch"), "--config=" + WriteConfig("zero", R"({
+      "train_batch_size": 8, "zero_optimization": {"stage": 2}})")},
+                           absl::Seconds(10));
+  EXPECT_EQ(z.code, 2) << z.output;
+  EXPECT_THAT(z.output, HasSubstr("zero_optimization.stage"));
+}
+
+}  // namespace
+}  // namespace onebit::testing

@@ -1,0 +1,131 @@
+// The library's Worker (include/onebit/worker.h) driven by a user's program
+// (tests/runtime/api_worker.cc) on real clusters through onebit-launch
+// --worker_cmd: the broadcast of rank 0's parameters, declared parameter
+// counts, gradients released in pieces, and the per-step learning rate.
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/runtime/test_util.h"
+
+namespace onebit::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct Job {
+  RunResult run;
+  std::string dir;
+  std::string summary;
+  std::vector<std::vector<float>> replicas;
+  std::vector<std::vector<float>> masters;
+};
+
+// A job of `workers` x `servers` running api_worker with `args`.
+Job RunApiJob(const std::string& name, uint32_t workers, uint32_t servers,
+              const std::vector<std::string>& job_flags, const std::string& args) {
+  Job j;
+  j.dir = TempDir(name);
+  std::vector<std::string> argv = {Bin("onebit-launch"),
+                                   absl::StrCat("--workers=", workers),
+                                   absl::StrCat("--servers=", servers),
+                                   "--model=external",
+                                   "--out=" + j.dir,
+                                   "--dump_params",
+                                   "--launch_register_timeout=20s",
+                                   "--worker_cmd=" + std::string(ONEBIT_API_WORKER) + " " + args};
+  argv.insert(argv.end(), job_flags.begin(), job_flags.end());
+  j.run = RunCommand(argv, absl::Seconds(120));
+  j.summary = ReadFile(j.dir + "/summary.json");
+  if (j.run.code == 0) {
+    for (uint32_t i = 0; i < workers; ++i) {
+      j.replicas.push_back(ReadFloats(absl::StrCat(j.dir, "/replica_w", i, ".f32")));
+    }
+    for (uint32_t k = 0; k < servers; ++k) {
+      j.masters.push_back(ReadFloats(absl::StrCat(j.dir, "/master_s", k, ".f32")));
+    }
+  }
+  return j;
+}
+
+std::vector<float> Concat(const std::vector<std::vector<float>>& parts) {
+  std::vector<float> all;
+  for (const auto& p : parts) all.insert(all.end(), p.begin(), p.end());
+  return all;
+}
+
+const std::vector<std::string> kOnebitAdam = {"--optimizer=onebit-adam", "--freeze_step=3",
+                                              "--lr=0.01", "--block_size=32", "--chunk_elems=64"};
+
+TEST(WorkerApi, RanksInitialisedDifferentlyEndEqualToRankZerosStart) {
+  // Each rank starts from its own x; the broadcast makes rank 0's win, so
+  // the run equals one where every rank started from rank 0's values.
+  Job own = RunApiJob("own", 3, 2, kOnebitAdam, "--init rank --steps 6");
+  ASSERT_EQ(own.run.code, 0) << own.run.output;
+  EXPECT_EQ(Field(own.summary, "replicas_equal"), "true");
+  EXPECT_EQ(Field(own.summary, "params"), "1000");
+  EXPECT_EQ(Field(own.summary, "steps"), "6");  // the program decided
+  Job same = RunApiJob("same", 3, 2, kOnebitAdam, "--init same --steps 6");
+  ASSERT_EQ(same.run.code, 0) << same.run.output;
+  for (uint32_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(FirstDifference(own.replicas[i], same.replicas[0]), "") << "worker " << i;
+  }
+  EXPECT_EQ(FirstDifference(Concat(own.masters), own.replicas[0]), "");
+}
+
+TEST(WorkerApi, ARankDeclaringAnotherParameterCountIsRefusedNamingBoth) {
+  Job j = RunApiJob("bad_d", 3, 1, kOnebitAdam, "--bad_d_rank 1 --steps 2");
+  EXPECT_NE(j.run.code, 0);
+  EXPECT_THAT(j.run.output, HasSubstr("declares d = 1001"));
+  EXPECT_THAT(j.run.output, HasSubstr("declared d = 1000"));
+  EXPECT_THAT(j.run.output, HasSubstr("worker 1"));
+  EXPECT_THAT(j.summary, HasSubstr("declares d = "));
+}
+
+TEST(WorkerApi, GradientReleasedInReverseInPiecesEqualsOneStep) {
+  // 1000 parameters in chunks of 64 over 2 shards: 7 uneven pieces that
+  // start and end inside chunks, released last first.
+  Job whole = RunApiJob("whole", 2, 2, kOnebitAdam, "--steps 8");
+  Job pieces = RunApiJob("pieces", 2, 2, kOnebitAdam, "--steps 8 --release 7");
+  ASSERT_EQ(whole.run.code, 0) << whole.run.output;
+  ASSERT_EQ(pieces.run.code, 0) << pieces.run.output;
+  EXPECT_EQ(Field(pieces.summary, "replicas_equal"), "true");
+  EXPECT_EQ(Field(pieces.summary, "compress_steps"), "5");
+  EXPECT_EQ(FirstDifference(pieces.replicas[0], whole.replicas[0]), "");
+  EXPECT_EQ(FirstDifference(Concat(pieces.masters), Concat(whole.masters)), "");
+  EXPECT_EQ(Field(pieces.summary, "bytes_up"), Field(whole.summary, "bytes_up"));
+}
+
+TEST(WorkerApi, TheStepsLearningRateReplacesTheSchedule) {
+  for (const char* opt : {"adam", "onebit-adam"}) {
+    SCOPED_TRACE(opt);
+    std::vector<std::string> fast = {absl::StrCat("--optimizer=", opt), "--freeze_step=3",
+                                     "--lr=0.05", "--block_size=32", "--chunk_elems=64"};
+    std::vector<std::string> slow = fast;
+    slow[2] = "--lr=0.01";
+    // The job says 0.01, the program 0.05: the same as a job of 0.05.
+    Job by_job = RunApiJob("by_job", 2, 2, fast, "--steps 6");
+    Job by_program = RunApiJob("by_program", 2, 2, slow, "--steps 6 --lr 0.05");
+    Job schedule = RunApiJob("schedule", 2, 2, slow, "--steps 6");
+    ASSERT_EQ(by_job.run.code, 0) << by_job.run.output;
+    ASSERT_EQ(by_program.run.code, 0) << by_program.run.output;
+    ASSERT_EQ(schedule.run.code, 0) << schedule.run.output;
+    EXPECT_EQ(FirstDifference(by_program.replicas[0], by_job.replicas[0]), "");
+    EXPECT_EQ(FirstDifference(Concat(by_program.masters), Concat(by_job.masters)), "");
+    EXPECT_NE(FirstDifference(schedule.replicas[0], by_job.replicas[0]), "");
+  }
+}
+
+TEST(WorkerApi, RanksDisagreeingOnTheLearningRateFailTheStepNamingThem) {
+  Job j = RunApiJob("lr_mismatch", 3, 2, kOnebitAdam,
+                    "--steps 4 --lr 0.05 --lr_rank 2 --lr_value 0.02");
+  EXPECT_NE(j.run.code, 0);
+  EXPECT_THAT(j.run.output, HasSubstr("disagree on the learning rate"));
+  EXPECT_THAT(j.run.output, HasSubstr("rank 2 sends 0.02"));
+  EXPECT_THAT(j.run.output, HasSubstr("nothing was applied"));
+  EXPECT_THAT(j.summary, HasSubstr("learning rate"));
+}
+
+}  // namespace
+}  // namespace onebit::testing

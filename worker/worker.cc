@@ -1,0 +1,424 @@
+// The Worker of include/onebit/worker.h: registration and heartbeat
+// (net/control.h), the data plane (worker/ps_client.h) and the replica that
+// holds x, the gradient and the optimizer state (worker/replica.h).
+#include "onebit/worker.h"
+
+#include <algorithm>
+#include <cerrno>  // program_invocation_short_name
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <optional>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "google/protobuf/util/json_util.h"
+#include "net/checksum.h"
+#include "net/control.h"
+#include "net/data_plane.h"
+#include "net/health.h"
+#include "net/job_config.h"
+#include "worker/device.h"
+#include "worker/ps_client.h"
+#include "worker/worker_internal.h"
+
+namespace onebit {
+
+struct Worker::Impl {
+  // Declared in the order they are built; destroyed in reverse, so the
+  // sockets go before their context and the replica before its model.
+  WorkerOptions options;
+  JobInfo job;
+  control::TrainingConfig cfg;
+  std::string device;
+  bool on_device = false;
+  std::unique_ptr<grpc::Server> health;
+  std::unique_ptr<control::Coordinator::Stub> stub;
+  std::unique_ptr<Heartbeater> hb;
+  std::unique_ptr<WorkerOptimizer> optimizer;
+  std::unique_ptr<zmq::context_t> ctx;
+  std::unique_ptr<PsClient> client;
+  std::unique_ptr<Model> model;
+  std::unique_ptr<Replica> replica;
+
+  bool broadcast = false;
+  bool finished = false;
+  absl::Status failure;
+  uint64_t step = 0;        // steps completed
+  std::optional<float> lr;  // set by the caller; else the schedule's
+  Phase step_phase = Phase::kWarmup;
+  std::optional<absl::Time> t0;  // the first step's start
+  absl::Time step_start;
+  // The last step's metrics, sent with the next step (or Finish) so an
+  // evaluation can join them.
+  std::optional<control::StepMetrics> last;
+
+  // Records the first fatal error and tells the coordinator: the job fails.
+  absl::Status Fail(const absl::Status& st) {
+    if (failure.ok()) {
+      failure = st;
+      if (hb != nullptr) hb->ReportError(absl::StrCat("worker ", job.rank, ": ", st.message()));
+    }
+    return failure;
+  }
+  absl::Status Usable() const {
+    if (!failure.ok()) return failure;
+    if (finished) return absl::FailedPreconditionError("the worker has finished");
+    return absl::OkStatus();
+  }
+  absl::Status CheckJob() const {
+    if (hb->command() == control::CONTINUE) return absl::OkStatus();
+    return absl::AbortedError(absl::StrCat("job aborted by the coordinator: ", hb->reason()));
+  }
+  absl::Status ReadyToStep() const {
+    if (absl::Status st = Usable(); !st.ok()) return st;
+    if (!broadcast) {
+      return absl::FailedPreconditionError("call BroadcastParameters() before the first step");
+    }
+    if (cfg.steps() > 0 && step >= cfg.steps() && !client->in_step()) {
+      return absl::OutOfRangeError(
+          absl::StrCat("the job has ", cfg.steps(), " steps and all are done: call Finish()"));
+    }
+    return absl::OkStatus();
+  }
+  absl::Status BeginStepIfNeeded() {
+    if (client->in_step()) return absl::OkStatus();
+    FlushMetrics();
+    step_start = absl::Now();
+    if (!t0) t0 = step_start;
+    step_phase = replica->phase();
+    return client->BeginStep(step, lr);
+  }
+  void FlushMetrics() {
+    if (last) hb->AddMetrics(*last);
+    last.reset();
+  }
+
+  absl::Status Connect(const WorkerOptions& o, const ModelFactory& make_model);
+};
+
+namespace {
+
+// Errors before registering concern only this process; after it, the job.
+absl::Status Invalid(absl::string_view field, absl::string_view why) {
+  return absl::InvalidArgumentError(absl::StrCat("WorkerOptions.", field, ": ", why));
+}
+
+}  // namespace
+
+absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& make_model) {
+  options = o;
+  if (o.coordinator.empty()) return Invalid("coordinator", "required (host:port)");
+  if (o.num_params > kMaxParams) {
+    return Invalid("num_params", absl::StrCat(o.num_params, " is above the limit of ", kMaxParams));
+  }
+  if (o.health_port < 0 || o.health_port > 65535) {
+    return Invalid("health_port", "must be in [0, 65535]");
+  }
+  if (o.rank < -1) return Invalid("rank", "must be -1 (any) or a rank");
+  // Before joining: a worker that cannot use its device must not hold up a job.
+  auto choice = ChooseDevice(o.device);
+  if (!choice.ok()) return choice.status();
+  if (!choice->notice.empty()) {
+    std::fprintf(stderr, "%s: %s\n", program_invocation_short_name, choice->notice.c_str());
+  }
+  on_device = choice->kind != DeviceChoice::Kind::kCpu;
+
+  int health_bound = 0;
+  auto h = StartHealthServer(o.bind_host, o.health_port, &health_bound);
+  if (!h.ok()) return h.status();
+  health = std::move(*h);
+  const std::string advertise = o.advertise_host.empty() ? Hostname() : o.advertise_host;
+
+  stub = control::Coordinator::NewStub(MakeChannel(o.coordinator));
+  control::RegisterRequest req;
+  req.set_role(control::WORKER);
+  req.set_requested_rank(o.rank);
+  req.set_health_endpoint(absl::StrCat(advertise, ":", health_bound));
+  req.set_host(Hostname());
+  req.set_device(DeviceName(*choice));
+  req.set_num_params(o.num_params);
+  auto reg = RegisterWithCoordinator(stub.get(), o.coordinator, req, o.register_timeout);
+  if (!reg.ok()) return reg.status();
+  cfg = reg->config();
+  job.job_id = reg->job_id();
+  job.rank = reg->rank();
+  job.workers = cfg.workers();
+  job.servers = cfg.servers();
+  job.steps = cfg.steps();
+  job.model = cfg.model();
+  job.optimizer = cfg.optimizer();
+  job.lr = cfg.lr();
+  google::protobuf::util::JsonPrintOptions json;
+  json.preserve_proto_field_names = true;
+  json.always_print_primitive_fields = true;
+  (void)google::protobuf::util::MessageToJsonString(cfg, &job.config_json, json);
+
+  const absl::Duration hb_timeout = absl::Milliseconds(cfg.heartbeat_timeout_ms());
+  hb = std::make_unique<Heartbeater>(
+      stub.get(), o.coordinator, control::WORKER, job.rank, job.job_id,
+      std::clamp(hb_timeout / 10, absl::Milliseconds(20), absl::Seconds(1)), hb_timeout);
+  hb->Start();
+
+  // From here on a failure is the job's: Fail() tells the coordinator.
+  auto map = ShardMap::Deserialize(reg->shard_map());
+  if (!map.ok())
+    return Fail(absl::DataLossError(absl::StrCat("bad shard map: ", map.status().message())));
+  job.num_params = map->num_params();
+  if (o.num_params != 0 && o.num_params != job.num_params) {
+    return Fail(absl::InternalError(absl::StrCat(
+        "declared d = ", o.num_params, " but the job was sharded for d = ", job.num_params)));
+  }
+  if (make_model) {
+    auto m = make_model(cfg);
+    if (!m.ok()) return Fail(m.status());
+    model = std::move(*m);
+    if (model->num_params() != job.num_params) {
+      return Fail(absl::InternalError(absl::StrCat("the model has ", model->num_params(),
+                                                   " parameters; the job has ", job.num_params)));
+    }
+  }
+  auto opt_options = OptimizerOptionsFromConfig(cfg);
+  if (!opt_options.ok()) return Fail(opt_options.status());
+  auto opt = WorkerOptimizer::Create(*opt_options);
+  if (!opt.ok()) return Fail(opt.status());
+  optimizer = std::move(*opt);
+
+  ctx = std::make_unique<zmq::context_t>(static_cast<int>(std::min<uint32_t>(cfg.servers(), 2)));
+  PsClientOptions po;
+  po.job_id = job.job_id;
+  po.rank = job.rank;
+  po.map = *map;
+  po.chunk_elems = cfg.chunk_elems();
+  po.optimizer = optimizer.get();
+  for (const auto& s : reg->servers()) po.server_endpoints.push_back(s.data_endpoint());
+  // The server gives up on a missing push after the step timeout and says
+  // why; this is the backstop for a server that died.
+  po.reply_timeout = 2 * absl::Milliseconds(cfg.step_timeout_ms());
+  auto c = PsClient::Connect(po, ctx.get());
+  if (!c.ok()) return Fail(c.status());
+  client = std::move(*c);
+
+  auto r = NewReplica(*choice, job.num_params, model.get(), optimizer.get());
+  if (!r.ok()) {
+    return Fail(absl::Status(r.status().code(),
+                             absl::StrCat("device ", o.device, ": ", r.status().message())));
+  }
+  replica = std::move(*r);
+  device = replica->device();
+  if (absl::Status st = replica->Init(); !st.ok()) {
+    return Fail(
+        absl::Status(st.code(), absl::StrCat("initialising on ", device, ": ", st.message())));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<WorkerOptions> WorkerOptionsFromEnvironment(uint64_t num_params) {
+  auto get = [](const char* name) -> std::optional<std::string> {
+    const char* v = std::getenv(name);
+    if (v == nullptr || *v == '\0') return std::nullopt;
+    return std::string(v);
+  };
+  WorkerOptions o;
+  o.num_params = num_params;
+  auto coordinator = get("ONEBIT_COORDINATOR");
+  if (!coordinator) {
+    return absl::InvalidArgumentError(
+        "ONEBIT_COORDINATOR is not set (host:port of the job's coordinator; onebit-launch "
+        "--worker_cmd sets it)");
+  }
+  o.coordinator = *coordinator;
+  for (const char* name : {"ONEBIT_RANK", "RANK"}) {
+    auto rank = get(name);
+    if (!rank) continue;
+    if (!absl::SimpleAtoi(*rank, &o.rank) || o.rank < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, "='", *rank, "' is not a rank (an integer >= 0)"));
+    }
+    break;
+  }
+  if (auto device = get("ONEBIT_DEVICE")) o.device = *device;
+  if (auto host = get("ONEBIT_ADVERTISE_HOST")) o.advertise_host = *host;
+  return o;
+}
+
+absl::StatusOr<std::unique_ptr<Worker>> ConnectWithModel(const WorkerOptions& options,
+                                                         const ModelFactory& make_model) {
+  auto impl = std::make_unique<Worker::Impl>();
+  absl::Status st = impl->Connect(options, make_model);
+  if (!st.ok()) {
+    impl->failure = st;  // already reported, or nobody to report to
+    return st;
+  }
+  return WorkerAccess::Wrap(std::move(impl));
+}
+
+absl::StatusOr<std::unique_ptr<Worker>> Worker::Connect(const WorkerOptions& options) {
+  return ConnectWithModel(options, nullptr);
+}
+
+Worker::Worker(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Worker::~Worker() {
+  if (!impl_->finished && impl_->failure.ok()) {
+    impl_->Fail(absl::AbortedError("left the job before Finish()")).IgnoreError();
+  }
+}
+
+const JobInfo& Worker::job() const { return impl_->job; }
+const std::string& Worker::device() const { return impl_->device; }
+bool Worker::on_device() const { return impl_->on_device; }
+float* Worker::params() { return impl_->replica->params(); }
+float* Worker::grads() { return impl_->replica->grads(); }
+uint64_t Worker::steps_done() const { return impl_->step; }
+bool Worker::compressing() const { return impl_->replica->phase() == Phase::kCompress; }
+
+absl::Status Worker::BroadcastParameters() {
+  Impl& w = *impl_;
+  if (absl::Status st = w.Usable(); !st.ok()) return st;
+  if (w.broadcast) return absl::FailedPreconditionError("the parameters were broadcast already");
+  absl::Status st;
+  if (w.job.rank == 0) {
+    std::vector<float> x(w.job.num_params);
+    st = w.replica->ReadX(x.data());
+    if (st.ok()) st = w.client->SendInit(x.data());
+  } else {
+    st = w.client->PullInit(w.replica.get(), [&w] { return w.CheckJob(); });
+  }
+  if (!st.ok()) {
+    return w.Fail(absl::Status(
+        st.code(), absl::StrCat("broadcasting the initial parameters: ", st.message())));
+  }
+  w.broadcast = true;
+  return absl::OkStatus();
+}
+
+absl::Status Worker::SetLearningRate(float lr) {
+  Impl& w = *impl_;
+  if (absl::Status st = w.Usable(); !st.ok()) return st;
+  if (!std::isfinite(lr) || lr < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("learning rate ", lr, ": want finite, >= 0"));
+  }
+  if (w.client->in_step() && w.client->pushed_any()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", w.step,
+                     " has pushed gradients already; set its learning rate "
+                     "before the first GradientsReady()"));
+  }
+  w.lr = lr;
+  // A step begun by GradientsReady calls that completed no chunk yet.
+  if (w.client->in_step()) return w.client->SetStepLr(lr);
+  return absl::OkStatus();
+}
+
+absl::Status Worker::GradientsReady(uint64_t begin, uint64_t end) {
+  Impl& w = *impl_;
+  if (absl::Status st = w.ReadyToStep(); !st.ok()) return st;
+  if (begin > end || end > w.job.num_params) {
+    return absl::OutOfRangeError(absl::StrCat("GradientsReady(", begin, ", ", end,
+                                              "): not a range within [0, ", w.job.num_params, ")"));
+  }
+  if (absl::Status st = w.BeginStepIfNeeded(); !st.ok()) return w.Fail(st);
+  if (absl::Status st = w.client->PushReady(begin, end, w.replica.get()); !st.ok()) {
+    return w.Fail(st);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepStats> Worker::Step(const StepOptions& options) {
+  Impl& w = *impl_;
+  if (absl::Status st = w.ReadyToStep(); !st.ok()) return st;
+  if (absl::Status st = w.BeginStepIfNeeded(); !st.ok()) return w.Fail(st);
+  absl::Status st = w.client->CompleteStep(w.replica.get(), [&w] { return w.CheckJob(); });
+  if (!st.ok()) return w.Fail(st);
+  const absl::Time end = absl::Now();
+  StepStats s;
+  s.step = w.step;
+  s.compressed = w.step_phase == Phase::kCompress;
+  s.bytes_up = w.client->last_bytes_up();
+  s.bytes_down = w.client->last_bytes_down();
+  s.step_s = absl::ToDoubleSeconds(end - w.step_start);
+  s.push_s = w.client->last_push_s();
+  s.reply_s = w.client->last_reply_s();
+  control::StepMetrics m;
+  m.set_step(s.step);
+  m.set_loss(static_cast<float>(options.loss));
+  m.set_wall_s(absl::ToDoubleSeconds(end - *w.t0));
+  m.set_step_s(s.step_s);
+  m.set_bytes_up(s.bytes_up);
+  m.set_bytes_down(s.bytes_down);
+  m.set_push_s(s.push_s);
+  m.set_reply_s(s.reply_s);
+  m.set_phase(s.compressed ? "compress" : "warmup");
+  m.set_epoch(options.epoch);
+  w.last = m;
+  ++w.step;
+  w.hb->SetStep(w.step);
+  return s;
+}
+
+absl::Status Worker::ReadParams(float* out) const { return impl_->replica->ReadX(out); }
+
+absl::Status Worker::Finish() {
+  Impl& w = *impl_;
+  if (absl::Status st = w.Usable(); !st.ok()) return st;
+  if (w.client->in_step()) {
+    return w.Fail(absl::FailedPreconditionError(
+        absl::StrCat("Finish() in the middle of step ", w.step, " (GradientsReady without Step)")));
+  }
+  if (w.cfg.steps() > 0 && w.step != w.cfg.steps()) {
+    return w.Fail(absl::FailedPreconditionError(
+        absl::StrCat("Finish() after ", w.step, " of the job's ", w.cfg.steps(), " steps")));
+  }
+  w.FlushMetrics();
+  std::vector<float> x(w.job.num_params);
+  if (absl::Status st = w.replica->ReadX(x.data()); !st.ok()) {
+    return w.Fail(
+        absl::Status(st.code(), absl::StrCat("reading x from ", w.device, ": ", st.message())));
+  }
+  auto map = ShardMap::Create(w.job.num_params, w.cfg.servers(), w.cfg.block_size());
+  if (!map.ok()) return w.Fail(map.status());
+  std::vector<control::ShardChecksum> sums;
+  for (uint32_t k = 0; k < map->num_shards(); ++k) {
+    const Range r = map->shard(k);
+    control::ShardChecksum c;
+    c.set_shard(k);
+    c.set_begin(r.begin);
+    c.set_end(r.end);
+    c.set_crc32(Crc32OfFloats(x.data() + r.begin, r.size()));
+    sums.push_back(c);
+  }
+  if (absl::Status st = w.hb->Done(sums, w.step); !st.ok()) return w.Fail(st);
+  w.finished = true;
+  return absl::OkStatus();
+}
+
+void Worker::Abort(absl::string_view reason) {
+  impl_->Fail(absl::AbortedError(absl::StrCat("aborted by its program: ", reason))).IgnoreError();
+}
+
+std::unique_ptr<Worker> WorkerAccess::Wrap(std::unique_ptr<Worker::Impl> impl) {
+  return std::unique_ptr<Worker>(new Worker(std::move(impl)));
+}
+
+Replica& WorkerAccess::replica(Worker& w) { return *w.impl_->replica; }
+const control::TrainingConfig& WorkerAccess::config(const Worker& w) { return w.impl_->cfg; }
+const Model* WorkerAccess::model(const Worker& w) { return w.impl_->model.get(); }
+
+void WorkerAccess::AttachEvaluation(Worker& w, double test_loss, double test_accuracy) {
+  auto& last = w.impl_->last;
+  if (!last) return;
+  last->set_has_eval(true);
+  last->set_test_loss(test_loss);
+  last->set_test_accuracy(test_accuracy);
+}
+
+absl::Status WorkerAccess::Fail(Worker& w, const absl::Status& st) { return w.impl_->Fail(st); }
+
+absl::Status WorkerAccess::WaitForJobEnd(Worker& w, absl::Duration timeout) {
+  w.impl_->hb->WaitForCommand(timeout);
+  return w.impl_->CheckJob();
+}
+
+}  // namespace onebit
