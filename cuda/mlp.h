@@ -30,7 +30,7 @@
 #include "absl/status/statusor.h"
 #include "cuda/kernels.h"
 #include "cuda/memory.h"
-#include "worker/evaluator.h"
+#include "models/evaluator.h"
 
 namespace onebit::cuda {
 

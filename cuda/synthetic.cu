@@ -7,7 +7,7 @@
 
 #include "cuda/cuda_status.h"
 #include "cuda/synthetic.h"
-#include "worker/synthetic_hash.h"
+#include "models/synthetic_hash.h"
 
 namespace onebit::cuda {
 namespace {

@@ -1,6 +1,6 @@
 // The GPU twin of the synthetic model's gradient (worker/synthetic_model.h):
 // one kernel running the same per-coordinate code as the CPU loop
-// (worker/synthetic_hash.h), compiled without FMA contraction, so that g is
+// (models/synthetic_hash.h), compiled without FMA contraction, so that g is
 // bitwise equal to SyntheticModel::Gradient's. The loss, a sum in double, is
 // reduced per thread, then per thread block, then over the blocks: another
 // order than the CPU's sequential sum, so it agrees to rounding only (about

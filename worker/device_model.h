@@ -10,7 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "cuda/backend.h"
-#include "worker/evaluator.h"
+#include "models/evaluator.h"
 #include "worker/model.h"
 
 namespace onebit {

@@ -27,8 +27,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "models/evaluator.h"
 #include "worker/dataset.h"
-#include "worker/evaluator.h"
 #include "worker/model.h"
 
 namespace onebit {

@@ -16,8 +16,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "models/evaluator.h"
 #include "shard/optimizer.h"
-#include "worker/evaluator.h"
 #include "worker/model.h"
 
 namespace onebit {

@@ -4,7 +4,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "worker/synthetic_hash.h"
+#include "models/synthetic_hash.h"
 
 namespace onebit {
 

@@ -6,14 +6,14 @@
 // (seed, rank, step, j): no tables, so it runs from 10 to 300 M parameters in
 // O(1) memory and gives the same numbers on every host. (The gradient is of
 // the unnormalised sum; the loss is reported per parameter.) The arithmetic
-// is in worker/synthetic_hash.h, shared with the GPU version (cuda/synthetic.h).
+// is in models/synthetic_hash.h, shared with the GPU version (cuda/synthetic.h).
 #ifndef ONEBIT_WORKER_SYNTHETIC_MODEL_H_
 #define ONEBIT_WORKER_SYNTHETIC_MODEL_H_
 
 #include <vector>
 
+#include "models/synthetic_hash.h"
 #include "worker/model.h"
-#include "worker/synthetic_hash.h"
 
 namespace onebit {
 

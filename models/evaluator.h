@@ -1,7 +1,7 @@
 // A model that can score parameters on held-out data. Kept apart from Model so
 // that models without a test set (synthetic) need not say anything.
-#ifndef ONEBIT_WORKER_EVALUATOR_H_
-#define ONEBIT_WORKER_EVALUATOR_H_
+#ifndef ONEBIT_MODELS_EVALUATOR_H_
+#define ONEBIT_MODELS_EVALUATOR_H_
 
 #include <cstdint>
 
@@ -26,4 +26,4 @@ class Evaluator {
 
 }  // namespace onebit
 
-#endif  // ONEBIT_WORKER_EVALUATOR_H_
+#endif  // ONEBIT_MODELS_EVALUATOR_H_

@@ -4,8 +4,8 @@
 // operations, each an IEEE operation on either side as long as no FMA is
 // contracted (-ffp-contract=off for g++, -fmad=false for nvcc: both set in the
 // build, docs/design.md §1.3).
-#ifndef ONEBIT_WORKER_SYNTHETIC_HASH_H_
-#define ONEBIT_WORKER_SYNTHETIC_HASH_H_
+#ifndef ONEBIT_MODELS_SYNTHETIC_HASH_H_
+#define ONEBIT_MODELS_SYNTHETIC_HASH_H_
 
 #include <cstdint>
 
@@ -67,4 +67,4 @@ ONEBIT_HOST_DEVICE inline float Coordinate(uint64_t problem, uint64_t noise, flo
 
 }  // namespace onebit::synthetic
 
-#endif  // ONEBIT_WORKER_SYNTHETIC_HASH_H_
+#endif  // ONEBIT_MODELS_SYNTHETIC_HASH_H_
