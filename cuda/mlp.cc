@@ -1,5 +1,5 @@
 // MlpDevice (cuda/mlp.h): cuBLAS GEMMs around the kernels of mlp_kernels.cu,
-// and the CPU twins of those kernels (the loops of worker/mlp_model.cc).
+// and the CPU twins of those kernels (the loops of models/mlp_model.cc).
 #include "cuda/mlp.h"
 
 #include <cublas_v2.h>
@@ -220,7 +220,7 @@ absl::StatusOr<double> MlpDevice::Gradient(const float* x, const float* images,
                     1.0f / static_cast<float>(batch), delta_[0].as<float>(), row_loss_.as<double>(),
                     row_flag_.as<uint8_t>(), stream_);
   }
-  // Backward as on the CPU (worker/mlp_model.cc), in column-major terms.
+  // Backward as on the CPU (models/mlp_model.cc), in column-major terms.
   int cur = 0;
   for (size_t l = L; s.ok() && l-- > 0;) {
     const int n_in = static_cast<int>(layers_[l]);

@@ -1,4 +1,4 @@
-// The GPU twin of the mlp's arithmetic (worker/mlp_model.h): forward and
+// The GPU twin of the mlp's arithmetic (models/mlp_model.h): forward and
 // backward of the same network on device buffers, with cuBLAS for the GEMMs
 // and small kernels for the bias, the ReLU and softmax cross-entropy.
 //
@@ -93,7 +93,7 @@ class MlpDevice {
 };
 
 // The small kernels, exposed so that tests compare them with their CPU twins
-// (the *Cpu functions: the loops of worker/mlp_model.cc, same signatures
+// (the *Cpu functions: the loops of models/mlp_model.cc, same signatures
 // without the stream). rows x n matrices are row-major.
 namespace mlp_internal {
 

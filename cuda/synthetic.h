@@ -1,4 +1,4 @@
-// The GPU twin of the synthetic model's gradient (worker/synthetic_model.h):
+// The GPU twin of the synthetic model's gradient (models/synthetic_model.h):
 // one kernel running the same per-coordinate code as the CPU loop
 // (models/synthetic_hash.h), compiled without FMA contraction, so that g is
 // bitwise equal to SyntheticModel::Gradient's. The loss, a sum in double, is

@@ -1,4 +1,4 @@
-// The arithmetic of the synthetic model (worker/synthetic_model.h), shared by
+// The arithmetic of the synthetic model (models/synthetic_model.h), shared by
 // its CPU loop and its CUDA kernel (cuda/synthetic.cu): one definition, so that
 // both compute the same gradient bit for bit. Plain integer and fp32
 // operations, each an IEEE operation on either side as long as no FMA is

@@ -9,6 +9,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "absl/types/span.h"
 #include "google/protobuf/struct.pb.h"
@@ -97,8 +98,13 @@ class Loader {
     if (!in) return absl::NotFoundError(absl::StrCat("--config: cannot read ", path_));
     std::stringstream ss;
     ss << in.rdbuf();
+    return LoadText(ss.str());
+  }
+
+  // `path_` names where the text came from, for errors.
+  absl::Status LoadText(const std::string& text) {
     Struct root;
-    auto st = google::protobuf::util::JsonStringToMessage(ss.str(), &root);
+    auto st = google::protobuf::util::JsonStringToMessage(text, &root);
     if (!st.ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat("--config: ", path_, " is not a JSON object: ", st.ToString()));
@@ -160,6 +166,36 @@ class Loader {
       case Value::kBoolValue:
         text = v.bool_value() ? "true" : "false";
         break;
+      case Value::kStructValue: {
+        // {"name": value, ...}: a map setting (model_options), as its text.
+        if (setting.type != SettingType::kStringMap) {
+          return absl::InvalidArgumentError(absl::StrCat("--", setting.name, ": ", path_, ": ", key,
+                                                         " must be a number, string or bool"));
+        }
+        std::vector<std::string> items;
+        for (const std::string& k : SortedKeys(v.struct_value())) {
+          const Value& item = v.struct_value().fields().at(k);
+          std::string t;
+          if (item.kind_case() == Value::kStringValue) {
+            t = item.string_value();
+          } else if (item.kind_case() == Value::kNumberValue) {
+            t = NumberText(item.number_value());
+          } else if (item.kind_case() == Value::kBoolValue) {
+            t = item.bool_value() ? "true" : "false";
+          } else {
+            return absl::InvalidArgumentError(absl::StrCat("--", setting.name, ": ", path_, ": ",
+                                                           key, ".", k,
+                                                           " must be a string, number or bool"));
+          }
+          if (t.find(',') != t.npos || k.find_first_of(",=") != k.npos) {
+            return absl::InvalidArgumentError(absl::StrCat("--", setting.name, ": ", path_, ": ",
+                                                           key, ".", k, ": no ',' or '=' allowed"));
+          }
+          items.push_back(absl::StrCat(k, "=", t));
+        }
+        text = absl::StrJoin(items, ",");
+        break;
+      }
       default:
         return absl::InvalidArgumentError(absl::StrCat("--", setting.name, ": ", path_, ": ", key,
                                                        " must be a number, string or bool"));
@@ -343,6 +379,12 @@ class Loader {
 absl::Status LoadConfigFile(const std::string& path, control::TrainingConfig* config,
                             std::set<std::string>* given, std::vector<std::string>* ignored) {
   return Loader(path, config, given, ignored).Load();
+}
+
+absl::Status LoadConfigJson(const std::string& json, const std::string& where,
+                            control::TrainingConfig* config, std::set<std::string>* given,
+                            std::vector<std::string>* ignored) {
+  return Loader(where, config, given, ignored).LoadText(json);
 }
 
 }  // namespace onebit

@@ -1,4 +1,4 @@
-// The --config file of the job settings (onebit_job_flags): JSON whose keys
+// The --config file of the job settings: JSON whose keys
 // are setting names (dashes or underscores), with an "onebit" section that
 // holds settings too, so a DeepSpeed config gains one section rather than
 // being rewritten. DeepSpeed's own keys are mapped where they mean something
@@ -23,6 +23,10 @@ namespace onebit {
 // DeepSpeed key maps to. Errors start with "--config: " or "--<setting>: ".
 absl::Status LoadConfigFile(const std::string& path, control::TrainingConfig* config,
                             std::set<std::string>* given, std::vector<std::string>* ignored);
+// The same for JSON text; `where` names it in errors.
+absl::Status LoadConfigJson(const std::string& json, const std::string& where,
+                            control::TrainingConfig* config, std::set<std::string>* given,
+                            std::vector<std::string>* ignored);
 
 }  // namespace onebit
 

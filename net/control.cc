@@ -50,6 +50,14 @@ absl::StatusOr<control::RegisterReply> RegisterWithCoordinator(
                                                   ": ", last.error_message()));
 }
 
+std::vector<DecayRange> DecayRangesOf(const control::RegisterReply& reply) {
+  std::vector<DecayRange> out;
+  for (const auto& r : reply.weight_decay_ranges()) {
+    out.push_back(DecayRange{r.begin(), r.end(), r.weight_decay()});
+  }
+  return out;
+}
+
 Heartbeater::Heartbeater(control::Coordinator::Stub* stub, std::string target, control::Role role,
                          uint32_t rank, uint64_t job_id, absl::Duration interval,
                          absl::Duration coordinator_timeout)

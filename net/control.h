@@ -37,6 +37,10 @@ absl::StatusOr<control::RegisterReply> RegisterWithCoordinator(
     control::Coordinator::Stub* stub, const std::string& target,
     const control::RegisterRequest& request, absl::Duration timeout);
 
+// The weight-decay ranges the workers declared, as the coordinator handed
+// them out (OptimizerOptions::weight_decay_ranges).
+std::vector<DecayRange> DecayRangesOf(const control::RegisterReply& reply);
+
 // Sends a heartbeat every `interval` from its own thread. Thread-safe.
 class Heartbeater {
  public:
@@ -63,6 +67,9 @@ class Heartbeater {
   // after, once the coordinator knows it.
   std::optional<uint64_t> end_step() const;
 
+  // Sends a heartbeat now rather than at the next interval.
+  void Kick();
+
   // CONTINUE until the coordinator says SHUTDOWN or ABORT, or is lost (ABORT).
   control::Command command() const;
   std::string reason() const;
@@ -81,7 +88,6 @@ class Heartbeater {
  private:
   void Loop();
   void SendOnce();
-  void Kick();
 
   control::Coordinator::Stub* const stub_;
   const std::string target_;

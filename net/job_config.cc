@@ -1,50 +1,25 @@
 #include "net/job_config.h"
 
-#include <algorithm>
-#include <cmath>
-
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
+#include "models/registry.h"
 #include "shard/optimizer.h"
 
 namespace onebit {
 
-absl::StatusOr<uint64_t> MlpParamCount(absl::string_view layers) {
-  std::vector<uint64_t> widths;
-  for (absl::string_view part : absl::StrSplit(layers, '-')) {
-    uint64_t w = 0;
-    if (!absl::SimpleAtoi(part, &w) || w == 0 || w > (1u << 20)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--layers: '", layers, "' is not a list of widths like 784-256-128-10"));
-    }
-    widths.push_back(w);
-  }
-  if (widths.size() < 2) {
-    return absl::InvalidArgumentError(absl::StrCat("--layers: '", layers, "' needs 2+ widths"));
-  }
-  uint64_t d = 0;
-  for (size_t l = 0; l + 1 < widths.size(); ++l) d += widths[l] * widths[l + 1] + widths[l + 1];
-  return d;
-}
-
 absl::Status ResolveConfig(const std::set<std::string>& given, control::TrainingConfig* config) {
   control::TrainingConfig& c = *config;
-  if (c.model() == "mlp") {
+  if (const ModelEntry* m = FindModel(c.model()); m != nullptr) {
+    if (absl::Status st = ResolveModelOptions(&c); !st.ok()) return st;
     // The shard map needs d before any worker has built the model.
-    auto d = MlpParamCount(c.layers());
+    absl::StatusOr<uint64_t> d = m->num_params(c);
     if (!d.ok()) return d.status();
     c.set_dim(*d);
-    const uint64_t train = c.max_train() > 0 ? std::min<uint64_t>(c.max_train(), kFashionMnistTrain)
-                                             : kFashionMnistTrain;
-    const uint64_t per_epoch = train / (uint64_t{c.workers()} * std::max<uint32_t>(c.batch(), 1));
-    if (per_epoch == 0) {
-      return absl::InvalidArgumentError(absl::StrCat("--batch: ", c.workers(), " workers x batch ",
-                                                     c.batch(), " exceed the ", train,
-                                                     " training images"));
+    if (m->epoch_steps != nullptr) {
+      absl::StatusOr<uint64_t> per_epoch = m->epoch_steps(c);
+      if (!per_epoch.ok()) return per_epoch.status();
+      if (c.epochs() > 0) c.set_steps(c.epochs() * *per_epoch);
+      if (c.eval_every() == 0) c.set_eval_every(*per_epoch);
     }
-    if (c.epochs() > 0) c.set_steps(c.epochs() * per_epoch);
-    if (c.eval_every() == 0) c.set_eval_every(per_epoch);
   }
   if (c.model() == kExternalModel) {
     // The workers declare d when they register; their program decides when
@@ -114,15 +89,7 @@ absl::Status ValidateConfig(const control::TrainingConfig& c) {
   };
   if (c.workers() < 1 || c.workers() > 4096) return bad("workers", "must be in [1, 4096]");
   if (c.servers() < 1 || c.servers() > 1024) return bad("servers", "must be in [1, 1024]");
-  if (c.model() != "synthetic" && c.model() != "mlp" && c.model() != kExternalModel) {
-    return bad("model",
-               absl::StrCat("unknown model '", c.model(), "' (want synthetic, mlp or external)"));
-  }
-  if (c.model() == "mlp") {
-    if (!MlpParamCount(c.layers()).ok()) return MlpParamCount(c.layers()).status();
-    if (c.batch() < 1) return bad("batch", "must be >= 1");
-    if (c.blas_threads() > 256) return bad("blas_threads", "must be in [0, 256]");
-  }
+  if (absl::Status st = ValidateModelConfig(c); !st.ok()) return st;
   const bool external = c.model() == kExternalModel;
   // An external model's d is 0 until the workers have declared it.
   if ((!external || c.dim() > 0) && (c.dim() < 1 || c.dim() > kMaxParams)) {
@@ -141,10 +108,6 @@ absl::Status ValidateConfig(const control::TrainingConfig& c) {
   }
   if (c.step_timeout_ms() < 1) return bad("step_timeout", "must be >= 1ms");
   if (c.heartbeat_timeout_ms() < 100) return bad("heartbeat_timeout", "must be >= 100ms");
-  if (!std::isfinite(c.noise()) || c.noise() < 0) return bad("noise", "must be finite and >= 0");
-  if (!(c.curvature_spread() >= 0 && c.curvature_spread() <= 6)) {
-    return bad("curvature_spread", "must lie in [0, 6]");
-  }
   return absl::OkStatus();
 }
 

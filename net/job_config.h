@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "models/registry.h"
 #include "net/job_settings.h"
 #include "proto/control.pb.h"
 #include "shard/optimizer.h"
@@ -46,26 +47,19 @@ std::vector<std::string> ConfigFlagArgs();
 std::vector<std::string> ConfigFlagArgs(const control::TrainingConfig& config);
 
 // Fills in what the settings imply, so every process sees one resolved
-// config: the mlp's d, steps and evaluation period, an external model's d,
-// the optimizer's codecs, reply and freeze. `given`: the settings set
+// config: through the model's registry entry (models/registry.h) its
+// options' defaults, its d, and for a model with a data set the steps of
+// --epochs and the evaluation period; an external model's d; the
+// optimizer's codecs, reply and freeze. `given`: the settings set
 // explicitly (command line or file).
 absl::Status ResolveConfig(const std::set<std::string>& given, control::TrainingConfig* config);
 
 // Checks ranges and combinations; errors start with "--<flag>: ".
 absl::Status ValidateConfig(const control::TrainingConfig& config);
 
-// --model external: the workers' own model (the library's Worker): they
-// declare d when they register; steps 0 means "until every worker finishes".
-inline constexpr char kExternalModel[] = "external";
+// kExternalModel (--model external) is in models/registry.h.
 // The largest d a job may have.
 inline constexpr uint64_t kMaxParams = uint64_t{1} << 34;
-
-// Fashion-MNIST's training images: the mlp's epoch, before --max_train.
-inline constexpr uint64_t kFashionMnistTrain = 60000;
-
-// Parameters of an mlp with these layer widths ("784-256-128-10"): each
-// layer's weights and biases. Errors name --layers.
-absl::StatusOr<uint64_t> MlpParamCount(absl::string_view layers);
 
 // The optimizer and freeze settings of a (validated) config.
 absl::StatusOr<OptimizerOptions> OptimizerOptionsFromConfig(const control::TrainingConfig& config);

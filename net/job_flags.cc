@@ -6,6 +6,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "models/registry.h"
 #include "net/config_file.h"
 #include "net/flags.h"
 #include "net/job_config.h"
@@ -13,6 +15,50 @@
 
 namespace onebit {
 namespace {
+
+// `text` from column `indent`, wrapped at 80 columns with continuation lines
+// at `indent` + 4. Never "    --" at a line's start: tools/k8s-flags.js reads
+// such lines as flags.
+std::string Wrapped(size_t indent, absl::string_view text) {
+  std::string out(indent, ' ');
+  size_t col = indent;
+  bool first = true;
+  for (absl::string_view w : absl::StrSplit(text, ' ', absl::SkipEmpty())) {
+    if (!first && col + 1 + w.size() > 80) {
+      absl::StrAppend(&out, "\n", std::string(indent + 4, ' '), w);
+      col = indent + 4 + w.size();
+    } else {
+      absl::StrAppend(&out, first ? "" : " ", w);
+      col += (first ? 0 : 1) + w.size();
+    }
+    first = false;
+  }
+  return out + "\n";
+}
+
+// The registered models (models/registry.h) with their settings and options.
+std::string ModelsHelp() {
+  std::string out =
+      "\nModels (--model NAME; a model's options go in --model_options name=value,...):\n";
+  for (const ModelEntry* m : RegisteredModels()) {
+    std::string settings = m->settings;
+    if (m->epoch_steps != nullptr) {
+      absl::StrAppend(&settings, settings.empty() ? "" : " ", "--epochs --eval_every");
+    }
+    std::string line = absl::StrCat(m->name, ": ", m->help);
+    if (!settings.empty()) absl::StrAppend(&line, "; settings ", settings);
+    absl::StrAppend(&line, m->options.empty() ? "; no options" : "; options:");
+    absl::StrAppend(&out, Wrapped(4, line));
+    for (const ModelOption& o : m->options) {
+      absl::StrAppend(&out, Wrapped(6, absl::StrCat(o.name, " (", o.help, "); default: \"",
+                                                    o.default_value, "\"")));
+    }
+  }
+  absl::StrAppend(&out, Wrapped(4, absl::StrCat(kExternalModel,
+                                                ": the workers' own program (--worker-cmd), "
+                                                "which declares d; no options")));
+  return out;
+}
 
 // The job settings and --config as ExtraFlags: values are checked as they
 // are parsed, so an error names the flag as it was given, and kept in order
@@ -49,7 +95,7 @@ class JobFlags : public ExtraFlags {
                       "config, whose optimizer section sets ours, with an \"onebit\" section "
                       "of job settings; the command line wins",
                       "\"\""),
-        JobSettingsHelp());
+        JobSettingsHelp(), ModelsHelp());
   }
 
   absl::StatusOr<control::TrainingConfig> Build(std::vector<std::string>* ignored) const {

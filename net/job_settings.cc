@@ -2,15 +2,20 @@
 
 #include <cstdint>
 #include <limits>
+#include <map>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "google/protobuf/descriptor.h"
+#include "google/protobuf/message.h"
 #include "net/flags.h"
 
 namespace onebit {
@@ -25,9 +30,12 @@ constexpr JobSetting kSettings[] = {
     {"servers", T::kUint32, "1", "cluster", "number of servers S (one shard each)"},
 
     {"model", T::kString, "synthetic", "model",
-     "model: synthetic (a noisy quadratic) | mlp (Fashion-MNIST) | external (the workers' own "
-     "program, onebit-launch --worker-cmd: they declare d, and the job ends when every worker "
-     "has finished unless --steps is given)"},
+     "model: a built-in one (see Models below) | external (the workers' own program, "
+     "onebit-launch --worker-cmd: they declare d, and the job ends when every worker has "
+     "finished unless --steps is given)"},
+    {"model_options", T::kStringMap, "", "model",
+     "the model's own options as name=value,... (see Models below; in --config also an object "
+     "{\"name\": \"value\"}); the defaults fill in the rest"},
     {"dim", T::kUint64, "1000", "model", "parameters d (synthetic model)"},
     {"steps", T::kUint64, "10", "model", "training steps (see --epochs)"},
     {"seed", T::kUint64, "1", "model", "seed of the model, its data and its noise"},
@@ -37,14 +45,15 @@ constexpr JobSetting kSettings[] = {
     {"skip_model", T::kBool, "false", "model",
      "synthetic: skip the model arithmetic (zero gradients; data-plane benchmark)"},
     {"epochs", T::kUint32, "0", "model",
-     "mlp: train this many epochs (sets --steps: an epoch is 60000 / (N * batch) steps, or "
-     "--max_train / (N * batch))"},
+     "models with a data set (mlp, softmax): train this many epochs (sets --steps: an epoch is "
+     "60000 / (N * batch) steps, or max_train / (N * batch))"},
     {"layers", T::kString, "784-256-128-10", "model", "mlp: layer widths"},
     {"batch", T::kUint32, "64", "model", "mlp: local batch per worker"},
     {"data_dir", T::kString, "/usr/share/datasets/fashion-mnist", "model",
      "mlp: folder of the Fashion-MNIST IDX files (.gz)"},
     {"eval_every", T::kUint64, "0", "model",
-     "mlp: evaluate the test set every this many steps (0: once an epoch) and at the end"},
+     "models with a data set: evaluate the test set every this many steps (0: once an epoch) "
+     "and at the end"},
     {"max_train", T::kUint32, "0", "model", "mlp: use only the first N training images (0: all)"},
     {"max_test", T::kUint32, "0", "model", "mlp: use only the first N test images (0: all)"},
     {"blas_threads", T::kUint32, "1", "model", "mlp: OpenBLAS threads per worker"},
@@ -101,6 +110,8 @@ const google::protobuf::FieldDescriptor* FieldOf(const JobSetting& s) {
 google::protobuf::FieldDescriptor::CppType CppTypeOf(SettingType t) {
   using F = google::protobuf::FieldDescriptor;
   switch (t) {
+    case T::kStringMap:
+      return F::CPPTYPE_MESSAGE;  // a map is a repeated entry message
     case T::kBool:
       return F::CPPTYPE_BOOL;
     case T::kUint32:
@@ -127,10 +138,34 @@ const char* TypeName(SettingType t) {
       return "a number";
     case T::kDuration:
       return "a duration like 30s or 500ms";
+    case T::kStringMap:
+      return "name=value,... (names not empty, each once)";
     case T::kString:
       break;
   }
   return "a string";
+}
+
+// Whether field f has the shape of setting type t.
+bool FieldFits(const google::protobuf::FieldDescriptor* f, SettingType t) {
+  if (f == nullptr || f->cpp_type() != CppTypeOf(t)) return false;
+  return t == T::kStringMap ? f->is_map() : !f->is_repeated();
+}
+
+// "k=v,k=v" -> the pairs, keys with dashes as underscores; nullopt when malformed.
+std::optional<std::map<std::string, std::string>> ParseStringMap(absl::string_view text) {
+  std::map<std::string, std::string> out;
+  if (absl::StripAsciiWhitespace(text).empty()) return out;
+  for (absl::string_view item : absl::StrSplit(text, ',')) {
+    const size_t eq = item.find('=');
+    if (eq == item.npos) return std::nullopt;
+    const std::string key = Normalize(absl::StripAsciiWhitespace(item.substr(0, eq)));
+    if (key.empty()) return std::nullopt;
+    if (!out.emplace(key, std::string(absl::StripAsciiWhitespace(item.substr(eq + 1)))).second) {
+      return std::nullopt;
+    }
+  }
+  return out;
 }
 
 }  // namespace
@@ -148,7 +183,7 @@ const JobSetting* FindJobSetting(absl::string_view name) {
 absl::Status SetJobSetting(const JobSetting& s, absl::string_view text,
                            control::TrainingConfig* c) {
   const google::protobuf::FieldDescriptor* f = FieldOf(s);
-  if (f == nullptr || f->is_repeated() || f->cpp_type() != CppTypeOf(s.type)) {
+  if (!FieldFits(f, s.type)) {
     return absl::InternalError(absl::StrCat("no TrainingConfig field matches setting ", s.name));
   }
   const google::protobuf::Reflection* r = c->GetReflection();
@@ -192,13 +227,26 @@ absl::Status SetJobSetting(const JobSetting& s, absl::string_view text,
     case T::kString:
       r->SetString(c, f, std::string(text));
       break;
+    case T::kStringMap: {
+      std::optional<std::map<std::string, std::string>> pairs = ParseStringMap(text);
+      if (!pairs) return bad;
+      // The map's entries through reflection: a repeated message of key and value.
+      r->ClearField(c, f);
+      const google::protobuf::Descriptor* entry = f->message_type();
+      for (const auto& [k, v] : *pairs) {
+        google::protobuf::Message* e = r->AddMessage(c, f);
+        e->GetReflection()->SetString(e, entry->FindFieldByName("key"), k);
+        e->GetReflection()->SetString(e, entry->FindFieldByName("value"), v);
+      }
+      break;
+    }
   }
   return absl::OkStatus();
 }
 
 std::string JobSettingText(const JobSetting& s, const control::TrainingConfig& c) {
   const google::protobuf::FieldDescriptor* f = FieldOf(s);
-  if (f == nullptr || f->cpp_type() != CppTypeOf(s.type)) return "";
+  if (!FieldFits(f, s.type)) return "";
   const google::protobuf::Reflection* r = c.GetReflection();
   switch (s.type) {
     case T::kBool:
@@ -211,6 +259,16 @@ std::string JobSettingText(const JobSetting& s, const control::TrainingConfig& c
       return absl::StrFormat("%.9g", r->GetFloat(c, f));  // 9 digits: exact for any float
     case T::kDuration:
       return absl::FormatDuration(absl::Milliseconds(r->GetUInt32(c, f)));
+    case T::kStringMap: {
+      const google::protobuf::Descriptor* entry = f->message_type();
+      std::map<std::string, std::string> sorted;  // a protobuf map has no order
+      for (int i = 0; i < r->FieldSize(c, f); ++i) {
+        const google::protobuf::Message& e = r->GetRepeatedMessage(c, f, i);
+        sorted[e.GetReflection()->GetString(e, entry->FindFieldByName("key"))] =
+            e.GetReflection()->GetString(e, entry->FindFieldByName("value"));
+      }
+      return absl::StrJoin(sorted, ",", absl::PairFormatter("="));
+    }
     case T::kString:
       break;
   }
@@ -236,8 +294,9 @@ std::string JobSettingsHelp() {
     absl::StrAppend(&out, "\n  ", g, ":\n");
     for (const JobSetting& s : kSettings) {
       if (g != s.group) continue;
-      const std::string dflt =
-          s.type == T::kString ? absl::StrCat("\"", s.default_value, "\"") : s.default_value;
+      const std::string dflt = s.type == T::kString || s.type == T::kStringMap
+                                   ? absl::StrCat("\"", s.default_value, "\"")
+                                   : s.default_value;
       absl::StrAppend(&out, FlagHelpEntry(s.name, s.help, dflt));
     }
   }

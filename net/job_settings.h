@@ -16,7 +16,9 @@
 
 namespace onebit {
 
-enum class SettingType { kBool, kUint32, kUint64, kFloat, kString, kDuration };
+// kStringMap: a map<string, string> field, as text "k=v,k=v" (keys sorted
+// when written; a key's dashes read as underscores; no ',' in values).
+enum class SettingType { kBool, kUint32, kUint64, kFloat, kString, kDuration, kStringMap };
 
 struct JobSetting {
   const char* name;           // underscore spelling, and the TrainingConfig field

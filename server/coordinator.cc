@@ -1,8 +1,10 @@
 #include "server/coordinator.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 
+#include "absl/base/casts.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -111,6 +113,7 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx,
   }
   if (req->role() == control::WORKER) {
     absl::Status st = CheckDeclaredParamsLocked(static_cast<uint32_t>(rank), req->num_params());
+    if (st.ok()) st = CheckDeclaredDecayLocked(static_cast<uint32_t>(rank), *req);
     if (!st.ok()) {
       // The job cannot run: tell everyone now rather than at the deadline.
       FailLocked(std::string(st.message()));
@@ -140,6 +143,7 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx,
   reply->set_rank(static_cast<uint32_t>(rank));
   *reply->mutable_config() = config_;
   reply->set_shard_map(map_.Serialize());
+  for (const auto& r : decay_) *reply->add_weight_decay_ranges() = r;
   for (size_t i = 0; i < servers_.size(); ++i) {
     control::ServerInfo* s = reply->add_servers();
     s->set_rank(static_cast<uint32_t>(i));
@@ -178,11 +182,63 @@ absl::Status CoordinatorService::CheckDeclaredParamsLocked(uint32_t rank, uint64
                                                  " declared d = ", config_.dim()));
 }
 
+namespace {
+
+std::string DecayText(const std::vector<control::WeightDecayRange>& ranges) {
+  if (ranges.empty()) return "none";
+  std::vector<std::string> parts;
+  for (const auto& r : ranges) {
+    parts.push_back(absl::StrCat("[", r.begin(), ", ", r.end(), "): ", r.weight_decay()));
+  }
+  return absl::StrJoin(parts, ", ");
+}
+
+bool SameDecay(const std::vector<control::WeightDecayRange>& a,
+               const google::protobuf::RepeatedPtrField<control::WeightDecayRange>& b) {
+  if (a.size() != static_cast<size_t>(b.size())) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    // Bitwise: every replica must apply the same float.
+    if (a[i].begin() != b[i].begin() || a[i].end() != b[i].end() ||
+        absl::bit_cast<uint32_t>(a[i].weight_decay()) !=
+            absl::bit_cast<uint32_t>(b[i].weight_decay())) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+absl::Status CoordinatorService::CheckDeclaredDecayLocked(uint32_t rank,
+                                                          const control::RegisterRequest& req) {
+  if (!decay_by_) {
+    decay_by_ = rank;
+    decay_.assign(req.weight_decay_ranges().begin(), req.weight_decay_ranges().end());
+    return absl::OkStatus();
+  }
+  if (SameDecay(decay_, req.weight_decay_ranges())) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("worker ", rank, " declares the weight-decay ranges ",
+                   DecayText({req.weight_decay_ranges().begin(), req.weight_decay_ranges().end()}),
+                   ", but worker ", *decay_by_, " declared ", DecayText(decay_)));
+}
+
 void CoordinatorService::FormLocked() {
   auto map = ShardMap::Create(config_.dim(), config_.servers(), config_.block_size());
   if (!map.ok()) {
     FailLocked(absl::StrCat("cannot shard d = ", config_.dim(), ": ", map.status().message()));
     return;
+  }
+  uint64_t last_end = 0;
+  for (const auto& r : decay_) {
+    if (r.begin() >= r.end() || r.begin() < last_end || r.end() > config_.dim() ||
+        !std::isfinite(r.weight_decay())) {
+      FailLocked(absl::StrCat("weight-decay ranges ", DecayText(decay_),
+                              ": want non-empty, sorted, disjoint ranges within the d = ",
+                              config_.dim(), " parameters, with finite values"));
+      return;
+    }
+    last_end = r.end();
   }
   map_ = *std::move(map);
   state_ = State::kRunning;

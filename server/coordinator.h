@@ -16,6 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "net/run_folder.h"
+#include "onebit/server.h"
 #include "proto/control.grpc.pb.h"
 #include "shard/optimizer.h"
 #include "shard/shard_map.h"
@@ -73,6 +74,9 @@ class CoordinatorService final : public control::Coordinator::Service {
   // workers'; the error names both.
   absl::Status CheckDeclaredParamsLocked(uint32_t rank, uint64_t d)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The same for the weight-decay ranges.
+  absl::Status CheckDeclaredDecayLocked(uint32_t rank, const control::RegisterRequest& req)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The cluster has formed: fixes d and the shard map, starts the job.
   void FormLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string MissingLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -110,6 +114,8 @@ class CoordinatorService final : public control::Coordinator::Service {
   uint64_t freeze_decided_ ABSL_GUARDED_BY(mu_) = 0;          // checks decided so far
   uint64_t freeze_step_ ABSL_GUARDED_BY(mu_) = 0;             // decided first compression step
   std::optional<uint32_t> declared_by_ ABSL_GUARDED_BY(mu_);  // first worker to declare d
+  std::optional<uint32_t> decay_by_ ABSL_GUARDED_BY(mu_);     // first worker to register
+  std::vector<control::WeightDecayRange> decay_ ABSL_GUARDED_BY(mu_);  // its ranges
   // A job without a fixed length: the steps every worker finished after.
   std::optional<uint64_t> end_step_ ABSL_GUARDED_BY(mu_);
   std::optional<absl::Time> started_ ABSL_GUARDED_BY(mu_);  // all registered
@@ -117,6 +123,11 @@ class CoordinatorService final : public control::Coordinator::Service {
 };
 
 const char* StateName(CoordinatorService::State s);
+
+// RunCoordinator (include/onebit/server.h) for a config already built, as
+// onebit-coordinator builds it from its command line.
+absl::Status RunCoordinatorJob(const control::TrainingConfig& config,
+                               const CoordinatorOptions& options);
 
 }  // namespace onebit
 

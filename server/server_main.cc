@@ -1,23 +1,14 @@
-// onebit-server: registers with the coordinator, binds a ZeroMQ ROUTER on its
-// data port and serves one shard (server/ps_server.h) until the coordinator
-// says the job is over.
-#include <algorithm>
-#include <cmath>
-#include <cstdio>
-#include <fstream>
+// onebit-server: RunServer (include/onebit/server.h) from the command line:
+// registers with the coordinator, binds a ZeroMQ ROUTER on its data port and
+// serves one shard until the coordinator says the job is over.
+
+#include <string>
 
 #include "absl/flags/flag.h"
-#include "absl/strings/numbers.h"
-#include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
-#include "net/checksum.h"
-#include "net/control.h"
+#include "absl/time/time.h"
 #include "net/data_plane.h"
 #include "net/flags.h"
-#include "net/health.h"
-#include "net/job_config.h"
-#include "net/run_folder.h"
-#include "server/ps_server.h"
+#include "onebit/server.h"
 
 ABSL_FLAG(std::string, coordinator, "", "coordinator address host:port (required)");
 ABSL_FLAG(int32_t, shard, -1, "the shard (server rank) to serve; -1: any free one");
@@ -40,136 +31,24 @@ int Main(int argc, char** argv) {
   ParseFlagsOrExit(argc, argv,
                    "onebit-server --coordinator HOST:PORT [--data-port P] [--advertise-host H]\n"
                    "Serves one shard of the parameters over ZeroMQ.");
-  const std::string coordinator = absl::GetFlag(FLAGS_coordinator);
-  if (coordinator.empty()) ExitFlagError("coordinator", "required");
-  const int data_port = absl::GetFlag(FLAGS_data_port);
-  if (data_port < 0 || data_port > 65535) ExitFlagError("data_port", "must be in [0, 65535]");
-  const int health_port = absl::GetFlag(FLAGS_health_port);
-  if (health_port < 0 || health_port > 65535) ExitFlagError("health_port", "must be in [0, 65535]");
-  std::string advertise = absl::GetFlag(FLAGS_advertise_host);
-  if (advertise.empty()) advertise = Hostname();
-  const std::string bind_host = absl::GetFlag(FLAGS_bind_host);
-
-  zmq::context_t ctx(1);
-  zmq::socket_t socket(ctx, zmq::socket_type::router);
-  socket.set(zmq::sockopt::router_mandatory, 1);
-  ConfigureDataSocket(&socket);
-  const std::string bind_ep = absl::StrCat("tcp://", bind_host, ":", data_port == 0 ? "*" : "",
-                                           data_port == 0 ? "" : absl::StrCat(data_port));
-  try {
-    socket.bind(bind_ep);
-  } catch (const zmq::error_t& e) {
-    ExitError(1, absl::StrCat("cannot bind the data port ", bind_ep, ": ", e.what()));
+  ServerOptions o;
+  o.coordinator = absl::GetFlag(FLAGS_coordinator);
+  if (o.coordinator.empty()) ExitFlagError("coordinator", "required");
+  o.shard = absl::GetFlag(FLAGS_shard);
+  o.bind_host = absl::GetFlag(FLAGS_bind_host);
+  o.data_port = absl::GetFlag(FLAGS_data_port);
+  if (o.data_port < 0 || o.data_port > 65535) ExitFlagError("data_port", "must be in [0, 65535]");
+  o.health_port = absl::GetFlag(FLAGS_health_port);
+  if (o.health_port < 0 || o.health_port > 65535) {
+    ExitFlagError("health_port", "must be in [0, 65535]");
   }
-  const std::string last = socket.get(zmq::sockopt::last_endpoint);
-  int bound_port = 0;
-  if (!absl::SimpleAtoi(last.substr(last.rfind(':') + 1), &bound_port)) {
-    ExitError(1, absl::StrCat("cannot read the bound port from ", last));
-  }
-  int health_bound = 0;
-  auto health = StartHealthServer(bind_host, health_port, &health_bound);
-  if (!health.ok()) ExitError(1, std::string(health.status().message()));
-
-  auto stub = control::Coordinator::NewStub(MakeChannel(coordinator));
-  control::RegisterRequest req;
-  req.set_role(control::SERVER);
-  req.set_requested_rank(absl::GetFlag(FLAGS_shard));
-  req.set_data_endpoint(absl::StrCat("tcp://", advertise, ":", bound_port));
-  req.set_health_endpoint(absl::StrCat(advertise, ":", health_bound));
-  req.set_host(Hostname());
-  auto reg =
-      RegisterWithCoordinator(stub.get(), coordinator, req, absl::GetFlag(FLAGS_register_timeout));
-  if (!reg.ok()) ExitError(1, std::string(reg.status().message()));
-  const control::TrainingConfig& cfg = reg->config();
-  const uint32_t rank = reg->rank();
-
-  auto map = ShardMap::Deserialize(reg->shard_map());
-  if (!map.ok())
-    ExitError(1, absl::StrCat("bad shard map from the coordinator: ", map.status().message()));
-  auto optimizer = OptimizerOptionsFromConfig(cfg);
-  if (!optimizer.ok()) ExitError(1, std::string(optimizer.status().message()));
-  auto freeze = FreezeOptionsFromConfig(cfg);
-  if (!freeze.ok()) ExitError(1, std::string(freeze.status().message()));
-  PsServerOptions o;
-  o.job.job_id = reg->job_id();
-  o.job.workers = cfg.workers();
-  o.job.steps = cfg.steps();
-  o.job.map = *map;
-  o.job.chunk_elems = cfg.chunk_elems();
-  o.shard = rank;
-  o.optimizer = *optimizer;
-  o.freeze = *freeze;
-  o.step_timeout = absl::Milliseconds(cfg.step_timeout_ms());
-  const absl::Duration hb_timeout = absl::Milliseconds(cfg.heartbeat_timeout_ms());
-
-  Heartbeater hb(stub.get(), coordinator, control::SERVER, rank, reg->job_id(),
-                 std::clamp(hb_timeout / 10, absl::Milliseconds(20), absl::Seconds(1)), hb_timeout);
-  hb.Start();
-  o.report_freeze_check = [&hb](uint64_t completed, double change) {
-    hb.ReportFreezeCheck(completed, change);
-  };
-  const uint64_t window = o.freeze.window;
-  o.freeze_decision = [&hb, window](uint64_t completed) {
-    return hb.FreezeDecision(completed, window);
-  };
-  auto server = PsServer::Create(o, &socket);
-  if (!server.ok()) FailAndExit(&hb, std::string(server.status().message()));
-  const Range r = map->shard(rank);
-  std::fprintf(stderr, "server %u: shard [%llu, %llu) on tcp://%s:%d, job %016llx\n", rank,
-               static_cast<unsigned long long>(r.begin), static_cast<unsigned long long>(r.end),
-               advertise.c_str(), bound_port, static_cast<unsigned long long>(reg->job_id()));
-
-  absl::Status done_status;
-  PsServer& ps = **server;
-  absl::Status st = ps.Serve(
-      [&] {
-        hb.SetStep(ps.state().step);
-        // A job without a fixed length ends where the workers finished.
-        if (cfg.steps() == 0 && done_status.ok() && !ps.finished()) {
-          if (auto end = hb.end_step()) done_status = ps.SetEndStep(*end);
-        }
-        return hb.command() != control::CONTINUE || !done_status.ok();
-      },
-      [&] {
-        control::ShardChecksum c;
-        c.set_shard(rank);
-        c.set_begin(r.begin);
-        c.set_end(r.end);
-        const ServerShardState& state = ps.state();
-        c.set_crc32(Crc32OfFloats(state.x.data(), state.x.size()));
-        c.set_floored(state.floored);
-        if (!state.replica.empty()) {
-          // --server-reply delta: the workers' replica trails the master.
-          c.set_has_replica(true);
-          c.set_replica_crc32(Crc32OfFloats(state.replica.data(), state.replica.size()));
-          double diff = 0;
-          for (size_t i = 0; i < state.x.size(); ++i) {
-            diff = std::max(diff, std::fabs(static_cast<double>(state.x[i]) - state.replica[i]));
-          }
-          c.set_max_abs_diff(diff);
-        }
-        done_status = hb.Done({c});
-      });
-  if (!st.ok()) FailAndExit(&hb, absl::StrCat("server ", rank, ": ", st.message()));
-  if (!done_status.ok())
-    FailAndExit(&hb, absl::StrCat("server ", rank, ": ", done_status.message()));
-
-  auto dump = [](const std::string& flag, const std::string& path, const std::vector<float>& v) {
-    if (path.empty()) return;
-    absl::Status st = WriteFloats(path, v);
-    if (!st.ok()) ExitError(1, absl::StrCat("--", flag, ": ", st.message()));
-  };
-  dump("dump_x", absl::GetFlag(FLAGS_dump_x), ps.state().x);
-  dump("dump_error", absl::GetFlag(FLAGS_dump_error), ps.state().e);
-  if (hb.command() == control::SHUTDOWN && ps.finished()) {
-    std::fprintf(stderr, "server %u: done after %llu steps\n", rank,
-                 static_cast<unsigned long long>(ps.state().step));
-    return 0;
-  }
-  ExitError(1, absl::StrCat("server ", rank, ": job aborted: ",
-                            hb.command() == control::SHUTDOWN
-                                ? "the coordinator ended the job before the last step"
-                                : hb.reason()));
+  o.advertise_host = absl::GetFlag(FLAGS_advertise_host);
+  o.register_timeout = absl::GetFlag(FLAGS_register_timeout);
+  o.dump_x = absl::GetFlag(FLAGS_dump_x);
+  o.dump_error = absl::GetFlag(FLAGS_dump_error);
+  absl::Status st = RunServer(o);
+  if (!st.ok()) ExitError(1, std::string(st.message()));
+  return 0;
 }
 
 }  // namespace

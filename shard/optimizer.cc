@@ -154,6 +154,17 @@ absl::Status ValidateOptimizerOptions(const OptimizerOptions& o) {
   if (!(o.beta2 >= 0 && o.beta2 < 1)) return Bad("beta2", "must lie in [0, 1)");
   if (!(o.eps > 0) || !std::isfinite(o.eps)) return Bad("eps", "must be finite and > 0");
   if (!std::isfinite(o.weight_decay)) return Bad("weight_decay", "must be finite");
+  uint64_t last_end = 0;
+  for (size_t i = 0; i < o.weight_decay_ranges.size(); ++i) {
+    const DecayRange& r = o.weight_decay_ranges[i];
+    if (r.begin >= r.end || (i > 0 && r.begin < last_end) || !std::isfinite(r.weight_decay)) {
+      return Bad("weight_decay",
+                 absl::StrCat("range ", i, " [", r.begin, ", ", r.end, ") with weight decay ",
+                              r.weight_decay,
+                              ": ranges must be non-empty, sorted, disjoint, with a finite value"));
+    }
+    last_end = r.end;
+  }
   if (!(o.v_floor >= 0) || !std::isfinite(o.v_floor)) {
     return Bad("v_floor", "must be finite and >= 0");
   }
@@ -274,9 +285,11 @@ void ServerOptimizer::EnterCompression(ServerShardState* s) const {
 absl::Status ServerOptimizer::AdamStep(uint64_t step, float lr, float* g, uint64_t off, size_t n,
                                        ServerShardState* s) const {
   float* x = s->x.data() + off;
-  const AdamCoefficients c = MakeAdamCoefficients(o_.beta1, o_.beta2, o_.eps, o_.weight_decay, lr,
-                                                  o_.bias_correction, step);
-  AdamUpdate(c, n, g, s->m.data() + off, s->v.data() + off, x);
+  ForEachWeightDecay(o_, s->begin + off, n, [&](size_t p, size_t m, float wd) {
+    const AdamCoefficients c =
+        MakeAdamCoefficients(o_.beta1, o_.beta2, o_.eps, wd, lr, o_.bias_correction, step);
+    AdamUpdate(c, m, g + p, s->m.data() + off + p, s->v.data() + off + p, x + p);
+  });
   for (size_t i = 0; i < n; ++i) {
     if (!std::isfinite(x[i])) return NotFinite("the Adam update", step, s->begin + off + i, x[i]);
   }
@@ -347,7 +360,9 @@ absl::Status ServerOptimizer::Step(uint64_t step, float lr, bool last_warmup, fl
       st = AdamStep(step, lr, acc, off, n, s);
       if (!st.ok()) return st;
     } else {
-      DeltaFromMomentum(acc, den, lr, o_.weight_decay, n, x, acc);
+      ForEachWeightDecay(o_, s->begin + off, n, [&](size_t p, size_t m, float wd) {
+        DeltaFromMomentum(acc + p, den == nullptr ? nullptr : den + p, lr, wd, m, x + p, acc + p);
+      });
     }
     st = o_.server_error_feedback ? codec.EncodeWithFeedback(acc, s->e.data() + off, n, reply)
                                   : codec.Encode(acc, n, reply);
@@ -360,7 +375,9 @@ absl::Status ServerOptimizer::Step(uint64_t step, float lr, bool last_warmup, fl
   if (!st.ok()) return Diverged("the averaged momentum", step, s->begin + off, st);
   st = codec.Decode(reply, n, acc);
   if (!st.ok()) return st;
-  ApplyMomentum(acc, den, lr, o_.weight_decay, n, x);
+  ForEachWeightDecay(o_, s->begin + off, n, [&](size_t p, size_t m, float wd) {
+    ApplyMomentum(acc + p, den == nullptr ? nullptr : den + p, lr, wd, m, x + p);
+  });
   for (size_t i = 0; i < n; ++i) {
     if (!std::isfinite(x[i])) return NotFinite("the update", step, s->begin + off + i, x[i]);
   }
@@ -453,7 +470,9 @@ absl::Status WorkerOptimizer::Apply(uint64_t step, float lr, bool last_warmup, c
   absl::Status st = codec.Decode(reply, n, mbar);
   if (!st.ok()) return st;
   const float* den = o_.kind == OptimizerKind::kOnebitAdam ? s->den.data() + b : nullptr;
-  ApplyMomentum(mbar, den, lr, o_.weight_decay, n, x);
+  ForEachWeightDecay(o_, b, n, [&](size_t p, size_t m, float wd) {
+    ApplyMomentum(mbar + p, den == nullptr ? nullptr : den + p, lr, wd, m, x + p);
+  });
   return absl::OkStatus();
 }
 

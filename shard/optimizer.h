@@ -14,6 +14,7 @@
 #ifndef ONEBIT_SHARD_OPTIMIZER_H_
 #define ONEBIT_SHARD_OPTIMIZER_H_
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -48,6 +49,14 @@ enum class LrScheduleKind : uint8_t { kConstant, kWarmup, kCosine };
 
 constexpr uint64_t kNever = std::numeric_limits<uint64_t>::max();
 
+// A range [begin, end) of x with its own decoupled weight decay (0 for
+// biases and norms, as BERT recipes do), in global indices.
+struct DecayRange {
+  uint64_t begin = 0;
+  uint64_t end = 0;
+  float weight_decay = 0.0f;
+};
+
 struct OptimizerOptions {
   OptimizerKind kind = OptimizerKind::kSgd;
   float lr = 0.01f;
@@ -56,7 +65,9 @@ struct OptimizerOptions {
   float beta1 = 0.9f;
   float beta2 = 0.999f;
   float eps = 1e-8f;
-  float weight_decay = 0.0f;     // decoupled: Δ includes -lr * wd * x
+  float weight_decay = 0.0f;  // decoupled: Δ includes -lr * wd * x
+  // Sorted, disjoint ranges whose weight decay replaces weight_decay.
+  std::vector<DecayRange> weight_decay_ranges;
   bool bias_correction = false;  // off, as DeepSpeed's OneBitAdam
   float v_floor = 1e-8f;         // frozen v = max(v, v_floor) (docs/design.md §1.1)
   bool worker_error_feedback = true;
@@ -87,6 +98,28 @@ ReplyMode DefaultReplyMode(OptimizerKind kind);
 
 // Checks values and combinations; errors start with "--<flag>: ".
 absl::Status ValidateOptimizerOptions(const OptimizerOptions& options);
+
+// Calls fn(offset, count, wd) for the consecutive pieces of the global
+// elements [b, b + n) that have one weight decay each (offset from b).
+template <typename Fn>
+void ForEachWeightDecay(const OptimizerOptions& o, uint64_t b, size_t n, Fn&& fn) {
+  uint64_t at = b;
+  const uint64_t end = b + n;
+  for (const DecayRange& r : o.weight_decay_ranges) {
+    if (at >= end) break;
+    if (r.end <= at) continue;
+    if (r.begin > at) {
+      const uint64_t stop = std::min<uint64_t>(r.begin, end);
+      fn(at - b, stop - at, o.weight_decay);
+      at = stop;
+      if (at >= end) break;
+    }
+    const uint64_t stop = std::min<uint64_t>(r.end, end);
+    fn(at - b, stop - at, r.weight_decay);
+    at = stop;
+  }
+  if (at < end) fn(at - b, end - at, o.weight_decay);
+}
 
 // γ_t, the same float on every process: computed in double, rounded once.
 float LearningRate(const OptimizerOptions& options, uint64_t step);

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -357,6 +358,66 @@ TEST(Optimizer, NaiveKeepsAdamRunningOnebitFreezesV) {
     EXPECT_EQ(before->freeze_step, 3u);
     const bool same = before->servers[0].v == after->servers[0].v;
     EXPECT_EQ(same, kind == OptimizerKind::kOnebitAdam) << OptimizerKindName(kind);
+  }
+}
+
+TEST(WeightDecayRanges, PiecesCoverTheRangeWithTheirOwnValues) {
+  OptimizerOptions o;
+  o.weight_decay = 0.5f;
+  o.weight_decay_ranges = {{10, 20, 0.0f}, {20, 25, 0.25f}, {40, 50, 1.0f}};
+  std::vector<std::tuple<size_t, size_t, float>> got;
+  ForEachWeightDecay(o, 15, 30, [&](size_t p, size_t n, float wd) { got.emplace_back(p, n, wd); });
+  // [15, 45): 15..20 at 0, 20..25 at 0.25, 25..40 at the job's, 40..45 at 1.
+  std::vector<std::tuple<size_t, size_t, float>> want = {
+      {0, 5, 0.0f}, {5, 5, 0.25f}, {10, 15, 0.5f}, {25, 5, 1.0f}};
+  EXPECT_EQ(got, want);
+  got.clear();
+  ForEachWeightDecay(o, 0, 5, [&](size_t p, size_t n, float wd) { got.emplace_back(p, n, wd); });
+  EXPECT_EQ(got, (std::vector<std::tuple<size_t, size_t, float>>{{0, 5, 0.5f}}));
+  o.weight_decay_ranges = {{10, 20, 0.0f}, {15, 30, 0.1f}};
+  EXPECT_THAT(std::string(ValidateOptimizerOptions(o).message()), HasSubstr("disjoint"));
+}
+
+// Server and worker give each element the step of its own range's weight
+// decay: elementwise equal to runs with that decay everywhere.
+TEST(WeightDecayRanges, EachElementStepsWithItsRangesDecay) {
+  for (const char* kind : {"adam", "onebit-adam", "ef-sgd"}) {
+    SCOPED_TRACE(kind);
+    auto options = [&](float wd) {
+      OptimizerOptions o;
+      o.kind = *ParseOptimizerKind(kind);
+      o.lr = 0.01f;
+      o.weight_decay = wd;
+      o.codec.block_size = 32;
+      o.worker_codec = o.server_codec = "fp32";  // elementwise, so elements compare
+      return o;
+    };
+    OptimizerOptions ranged = options(0.2f);
+    ranged.weight_decay_ranges = {{100 + 3, 100 + 40, 0.0f}};  // shard starts at 100
+    const size_t n = 64;
+    std::vector<std::vector<float>> x;
+    for (const OptimizerOptions& o : {ranged, options(0.2f), options(0.0f)}) {
+      auto server = ServerOptimizer::Create(o);
+      ASSERT_TRUE(server.ok()) << server.status();
+      ServerShardState s;
+      (*server)->InitState(0, 100, n, &s);
+      for (size_t i = 0; i < n; ++i) s.x[i] = 1.0f + 0.01f * i;
+      // onebit-adam: one warm-up step, then the compression phase.
+      const bool last = HasWarmup(o.kind) && HasCompressionPhase(o.kind);
+      for (uint64_t t = 0; t < 3; ++t) {
+        std::vector<float> acc(n);
+        for (size_t i = 0; i < n; ++i) acc[i] = 0.1f * std::sin(1.0f * i + t);
+        std::vector<uint8_t> reply((*server)->ReplyBytes(PhaseOf(s), n, last && t == 0));
+        ASSERT_TRUE((*server)->Step(t, last && t == 0, acc.data(), 0, n, &s, reply.data()).ok());
+        if (last && t == 0) (*server)->EnterCompression(&s);
+      }
+      x.push_back(s.x);
+    }
+    for (size_t i = 0; i < n; ++i) {
+      const bool in = i >= 3 && i < 40;
+      EXPECT_EQ(x[0][i], x[in ? 2 : 1][i]) << "element " << i;
+    }
+    EXPECT_NE(x[1], x[2]);  // the decay matters
   }
 }
 

@@ -21,9 +21,9 @@
 #include "cuda/memory.h"
 #include "cuda/mlp.h"
 #include "cuda/synthetic.h"
+#include "models/mlp_model.h"
+#include "models/synthetic_model.h"
 #include "worker/device_model.h"
-#include "worker/mlp_model.h"
-#include "worker/synthetic_model.h"
 
 namespace onebit {
 namespace {

@@ -11,7 +11,7 @@
 #include "absl/status/statusor.h"
 #include "cuda/backend.h"
 #include "models/evaluator.h"
-#include "worker/model.h"
+#include "models/model.h"
 
 namespace onebit {
 

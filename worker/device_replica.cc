@@ -188,7 +188,13 @@ class DeviceReplica final : public Replica {
     if (!direct) st = DecodeTo(codec, p, n, /*add=*/false, mbar);
     if (!st.ok()) return st;
     const float* dn = o_.kind == OptimizerKind::kOnebitAdam ? den_.f() + b : nullptr;
-    return b_.apply_momentum(mbar, dn, lr, o_.weight_decay, n, x, reply_);
+    absl::Status result;
+    ForEachWeightDecay(o_, b, n, [&](size_t p, size_t m, float wd) {
+      if (!result.ok()) return;
+      result =
+          b_.apply_momentum(mbar + p, dn == nullptr ? nullptr : dn + p, lr, wd, m, x + p, reply_);
+    });
+    return result;
   }
 
   absl::Status FinishStep(bool entered_compression) override {

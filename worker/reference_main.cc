@@ -7,11 +7,11 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "models/model.h"
 #include "net/flags.h"
 #include "net/job_config.h"
 #include "net/run_folder.h"
 #include "shard/reference.h"
-#include "worker/model.h"
 
 ABSL_FLAG(std::string, out, "",
           "folder for metrics.csv, summary.json and the final x (replica_w<R>.f32, "

@@ -17,8 +17,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "models/evaluator.h"
+#include "models/model.h"
 #include "shard/optimizer.h"
-#include "worker/model.h"
 
 namespace onebit {
 

@@ -139,6 +139,12 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
   req.set_host(Hostname());
   req.set_device(DeviceName(*choice));
   req.set_num_params(o.num_params);
+  for (const WeightDecayRange& r : o.weight_decay) {
+    control::WeightDecayRange* p = req.add_weight_decay_ranges();
+    p->set_begin(r.begin);
+    p->set_end(r.end);
+    p->set_weight_decay(r.weight_decay);
+  }
   auto reg = RegisterWithCoordinator(stub.get(), o.coordinator, req, o.register_timeout);
   if (!reg.ok()) return reg.status();
   cfg = reg->config();
@@ -181,6 +187,7 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
   }
   auto opt_options = OptimizerOptionsFromConfig(cfg);
   if (!opt_options.ok()) return Fail(opt_options.status());
+  opt_options->weight_decay_ranges = DecayRangesOf(*reg);
   auto opt = WorkerOptimizer::Create(*opt_options);
   if (!opt.ok()) return Fail(opt.status());
   optimizer = std::move(*opt);

@@ -10,9 +10,9 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "models/model.h"
 #include "onebit/worker.h"
 #include "proto/control.pb.h"
-#include "worker/model.h"
 #include "worker/replica.h"
 
 namespace onebit {

@@ -1,4 +1,4 @@
-// onebit-worker: the built-in models (synthetic, mlp) trained by the
+// onebit-worker: the built-in models (models/registry.h) trained by the
 // library's Worker (include/onebit/worker.h): gradient -> Step() -> repeat,
 // with the test set scored on rank 0 and a progress line.
 #include <cstdio>
@@ -8,11 +8,11 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "models/model.h"
 #include "net/data_plane.h"
 #include "net/flags.h"
 #include "net/run_folder.h"
 #include "onebit/worker.h"
-#include "worker/model.h"
 #include "worker/worker_internal.h"
 
 ABSL_FLAG(std::string, coordinator, "", "coordinator address host:port (required)");

@@ -30,6 +30,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -37,6 +38,14 @@
 #include "absl/time/time.h"
 
 namespace onebit {
+
+// Parameters [begin, end) whose decoupled weight decay is `weight_decay`
+// instead of the job's (e.g. 0 for biases and norms).
+struct WeightDecayRange {
+  uint64_t begin = 0;
+  uint64_t end = 0;
+  float weight_decay = 0.0f;
+};
 
 struct WorkerOptions {
   // "host:port" of the job's coordinator. Required.
@@ -47,6 +56,9 @@ struct WorkerOptions {
   // model. Every worker must declare the same d; a --model external job is
   // sharded by it. 0: the job's built-in model decides (onebit-worker).
   uint64_t num_params = 0;
+  // Ranges of x with their own weight decay: sorted, disjoint, within d.
+  // Every worker must declare the same, else the job fails naming both.
+  std::vector<WeightDecayRange> weight_decay;
   // Where params() and grads() live: "cpu" (host memory); "cuda" or
   // "cuda:N" (a GPU; an error when none is usable or the library was built
   // without CUDA); "auto" (GPU 0 when usable, else the CPU); "cuda-twin"

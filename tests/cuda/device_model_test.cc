@@ -21,11 +21,11 @@
 #include "cuda/backend.h"
 #include "cuda/device.h"
 #include "gmock/gmock.h"
+#include "models/dataset.h"
+#include "models/mlp_model.h"
+#include "models/synthetic_model.h"
 #include "tests/cuda/mlp_test_util.h"
 #include "tests/cuda/test_util.h"
-#include "worker/dataset.h"
-#include "worker/mlp_model.h"
-#include "worker/synthetic_model.h"
 
 namespace onebit {
 namespace {

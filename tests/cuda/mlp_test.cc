@@ -1,4 +1,4 @@
-// The GPU mlp (cuda/mlp.h) against the CPU one (worker/mlp_model.h).
+// The GPU mlp (cuda/mlp.h) against the CPU one (models/mlp_model.h).
 // Elementwise kernels (bias add, ReLU, its mask, bias gradients) must equal
 // their CPU twins bit for bit; softmax cross-entropy uses the same double
 // formula, but CUDA's exp/log need not round as glibc's, so its outputs may
@@ -21,10 +21,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "cuda/device.h"
+#include "models/dataset.h"
+#include "models/mlp_model.h"
 #include "tests/cuda/mlp_test_util.h"
 #include "tests/cuda/test_util.h"
-#include "worker/dataset.h"
-#include "worker/mlp_model.h"
 
 namespace onebit::cuda {
 namespace {

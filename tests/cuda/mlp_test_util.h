@@ -13,8 +13,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "worker/dataset.h"
-#include "worker/mlp_model.h"
+#include "models/dataset.h"
+#include "models/mlp_model.h"
 
 namespace onebit::cuda::testing {
 

@@ -1,4 +1,4 @@
-#include "worker/dataset.h"
+#include "models/dataset.h"
 
 #include <unistd.h>
 #include <zlib.h>

@@ -1,4 +1,4 @@
-#include "worker/idx_reader.h"
+#include "models/idx_reader.h"
 
 #include <unistd.h>
 #include <zlib.h>

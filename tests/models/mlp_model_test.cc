@@ -1,4 +1,4 @@
-#include "worker/mlp_model.h"
+#include "models/mlp_model.h"
 
 #include <chrono>
 #include <cmath>
@@ -8,7 +8,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "worker/rng.h"
+#include "models/rng.h"
 
 namespace onebit {
 namespace {

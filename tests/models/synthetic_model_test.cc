@@ -1,8 +1,8 @@
-// The synthetic model (worker/synthetic_model.h) against an independent
+// The synthetic model (models/synthetic_model.h) against an independent
 // re-implementation of its formula written out here, so that moving its
 // arithmetic into models/synthetic_hash.h (shared with the GPU kernel) is
 // checked to have changed no bit of x0, g or the loss.
-#include "worker/synthetic_model.h"
+#include "models/synthetic_model.h"
 
 #include <cmath>
 #include <cstdint>

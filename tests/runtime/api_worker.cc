@@ -10,6 +10,8 @@
 //                    range first (0: one plain Step())
 //   --lr V           SetLearningRate(V) before every step (<0: never)
 //   --lr_rank R --lr_value V   ... rank R sets V instead
+//   --wd B:E:V       parameters [B, E) decay by V instead of the job's
+//   --wd_rank R      ... except on rank R, which declares no range
 // Writes its final x to $ONEBIT_DUMP_X when set. Exits 1 with the error.
 #include <cmath>
 #include <cstdio>
@@ -41,7 +43,8 @@ int Fail(const std::string& what, const absl::Status& st) {
 int main(int argc, char** argv) {
   uint64_t d = 1000, steps = 6;
   int bad_d_rank = -1, lr_rank = -1, release = 0;
-  std::string init = "rank";
+  std::string init = "rank", wd;
+  int wd_rank = -1;
   double lr = -1, lr_value = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
@@ -62,6 +65,10 @@ int main(int argc, char** argv) {
       lr_rank = std::atoi(v);
     else if (k == "--lr_value")
       lr_value = std::atof(v);
+    else if (k == "--wd")
+      wd = v;
+    else if (k == "--wd_rank")
+      wd_rank = std::atoi(v);
     else {
       std::fprintf(stderr, "api_worker: unknown argument %s\n", k.c_str());
       return 2;
@@ -71,6 +78,14 @@ int main(int argc, char** argv) {
   const int my_rank = r == nullptr ? -1 : std::atoi(r);
   auto options = onebit::WorkerOptionsFromEnvironment(my_rank == bad_d_rank ? d + 1 : d);
   if (!options.ok()) return Fail("environment", options.status());
+  if (!wd.empty() && my_rank != wd_rank) {
+    onebit::WeightDecayRange range;
+    char* end = nullptr;
+    range.begin = std::strtoull(wd.c_str(), &end, 10);
+    range.end = std::strtoull(end + 1, &end, 10);
+    range.weight_decay = std::strtof(end + 1, nullptr);
+    options->weight_decay.push_back(range);
+  }
   auto connected = onebit::Worker::Connect(*options);
   if (!connected.ok()) return Fail("connect", connected.status());
   onebit::Worker& w = **connected;

@@ -10,8 +10,8 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "models/synthetic_model.h"
 #include "shard/reference.h"
-#include "worker/synthetic_model.h"
 
 namespace onebit {
 namespace {

@@ -10,11 +10,11 @@
 #include "absl/strings/str_split.h"
 #include "compress/codec.h"
 #include "gtest/gtest.h"
+#include "models/model.h"
 #include "net/data_plane.h"
 #include "shard/optimizer.h"
 #include "shard/shard_map.h"
 #include "tests/runtime/test_util.h"
-#include "worker/model.h"
 
 namespace onebit::testing {
 namespace {

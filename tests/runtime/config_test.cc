@@ -224,6 +224,55 @@ TEST(JobSettings, ConfigFlagArgsRoundTrip) {
   EXPECT_THAT(a, ::testing::Contains("--lr=0.100000001"));  // the float, exactly
 }
 
+// A model's own options: "k=v,..." on the command line or an object in
+// --config, checked against what the model declares, defaults filled in.
+TEST(JobSettings, ModelOptionsFromTheCommandLineAndTheFile) {
+  auto c = ConfigFromFlags({"--model=softmax", "--workers=2", "--epochs=2", "--model_options",
+                            "batch=16, max-train=640"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->model_options().at("batch"), "16");
+  EXPECT_EQ(c->model_options().at("max_train"), "640");
+  EXPECT_EQ(c->model_options().at("max_test"), "0");  // the default, filled in
+  EXPECT_EQ(c->dim(), 7850u);
+  EXPECT_EQ(c->steps(), 40u);       // 2 epochs of 640 / (2 × 16)
+  EXPECT_EQ(c->eval_every(), 20u);  // once an epoch
+  EXPECT_THAT(ConfigFlagArgs(*c),
+              ::testing::Contains("--model_options=batch=16,data_dir=/usr/share/datasets/"
+                                  "fashion-mnist,max_test=0,max_train=640"));
+  auto back = ConfigFromFlags(ConfigFlagArgs(*c));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(*c, *back));
+
+  auto f = ConfigFromFlags({"--config=" + WriteConfig("options", R"({"model": "softmax",
+      "workers": 2, "epochs": 2, "model_options": {"batch": 16, "max_train": "640"}})")});
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(*c, *f))
+      << c->ShortDebugString() << "\n"
+      << f->ShortDebugString();
+  auto s = ConfigFromFlags({"--config=" + WriteConfig("options-text", R"({"model": "softmax",
+      "onebit": {"model_options": "batch=16,max_train=640", "workers": 2, "epochs": 2}})")});
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(*c, *s));
+
+  EXPECT_THAT(ErrorOf({"--model=softmax", "--model_options=batch"}),
+              HasSubstr("--model_options: invalid value 'batch'"));
+  EXPECT_THAT(ErrorOf({"--model=softmax", "--model_options=batch=1,batch=2"}),
+              HasSubstr("--model_options: invalid value"));
+  EXPECT_THAT(ErrorOf({"--model=softmax", "--model_options=colour=red"}),
+              HasSubstr("--model_options: model softmax has no option 'colour'"));
+  EXPECT_THAT(ErrorOf({"--model=mlp", "--model_options=batch=3"}),
+              HasSubstr("--model_options: model mlp has no option 'batch'"));
+  EXPECT_THAT(ErrorOf({"--model=softmax", "--model_options=batch=0"}),
+              HasSubstr("--model_options: softmax: batch: "));
+  EXPECT_THAT(ErrorOf({"--model=resnet"}),
+              HasSubstr("--model: unknown model 'resnet' (want synthetic, mlp, softmax or "
+                        "external)"));
+  EXPECT_THAT(ConfigError(R"({"model": "softmax", "model_options": {"batch": [1]}})"),
+              HasSubstr("model_options.batch must be a string, number or bool"));
+  EXPECT_THAT(ConfigError(R"({"model": "softmax", "model_options": {"data_dir": "a,b"}})"),
+              HasSubstr("no ',' or '=' allowed"));
+}
+
 TEST(JobSettings, CommandLineSpellings) {
   auto on = [](const std::vector<std::string>& args) {
     auto c = ConfigFromFlags(args);
@@ -304,6 +353,23 @@ TEST(Binaries, LaunchCoordinatorAndReferenceHelpListTheJobSettings) {
     EXPECT_THAT(r.output, HasSubstr("\n  optimizer:\n")) << bin;
     EXPECT_THAT(r.output, Not(HasSubstr("/work"))) << bin;
     EXPECT_THAT(r.output, Not(HasSubstr(".cc"))) << bin;
+  }
+}
+
+// The models of the registry, with their settings and options, in --help.
+TEST(Binaries, LaunchAndCoordinatorHelpListTheModels) {
+  for (const std::string bin : {"onebit-launch", "onebit-coordinator"}) {
+    RunResult r = RunCommand({Bin(bin), "--help"}, absl::Seconds(10));
+    EXPECT_EQ(r.code, 0) << bin << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr("\nModels (--model NAME;")) << bin;
+    EXPECT_THAT(r.output, HasSubstr("\n    synthetic: ")) << bin;
+    EXPECT_THAT(r.output, HasSubstr("settings --dim --noise")) << bin;
+    EXPECT_THAT(r.output, HasSubstr("\n    mlp: ")) << bin;
+    EXPECT_THAT(r.output, HasSubstr("\n    softmax: ")) << bin;
+    EXPECT_THAT(r.output, HasSubstr("\n      batch (local batch per worker); default: \"64\"\n"))
+        << bin;
+    EXPECT_THAT(r.output, HasSubstr("\n    external: ")) << bin;
+    EXPECT_THAT(r.output, HasSubstr("    --model_options (")) << bin;
   }
 }
 

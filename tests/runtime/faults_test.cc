@@ -21,12 +21,12 @@
 #include "compress/codec.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "models/model.h"
 #include "net/checksum.h"
 #include "net/control.h"
 #include "net/data_plane.h"
 #include "net/health.h"
 #include "tests/runtime/test_util.h"
-#include "worker/model.h"
 #include "zmq.hpp"
 #include "zmq_addon.hpp"
 

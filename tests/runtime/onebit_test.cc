@@ -398,6 +398,42 @@ TEST(Mlp, ShortClusterRunLearns) {
   EXPECT_EQ(evaluations, 6);  // once an epoch (the last one is also the end)
 }
 
+// The softmax model, whose options come only through --model_options, on a
+// 2 x 1 cluster: it learns, replicas stay equal, and onebit-reference given
+// the same job (its options as a --config object) ends with the same x.
+TEST(Softmax, ClusterEqualsTheReferenceBitForBit) {
+  const std::vector<std::string> job = {
+      "--workers=2", "--servers=1",      "--model=softmax",  "--optimizer=onebit-adam", "--lr=5e-3",
+      "--epochs=3",  "--freeze_step=16", "--block_size=256", "--chunk_elems=1024"};
+  const std::string dir = TempDir("softmax");
+  std::vector<std::string> argv = {Bin("onebit-launch"), "--out=" + dir, "--dump_params",
+                                   "--heartbeat_timeout=3s",
+                                   "--model_options=batch=32,max_train=1024,max_test=500"};
+  argv.insert(argv.end(), job.begin(), job.end());
+  RunResult r = RunCommand(argv, absl::Seconds(120));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string summary = ReadFile(dir + "/summary.json");
+  EXPECT_EQ(Field(summary, "steps"), "48");     // 3 epochs of 1024 / (2 × 32)
+  EXPECT_EQ(Field(summary, "params"), "7850");  // 784·10 + 10
+  EXPECT_EQ(Field(summary, "freeze_step"), "16");
+  EXPECT_EQ(Field(summary, "replicas_equal"), "true");
+  EXPECT_GT(NumberField(summary, "test_accuracy"), 0.6);  // chance is 0.1
+
+  const std::string ref = TempDir("softmax-reference");
+  std::ofstream(ref + "/job.json")
+      << R"({"model_options": {"batch": 32, "max_train": "1024", "max_test": 500}})";
+  std::vector<std::string> rargv = {Bin("onebit-reference"), "--out=" + ref,
+                                    "--config=" + ref + "/job.json"};
+  rargv.insert(rargv.end(), job.begin(), job.end());
+  RunResult rr = RunCommand(rargv, absl::Seconds(120));
+  ASSERT_EQ(rr.code, 0) << rr.output;
+  for (const char* f : {"/replica_w0.f32", "/replica_w1.f32", "/master_s0.f32", "/error_s0.f32"}) {
+    const std::vector<float> a = ReadFloats(ref + f), b = ReadFloats(dir + f);
+    EXPECT_EQ(a.size(), 7850u) << f;
+    EXPECT_EQ(FirstDifference(a, b), "") << f;
+  }
+}
+
 TEST(Mlp, MissingDataFolderIsNamed) {
   RunResult r =
       RunCommand({Bin("onebit-launch"), "--workers=1", "--servers=1", "--model=mlp",

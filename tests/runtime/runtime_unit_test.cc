@@ -10,12 +10,12 @@
 #include "compress/codec.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "models/synthetic_model.h"
 #include "net/checksum.h"
 #include "net/data_plane.h"
 #include "net/job_config.h"
 #include "server/coordinator.h"
 #include "tests/runtime/test_util.h"
-#include "worker/synthetic_model.h"
 
 namespace onebit {
 namespace {

@@ -13,11 +13,11 @@
 #include "absl/strings/str_format.h"
 #include "compress/codec.h"
 #include "gtest/gtest.h"
+#include "models/model.h"
 #include "net/data_plane.h"
 #include "net/job_config.h"
 #include "shard/reference.h"
 #include "shard/shard_map.h"
-#include "worker/model.h"
 
 namespace onebit::testing {
 

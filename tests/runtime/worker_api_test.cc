@@ -131,5 +131,38 @@ TEST(WorkerApi, RanksDisagreeingOnTheLearningRateFailTheStepNamingThem) {
   EXPECT_THAT(j.summary, HasSubstr("learning rate"));
 }
 
+TEST(WorkerApi, WeightDecayRangesReplaceTheJobsOnTheirParameters) {
+  // Adam is elementwise here (the gradient of x_i depends on x_i alone), so
+  // with [0, 500) at weight decay 0 those elements must equal a job without
+  // weight decay, and the rest a job with it.
+  const std::vector<std::string> decay = {"--optimizer=adam", "--lr=0.01", "--weight_decay=0.1",
+                                          "--block_size=32", "--chunk_elems=64"};
+  std::vector<std::string> none = decay;
+  none[2] = "--weight_decay=0";
+  Job ranged = RunApiJob("ranged", 2, 2, decay, "--steps 5 --wd 0:500:0");
+  Job with = RunApiJob("with", 2, 2, decay, "--steps 5");
+  Job without = RunApiJob("without", 2, 2, none, "--steps 5");
+  ASSERT_EQ(ranged.run.code, 0) << ranged.run.output;
+  ASSERT_EQ(with.run.code, 0) << with.run.output;
+  ASSERT_EQ(without.run.code, 0) << without.run.output;
+  EXPECT_EQ(Field(ranged.summary, "replicas_equal"), "true");
+  const std::vector<float>& r = ranged.replicas[1];
+  EXPECT_EQ(FirstDifference({r.begin(), r.begin() + 500},
+                            {without.replicas[1].begin(), without.replicas[1].begin() + 500}),
+            "");
+  EXPECT_EQ(FirstDifference({r.begin() + 500, r.end()},
+                            {with.replicas[1].begin() + 500, with.replicas[1].end()}, 500),
+            "");
+  EXPECT_NE(FirstDifference(r, with.replicas[1]), "");
+}
+
+TEST(WorkerApi, WorkersDeclaringOtherWeightDecayRangesAreRefused) {
+  Job j = RunApiJob("wd_mismatch", 3, 1, kOnebitAdam, "--steps 2 --wd 0:500:0 --wd_rank 2");
+  EXPECT_NE(j.run.code, 0);
+  EXPECT_THAT(j.run.output, HasSubstr("weight-decay ranges"));
+  EXPECT_THAT(j.run.output, HasSubstr("[0, 500): 0"));
+  EXPECT_THAT(j.run.output, ::testing::ContainsRegex("worker 2 declare|but worker 2 declared"));
+}
+
 }  // namespace
 }  // namespace onebit::testing

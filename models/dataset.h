@@ -12,8 +12,8 @@
 // step; within an epoch no example is used twice; the last
 // num_train - steps_per_epoch*N*b examples of each permutation are skipped
 // (a different set each epoch).
-#ifndef ONEBIT_WORKER_DATASET_H_
-#define ONEBIT_WORKER_DATASET_H_
+#ifndef ONEBIT_MODELS_DATASET_H_
+#define ONEBIT_MODELS_DATASET_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -24,7 +24,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "worker/idx_reader.h"
+#include "models/idx_reader.h"
 
 namespace onebit {
 
@@ -75,6 +75,15 @@ struct DatasetOptions {
 // A missing directory is a NotFound error naming it.
 absl::StatusOr<std::shared_ptr<const ImageDataset>> LoadFashionMnist(const DatasetOptions& options);
 
+// Fashion-MNIST's training images, before max_train.
+inline constexpr uint32_t kFashionMnistTrain = 60000;
+
+// The steps of one epoch over the first max_train (0: all) training images of
+// Fashion-MNIST for N workers at local batch b, as the EpochSampler of the
+// loaded set will have them (known before loading it); 0 when not one step
+// fits.
+uint64_t FashionMnistEpochSteps(uint32_t max_train, uint32_t workers, uint32_t batch);
+
 // The permutation P_epoch of [0, n) (see the top of this file): Fisher-Yates
 // with SplitMix64, so every process on every platform gets the same one.
 std::vector<uint32_t> EpochPermutation(uint32_t n, uint64_t seed, uint64_t epoch);
@@ -116,4 +125,4 @@ class EpochSampler {
 
 }  // namespace onebit
 
-#endif  // ONEBIT_WORKER_DATASET_H_
+#endif  // ONEBIT_MODELS_DATASET_H_

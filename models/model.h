@@ -1,8 +1,8 @@
 // What a worker trains: a model over a flat fp32 parameter vector x[0, d).
 // Gradients must be deterministic per (seed, rank, step) so that a run can be
 // replayed by the single-process reference.
-#ifndef ONEBIT_WORKER_MODEL_H_
-#define ONEBIT_WORKER_MODEL_H_
+#ifndef ONEBIT_MODELS_MODEL_H_
+#define ONEBIT_MODELS_MODEL_H_
 
 #include <cstdint>
 #include <memory>
@@ -27,9 +27,10 @@ class Model {
   virtual uint64_t steps_per_epoch() const { return 0; }
 };
 
-// The model named by config.model(): "synthetic" or "mlp".
+// The registered model named by config.model() (models/registry.h), from a
+// resolved config (net/job_config.h's ResolveConfig).
 absl::StatusOr<std::unique_ptr<Model>> NewModel(const control::TrainingConfig& config);
 
 }  // namespace onebit
 
-#endif  // ONEBIT_WORKER_MODEL_H_
+#endif  // ONEBIT_MODELS_MODEL_H_

@@ -1,13 +1,14 @@
-#include "worker/dataset.h"
+#include "models/dataset.h"
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "worker/rng.h"
+#include "models/rng.h"
 
 namespace onebit {
 namespace {
@@ -89,6 +90,12 @@ absl::StatusOr<std::shared_ptr<const ImageDataset>> LoadFashionMnist(const Datas
   if (!test_labels.ok()) return test_labels.status();
   return ImageDataset::Create(*std::move(train), *std::move(train_labels), *std::move(test),
                               *std::move(test_labels), "Fashion-MNIST in " + o.dir);
+}
+
+uint64_t FashionMnistEpochSteps(uint32_t max_train, uint32_t workers, uint32_t batch) {
+  const uint64_t train =
+      max_train > 0 ? std::min(max_train, kFashionMnistTrain) : kFashionMnistTrain;
+  return train / (uint64_t{std::max<uint32_t>(workers, 1)} * std::max<uint32_t>(batch, 1));
 }
 
 std::vector<uint32_t> EpochPermutation(uint32_t n, uint64_t seed, uint64_t epoch) {

@@ -5,8 +5,8 @@
 //
 // Images are kept as bytes (a quarter of the memory of floats: every worker
 // process holds the whole training set); ToFloat gives the [0, 1] values x/255.
-#ifndef ONEBIT_WORKER_IDX_READER_H_
-#define ONEBIT_WORKER_IDX_READER_H_
+#ifndef ONEBIT_MODELS_IDX_READER_H_
+#define ONEBIT_MODELS_IDX_READER_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -49,4 +49,4 @@ float PixelToFloat(uint8_t x);
 
 }  // namespace onebit
 
-#endif  // ONEBIT_WORKER_IDX_READER_H_
+#endif  // ONEBIT_MODELS_IDX_READER_H_

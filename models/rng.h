@@ -2,8 +2,8 @@
 // initialisation. std::shuffle and std::uniform_*_distribution are
 // implementation-defined, so every worker process on every platform must draw
 // from this instead to agree on the same numbers.
-#ifndef ONEBIT_WORKER_RNG_H_
-#define ONEBIT_WORKER_RNG_H_
+#ifndef ONEBIT_MODELS_RNG_H_
+#define ONEBIT_MODELS_RNG_H_
 
 #include <cstdint>
 
@@ -47,4 +47,4 @@ class SplitMix64 {
 
 }  // namespace onebit
 
-#endif  // ONEBIT_WORKER_RNG_H_
+#endif  // ONEBIT_MODELS_RNG_H_

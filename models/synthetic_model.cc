@@ -1,9 +1,10 @@
-#include "worker/synthetic_model.h"
+#include "models/synthetic_model.h"
 
 #include <cmath>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "models/registry.h"
 #include "models/synthetic_hash.h"
 
 namespace onebit {
@@ -45,5 +46,43 @@ absl::StatusOr<double> SyntheticModel::Gradient(const float* x, uint32_t rank, u
   }
   return loss;
 }
+
+namespace {
+
+absl::StatusOr<uint64_t> SyntheticParams(const control::TrainingConfig& c) { return c.dim(); }
+
+absl::Status ValidateSynthetic(const control::TrainingConfig& c) {
+  if (!std::isfinite(c.noise()) || c.noise() < 0) {
+    return absl::InvalidArgumentError("--noise: must be finite and >= 0");
+  }
+  if (!(c.curvature_spread() >= 0 && c.curvature_spread() <= 6)) {
+    return absl::InvalidArgumentError("--curvature_spread: must lie in [0, 6]");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Model>> MakeSynthetic(const control::TrainingConfig& c) {
+  SyntheticOptions o;
+  o.dim = c.dim();
+  o.seed = c.seed();
+  o.noise = c.noise();
+  o.curvature_spread = c.curvature_spread();
+  o.skip = c.skip_model();
+  return std::unique_ptr<Model>(new SyntheticModel(o));
+}
+
+}  // namespace
+
+// Its settings are job settings of their own (--dim ...), from before the registry.
+extern const ModelEntry kSyntheticModel = {
+    "synthetic",
+    "a noisy quadratic over d = --dim parameters, no data set",
+    "--dim --noise --curvature_spread --skip_model",
+    {},
+    SyntheticParams,
+    ValidateSynthetic,
+    nullptr,
+    MakeSynthetic,
+};
 
 }  // namespace onebit

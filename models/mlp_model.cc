@@ -1,4 +1,4 @@
-#include "worker/mlp_model.h"
+#include "models/mlp_model.h"
 
 #include <cblas.h>
 
@@ -12,7 +12,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "worker/rng.h"
+#include "models/registry.h"
+#include "models/rng.h"
 
 namespace onebit {
 
@@ -314,5 +315,80 @@ absl::StatusOr<std::unique_ptr<MlpModel>> NewMlpModel(const MlpOptions& o) {
   if (o.blas_threads > 0) SetBlasThreads(o.blas_threads);
   return MlpModel::Create(o, *std::move(data));
 }
+
+absl::StatusOr<uint64_t> MlpParamCount(absl::string_view layers) {
+  std::vector<uint64_t> widths;
+  for (absl::string_view part : absl::StrSplit(layers, '-')) {
+    uint64_t w = 0;
+    if (!absl::SimpleAtoi(part, &w) || w == 0 || w > (1u << 20)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--layers: '", layers, "' is not a list of widths like 784-256-128-10"));
+    }
+    widths.push_back(w);
+  }
+  if (widths.size() < 2) {
+    return absl::InvalidArgumentError(absl::StrCat("--layers: '", layers, "' needs 2+ widths"));
+  }
+  uint64_t d = 0;
+  for (size_t l = 0; l + 1 < widths.size(); ++l) d += widths[l] * widths[l + 1] + widths[l + 1];
+  return d;
+}
+
+namespace {
+
+absl::StatusOr<uint64_t> MlpParams(const control::TrainingConfig& c) {
+  return MlpParamCount(c.layers());
+}
+
+absl::Status ValidateMlp(const control::TrainingConfig& c) {
+  if (absl::StatusOr<uint64_t> d = MlpParamCount(c.layers()); !d.ok()) return d.status();
+  if (c.batch() < 1) return absl::InvalidArgumentError("--batch: must be >= 1");
+  if (c.blas_threads() > 256)
+    return absl::InvalidArgumentError("--blas_threads: must be in [0, 256]");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> MlpEpochSteps(const control::TrainingConfig& c) {
+  const uint64_t steps = FashionMnistEpochSteps(c.max_train(), c.workers(), c.batch());
+  if (steps == 0) {
+    const uint32_t train =
+        c.max_train() > 0 ? std::min(c.max_train(), kFashionMnistTrain) : kFashionMnistTrain;
+    return absl::InvalidArgumentError(absl::StrCat("--batch: ", c.workers(), " workers x batch ",
+                                                   c.batch(), " exceed the ", train,
+                                                   " training images"));
+  }
+  return steps;
+}
+
+absl::StatusOr<std::unique_ptr<Model>> MakeMlp(const control::TrainingConfig& c) {
+  MlpOptions o;
+  auto layers = ParseLayers(c.layers());
+  if (!layers.ok()) return layers.status();
+  o.layers = *layers;
+  o.seed = c.seed();
+  o.data_dir = c.data_dir();
+  o.batch = c.batch();
+  o.workers = c.workers();
+  o.blas_threads = static_cast<int>(c.blas_threads());
+  o.max_train = c.max_train();
+  o.max_test = c.max_test();
+  auto mlp = NewMlpModel(o);
+  if (!mlp.ok()) return mlp.status();
+  return std::unique_ptr<Model>(std::move(*mlp));
+}
+
+}  // namespace
+
+// Its settings are job settings of their own (--layers ...), from before the registry.
+extern const ModelEntry kMlpModel = {
+    "mlp",
+    "a multi-layer perceptron (ReLU, softmax cross-entropy) on Fashion-MNIST",
+    "--layers --batch --data_dir --max_train --max_test --blas_threads",
+    {},
+    MlpParams,
+    ValidateMlp,
+    MlpEpochSteps,
+    MakeMlp,
+};
 
 }  // namespace onebit

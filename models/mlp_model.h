@@ -15,8 +15,8 @@
 // mean loss. Deterministic per (seed, rank, step) on a given machine and BLAS
 // thread count (OpenBLAS picks its kernels by CPU, so other CPUs may round
 // differently in the last bits).
-#ifndef ONEBIT_WORKER_MLP_MODEL_H_
-#define ONEBIT_WORKER_MLP_MODEL_H_
+#ifndef ONEBIT_MODELS_MLP_MODEL_H_
+#define ONEBIT_MODELS_MLP_MODEL_H_
 
 #include <cstdint>
 #include <memory>
@@ -27,9 +27,9 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "models/dataset.h"
 #include "models/evaluator.h"
-#include "worker/dataset.h"
-#include "worker/model.h"
+#include "models/model.h"
 
 namespace onebit {
 
@@ -110,6 +110,10 @@ void SetBlasThreads(int n);
 // widths, each in [1, 2^20], separated by '-' (',' and 'x' are accepted too).
 absl::StatusOr<std::vector<uint32_t>> ParseLayers(absl::string_view spec);
 
+// Parameters of an mlp with these layer widths ("784-256-128-10"): each
+// layer's weights and biases. Errors name --layers.
+absl::StatusOr<uint64_t> MlpParamCount(absl::string_view layers);
+
 }  // namespace onebit
 
-#endif  // ONEBIT_WORKER_MLP_MODEL_H_
+#endif  // ONEBIT_MODELS_MLP_MODEL_H_

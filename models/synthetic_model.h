@@ -7,13 +7,13 @@
 // O(1) memory and gives the same numbers on every host. (The gradient is of
 // the unnormalised sum; the loss is reported per parameter.) The arithmetic
 // is in models/synthetic_hash.h, shared with the GPU version (cuda/synthetic.h).
-#ifndef ONEBIT_WORKER_SYNTHETIC_MODEL_H_
-#define ONEBIT_WORKER_SYNTHETIC_MODEL_H_
+#ifndef ONEBIT_MODELS_SYNTHETIC_MODEL_H_
+#define ONEBIT_MODELS_SYNTHETIC_MODEL_H_
 
 #include <vector>
 
+#include "models/model.h"
 #include "models/synthetic_hash.h"
-#include "worker/model.h"
 
 namespace onebit {
 
@@ -48,4 +48,4 @@ class SyntheticModel final : public Model {
 
 }  // namespace onebit
 
-#endif  // ONEBIT_WORKER_SYNTHETIC_MODEL_H_
+#endif  // ONEBIT_MODELS_SYNTHETIC_MODEL_H_

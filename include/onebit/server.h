@@ -1,0 +1,66 @@
+// onebit-ps's other two roles as library calls: a parameter server holding
+// one shard of the master copy and its optimizer state, and the coordinator
+// that forms the cluster and watches it. onebit-server and
+// onebit-coordinator are thin programs over these; a program may also run
+// them itself (e.g. a server beside a worker in one process, on a thread).
+//
+// Both block until the job is over, return OK when it ended well and an error
+// naming the cause otherwise, and never exit. They may run on any thread;
+// each call is independent (no global state).
+#ifndef ONEBIT_SERVER_H_
+#define ONEBIT_SERVER_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+
+namespace onebit {
+
+struct ServerOptions {
+  // "host:port" of the job's coordinator. Required.
+  std::string coordinator;
+  // The shard (server rank) to serve; -1: any free one.
+  int shard = -1;
+  // Where the ZeroMQ data port and the grpc.health.v1 port listen; port 0:
+  // any free one.
+  std::string bind_host = "0.0.0.0";
+  int data_port = 0;
+  int health_port = 0;
+  // The address workers reach this server at; default: the hostname.
+  std::string advertise_host;
+  absl::Duration register_timeout = absl::Seconds(60);
+  // When not empty: the final master shard and server error, raw fp32.
+  std::string dump_x;
+  std::string dump_error;
+};
+
+// Registers, serves the shard until the coordinator ends the job, and reports
+// the shard's checksum. OK: the job finished and this shard ran every step.
+absl::Status RunServer(const ServerOptions& options);
+
+struct CoordinatorOptions {
+  // The job's settings as a JSON object, keys as onebit-coordinator's flags
+  // (e.g. {"workers": 4, "servers": 2, "model": "external", "optimizer":
+  // "onebit-adam"}); a DeepSpeed config's "optimizer" section works too.
+  // Settings not given take their defaults.
+  std::string config_json = "{}";
+  std::string bind_host = "0.0.0.0";
+  int port = 7070;  // 0: any free port
+  // Called once listening, with the port (useful with port 0).
+  std::function<void(int port)> on_listening;
+  // When not empty: the run folder (metrics.csv, summary.json).
+  std::string out;
+  absl::Duration register_timeout = absl::Seconds(60);
+};
+
+// Forms the cluster, runs the job to its end and writes the run folder. OK:
+// every process finished and every replica equals the masters (or, under
+// --server-reply delta, trails them by design); else the job's failure.
+absl::Status RunCoordinator(const CoordinatorOptions& options);
+
+}  // namespace onebit
+
+#endif  // ONEBIT_SERVER_H_

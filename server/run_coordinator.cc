@@ -1,0 +1,116 @@
+// RunCoordinator (include/onebit/server.h): the coordinator's gRPC service
+// (server/coordinator.h), its watch loop, and the run folder.
+#include <chrono>
+#include <cstdio>
+#include <random>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "net/config_file.h"
+#include "net/health.h"
+#include "net/job_config.h"
+#include "net/job_settings.h"
+#include "net/run_folder.h"
+#include "onebit/server.h"
+#include "server/coordinator.h"
+
+namespace onebit {
+namespace {
+
+uint64_t NewJobId() {
+  std::random_device rd;
+  uint64_t id = (uint64_t{rd()} << 32) ^ rd() ^
+                static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  return id == 0 ? 1 : id;
+}
+
+}  // namespace
+
+absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg, const CoordinatorOptions& o) {
+  if (o.port < 0 || o.port > 65535) {
+    return absl::InvalidArgumentError("CoordinatorOptions.port: must be in [0, 65535]");
+  }
+  if (absl::Status st = ValidateConfig(cfg); !st.ok()) return st;
+  if (cfg.model() != kExternalModel) {
+    auto map = ShardMap::Create(cfg.dim(), cfg.servers(), cfg.block_size());
+    if (!map.ok()) return map.status();
+  }
+  if (!o.out.empty()) {
+    if (absl::Status st = MakeDirs(o.out); !st.ok()) return st;
+  }
+
+  const uint64_t job_id = NewJobId();
+  CoordinatorService service(cfg, job_id, o.register_timeout);
+  EnableHealthService();
+  grpc::ServerBuilder builder;
+  ConfigureExclusivePort(&builder);
+  const std::string addr = absl::StrCat(o.bind_host, ":", o.port);
+  int bound = 0;
+  builder.AddListeningPort(addr, grpc::InsecureServerCredentials(), &bound);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || bound == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", addr, ": address in use or not available"));
+  }
+  if (o.on_listening) o.on_listening(bound);
+  std::fprintf(stderr,
+               "coordinator: job %016llx on %s:%d, waiting for %u servers and %u workers "
+               "(%s, d=%llu, %llu steps)\n",
+               static_cast<unsigned long long>(job_id), o.bind_host.c_str(), bound, cfg.servers(),
+               cfg.workers(), cfg.optimizer().c_str(), static_cast<unsigned long long>(cfg.dim()),
+               static_cast<unsigned long long>(cfg.steps()));
+
+  while (true) {
+    service.Tick();
+    const auto s = service.state();
+    if (s == CoordinatorService::State::kFinished || s == CoordinatorService::State::kFailed) {
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  const double wall = service.WallSeconds();
+  Summary summary = service.MakeSummary();
+  absl::Status result;
+  std::string verdict = "job finished";
+  if (service.state() == CoordinatorService::State::kFailed) {
+    result = absl::AbortedError(absl::StrCat("job failed: ", service.reason()));
+    verdict = std::string(result.message());
+  } else if (!summary.workers_agree) {
+    verdict = "job finished but the replicas differ from the masters";
+    result = absl::DataLossError(verdict);
+    summary.status = verdict;
+  } else if (!summary.replicas_equal) {
+    // --server-reply delta with a lossy reply codec: by design (docs/design.md §1.4).
+    verdict =
+        absl::StrFormat("job finished; replicas trail the masters by the server error (largest %g)",
+                        summary.max_replica_master_diff.value_or(0.0));
+  }
+  if (!o.out.empty()) {
+    absl::Status st = WriteMetricsCsv(o.out + "/metrics.csv", service.MetricsRows());
+    if (st.ok()) st = WriteSummaryJson(o.out + "/summary.json", summary);
+    if (!st.ok() && result.ok()) result = st;
+  }
+  // Let every live process hear the outcome through its heartbeat, bounded.
+  const absl::Time deadline =
+      absl::Now() + std::max(absl::Seconds(2), absl::Milliseconds(cfg.heartbeat_timeout_ms()) / 2);
+  while (!service.EveryoneTold() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
+  server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+  std::fprintf(stderr, "coordinator: %s (%.3f s, final loss %s)\n", verdict.c_str(), wall,
+               summary.final_loss ? absl::StrFormat("%.6g", *summary.final_loss).c_str() : "n/a");
+  return result;
+}
+
+absl::Status RunCoordinator(const CoordinatorOptions& o) {
+  control::TrainingConfig cfg = DefaultJobConfig();
+  std::set<std::string> given;
+  std::vector<std::string> ignored;
+  absl::Status st =
+      LoadConfigJson(o.config_json, "CoordinatorOptions.config_json", &cfg, &given, &ignored);
+  if (st.ok()) st = ResolveConfig(given, &cfg);
+  if (!st.ok()) return st;
+  return RunCoordinatorJob(cfg, o);
+}
+
+}  // namespace onebit

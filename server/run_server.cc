@@ -1,0 +1,177 @@
+// RunServer (include/onebit/server.h): registration, the data port, the
+// heartbeat, and PsServer (server/ps_server.h) serving one shard.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "net/checksum.h"
+#include "net/control.h"
+#include "net/data_plane.h"
+#include "net/health.h"
+#include "net/job_config.h"
+#include "net/run_folder.h"
+#include "onebit/server.h"
+#include "server/ps_server.h"
+
+namespace onebit {
+namespace {
+
+absl::Status Invalid(absl::string_view field, absl::string_view why) {
+  return absl::InvalidArgumentError(absl::StrCat("ServerOptions.", field, ": ", why));
+}
+
+control::ShardChecksum ChecksumOf(const ServerShardState& state, uint32_t shard, const Range& r) {
+  control::ShardChecksum c;
+  c.set_shard(shard);
+  c.set_begin(r.begin);
+  c.set_end(r.end);
+  c.set_crc32(Crc32OfFloats(state.x.data(), state.x.size()));
+  c.set_floored(state.floored);
+  if (!state.replica.empty()) {
+    // --server-reply delta: the workers' replica trails the master.
+    c.set_has_replica(true);
+    c.set_replica_crc32(Crc32OfFloats(state.replica.data(), state.replica.size()));
+    double diff = 0;
+    for (size_t i = 0; i < state.x.size(); ++i) {
+      diff = std::max(diff, std::fabs(static_cast<double>(state.x[i]) - state.replica[i]));
+    }
+    c.set_max_abs_diff(diff);
+  }
+  return c;
+}
+
+}  // namespace
+
+absl::Status RunServer(const ServerOptions& o) {
+  if (o.coordinator.empty()) return Invalid("coordinator", "required (host:port)");
+  for (auto [name, port] : {std::pair{"data_port", o.data_port}, {"health_port", o.health_port}}) {
+    if (port < 0 || port > 65535) return Invalid(name, "must be in [0, 65535]");
+  }
+  const std::string advertise = o.advertise_host.empty() ? Hostname() : o.advertise_host;
+
+  zmq::context_t ctx(1);
+  zmq::socket_t socket(ctx, zmq::socket_type::router);
+  socket.set(zmq::sockopt::router_mandatory, 1);
+  ConfigureDataSocket(&socket);
+  const std::string bind_ep =
+      absl::StrCat("tcp://", o.bind_host, ":", o.data_port == 0 ? "*" : absl::StrCat(o.data_port));
+  try {
+    socket.bind(bind_ep);
+  } catch (const zmq::error_t& e) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot bind the data port ", bind_ep, ": ", e.what()));
+  }
+  const std::string last = socket.get(zmq::sockopt::last_endpoint);
+  int bound_port = 0;
+  if (!absl::SimpleAtoi(last.substr(last.rfind(':') + 1), &bound_port)) {
+    return absl::InternalError(absl::StrCat("cannot read the bound port from ", last));
+  }
+  int health_bound = 0;
+  auto health = StartHealthServer(o.bind_host, o.health_port, &health_bound);
+  if (!health.ok()) return health.status();
+
+  auto stub = control::Coordinator::NewStub(MakeChannel(o.coordinator));
+  control::RegisterRequest req;
+  req.set_role(control::SERVER);
+  req.set_requested_rank(o.shard);
+  req.set_data_endpoint(absl::StrCat("tcp://", advertise, ":", bound_port));
+  req.set_health_endpoint(absl::StrCat(advertise, ":", health_bound));
+  req.set_host(Hostname());
+  auto reg = RegisterWithCoordinator(stub.get(), o.coordinator, req, o.register_timeout);
+  if (!reg.ok()) return reg.status();
+  const control::TrainingConfig& cfg = reg->config();
+  const uint32_t rank = reg->rank();
+  const absl::Duration hb_timeout = absl::Milliseconds(cfg.heartbeat_timeout_ms());
+  Heartbeater hb(stub.get(), o.coordinator, control::SERVER, rank, reg->job_id(),
+                 std::clamp(hb_timeout / 10, absl::Milliseconds(20), absl::Seconds(1)), hb_timeout);
+  hb.Start();
+  // From here on a failure is the job's: the coordinator hears why.
+  auto fail = [&](const absl::Status& st) {
+    absl::Status named(st.code(), absl::StrCat("server ", rank, ": ", st.message()));
+    hb.ReportError(std::string(named.message()));
+    return named;
+  };
+
+  auto map = ShardMap::Deserialize(reg->shard_map());
+  if (!map.ok()) {
+    return fail(absl::DataLossError(
+        absl::StrCat("bad shard map from the coordinator: ", map.status().message())));
+  }
+  auto optimizer = OptimizerOptionsFromConfig(cfg);
+  if (!optimizer.ok()) return fail(optimizer.status());
+  optimizer->weight_decay_ranges = DecayRangesOf(*reg);
+  auto freeze = FreezeOptionsFromConfig(cfg);
+  if (!freeze.ok()) return fail(freeze.status());
+  PsServerOptions po;
+  po.job.job_id = reg->job_id();
+  po.job.workers = cfg.workers();
+  po.job.steps = cfg.steps();
+  po.job.map = *map;
+  po.job.chunk_elems = cfg.chunk_elems();
+  po.shard = rank;
+  po.optimizer = *optimizer;
+  po.freeze = *freeze;
+  po.step_timeout = absl::Milliseconds(cfg.step_timeout_ms());
+  po.report_freeze_check = [&hb](uint64_t completed, double change) {
+    hb.ReportFreezeCheck(completed, change);
+  };
+  const uint64_t window = po.freeze.window;
+  po.freeze_decision = [&hb, window](uint64_t completed) {
+    return hb.FreezeDecision(completed, window);
+  };
+  auto server = PsServer::Create(po, &socket);
+  if (!server.ok()) return fail(server.status());
+  const Range r = map->shard(rank);
+  std::fprintf(stderr, "server %u: shard [%llu, %llu) on tcp://%s:%d, job %016llx\n", rank,
+               static_cast<unsigned long long>(r.begin), static_cast<unsigned long long>(r.end),
+               advertise.c_str(), bound_port, static_cast<unsigned long long>(reg->job_id()));
+
+  absl::Status done_status;
+  PsServer& ps = **server;
+  uint64_t last_step = 0;
+  absl::Time last_change = absl::Now(), last_kick = absl::Now();
+  absl::Status st = ps.Serve(
+      [&] {
+        hb.SetStep(ps.state().step);
+        // A job without a fixed length ends where the workers finished.
+        if (cfg.steps() == 0 && done_status.ok() && !ps.finished()) {
+          if (auto end = hb.end_step()) done_status = ps.SetEndStep(*end);
+          // Idle: the workers may have finished; ask now rather than at the
+          // next heartbeat (up to a second later).
+          const absl::Time now = absl::Now();
+          if (ps.state().step != last_step) {
+            last_step = ps.state().step;
+            last_change = now;
+          } else if (now - last_change > absl::Milliseconds(100) &&
+                     now - last_kick > absl::Milliseconds(100)) {
+            last_kick = now;
+            hb.Kick();
+          }
+        }
+        return hb.command() != control::CONTINUE || !done_status.ok();
+      },
+      [&] { done_status = hb.Done({ChecksumOf(ps.state(), rank, r)}); });
+  if (!st.ok()) return fail(st);
+  if (!done_status.ok()) return fail(done_status);
+
+  for (auto [name, path, v] : {std::tuple{"dump_x", &o.dump_x, &ps.state().x},
+                               {"dump_error", &o.dump_error, &ps.state().e}}) {
+    if (path->empty()) continue;
+    if (absl::Status w = WriteFloats(*path, *v); !w.ok()) {
+      return absl::Status(w.code(), absl::StrCat(name, ": ", w.message()));
+    }
+  }
+  if (hb.command() == control::SHUTDOWN && ps.finished()) {
+    std::fprintf(stderr, "server %u: done after %llu steps\n", rank,
+                 static_cast<unsigned long long>(ps.state().step));
+    return absl::OkStatus();
+  }
+  return absl::AbortedError(absl::StrCat("server ", rank, ": job aborted: ",
+                                         hb.command() == control::SHUTDOWN
+                                             ? "the coordinator ended the job before the last step"
+                                             : hb.reason()));
+}
+
+}  // namespace onebit
