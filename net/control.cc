@@ -6,7 +6,6 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
-#include "net/flags.h"
 
 namespace onebit {
 
@@ -235,11 +234,6 @@ absl::Status Heartbeater::Done(const std::vector<control::ShardChecksum>& checks
   grpc::Status s = stub_->Done(&ctx, req, &reply);
   if (!s.ok()) return RpcError(absl::StrCat("Done to the coordinator at ", target_), s);
   return absl::OkStatus();
-}
-
-void FailAndExit(Heartbeater* hb, const std::string& message) {
-  if (hb != nullptr) hb->ReportError(message);
-  ExitError(1, message);
 }
 
 }  // namespace onebit

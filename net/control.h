@@ -112,10 +112,6 @@ class Heartbeater {
   std::thread thread_;
 };
 
-// Tells the coordinator why this process fails (when hb is not null), then
-// exits 1 with the message.
-[[noreturn]] void FailAndExit(Heartbeater* hb, const std::string& message);
-
 }  // namespace onebit
 
 #endif  // ONEBIT_NET_CONTROL_H_

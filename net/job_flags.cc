@@ -1,6 +1,7 @@
 // The job settings on the command line (onebit_job_flags): the functions of
 // net/job_config.h that only onebit-coordinator, onebit-launch and
 // onebit-reference link.
+#include <algorithm>
 #include <cstdio>
 #include <utility>
 
@@ -15,6 +16,29 @@
 
 namespace onebit {
 namespace {
+
+// The settings' --help, grouped, in absl's layout
+// ("    --name (help); default: value;").
+std::string JobSettingsHelp() {
+  std::string out;
+  std::vector<std::string> groups;
+  for (const JobSetting& s : JobSettings()) {
+    if (std::find(groups.begin(), groups.end(), s.group) == groups.end()) {
+      groups.push_back(s.group);
+    }
+  }
+  for (const std::string& g : groups) {
+    absl::StrAppend(&out, "\n  ", g, ":\n");
+    for (const JobSetting& s : JobSettings()) {
+      if (g != s.group) continue;
+      const bool quoted = s.type == SettingType::kString || s.type == SettingType::kStringMap;
+      const std::string dflt =
+          quoted ? absl::StrCat("\"", s.default_value, "\"") : std::string(s.default_value);
+      absl::StrAppend(&out, FlagHelpEntry(s.name, s.help, dflt));
+    }
+  }
+  return out;
+}
 
 // `text` from column `indent`, wrapped at 80 columns with continuation lines
 // at `indent` + 4. Never "    --" at a line's start: tools/k8s-flags.js reads

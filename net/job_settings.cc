@@ -16,7 +16,6 @@
 #include "absl/time/time.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/message.h"
-#include "net/flags.h"
 
 namespace onebit {
 namespace {
@@ -280,27 +279,6 @@ control::TrainingConfig DefaultJobConfig() {
   // Every default parses (config_test checks), so errors cannot happen here.
   for (const JobSetting& s : kSettings) SetJobSetting(s, s.default_value, &c).IgnoreError();
   return c;
-}
-
-std::string JobSettingsHelp() {
-  std::string out;
-  std::vector<std::string> groups;
-  for (const JobSetting& s : kSettings) {
-    bool seen = false;
-    for (const std::string& g : groups) seen = seen || g == s.group;
-    if (!seen) groups.push_back(s.group);
-  }
-  for (const std::string& g : groups) {
-    absl::StrAppend(&out, "\n  ", g, ":\n");
-    for (const JobSetting& s : kSettings) {
-      if (g != s.group) continue;
-      const std::string dflt = s.type == T::kString || s.type == T::kStringMap
-                                   ? absl::StrCat("\"", s.default_value, "\"")
-                                   : s.default_value;
-      absl::StrAppend(&out, FlagHelpEntry(s.name, s.help, dflt));
-    }
-  }
-  return out;
 }
 
 }  // namespace onebit

@@ -46,10 +46,6 @@ std::string JobSettingText(const JobSetting& setting, const control::TrainingCon
 // Every setting at its default (before ResolveConfig fills in the rest).
 control::TrainingConfig DefaultJobConfig();
 
-// The settings' --help, grouped, in absl's layout
-// ("    --name (help); default: value;").
-std::string JobSettingsHelp();
-
 }  // namespace onebit
 
 #endif  // ONEBIT_NET_JOB_SETTINGS_H_
