@@ -1,0 +1,191 @@
+"""onebit-ps from PyTorch: 1-bit Adam over parameter servers.
+
+    import onebit_ps
+    onebit_ps.init()                                 # the job, from the environment
+    opt = onebit_ps.DistributedOptimizer(model)      # joins it; rank 0's weights win
+    for x, y in loader:
+        opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+    onebit_ps.finish()
+
+The optimizer (adam, onebit-adam, ef-sgd, ...), its hyper-parameters and the
+freeze come from the job (onebit-launch / onebit-coordinator flags). The
+model's trainable parameters become views into the worker's one flat fp32
+buffer and their .grad views into its gradient buffer, so step() copies
+nothing but the compressed payloads. Parameters with requires_grad=False and
+buffers (batch-norm statistics) stay local to each worker.
+"""
+
+import math
+import os
+import re
+
+import torch
+
+from ._onebit import OnebitError, Worker
+
+__all__ = ["init", "DistributedOptimizer", "finish", "OnebitError", "rank", "world_size"]
+
+_settings = {}
+_optimizer = None
+
+
+def init(coordinator=None, rank=None, device=None):
+    """Records where the job is; DistributedOptimizer joins it.
+
+    Defaults come from the environment onebit-launch --worker_cmd sets
+    (ONEBIT_COORDINATOR, ONEBIT_RANK or RANK, ONEBIT_DEVICE)."""
+    coordinator = coordinator or os.environ.get("ONEBIT_COORDINATOR", "")
+    if not coordinator:
+        raise OnebitError(
+            "no coordinator: pass init(coordinator='host:port') or set ONEBIT_COORDINATOR "
+            "(onebit-launch --worker_cmd sets it)")
+    if rank is None:
+        text = os.environ.get("ONEBIT_RANK", os.environ.get("RANK", "-1"))
+        try:
+            rank = int(text)
+        except ValueError:
+            raise OnebitError(f"ONEBIT_RANK/RANK='{text}' is not a rank") from None
+    _settings.update(coordinator=coordinator, rank=rank,
+                     device=device or os.environ.get("ONEBIT_DEVICE", "cpu"))
+
+
+def rank():
+    return int(os.environ.get("ONEBIT_RANK", os.environ.get("RANK", "0")))
+
+
+def world_size():
+    return int(os.environ.get("ONEBIT_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """The job's optimizer over the parameter servers, as a torch Optimizer.
+
+    `params`: a model or its parameters (or param groups; a group's
+    'weight_decay' applies to its parameters). `lr`, when given, must equal
+    the job's; a scheduler changing param_groups' lr sends the new lr to the
+    servers with the step (every worker must agree)."""
+
+    def __init__(self, params, lr=None, weight_decay=None):
+        global _optimizer
+        if not _settings:
+            init()
+        names = {}
+        if isinstance(params, torch.nn.Module):
+            names = {id(p): n for n, p in params.named_parameters()}
+            params = params.parameters()
+        params = list(params)
+        groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+        groups = [dict(g, params=[p for p in g["params"] if p.requires_grad]) for g in groups]
+        total = sum(p.numel() for g in groups for p in g["params"])
+        if total == 0:
+            raise OnebitError("DistributedOptimizer: no parameters that require grad")
+        ranges, offset = [], 0
+        for g in groups:
+            for p in g["params"]:
+                if p.dtype != torch.float32 or p.is_sparse:
+                    raise OnebitError(f"parameter of {p.dtype} with shape {tuple(p.shape)}: "
+                                      "onebit-ps trains dense float32 parameters")
+                if "weight_decay" in g and (weight_decay is None or g["weight_decay"] != weight_decay):
+                    ranges.append((offset, offset + p.numel(), float(g["weight_decay"])))
+                offset += p.numel()
+        ranges = _merge(ranges)
+        self._worker = Worker.connect(_settings["coordinator"], _settings["rank"], total,
+                                      _settings["device"], os.environ.get("ONEBIT_ADVERTISE_HOST", ""),
+                                      ranges)
+        job = self._worker.job
+        self.job = job
+        if lr is not None and not math.isclose(lr, job["lr"], rel_tol=1e-6):
+            self._worker.abort(f"DistributedOptimizer(lr={lr}) but the job's lr is {job['lr']}")
+            raise OnebitError(f"DistributedOptimizer(lr={lr}) contradicts the job's lr "
+                              f"{job['lr']}: give it in one place")
+        for g in groups:
+            g.setdefault("lr", job["lr"])
+        super().__init__(groups, {"lr": job["lr"]})
+        self._x = torch.frombuffer(self._worker.params_buffer(), dtype=torch.float32)
+        self._g = torch.frombuffer(self._worker.grads_buffer(), dtype=torch.float32)
+        self._slices, self._names = [], []
+        offset = 0
+        with torch.no_grad():
+            for g in self.param_groups:
+                for p in g["params"]:
+                    n = p.numel()
+                    view = self._x[offset:offset + n].view_as(p)
+                    view.copy_(p.data)
+                    p.data = view
+                    p.grad = self._g[offset:offset + n].view_as(p)
+                    p.grad.zero_()
+                    self._slices.append((p, offset, n))
+                    self._names.append(names.get(id(p), f"parameter {len(self._names)}"))
+                    offset += n
+        self._worker.broadcast_parameters()
+        self._last_lr = job["lr"]
+        _optimizer = self
+
+    @property
+    def rank(self):
+        return self._worker.rank
+
+    def zero_grad(self, set_to_none=False):
+        # The gradients must stay views of the worker's buffer.
+        self._g.zero_()
+
+    @torch.no_grad()
+    def step(self, closure=None, loss=None):
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for p, offset, n in self._slices:
+            # A grad replaced by autograd or set to None goes back into the buffer.
+            if p.grad is None:
+                self._g[offset:offset + n].zero_()
+            elif p.grad.data_ptr() != self._g[offset:].data_ptr():
+                self._g[offset:offset + n].copy_(p.grad.reshape(-1))
+            p.grad = self._g[offset:offset + n].view_as(p)
+        lr = self.param_groups[0]["lr"]
+        if any(g["lr"] != lr for g in self.param_groups):
+            raise OnebitError("param groups with different learning rates are not supported")
+        if lr != self._last_lr:
+            self._worker.set_learning_rate(float(lr))
+            self._last_lr = lr
+        value = float(loss) if loss is not None else float("nan")
+        try:
+            self.last_stats = self._worker.step(value)
+        except OnebitError as e:
+            raise OnebitError(self._name_element(str(e))) from None
+        return loss
+
+    def _name_element(self, message):
+        """Adds which parameter a "chunk [b, e) ... at index i" error means."""
+        m = re.search(r"chunk \[(\d+), \d+\).* at index (\d+)", message)
+        if not m:
+            return message
+        at = int(m.group(1)) + int(m.group(2))
+        for (p, offset, n), name in zip(self._slices, self._names):
+            if offset <= at < offset + n:
+                flat = at - offset
+                where = []
+                for size in reversed(p.shape):
+                    where.append(flat % size)
+                    flat //= size
+                return f"{message} (parameter {name}{list(reversed(where))})"
+        return message
+
+    def finish(self):
+        self._worker.finish()
+
+
+def _merge(ranges):
+    out = []
+    for b, e, wd in ranges:
+        if out and out[-1][1] == b and out[-1][2] == wd:
+            out[-1] = (out[-1][0], e, wd)
+        else:
+            out.append((b, e, wd))
+    return out
+
+
+def finish():
+    """Ends this worker's part of the job (checksums to the coordinator)."""
+    if _optimizer is None:
+        raise OnebitError("finish(): no DistributedOptimizer was made")
+    _optimizer.finish()

@@ -1,0 +1,163 @@
+// The Python binding of include/onebit/worker.h: the Worker, its buffers as
+// writable Python buffers (torch.frombuffer views them without a copy), and
+// absl::Status errors as onebit_ps.OnebitError. Blocking calls release the
+// GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "onebit/worker.h"
+
+namespace py = pybind11;
+
+namespace {
+
+PyObject* g_error = nullptr;  // onebit_ps.OnebitError, set at import
+
+[[noreturn]] void Raise(const absl::Status& st) {
+  PyErr_SetString(g_error, std::string(st.message()).c_str());
+  throw py::error_already_set();
+}
+
+void Check(const absl::Status& st) {
+  if (!st.ok()) Raise(st);
+}
+
+py::memoryview View(float* p, uint64_t n) {
+  return py::memoryview::from_buffer(p, {static_cast<py::ssize_t>(n)},
+                                     {static_cast<py::ssize_t>(sizeof(float))},
+                                     /*readonly=*/false);
+}
+
+std::unique_ptr<onebit::Worker> Connect(
+    const std::string& coordinator, int rank, uint64_t num_params, const std::string& device,
+    const std::string& advertise_host, const std::vector<std::tuple<uint64_t, uint64_t, float>>& wd,
+    double register_timeout_s) {
+  onebit::WorkerOptions o;
+  if (coordinator.empty()) {
+    auto env = onebit::WorkerOptionsFromEnvironment(num_params);
+    if (!env.ok()) Raise(env.status());
+    o = *env;
+  } else {
+    o.coordinator = coordinator;
+    o.rank = rank;
+    o.num_params = num_params;
+  }
+  if (!device.empty()) o.device = device;
+  if (!advertise_host.empty()) o.advertise_host = advertise_host;
+  o.register_timeout = absl::Seconds(register_timeout_s);
+  for (const auto& [b, e, v] : wd) o.weight_decay.push_back({b, e, v});
+  absl::StatusOr<std::unique_ptr<onebit::Worker>> w;
+  {
+    py::gil_scoped_release release;
+    w = onebit::Worker::Connect(o);
+  }
+  if (!w.ok()) Raise(w.status());
+  return std::move(*w);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_onebit, m) {
+  m.doc() = "onebit-ps worker (include/onebit/worker.h); use the onebit_ps package";
+  static py::exception<std::runtime_error> error(m, "OnebitError");
+  g_error = error.ptr();
+
+  py::class_<onebit::Worker>(m, "Worker")
+      .def_static("connect", &Connect, py::arg("coordinator") = "", py::arg("rank") = -1,
+                  py::arg("num_params") = 0, py::arg("device") = "", py::arg("advertise_host") = "",
+                  py::arg("weight_decay") = std::vector<std::tuple<uint64_t, uint64_t, float>>{},
+                  py::arg("register_timeout_s") = 60.0,
+                  "Registers with the coordinator ('' : from the environment) and waits for "
+                  "the job.")
+      .def_property_readonly("rank", &onebit::Worker::rank)
+      .def_property_readonly("num_params", &onebit::Worker::num_params)
+      .def_property_readonly("device", &onebit::Worker::device)
+      .def_property_readonly("on_device", &onebit::Worker::on_device)
+      .def_property_readonly("steps_done", &onebit::Worker::steps_done)
+      .def_property_readonly("compressing", &onebit::Worker::compressing)
+      .def_property_readonly("job",
+                             [](const onebit::Worker& w) {
+                               const onebit::JobInfo& j = w.job();
+                               py::dict d;
+                               d["job_id"] = j.job_id;
+                               d["rank"] = j.rank;
+                               d["workers"] = j.workers;
+                               d["servers"] = j.servers;
+                               d["num_params"] = j.num_params;
+                               d["steps"] = j.steps;
+                               d["model"] = j.model;
+                               d["optimizer"] = j.optimizer;
+                               d["lr"] = j.lr;
+                               d["config_json"] = j.config_json;
+                               return d;
+                             })
+      .def(
+          "params_buffer",
+          [](onebit::Worker& w) {
+            if (w.on_device()) Raise(absl::UnimplementedError("device buffers are not views yet"));
+            return View(w.params(), w.num_params());
+          },
+          "x[0, d) as a writable buffer (host memory), no copy")
+      .def(
+          "grads_buffer",
+          [](onebit::Worker& w) {
+            if (w.on_device()) Raise(absl::UnimplementedError("device buffers are not views yet"));
+            return View(w.grads(), w.num_params());
+          },
+          "g[0, d) as a writable buffer (host memory), no copy")
+      .def("broadcast_parameters",
+           [](onebit::Worker& w) {
+             absl::Status st;
+             {
+               py::gil_scoped_release release;
+               st = w.BroadcastParameters();
+             }
+             Check(st);
+           })
+      .def("set_learning_rate", [](onebit::Worker& w, float lr) { Check(w.SetLearningRate(lr)); })
+      .def("gradients_ready",
+           [](onebit::Worker& w, uint64_t begin, uint64_t end) {
+             absl::Status st;
+             {
+               py::gil_scoped_release release;
+               st = w.GradientsReady(begin, end);
+             }
+             Check(st);
+           })
+      .def(
+          "step",
+          [](onebit::Worker& w, double loss, double epoch) {
+            onebit::StepOptions o;
+            o.loss = loss;
+            o.epoch = epoch;
+            absl::StatusOr<onebit::StepStats> s;
+            {
+              py::gil_scoped_release release;
+              s = w.Step(o);
+            }
+            if (!s.ok()) Raise(s.status());
+            py::dict d;
+            d["step"] = s->step;
+            d["compressed"] = s->compressed;
+            d["bytes_up"] = s->bytes_up;
+            d["bytes_down"] = s->bytes_down;
+            d["step_s"] = s->step_s;
+            return d;
+          },
+          py::arg("loss") = std::numeric_limits<double>::quiet_NaN(), py::arg("epoch") = 0.0)
+      .def("finish",
+           [](onebit::Worker& w) {
+             absl::Status st;
+             {
+               py::gil_scoped_release release;
+               st = w.Finish();
+             }
+             Check(st);
+           })
+      .def("abort", [](onebit::Worker& w, const std::string& why) { w.Abort(why); });
+}
