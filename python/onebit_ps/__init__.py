@@ -63,9 +63,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     `params`: a model or its parameters (or param groups; a group's
     'weight_decay' applies to its parameters). `lr`, when given, must equal
     the job's; a scheduler changing param_groups' lr sends the new lr to the
-    servers with the step (every worker must agree)."""
+    servers with the step (every worker must agree). `overlap`: push each
+    parameter's gradient as soon as backward() has accumulated it (one
+    backward per step; with gradient accumulation over several backward
+    passes, pass overlap=False)."""
 
-    def __init__(self, params, lr=None, weight_decay=None):
+    def __init__(self, params, lr=None, weight_decay=None, overlap=True):
         global _optimizer
         if not _settings:
             init()
@@ -117,9 +120,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     self._slices.append((p, offset, n))
                     self._names.append(names.get(id(p), f"parameter {len(self._names)}"))
                     offset += n
+        self._hooks = []
+        if overlap:
+            for (p, offset, n), name in zip(self._slices, self._names):
+                # The AccumulateGrad node's hook runs once p.grad is final for
+                # this backward (torch 1.13 has no post-accumulate tensor hook).
+                node = p.expand_as(p).grad_fn.next_functions[0][0]
+                self._hooks.append(node)  # keep it alive: the hook lives on it
+                node.register_hook(self._make_hook(offset, n))
         self._worker.broadcast_parameters()
         self._last_lr = job["lr"]
         _optimizer = self
+
+    def _make_hook(self, offset, n):
+        def hook(*_):
+            try:
+                self._worker.gradients_ready(offset, offset + n)
+            except OnebitError as e:
+                raise OnebitError(self._name_element(str(e))) from None
+        return hook
 
     @property
     def rank(self):

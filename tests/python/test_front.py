@@ -43,11 +43,47 @@ def test_auto_freeze(tmp_path):
     assert 0 < s["compress_steps"] < 30
 
 
-def test_nan_gradient_is_an_exception_and_fails_the_job(tmp_path):
-    r, s = launch(tmp_path, 2, 1, ["--optimizer=adam", "--lr=0.01"], "6 --nan_at 2")
+@pytest.mark.parametrize("overlap", [True, False])
+def test_nan_gradient_is_an_exception_and_fails_the_job(tmp_path, overlap):
+    r, s = launch(tmp_path, 2, 1, ["--optimizer=adam", "--lr=0.01"],
+                  "6 --nan_at 2" + ("" if overlap else " --no_overlap"))
     assert r.returncode != 0
     assert "torch_worker: step 2:" in r.stderr
     assert "non-finite" in r.stderr
     # Named as the user knows it: model[2].bias, element 1.
     assert "(parameter 2.bias[1])" in r.stderr
     assert s.get("status", "").startswith("failed")
+
+
+def test_warmup_adam_over_the_servers_tracks_torch_adamw(tmp_path):
+    # Adam forever (no freeze), bias correction on, decoupled weight decay 0.01:
+    # the same update as torch.optim.AdamW, computed by the server.
+    out = tmp_path / "run"
+    cmd = [os.path.join(BIN, "onebit-launch"), "--workers=1", "--servers=1", "--model=external",
+           "--optimizer=adam", "--bias_correction", "--weight_decay=0.01", "--lr=0.001",
+           f"--out={out}", f"--worker_cmd=/usr/bin/python3 {HERE}/adamw_worker.py 100 1e-5"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr
+    assert "largest relative difference" in r.stderr
+
+
+def test_pushing_from_the_backward_hooks_changes_nothing(tmp_path):
+    runs = {}
+    for overlap in (True, False):
+        d = tmp_path / ("on" if overlap else "off")
+        d.mkdir()
+        r, s = launch(d, 3, 2, ["--optimizer=onebit-adam", "--freeze_step=4", "--lr=0.01",
+                                "--block_size=32", "--chunk_elems=64", "--dump_params"],
+                      "10" + ("" if overlap else " --no_overlap"))
+        assert r.returncode == 0, r.stderr
+        assert s["replicas_equal"] is True
+        runs[overlap] = [(d / "run" / f"replica_w{i}.f32").read_bytes() for i in range(3)]
+    assert len(runs[True][0]) == 4 * (20 * 32 + 32 + 32 * 4 + 4)
+    assert runs[True] == runs[False]
+
+
+def test_a_rank_with_another_model_size_is_refused_at_init(tmp_path):
+    r, s = launch(tmp_path, 2, 1, ["--optimizer=adam"], "3 --wider_rank 1")
+    assert r.returncode != 0
+    assert "declares d = " in r.stderr
+    assert "d = 804" in r.stderr and "d = 829" in r.stderr

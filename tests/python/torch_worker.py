@@ -1,9 +1,13 @@
 """A PyTorch training script as a user writes it, with the three onebit_ps
 lines; run by the tests through onebit-launch --worker_cmd.
 
-    torch_worker.py STEPS [--nan_at STEP]   (--nan_at: rank 1 makes one
-                                            gradient NaN at that step)
+    torch_worker.py STEPS [--nan_at STEP] [--no_overlap]
+      --nan_at: rank 1 makes one gradient NaN at that step (after backward)
+      --no_overlap: push at step() only, not from the backward hooks
+      --wider_rank R: rank R's model has a wider hidden layer
+Writes the final parameters to $ONEBIT_DUMP_X when set.
 """
+import os
 import sys
 
 import torch
@@ -15,9 +19,15 @@ nan_at = int(sys.argv[sys.argv.index("--nan_at") + 1]) if "--nan_at" in sys.argv
 
 onebit_ps.init()
 torch.manual_seed(100 + onebit_ps.rank())  # each rank its own start: rank 0's wins
-model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+wider = int(sys.argv[sys.argv.index("--wider_rank") + 1]) if "--wider_rank" in sys.argv else -1
+hidden = 33 if onebit_ps.rank() == wider else 32
+model = torch.nn.Sequential(torch.nn.Linear(20, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 4))
 model.register_buffer("frozen", torch.ones(3))  # a buffer: stays local
-opt = onebit_ps.DistributedOptimizer(model)
+try:
+    opt = onebit_ps.DistributedOptimizer(model, overlap="--no_overlap" not in sys.argv)
+except onebit_ps.OnebitError as e:
+    print(f"torch_worker: {e}", file=sys.stderr)
+    sys.exit(3)
 
 # Views, not copies: every trainable tensor lives in the worker's buffer.
 base = opt._x.data_ptr()
@@ -32,13 +42,25 @@ for t in range(steps):
     y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
     opt.zero_grad()
     loss = loss_fn(model(x), y)
-    loss.backward()
     if t == nan_at and onebit_ps.rank() == 1:
-        model[2].bias.grad[1] = float("nan")
+        # Poison the last layer's bias gradient inside backward, as a
+        # numerical accident would.
+        model[2].bias.register_hook(lambda g: g.index_fill(0, torch.tensor([1]), float("nan")))
+    try:
+        loss.backward()
+    except onebit_ps.OnebitError as e:
+        print(f"torch_worker: step {t}: {e}", file=sys.stderr)
+        sys.exit(3)
     try:
         opt.step(loss=loss)
     except onebit_ps.OnebitError as e:
         print(f"torch_worker: step {t}: {e}", file=sys.stderr)
         sys.exit(3)
+# Still views after training: state_dict() shares the worker's memory.
+for name, tensor in model.state_dict().items():
+    if name != "frozen":
+        assert base <= tensor.data_ptr() < base + 4 * opt._x.numel(), name
 print(f"torch_worker: rank {onebit_ps.rank()} final loss {loss.item():.4f}", file=sys.stderr)
+if os.environ.get("ONEBIT_DUMP_X"):
+    opt._x.numpy().tofile(os.environ["ONEBIT_DUMP_X"])
 onebit_ps.finish()
