@@ -189,6 +189,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 return f"{message} (parameter {name}{list(reversed(where))})"
         return message
 
+    def state_dict(self):
+        raise NotImplementedError(
+            "DistributedOptimizer.state_dict(): the optimizer's state (Adam's m and v, the "
+            "frozen variance, both error-feedback buffers) lives on the servers and workers of "
+            "the job; onebit-ps checkpoints are not built yet")
+
+    def load_state_dict(self, state_dict):
+        raise NotImplementedError(
+            "DistributedOptimizer.load_state_dict(): onebit-ps checkpoints are not built yet")
+
     def finish(self):
         self._worker.finish()
 

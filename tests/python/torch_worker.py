@@ -60,6 +60,11 @@ for t in range(steps):
 for name, tensor in model.state_dict().items():
     if name != "frozen":
         assert base <= tensor.data_ptr() < base + 4 * opt._x.numel(), name
+try:
+    opt.state_dict()
+    sys.exit("torch_worker: state_dict() should say it is not built")
+except NotImplementedError as e:
+    assert "lives on the servers" in str(e)
 print(f"torch_worker: rank {onebit_ps.rank()} final loss {loss.item():.4f}", file=sys.stderr)
 if os.environ.get("ONEBIT_DUMP_X"):
     opt._x.numpy().tofile(os.environ["ONEBIT_DUMP_X"])
