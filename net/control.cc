@@ -49,9 +49,10 @@ absl::StatusOr<control::RegisterReply> RegisterWithCoordinator(
                                                   ": ", last.error_message()));
 }
 
-std::vector<DecayRange> DecayRangesOf(const control::RegisterReply& reply) {
+std::vector<DecayRange> DecayRangesOf(
+    const google::protobuf::RepeatedPtrField<control::WeightDecayRange>& ranges) {
   std::vector<DecayRange> out;
-  for (const auto& r : reply.weight_decay_ranges()) {
+  for (const auto& r : ranges) {
     out.push_back(DecayRange{r.begin(), r.end(), r.weight_decay()});
   }
   return out;

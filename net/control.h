@@ -37,9 +37,10 @@ absl::StatusOr<control::RegisterReply> RegisterWithCoordinator(
     control::Coordinator::Stub* stub, const std::string& target,
     const control::RegisterRequest& request, absl::Duration timeout);
 
-// The weight-decay ranges the workers declared, as the coordinator handed
-// them out (OptimizerOptions::weight_decay_ranges).
-std::vector<DecayRange> DecayRangesOf(const control::RegisterReply& reply);
+// Weight-decay ranges from their protobuf form (RegisterRequest, RegisterReply)
+// for OptimizerOptions::weight_decay_ranges.
+std::vector<DecayRange> DecayRangesOf(
+    const google::protobuf::RepeatedPtrField<control::WeightDecayRange>& ranges);
 
 // Sends a heartbeat every `interval` from its own thread. Thread-safe.
 class Heartbeater {

@@ -4,7 +4,7 @@
 // owns it and onebit-launch forwards it.
 //
 // Two libraries: onebit_net has everything flag-free (validation, the
-// optimizer and freeze options a worker needs); onebit_job_flags, linked only
+// optimizer and freeze options a worker needs); onebit_cli, linked only
 // by the binaries that take the job settings, has the command line and the
 // file (the functions marked so below).
 #ifndef ONEBIT_NET_JOB_CONFIG_H_
@@ -22,7 +22,7 @@
 
 namespace onebit {
 
-// onebit_job_flags: builds the config from job-setting arguments ("--lr=0.1",
+// onebit_cli: builds the config from job-setting arguments ("--lr=0.1",
 // "--lr", "0.1", "--bias-correction", "--nobias_correction", "--config=FILE").
 // Values in the --config file apply unless an argument gives the same
 // setting (the command line wins). DeepSpeed keys of the file that have no
@@ -31,13 +31,13 @@ namespace onebit {
 absl::StatusOr<control::TrainingConfig> ConfigFromFlags(
     const std::vector<std::string>& args, std::vector<std::string>* ignored = nullptr);
 
-// onebit_job_flags: what the binaries that take the job settings start with:
+// onebit_cli: what the binaries that take the job settings start with:
 // parses the command line (net/flags.h: the binary's own flags and the job
 // settings) and builds the config; prints the ignored DeepSpeed keys once;
 // exits 2 naming the problem when either fails.
 control::TrainingConfig ConfigFromCommandLineOrExit(int argc, char** argv, absl::string_view usage);
 
-// onebit_job_flags: "--name=value" for every setting of the config that
+// onebit_cli: "--name=value" for every setting of the config that
 // ConfigFromCommandLineOrExit built (the defaults before it ran), for
 // forwarding to another binary.
 std::vector<std::string> ConfigFlagArgs();

@@ -1,4 +1,4 @@
-// The job settings on the command line (onebit_job_flags): the functions of
+// The job settings on the command line (onebit_cli): the functions of
 // net/job_config.h that only onebit-coordinator, onebit-launch and
 // onebit-reference link.
 #include <algorithm>

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "net/control.h"
 #include "net/job_config.h"
 #include "shard/reference.h"
 
@@ -143,7 +144,12 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx,
   reply->set_rank(static_cast<uint32_t>(rank));
   *reply->mutable_config() = config_;
   reply->set_shard_map(map_.Serialize());
-  for (const auto& r : decay_) *reply->add_weight_decay_ranges() = r;
+  for (const DecayRange& r : decay_) {
+    control::WeightDecayRange* p = reply->add_weight_decay_ranges();
+    p->set_begin(r.begin);
+    p->set_end(r.end);
+    p->set_weight_decay(r.weight_decay);
+  }
   for (size_t i = 0; i < servers_.size(); ++i) {
     control::ServerInfo* s = reply->add_servers();
     s->set_rank(static_cast<uint32_t>(i));
@@ -184,23 +190,13 @@ absl::Status CoordinatorService::CheckDeclaredParamsLocked(uint32_t rank, uint64
 
 namespace {
 
-std::string DecayText(const std::vector<control::WeightDecayRange>& ranges) {
-  if (ranges.empty()) return "none";
-  std::vector<std::string> parts;
-  for (const auto& r : ranges) {
-    parts.push_back(absl::StrCat("[", r.begin(), ", ", r.end(), "): ", r.weight_decay()));
-  }
-  return absl::StrJoin(parts, ", ");
-}
-
-bool SameDecay(const std::vector<control::WeightDecayRange>& a,
-               const google::protobuf::RepeatedPtrField<control::WeightDecayRange>& b) {
-  if (a.size() != static_cast<size_t>(b.size())) return false;
+// Bitwise: every replica must apply the same float.
+bool SameDecay(const std::vector<DecayRange>& a, const std::vector<DecayRange>& b) {
+  if (a.size() != b.size()) return false;
   for (size_t i = 0; i < a.size(); ++i) {
-    // Bitwise: every replica must apply the same float.
-    if (a[i].begin() != b[i].begin() || a[i].end() != b[i].end() ||
-        absl::bit_cast<uint32_t>(a[i].weight_decay()) !=
-            absl::bit_cast<uint32_t>(b[i].weight_decay())) {
+    if (a[i].begin != b[i].begin || a[i].end != b[i].end ||
+        absl::bit_cast<uint32_t>(a[i].weight_decay) !=
+            absl::bit_cast<uint32_t>(b[i].weight_decay)) {
       return false;
     }
   }
@@ -213,14 +209,14 @@ absl::Status CoordinatorService::CheckDeclaredDecayLocked(uint32_t rank,
                                                           const control::RegisterRequest& req) {
   if (!decay_by_) {
     decay_by_ = rank;
-    decay_.assign(req.weight_decay_ranges().begin(), req.weight_decay_ranges().end());
+    decay_ = DecayRangesOf(req.weight_decay_ranges());
     return absl::OkStatus();
   }
-  if (SameDecay(decay_, req.weight_decay_ranges())) return absl::OkStatus();
+  const std::vector<DecayRange> mine = DecayRangesOf(req.weight_decay_ranges());
+  if (SameDecay(decay_, mine)) return absl::OkStatus();
   return absl::InvalidArgumentError(
-      absl::StrCat("worker ", rank, " declares the weight-decay ranges ",
-                   DecayText({req.weight_decay_ranges().begin(), req.weight_decay_ranges().end()}),
-                   ", but worker ", *decay_by_, " declared ", DecayText(decay_)));
+      absl::StrCat("worker ", rank, " declares the weight-decay ranges ", DecayRangesText(mine),
+                   ", but worker ", *decay_by_, " declared ", DecayRangesText(decay_)));
 }
 
 void CoordinatorService::FormLocked() {
@@ -229,16 +225,10 @@ void CoordinatorService::FormLocked() {
     FailLocked(absl::StrCat("cannot shard d = ", config_.dim(), ": ", map.status().message()));
     return;
   }
-  uint64_t last_end = 0;
-  for (const auto& r : decay_) {
-    if (r.begin() >= r.end() || r.begin() < last_end || r.end() > config_.dim() ||
-        !std::isfinite(r.weight_decay())) {
-      FailLocked(absl::StrCat("weight-decay ranges ", DecayText(decay_),
-                              ": want non-empty, sorted, disjoint ranges within the d = ",
-                              config_.dim(), " parameters, with finite values"));
-      return;
-    }
-    last_end = r.end();
+  if (absl::Status st = ValidateDecayRanges(decay_, config_.dim()); !st.ok()) {
+    FailLocked(absl::StrCat("the workers' weight-decay ranges ", DecayRangesText(decay_), ": ",
+                            st.message()));
+    return;
   }
   map_ = *std::move(map);
   state_ = State::kRunning;

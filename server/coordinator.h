@@ -115,7 +115,7 @@ class CoordinatorService final : public control::Coordinator::Service {
   uint64_t freeze_step_ ABSL_GUARDED_BY(mu_) = 0;             // decided first compression step
   std::optional<uint32_t> declared_by_ ABSL_GUARDED_BY(mu_);  // first worker to declare d
   std::optional<uint32_t> decay_by_ ABSL_GUARDED_BY(mu_);     // first worker to register
-  std::vector<control::WeightDecayRange> decay_ ABSL_GUARDED_BY(mu_);  // its ranges
+  std::vector<DecayRange> decay_ ABSL_GUARDED_BY(mu_);        // its ranges
   // A job without a fixed length: the steps every worker finished after.
   std::optional<uint64_t> end_step_ ABSL_GUARDED_BY(mu_);
   std::optional<absl::Time> started_ ABSL_GUARDED_BY(mu_);  // all registered

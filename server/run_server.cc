@@ -101,7 +101,7 @@ absl::Status RunServer(const ServerOptions& o) {
   }
   auto optimizer = OptimizerOptionsFromConfig(cfg);
   if (!optimizer.ok()) return fail(optimizer.status());
-  optimizer->weight_decay_ranges = DecayRangesOf(*reg);
+  optimizer->weight_decay_ranges = DecayRangesOf(reg->weight_decay_ranges());
   auto freeze = FreezeOptionsFromConfig(cfg);
   if (!freeze.ok()) return fail(freeze.status());
   PsServerOptions po;

@@ -6,6 +6,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "shard/update_kernels.h"
 
@@ -148,23 +149,40 @@ ReplyMode DefaultReplyMode(OptimizerKind kind) {
   return kind == OptimizerKind::kNaiveOnebitAdam ? ReplyMode::kDelta : ReplyMode::kMomentum;
 }
 
+std::string DecayRangesText(const std::vector<DecayRange>& ranges) {
+  if (ranges.empty()) return "none";
+  std::vector<std::string> parts;
+  for (const DecayRange& r : ranges) {
+    parts.push_back(absl::StrCat("[", r.begin, ", ", r.end, "): ", r.weight_decay));
+  }
+  return absl::StrJoin(parts, ", ");
+}
+
+absl::Status ValidateDecayRanges(const std::vector<DecayRange>& ranges, uint64_t d) {
+  uint64_t last_end = 0;
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    const DecayRange& r = ranges[i];
+    if (r.begin >= r.end || (i > 0 && r.begin < last_end) || (d != kNever && r.end > d) ||
+        !std::isfinite(r.weight_decay)) {
+      return Bad("weight_decay",
+                 absl::StrCat("range ", i, " [", r.begin, ", ", r.end, ") with weight decay ",
+                              r.weight_decay, ": ranges must be non-empty, sorted, disjoint",
+                              d != kNever ? absl::StrCat(", within the d = ", d, " parameters")
+                                          : std::string(),
+                              ", with a finite value"));
+    }
+    last_end = r.end;
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateOptimizerOptions(const OptimizerOptions& o) {
   if (!std::isfinite(o.lr) || o.lr < 0) return Bad("lr", "must be finite and >= 0");
   if (!(o.beta1 >= 0 && o.beta1 < 1)) return Bad("beta1", "must lie in [0, 1)");
   if (!(o.beta2 >= 0 && o.beta2 < 1)) return Bad("beta2", "must lie in [0, 1)");
   if (!(o.eps > 0) || !std::isfinite(o.eps)) return Bad("eps", "must be finite and > 0");
   if (!std::isfinite(o.weight_decay)) return Bad("weight_decay", "must be finite");
-  uint64_t last_end = 0;
-  for (size_t i = 0; i < o.weight_decay_ranges.size(); ++i) {
-    const DecayRange& r = o.weight_decay_ranges[i];
-    if (r.begin >= r.end || (i > 0 && r.begin < last_end) || !std::isfinite(r.weight_decay)) {
-      return Bad("weight_decay",
-                 absl::StrCat("range ", i, " [", r.begin, ", ", r.end, ") with weight decay ",
-                              r.weight_decay,
-                              ": ranges must be non-empty, sorted, disjoint, with a finite value"));
-    }
-    last_end = r.end;
-  }
+  if (absl::Status st = ValidateDecayRanges(o.weight_decay_ranges, kNever); !st.ok()) return st;
   if (!(o.v_floor >= 0) || !std::isfinite(o.v_floor)) {
     return Bad("v_floor", "must be finite and >= 0");
   }

@@ -96,6 +96,12 @@ absl::string_view DefaultCodec(OptimizerKind kind);
 // The reply mode an optimizer uses when the user names none.
 ReplyMode DefaultReplyMode(OptimizerKind kind);
 
+// Weight-decay ranges are non-empty, sorted, disjoint, within [0, d) (d
+// kNever: unbounded) and finite; errors start with "--weight_decay: ".
+absl::Status ValidateDecayRanges(const std::vector<DecayRange>& ranges, uint64_t d);
+// "[0, 500): 0, [600, 700): 0.5", or "none".
+std::string DecayRangesText(const std::vector<DecayRange>& ranges);
+
 // Checks values and combinations; errors start with "--<flag>: ".
 absl::Status ValidateOptimizerOptions(const OptimizerOptions& options);
 

@@ -33,6 +33,7 @@ struct Worker::Impl {
   control::TrainingConfig cfg;
   std::string device;
   bool on_device = false;
+  ShardMap map = ShardMap::Create(0, 1, 32).value();  // the job's, from the coordinator
   std::unique_ptr<grpc::Server> health;
   std::unique_ptr<control::Coordinator::Stub> stub;
   std::unique_ptr<Heartbeater> hb;
@@ -172,6 +173,7 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
   if (!map.ok())
     return Fail(absl::DataLossError(absl::StrCat("bad shard map: ", map.status().message())));
   job.num_params = map->num_params();
+  this->map = *map;
   if (o.num_params != 0 && o.num_params != job.num_params) {
     return Fail(absl::InternalError(absl::StrCat(
         "declared d = ", o.num_params, " but the job was sharded for d = ", job.num_params)));
@@ -187,7 +189,7 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
   }
   auto opt_options = OptimizerOptionsFromConfig(cfg);
   if (!opt_options.ok()) return Fail(opt_options.status());
-  opt_options->weight_decay_ranges = DecayRangesOf(*reg);
+  opt_options->weight_decay_ranges = DecayRangesOf(reg->weight_decay_ranges());
   auto opt = WorkerOptimizer::Create(*opt_options);
   if (!opt.ok()) return Fail(opt.status());
   optimizer = std::move(*opt);
@@ -384,11 +386,9 @@ absl::Status Worker::Finish() {
     return w.Fail(
         absl::Status(st.code(), absl::StrCat("reading x from ", w.device, ": ", st.message())));
   }
-  auto map = ShardMap::Create(w.job.num_params, w.cfg.servers(), w.cfg.block_size());
-  if (!map.ok()) return w.Fail(map.status());
   std::vector<control::ShardChecksum> sums;
-  for (uint32_t k = 0; k < map->num_shards(); ++k) {
-    const Range r = map->shard(k);
+  for (uint32_t k = 0; k < w.map.num_shards(); ++k) {
+    const Range r = w.map.shard(k);
     control::ShardChecksum c;
     c.set_shard(k);
     c.set_begin(r.begin);

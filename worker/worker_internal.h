@@ -17,8 +17,8 @@
 
 namespace onebit {
 
-// Builds the job's model once its config is known; it must have the
-// job's d parameters. The model outlives nothing but the Worker.
+// Builds the job's model once its config is known; it must have the job's
+// d parameters. The Worker owns it.
 using ModelFactory =
     std::function<absl::StatusOr<std::unique_ptr<Model>>(const control::TrainingConfig&)>;
 

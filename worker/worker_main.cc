@@ -5,7 +5,6 @@
 #include <fstream>
 
 #include "absl/flags/flag.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "models/model.h"
@@ -13,6 +12,7 @@
 #include "net/flags.h"
 #include "net/run_folder.h"
 #include "onebit/worker.h"
+#include "worker/device.h"
 #include "worker/worker_internal.h"
 
 ABSL_FLAG(std::string, coordinator, "", "coordinator address host:port (required)");
@@ -54,11 +54,13 @@ int Main(int argc, char** argv) {
   o.advertise_host = absl::GetFlag(FLAGS_advertise_host);
   o.device = absl::GetFlag(FLAGS_device);
   o.register_timeout = absl::GetFlag(FLAGS_register_timeout);
-  auto connected = ConnectWithModel(o, NewModel);
-  if (!connected.ok()) {
-    const bool device = absl::StartsWith(connected.status().message(), "--device");
-    ExitError(device ? 2 : 1, std::string(connected.status().message()));
+  // A --device this machine cannot use is a usage error (exit 2), found
+  // before joining so that it holds up no job; Connect chooses it again.
+  if (auto choice = ChooseDevice(o.device); !choice.ok()) {
+    ExitError(2, std::string(choice.status().message()));
   }
+  auto connected = ConnectWithModel(o, NewModel);
+  if (!connected.ok()) ExitError(1, std::string(connected.status().message()));
   Worker& w = **connected;
   const uint32_t rank = w.rank();
   auto fail = [&](absl::string_view what, const absl::Status& st) {

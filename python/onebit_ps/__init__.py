@@ -68,7 +68,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     backward per step; with gradient accumulation over several backward
     passes, pass overlap=False)."""
 
-    def __init__(self, params, lr=None, weight_decay=None, overlap=True):
+    def __init__(self, params, lr=None, overlap=True):
         global _optimizer
         if not _settings:
             init()
@@ -88,7 +88,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if p.dtype != torch.float32 or p.is_sparse:
                     raise OnebitError(f"parameter of {p.dtype} with shape {tuple(p.shape)}: "
                                       "onebit-ps trains dense float32 parameters")
-                if "weight_decay" in g and (weight_decay is None or g["weight_decay"] != weight_decay):
+                if "weight_decay" in g:
                     ranges.append((offset, offset + p.numel(), float(g["weight_decay"])))
                 offset += p.numel()
         ranges = _merge(ranges)

@@ -10,13 +10,26 @@ import torch
 import onebit_ps
 
 steps, bound = int(sys.argv[1]), float(sys.argv[2])
+# --groups: biases in a param group of their own without weight decay, as
+# BERT recipes do (the servers get them as a weight-decay range).
+groups = "--groups" in sys.argv
 torch.manual_seed(7)
 model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
 twin = copy.deepcopy(model)
 onebit_ps.init()
-opt = onebit_ps.DistributedOptimizer(model)
+
+
+def param_groups(m):
+    if not groups:
+        return m.parameters()
+    named = list(m.named_parameters())
+    return [{"params": [p for n, p in named if not n.endswith("bias")], "weight_decay": 0.01},
+            {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0}]
+
+
+opt = onebit_ps.DistributedOptimizer(param_groups(model))
 job = opt.job
-ref = torch.optim.AdamW(twin.parameters(), lr=job["lr"], betas=(0.9, 0.999), eps=1e-8,
+ref = torch.optim.AdamW(param_groups(twin), lr=job["lr"], betas=(0.9, 0.999), eps=1e-8,
                         weight_decay=0.01)
 loss_fn = torch.nn.CrossEntropyLoss()
 gen = torch.Generator().manual_seed(3)

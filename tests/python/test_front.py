@@ -55,13 +55,15 @@ def test_nan_gradient_is_an_exception_and_fails_the_job(tmp_path, overlap):
     assert s.get("status", "").startswith("failed")
 
 
-def test_warmup_adam_over_the_servers_tracks_torch_adamw(tmp_path):
+@pytest.mark.parametrize("groups", [False, True])
+def test_warmup_adam_over_the_servers_tracks_torch_adamw(tmp_path, groups):
     # Adam forever (no freeze), bias correction on, decoupled weight decay 0.01:
     # the same update as torch.optim.AdamW, computed by the server.
     out = tmp_path / "run"
     cmd = [os.path.join(BIN, "onebit-launch"), "--workers=1", "--servers=1", "--model=external",
            "--optimizer=adam", "--bias_correction", "--weight_decay=0.01", "--lr=0.001",
-           f"--out={out}", f"--worker_cmd=/usr/bin/python3 {HERE}/adamw_worker.py 100 1e-5"]
+           f"--out={out}", f"--worker_cmd=/usr/bin/python3 {HERE}/adamw_worker.py 100 1e-5"
+           + (" --groups" if groups else "")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr
     assert "largest relative difference" in r.stderr
