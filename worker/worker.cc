@@ -367,6 +367,20 @@ absl::StatusOr<StepStats> Worker::Step(const StepOptions& options) {
   return s;
 }
 
+absl::Status Worker::ReportEvaluation(double test_loss, double test_accuracy) {
+  Impl& w = *impl_;
+  if (absl::Status st = w.Usable(); !st.ok()) return st;
+  // After Finish() or a step's first push, the step's metrics are gone.
+  if (!w.last) {
+    return absl::FailedPreconditionError(
+        "ReportEvaluation() belongs after a completed Step() and before the next step begins");
+  }
+  w.last->set_has_eval(true);
+  w.last->set_test_loss(test_loss);
+  w.last->set_test_accuracy(test_accuracy);
+  return absl::OkStatus();
+}
+
 absl::Status Worker::ReadParams(float* out) const { return impl_->replica->ReadX(out); }
 
 absl::Status Worker::Finish() {
@@ -412,14 +426,6 @@ std::unique_ptr<Worker> WorkerAccess::Wrap(std::unique_ptr<Worker::Impl> impl) {
 Replica& WorkerAccess::replica(Worker& w) { return *w.impl_->replica; }
 const control::TrainingConfig& WorkerAccess::config(const Worker& w) { return w.impl_->cfg; }
 const Model* WorkerAccess::model(const Worker& w) { return w.impl_->model.get(); }
-
-void WorkerAccess::AttachEvaluation(Worker& w, double test_loss, double test_accuracy) {
-  auto& last = w.impl_->last;
-  if (!last) return;
-  last->set_has_eval(true);
-  last->set_test_loss(test_loss);
-  last->set_test_accuracy(test_accuracy);
-}
 
 absl::Status WorkerAccess::Fail(Worker& w, const absl::Status& st) { return w.impl_->Fail(st); }
 

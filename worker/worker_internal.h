@@ -32,8 +32,6 @@ struct WorkerAccess {
   static Replica& replica(Worker& w);
   static const control::TrainingConfig& config(const Worker& w);
   static const Model* model(const Worker& w);
-  // Adds the test-set score to the metrics of the step just completed.
-  static void AttachEvaluation(Worker& w, double test_loss, double test_accuracy);
   // Fails the job with `st` (reported as "worker R: <message>"); returns it.
   static absl::Status Fail(Worker& w, const absl::Status& st);
   // Waits while the job runs, at most `timeout`; the coordinator's reason

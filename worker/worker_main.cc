@@ -104,7 +104,7 @@ int Main(int argc, char** argv) {
                      w, absl::Status(eval.status().code(),
                                      absl::StrCat("evaluation: ", eval.status().message()))));
       }
-      WorkerAccess::AttachEvaluation(w, eval->loss, eval->accuracy);
+      if (absl::Status st = w.ReportEvaluation(eval->loss, eval->accuracy); !st.ok()) fail("", st);
       last_accuracy = eval->accuracy;
     }
     total_up += stats->bytes_up;

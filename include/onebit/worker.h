@@ -161,6 +161,11 @@ class Worker {
   // them to params().
   absl::StatusOr<StepStats> Step(const StepOptions& options = {});
 
+  // Your test-set score after the step just completed, for metrics.csv
+  // (test_loss, test_accuracy) and, from rank 0, summary.json. Call between
+  // Step() and the next step's first push. An error before the first step.
+  absl::Status ReportEvaluation(double test_loss, double test_accuracy);
+
   // Steps completed, and whether the next runs in the compression phase.
   uint64_t steps_done() const;
   bool compressing() const;

@@ -149,7 +149,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._g.zero_()
 
     @torch.no_grad()
-    def step(self, closure=None, loss=None):
+    def step(self, closure=None, loss=None, epoch=None):
+        """One step over the servers. `loss` and `epoch` (fractional epochs
+        done after it), when given, go to the job's metrics.csv."""
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
@@ -168,10 +170,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._last_lr = lr
         value = float(loss) if loss is not None else float("nan")
         try:
-            self.last_stats = self._worker.step(value)
+            self.last_stats = self._worker.step(value, float(epoch or 0.0))
         except OnebitError as e:
             raise OnebitError(self._name_element(str(e))) from None
         return loss
+
+    def report_evaluation(self, accuracy, loss=float("nan")):
+        """Your test-set score after the step just taken, for metrics.csv and
+        (rank 0's) summary.json and the plots."""
+        self._worker.report_evaluation(float(loss), float(accuracy))
 
     def _name_element(self, message):
         """Adds which parameter a "chunk [b, e) ... at index i" error means."""

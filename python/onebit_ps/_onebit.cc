@@ -151,6 +151,10 @@ PYBIND11_MODULE(_onebit, m) {
             return d;
           },
           py::arg("loss") = std::numeric_limits<double>::quiet_NaN(), py::arg("epoch") = 0.0)
+      .def("report_evaluation",
+           [](onebit::Worker& w, double test_loss, double test_accuracy) {
+             Check(w.ReportEvaluation(test_loss, test_accuracy));
+           })
       .def("finish",
            [](onebit::Worker& w) {
              absl::Status st;

@@ -3,6 +3,7 @@ torch_worker.py as every worker (coordinator, servers and workers are real
 processes on 127.0.0.1)."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -33,6 +34,16 @@ def test_four_by_two_cluster_of_torch_workers_ends_with_equal_replicas(tmp_path,
     assert s["compress_steps"] == (7 if optimizer == "onebit-adam" else 0)
     # A loss was reported every step, and it went down.
     assert s["final_loss"] is not None and s["final_loss"] < 1.5
+    # Rank 0's evaluations every 4 steps reached metrics.csv and the summary.
+    evals = re.findall(r"\[worker0\] torch_worker: step (\d+) eval ([0-9.]+)", r.stderr)
+    assert [int(t) for t, _ in evals] == [3, 7, 11]
+    assert s["test_accuracy"] == pytest.approx(float(evals[-1][1]), abs=1e-6)
+    lines = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
+    by_step = {int(r["step"]): r for r in (dict(zip(lines[0].split(","), l.split(",")))
+                                           for l in lines[1:])}
+    assert float(by_step[3]["epoch"]) == 1.0 and float(by_step[11]["epoch"]) == 3.0
+    assert float(by_step[3]["test_accuracy"]) == pytest.approx(float(evals[0][1]), abs=1e-6)
+    assert by_step[4]["test_accuracy"] == ""
 
 
 def test_auto_freeze(tmp_path):

@@ -37,6 +37,8 @@ for p in model.parameters():
 
 gen = torch.Generator().manual_seed(onebit_ps.rank())
 loss_fn = torch.nn.CrossEntropyLoss()
+eval_x = torch.randn(256, 20, generator=torch.Generator().manual_seed(99))
+eval_y = (eval_x[:, 0] > 0).long() + 2 * (eval_x[:, 1] > 0).long()
 for t in range(steps):
     x = torch.randn(16, 20, generator=gen)
     y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
@@ -52,10 +54,16 @@ for t in range(steps):
         print(f"torch_worker: step {t}: {e}", file=sys.stderr)
         sys.exit(3)
     try:
-        opt.step(loss=loss)
+        opt.step(loss=loss, epoch=(t + 1) / 4)  # 4 steps an "epoch"
     except onebit_ps.OnebitError as e:
         print(f"torch_worker: step {t}: {e}", file=sys.stderr)
         sys.exit(3)
+    if (t + 1) % 4 == 0 and onebit_ps.rank() == 0:
+        with torch.no_grad():
+            out = model(eval_x)
+            acc = (out.argmax(1) == eval_y).float().mean().item()
+            opt.report_evaluation(acc, loss=loss_fn(out, eval_y).item())
+        print(f"torch_worker: step {t} eval {acc!r}", file=sys.stderr)
 # Still views after training: state_dict() shares the worker's memory.
 for name, tensor in model.state_dict().items():
     if name != "frozen":
