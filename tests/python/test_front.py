@@ -100,3 +100,18 @@ def test_a_rank_with_another_model_size_is_refused_at_init(tmp_path):
     assert r.returncode != 0
     assert "declares d = " in r.stderr
     assert "d = 804" in r.stderr and "d = 829" in r.stderr
+
+
+def test_a_dead_server_is_an_exception_within_the_step_timeout(tmp_path):
+    # The coordinator would notice only after its 60 s heartbeat timeout: the
+    # worker's own wait (twice the 2 s step timeout) must end the step first.
+    r, s = launch(tmp_path, 2, 2, ["--optimizer=adam", "--step_timeout=2s",
+                                   "--heartbeat_timeout=60s"],
+                  "20 --stop_server_at 3")
+    assert r.returncode != 0
+    m = re.search(r"\[worker0\] torch_worker: step 3: (.*) \(failed ([0-9.]+) s after the stop\)",
+                  r.stderr)
+    assert m, r.stderr
+    assert "server 0" in m.group(1) and "is it dead?" in m.group(1)
+    assert 3.5 < float(m.group(2)) < 8
+    assert s.get("status", "").startswith("failed")

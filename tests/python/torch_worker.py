@@ -5,10 +5,14 @@ lines; run by the tests through onebit-launch --worker_cmd.
       --nan_at: rank 1 makes one gradient NaN at that step (after backward)
       --no_overlap: push at step() only, not from the backward hooks
       --wider_rank R: rank R's model has a wider hidden layer
+      --stop_server_at STEP: rank 0 stops server 0 (SIGSTOP: silent, as a dead
+        host is) before that step, and reports how long the step took to fail
 Writes the final parameters to $ONEBIT_DUMP_X when set.
 """
 import os
+import signal
 import sys
+import time
 
 import torch
 
@@ -39,7 +43,30 @@ gen = torch.Generator().manual_seed(onebit_ps.rank())
 loss_fn = torch.nn.CrossEntropyLoss()
 eval_x = torch.randn(256, 20, generator=torch.Generator().manual_seed(99))
 eval_y = (eval_x[:, 0] > 0).long() + 2 * (eval_x[:, 1] > 0).long()
+stop_at = int(sys.argv[sys.argv.index("--stop_server_at") + 1]) if "--stop_server_at" in sys.argv else -1
+
+
+def stop_server_0():
+    # onebit-launch started the servers; this worker is its child too.
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+        if ppid == os.getppid() and argv[0].endswith(b"onebit-server") and b"--shard=0" in argv:
+            os.kill(int(pid), signal.SIGSTOP)
+            return
+    sys.exit("torch_worker: server 0 not found")
+
+
+t_stop = None
 for t in range(steps):
+    if t == stop_at and onebit_ps.rank() == 0:
+        stop_server_0()
+        t_stop = time.monotonic()
     x = torch.randn(16, 20, generator=gen)
     y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
     opt.zero_grad()
@@ -56,7 +83,8 @@ for t in range(steps):
     try:
         opt.step(loss=loss, epoch=(t + 1) / 4)  # 4 steps an "epoch"
     except onebit_ps.OnebitError as e:
-        print(f"torch_worker: step {t}: {e}", file=sys.stderr)
+        after = f" (failed {time.monotonic() - t_stop:.1f} s after the stop)" if t_stop else ""
+        print(f"torch_worker: step {t}: {e}{after}", file=sys.stderr)
         sys.exit(3)
     if (t + 1) % 4 == 0 and onebit_ps.rank() == 0:
         with torch.no_grad():
