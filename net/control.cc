@@ -44,6 +44,11 @@ absl::StatusOr<control::RegisterReply> RegisterWithCoordinator(
     if (last.error_code() != grpc::StatusCode::UNAVAILABLE) break;
     absl::SleepFor(absl::Milliseconds(100));
   }
+  // The coordinator answered: its reason, not a timeout.
+  if (last.error_code() != grpc::StatusCode::UNAVAILABLE &&
+      last.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED && !last.ok()) {
+    return RpcError(absl::StrCat("the coordinator at ", target, " refused the registration"), last);
+  }
   return absl::DeadlineExceededError(absl::StrCat("registering with the coordinator at ", target,
                                                   " failed within ", absl::FormatDuration(timeout),
                                                   ": ", last.error_message()));

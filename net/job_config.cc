@@ -1,6 +1,7 @@
 #include "net/job_config.h"
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "models/registry.h"
 #include "shard/optimizer.h"
 
@@ -40,6 +41,71 @@ absl::Status ResolveConfig(const std::set<std::string>& given, control::Training
       c.set_freeze("auto");
     }
   }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// A value for an error message: floats in the fewest digits that still name
+// that float (0.01, not 0.00999999978).
+std::string Shown(const JobSetting& s, const control::TrainingConfig& c) {
+  const std::string exact = JobSettingText(s, c);
+  if (s.type != SettingType::kFloat) return exact;
+  control::TrainingConfig back;
+  for (int digits = 1; digits < 9; ++digits) {
+    const std::string text = absl::StrFormat("%.*g", digits, std::stof(exact));
+    if (SetJobSetting(s, text, &back).ok() && JobSettingText(s, back) == exact) return text;
+  }
+  return exact;
+}
+
+}  // namespace
+
+absl::Status ApplyDeclaredSettings(const std::map<std::string, std::string>& declared,
+                                   std::set<std::string>* given, control::TrainingConfig* config) {
+  // Rebuilt from the defaults and the job's own settings, so that nothing
+  // the first resolution derived (codecs, freeze) outlives what it came from.
+  control::TrainingConfig c = DefaultJobConfig();
+  for (const JobSetting& s : JobSettings()) {
+    if (!given->count(s.name)) continue;
+    if (absl::Status st = SetJobSetting(s, JobSettingText(s, *config), &c); !st.ok()) {
+      return absl::InternalError(absl::StrCat("--", s.name, ": ", st.message()));
+    }
+  }
+  std::set<std::string> now = *given;
+  for (const auto& [name, value] : declared) {
+    const JobSetting* s = FindJobSetting(name);
+    if (s == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the workers declare '", name, "', which is no job setting"));
+    }
+    const std::string group = s->group;
+    if (group != "optimizer" && group != "compression") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", s->name,
+                       ": a worker may declare only optimizer and compression "
+                       "settings; this one is the job's (onebit-launch / onebit-coordinator)"));
+    }
+    control::TrainingConfig mine = c;
+    if (absl::Status st = SetJobSetting(*s, value, &mine); !st.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", s->name, ": the workers declare '", value, "': ", st.message()));
+    }
+    if (now.count(s->name) && JobSettingText(*s, mine) != JobSettingText(*s, c)) {
+      return absl::InvalidArgumentError(absl::StrCat("--", s->name, ": the job sets ", Shown(*s, c),
+                                                     " and the workers declare ", Shown(*s, mine),
+                                                     "; give it in one place"));
+    }
+    c = std::move(mine);
+    now.insert(s->name);
+  }
+  // An external model's d is the workers' too.
+  const uint64_t dim = config->dim();
+  if (absl::Status st = ResolveConfig(now, &c); !st.ok()) return st;
+  if (c.model() == kExternalModel) c.set_dim(dim);
+  if (absl::Status st = ValidateConfig(c); !st.ok()) return st;
+  *config = std::move(c);
+  *given = std::move(now);
   return absl::OkStatus();
 }
 

@@ -10,6 +10,7 @@
 #ifndef ONEBIT_NET_JOB_CONFIG_H_
 #define ONEBIT_NET_JOB_CONFIG_H_
 
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
@@ -34,12 +35,15 @@ absl::StatusOr<control::TrainingConfig> ConfigFromFlags(
 // onebit_cli: what the binaries that take the job settings start with:
 // parses the command line (net/flags.h: the binary's own flags and the job
 // settings) and builds the config; prints the ignored DeepSpeed keys once;
-// exits 2 naming the problem when either fails.
-control::TrainingConfig ConfigFromCommandLineOrExit(int argc, char** argv, absl::string_view usage);
+// exits 2 naming the problem when either fails. *given (may be null): the
+// settings the command line or its --config file set.
+control::TrainingConfig ConfigFromCommandLineOrExit(int argc, char** argv, absl::string_view usage,
+                                                    std::set<std::string>* given = nullptr);
 
-// onebit_cli: "--name=value" for every setting of the config that
-// ConfigFromCommandLineOrExit built (the defaults before it ran), for
-// forwarding to another binary.
+// onebit_cli: "--name=value" for each setting the command line (or its
+// --config file) gave to ConfigFromCommandLineOrExit, with its resolved
+// value, for forwarding to another binary: it resolves the rest the same
+// way, and still knows which settings the job left at their defaults.
 std::vector<std::string> ConfigFlagArgs();
 
 // "--name=value" for every setting of `config`; ConfigFromFlags of them
@@ -53,6 +57,19 @@ std::vector<std::string> ConfigFlagArgs(const control::TrainingConfig& config);
 // optimizer's codecs, reply and freeze. `given`: the settings set
 // explicitly (command line or file).
 absl::Status ResolveConfig(const std::set<std::string>& given, control::TrainingConfig* config);
+
+// Settings that the workers' own program declares for the job (e.g. the
+// PyTorch front's constructor arguments), name -> value as the flags take
+// them, applied to a resolved `config` whose explicitly set settings are
+// `given`. Where the job set a setting itself, the workers must declare the
+// same value; the rest are theirs, and the config is resolved again so that
+// what a setting implies follows (another optimizer's codecs and freeze).
+// Only the optimizer and compression settings may be declared. On success
+// *config and *given are updated; on error (an unknown or foreign setting, a
+// bad value, a contradiction: "--beta2: the job sets 0.999 and the workers
+// declare 0.99; give it in one place") neither changes.
+absl::Status ApplyDeclaredSettings(const std::map<std::string, std::string>& declared,
+                                   std::set<std::string>* given, control::TrainingConfig* config);
 
 // Checks ranges and combinations; errors start with "--<flag>: ".
 absl::Status ValidateConfig(const control::TrainingConfig& config);

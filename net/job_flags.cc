@@ -122,7 +122,8 @@ class JobFlags : public ExtraFlags {
         JobSettingsHelp(), ModelsHelp());
   }
 
-  absl::StatusOr<control::TrainingConfig> Build(std::vector<std::string>* ignored) const {
+  absl::StatusOr<control::TrainingConfig> Build(std::vector<std::string>* ignored,
+                                                std::set<std::string>* given_out = nullptr) const {
     control::TrainingConfig c = DefaultJobConfig();
     std::set<std::string> given;
     std::vector<std::string> dropped;
@@ -138,6 +139,7 @@ class JobFlags : public ExtraFlags {
     if (absl::Status st = ResolveConfig(given, &c); !st.ok()) return st;
     if (absl::Status st = ValidateConfig(c); !st.ok()) return st;
     if (ignored != nullptr) *ignored = std::move(dropped);
+    if (given_out != nullptr) *given_out = std::move(given);
     return c;
   }
 
@@ -148,9 +150,15 @@ class JobFlags : public ExtraFlags {
   std::vector<std::pair<const JobSetting*, std::string>> values_;
 };
 
-control::TrainingConfig& CommandLineConfig() {
-  static control::TrainingConfig* config = new control::TrainingConfig(DefaultJobConfig());
-  return *config;
+// What ConfigFromCommandLineOrExit built, for ConfigFlagArgs().
+struct CommandLine {
+  control::TrainingConfig config = DefaultJobConfig();
+  std::set<std::string> given;
+};
+
+CommandLine& TheCommandLine() {
+  static CommandLine* line = new CommandLine;
+  return *line;
 }
 
 }  // namespace
@@ -162,21 +170,32 @@ absl::StatusOr<control::TrainingConfig> ConfigFromFlags(const std::vector<std::s
   return flags.Build(ignored);
 }
 
-control::TrainingConfig ConfigFromCommandLineOrExit(int argc, char** argv,
-                                                    absl::string_view usage) {
+control::TrainingConfig ConfigFromCommandLineOrExit(int argc, char** argv, absl::string_view usage,
+                                                    std::set<std::string>* given) {
   JobFlags flags;
   ParseFlagsOrExit(argc, argv, usage, &flags);
   std::vector<std::string> ignored;
-  auto cfg = flags.Build(&ignored);
+  CommandLine& line = TheCommandLine();
+  auto cfg = flags.Build(&ignored, &line.given);
   if (!cfg.ok()) ExitError(2, std::string(cfg.status().message()));
   if (!ignored.empty()) {
     std::fprintf(stderr, "%s: --config %s: ignored DeepSpeed keys: %s\n", ProgramName().c_str(),
                  flags.config_path().c_str(), absl::StrJoin(ignored, ", ").c_str());
   }
-  CommandLineConfig() = *cfg;
+  line.config = *cfg;
+  if (given != nullptr) *given = line.given;
   return *std::move(cfg);
 }
 
-std::vector<std::string> ConfigFlagArgs() { return ConfigFlagArgs(CommandLineConfig()); }
+std::vector<std::string> ConfigFlagArgs() {
+  const CommandLine& line = TheCommandLine();
+  std::vector<std::string> out;
+  for (const JobSetting& s : JobSettings()) {
+    if (line.given.count(s.name)) {
+      out.push_back(absl::StrCat("--", s.name, "=", JobSettingText(s, line.config)));
+    }
+  }
+  return out;
+}
 
 }  // namespace onebit

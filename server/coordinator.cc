@@ -28,9 +28,10 @@ const char* StateName(CoordinatorService::State s) {
   return "?";
 }
 
-CoordinatorService::CoordinatorService(control::TrainingConfig config, uint64_t job_id,
-                                       absl::Duration register_timeout)
+CoordinatorService::CoordinatorService(control::TrainingConfig config, std::set<std::string> given,
+                                       uint64_t job_id, absl::Duration register_timeout)
     : config_(std::move(config)),
+      given_(std::move(given)),
       job_id_(job_id),
       register_deadline_(absl::Now() + register_timeout),
       heartbeat_timeout_(absl::Milliseconds(config_.heartbeat_timeout_ms())),
@@ -115,6 +116,7 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx,
   if (req->role() == control::WORKER) {
     absl::Status st = CheckDeclaredParamsLocked(static_cast<uint32_t>(rank), req->num_params());
     if (st.ok()) st = CheckDeclaredDecayLocked(static_cast<uint32_t>(rank), *req);
+    if (st.ok()) st = CheckDeclaredSettingsLocked(static_cast<uint32_t>(rank), *req);
     if (!st.ok()) {
       // The job cannot run: tell everyone now rather than at the deadline.
       FailLocked(std::string(st.message()));
@@ -219,7 +221,46 @@ absl::Status CoordinatorService::CheckDeclaredDecayLocked(uint32_t rank,
                    ", but worker ", *decay_by_, " declared ", DecayRangesText(decay_)));
 }
 
+namespace {
+
+std::string SettingsText(const std::map<std::string, std::string>& settings) {
+  if (settings.empty()) return "none";
+  std::vector<std::string> parts;
+  for (const auto& [k, v] : settings) parts.push_back(absl::StrCat("--", k, "=", v));
+  return absl::StrJoin(parts, " ");
+}
+
+}  // namespace
+
+absl::Status CoordinatorService::CheckDeclaredSettingsLocked(uint32_t rank,
+                                                             const control::RegisterRequest& req) {
+  std::map<std::string, std::string> mine(req.settings().begin(), req.settings().end());
+  if (decay_by_ && *decay_by_ != rank) {
+    if (mine == declared_) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat("worker ", rank, " declares the settings ",
+                                                   SettingsText(mine), ", but worker ", *decay_by_,
+                                                   " declared ", SettingsText(declared_)));
+  }
+  // The first worker (CheckDeclaredDecayLocked has just recorded it).
+  declared_ = std::move(mine);
+  control::TrainingConfig trial = config_;
+  std::set<std::string> given = given_;
+  if (absl::Status st = ApplyDeclaredSettings(declared_, &given, &trial); !st.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("worker ", rank, ": ", st.message()));
+  }
+  return absl::OkStatus();
+}
+
 void CoordinatorService::FormLocked() {
+  if (!declared_.empty()) {
+    if (absl::Status st = ApplyDeclaredSettings(declared_, &given_, &config_); !st.ok()) {
+      FailLocked(absl::StrCat("the workers' settings: ", st.message()));
+      return;
+    }
+    freeze_ = FreezeOptionsFromConfig(config_).value_or(FreezeOptions{});
+    std::fprintf(stderr, "coordinator: the workers set %s (optimizer %s, lr %g)\n",
+                 SettingsText(declared_).c_str(), config_.optimizer().c_str(), config_.lr());
+  }
   auto map = ShardMap::Create(config_.dim(), config_.servers(), config_.block_size());
   if (!map.ok()) {
     FailLocked(absl::StrCat("cannot shard d = ", config_.dim(), ": ", map.status().message()));

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -27,10 +28,11 @@ class CoordinatorService final : public control::Coordinator::Service {
  public:
   enum class State { kRegistering, kRunning, kFinished, kFailed };
 
-  // `config` must be valid (ValidateConfig). The shard map is built once the
-  // cluster has formed: from config.dim(), or for --model external from the
-  // d every worker declared.
-  CoordinatorService(control::TrainingConfig config, uint64_t job_id,
+  // `config` must be valid (ValidateConfig); `given`: the settings the job
+  // set explicitly (the workers may declare the others). The shard map is
+  // built once the cluster has formed: from config.dim(), or for --model
+  // external from the d every worker declared.
+  CoordinatorService(control::TrainingConfig config, std::set<std::string> given, uint64_t job_id,
                      absl::Duration register_timeout);
 
   grpc::Status Register(grpc::ServerContext* ctx, const control::RegisterRequest* req,
@@ -77,7 +79,13 @@ class CoordinatorService final : public control::Coordinator::Service {
   // The same for the weight-decay ranges.
   absl::Status CheckDeclaredDecayLocked(uint32_t rank, const control::RegisterRequest& req)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The cluster has formed: fixes d and the shard map, starts the job.
+  // The same for the job settings the workers' program declares; the
+  // first declaration is also tried against the job's config, so that a
+  // contradiction fails the job at once.
+  absl::Status CheckDeclaredSettingsLocked(uint32_t rank, const control::RegisterRequest& req)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The cluster has formed: applies the declared settings, fixes d and the
+  // shard map, starts the job.
   void FormLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string MissingLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AddMetricsLocked(uint32_t rank, const control::StepMetrics& m)
@@ -90,7 +98,9 @@ class CoordinatorService final : public control::Coordinator::Service {
   void AddFreezeCheckLocked(uint32_t shard, const control::FreezeCheck& c)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  control::TrainingConfig config_;  // dim() fixed once the cluster forms
+  // dim() and the workers' declared settings fixed once the cluster forms
+  control::TrainingConfig config_;
+  std::set<std::string> given_;  // settings the job set itself
   const uint64_t job_id_;
   ShardMap map_ ABSL_GUARDED_BY(mu_) = ShardMap::Create(0, 1, 32).value();
   const absl::Time register_deadline_;
@@ -116,6 +126,7 @@ class CoordinatorService final : public control::Coordinator::Service {
   std::optional<uint32_t> declared_by_ ABSL_GUARDED_BY(mu_);  // first worker to declare d
   std::optional<uint32_t> decay_by_ ABSL_GUARDED_BY(mu_);     // first worker to register
   std::vector<DecayRange> decay_ ABSL_GUARDED_BY(mu_);        // its ranges
+  std::map<std::string, std::string> declared_ ABSL_GUARDED_BY(mu_);  // and its settings
   // A job without a fixed length: the steps every worker finished after.
   std::optional<uint64_t> end_step_ ABSL_GUARDED_BY(mu_);
   std::optional<absl::Time> started_ ABSL_GUARDED_BY(mu_);  // all registered
@@ -126,7 +137,9 @@ const char* StateName(CoordinatorService::State s);
 
 // RunCoordinator (include/onebit/server.h) for a config already built, as
 // onebit-coordinator builds it from its command line.
+// `given`: the settings it set explicitly (the workers may declare the rest).
 absl::Status RunCoordinatorJob(const control::TrainingConfig& config,
+                               const std::set<std::string>& given,
                                const CoordinatorOptions& options);
 
 }  // namespace onebit

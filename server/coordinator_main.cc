@@ -23,10 +23,12 @@ namespace onebit {
 namespace {
 
 int Main(int argc, char** argv) {
+  std::set<std::string> given;
   const control::TrainingConfig cfg = ConfigFromCommandLineOrExit(
       argc, argv,
       "onebit-coordinator --workers N --servers S [--model synthetic --dim D --steps T ...]\n"
-      "Forms the cluster, hands out ranks and the shard map, watches it, writes --out.");
+      "Forms the cluster, hands out ranks and the shard map, watches it, writes --out.",
+      &given);
   CoordinatorOptions o;
   o.bind_host = absl::GetFlag(FLAGS_bind_host);
   o.port = absl::GetFlag(FLAGS_port);
@@ -49,7 +51,7 @@ int Main(int argc, char** argv) {
       port_written = std::rename(tmp.c_str(), port_file.c_str()) == 0;
     };
   }
-  absl::Status st = RunCoordinatorJob(cfg, o);
+  absl::Status st = RunCoordinatorJob(cfg, given, o);
   if (!port_written) ExitError(1, absl::StrCat("cannot write --port_file ", port_file));
   if (!st.ok()) ExitError(1, st.message());
   return 0;

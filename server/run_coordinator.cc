@@ -27,7 +27,8 @@ uint64_t NewJobId() {
 
 }  // namespace
 
-absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg, const CoordinatorOptions& o) {
+absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
+                               const std::set<std::string>& given, const CoordinatorOptions& o) {
   if (o.port < 0 || o.port > 65535) {
     return absl::InvalidArgumentError("CoordinatorOptions.port: must be in [0, 65535]");
   }
@@ -41,7 +42,7 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg, const Coordin
   }
 
   const uint64_t job_id = NewJobId();
-  CoordinatorService service(cfg, job_id, o.register_timeout);
+  CoordinatorService service(cfg, given, job_id, o.register_timeout);
   EnableHealthService();
   grpc::ServerBuilder builder;
   ConfigureExclusivePort(&builder);
@@ -110,7 +111,7 @@ absl::Status RunCoordinator(const CoordinatorOptions& o) {
       LoadConfigJson(o.config_json, "CoordinatorOptions.config_json", &cfg, &given, &ignored);
   if (st.ok()) st = ResolveConfig(given, &cfg);
   if (!st.ok()) return st;
-  return RunCoordinatorJob(cfg, o);
+  return RunCoordinatorJob(cfg, given, o);
 }
 
 }  // namespace onebit

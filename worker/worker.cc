@@ -146,6 +146,7 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
     p->set_end(r.end);
     p->set_weight_decay(r.weight_decay);
   }
+  req.mutable_settings()->insert(o.settings.begin(), o.settings.end());
   auto reg = RegisterWithCoordinator(stub.get(), o.coordinator, req, o.register_timeout);
   if (!reg.ok()) return reg.status();
   cfg = reg->config();

@@ -28,6 +28,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -59,6 +60,12 @@ struct WorkerOptions {
   // Ranges of x with their own weight decay: sorted, disjoint, within d.
   // Every worker must declare the same, else the job fails naming both.
   std::vector<WeightDecayRange> weight_decay;
+  // Job settings your program chooses, name -> value as onebit-coordinator's
+  // flags take them (e.g. {"optimizer", "onebit-adam"}, {"beta2", "0.99"}):
+  // optimizer and compression settings only. They apply where the job left
+  // the default; one the job sets to another value fails the job naming
+  // both, and every worker must declare the same. job() shows the result.
+  std::map<std::string, std::string> settings;
   // Where params() and grads() live: "cpu" (host memory); "cuda" or
   // "cuda:N" (a GPU; an error when none is usable or the library was built
   // without CUDA); "auto" (GPU 0 when usable, else the CPU); "cuda-twin"

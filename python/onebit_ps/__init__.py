@@ -8,14 +8,17 @@
     onebit_ps.finish()
 
 The optimizer (adam, onebit-adam, ef-sgd, ...), its hyper-parameters and the
-freeze come from the job (onebit-launch / onebit-coordinator flags). The
+freeze come from the job (onebit-launch / onebit-coordinator flags, or their
+--config file, DeepSpeed's included) or from the constructor
+(DistributedOptimizer(model, optimizer="onebit-adam", lr=1e-3,
+freeze_step=1000), or OneBitAdam(model, ...)); a setting given in both places
+must have the same value, else the job fails naming both. The
 model's trainable parameters become views into the worker's one flat fp32
 buffer and their .grad views into its gradient buffer, so step() copies
 nothing but the compressed payloads. Parameters with requires_grad=False and
 buffers (batch-norm statistics) stay local to each worker.
 """
 
-import math
 import os
 import re
 
@@ -23,7 +26,8 @@ import torch
 
 from ._onebit import OnebitError, Worker
 
-__all__ = ["init", "DistributedOptimizer", "finish", "OnebitError", "rank", "world_size"]
+__all__ = ["init", "DistributedOptimizer", "OneBitAdam", "finish", "OnebitError", "rank",
+           "world_size"]
 
 _settings = {}
 _optimizer = None
@@ -61,14 +65,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """The job's optimizer over the parameter servers, as a torch Optimizer.
 
     `params`: a model or its parameters (or param groups; a group's
-    'weight_decay' applies to its parameters). `lr`, when given, must equal
-    the job's; a scheduler changing param_groups' lr sends the new lr to the
-    servers with the step (every worker must agree). `overlap`: push each
+    'weight_decay' applies to its parameters).
+
+    The job's settings, where you want to choose them here rather than on
+    onebit-launch: `lr`, `betas` (beta1, beta2), and any other optimizer or
+    compression setting by its flag's name (`optimizer`, `eps`,
+    `weight_decay` (the default decoupled decay), `bias_correction`,
+    `freeze_step`, `freeze`, `worker_codec`, `error_feedback`, ...; see
+    `onebit-launch --help`). They apply where the job left the default; one
+    the job also sets, to another value, is an error naming both. Every
+    worker must pass the same. `self.job` shows what the job runs.
+
+    A scheduler changing param_groups' lr sends the new lr to the servers
+    with the step (every worker must agree). `overlap`: push each
     parameter's gradient as soon as backward() has accumulated it (one
     backward per step; with gradient accumulation over several backward
     passes, pass overlap=False)."""
 
-    def __init__(self, params, lr=None, overlap=True):
+    def __init__(self, params, lr=None, overlap=True, betas=None, **settings):
         global _optimizer
         if not _settings:
             init()
@@ -92,15 +106,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     ranges.append((offset, offset + p.numel(), float(g["weight_decay"])))
                 offset += p.numel()
         ranges = _merge(ranges)
+        if lr is not None:
+            settings["lr"] = lr
+        if betas is not None:
+            settings["beta1"], settings["beta2"] = betas
         self._worker = Worker.connect(_settings["coordinator"], _settings["rank"], total,
                                       _settings["device"], os.environ.get("ONEBIT_ADVERTISE_HOST", ""),
-                                      ranges)
+                                      ranges, {k: _text(v) for k, v in settings.items()
+                                               if v is not None})
         job = self._worker.job
         self.job = job
-        if lr is not None and not math.isclose(lr, job["lr"], rel_tol=1e-6):
-            self._worker.abort(f"DistributedOptimizer(lr={lr}) but the job's lr is {job['lr']}")
-            raise OnebitError(f"DistributedOptimizer(lr={lr}) contradicts the job's lr "
-                              f"{job['lr']}: give it in one place")
         for g in groups:
             g.setdefault("lr", job["lr"])
         super().__init__(groups, {"lr": job["lr"]})
@@ -208,6 +223,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def finish(self):
         self._worker.finish()
+
+
+class OneBitAdam(DistributedOptimizer):
+    """1-bit Adam over the servers (Tang et al., 2021): DistributedOptimizer
+    with optimizer="onebit-adam". Hyper-parameters left as None are the
+    job's (its defaults: betas (0.9, 0.999), eps 1e-8, no bias correction as
+    DeepSpeed's OnebitAdam, the freeze decided when the variance settles)."""
+
+    def __init__(self, params, lr=None, freeze_step=None, betas=None, eps=None,
+                 weight_decay=None, bias_correction=None, overlap=True, **settings):
+        super().__init__(params, lr=lr, overlap=overlap, betas=betas, optimizer="onebit-adam",
+                         freeze_step=freeze_step, eps=eps, weight_decay=weight_decay,
+                         bias_correction=bias_correction, **settings)
+
+
+def _text(value):
+    """A setting's value as the coordinator's flags take it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
 
 
 def _merge(ranges):

@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <limits>
+#include <map>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -37,7 +38,7 @@ py::memoryview View(float* p, uint64_t n) {
 std::unique_ptr<onebit::Worker> Connect(
     const std::string& coordinator, int rank, uint64_t num_params, const std::string& device,
     const std::string& advertise_host, const std::vector<std::tuple<uint64_t, uint64_t, float>>& wd,
-    double register_timeout_s) {
+    const std::map<std::string, std::string>& settings, double register_timeout_s) {
   onebit::WorkerOptions o;
   if (coordinator.empty()) {
     auto env = onebit::WorkerOptionsFromEnvironment(num_params);
@@ -52,6 +53,7 @@ std::unique_ptr<onebit::Worker> Connect(
   if (!advertise_host.empty()) o.advertise_host = advertise_host;
   o.register_timeout = absl::Seconds(register_timeout_s);
   for (const auto& [b, e, v] : wd) o.weight_decay.push_back({b, e, v});
+  o.settings = settings;
   absl::StatusOr<std::unique_ptr<onebit::Worker>> w;
   {
     py::gil_scoped_release release;
@@ -72,6 +74,7 @@ PYBIND11_MODULE(_onebit, m) {
       .def_static("connect", &Connect, py::arg("coordinator") = "", py::arg("rank") = -1,
                   py::arg("num_params") = 0, py::arg("device") = "", py::arg("advertise_host") = "",
                   py::arg("weight_decay") = std::vector<std::tuple<uint64_t, uint64_t, float>>{},
+                  py::arg("settings") = std::map<std::string, std::string>{},
                   py::arg("register_timeout_s") = 60.0,
                   "Registers with the coordinator ('' : from the environment) and waits for "
                   "the job.")

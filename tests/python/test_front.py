@@ -115,3 +115,28 @@ def test_a_dead_server_is_an_exception_within_the_step_timeout(tmp_path):
     assert "server 0" in m.group(1) and "is it dead?" in m.group(1)
     assert 3.5 < float(m.group(2)) < 8
     assert s.get("status", "").startswith("failed")
+
+
+def test_the_constructor_chooses_what_the_job_leaves_to_it(tmp_path):
+    # onebit-launch names no optimizer: OneBitAdam's arguments decide.
+    r, s = launch(tmp_path, 2, 1, [],
+                  "12 --ctor 'OneBitAdam(model, lr=0.01, freeze_step=5, betas=(0.8, 0.99))'")
+    assert r.returncode == 0, r.stderr
+    job = json.loads(re.search(r"\[worker0\] torch_worker: job (.*)", r.stderr).group(1))
+    assert job == {"optimizer": "onebit-adam", "lr": pytest.approx(0.01), "beta1":
+                   pytest.approx(0.8), "beta2": pytest.approx(0.99), "freeze_step": "5",
+                   "freeze": "", "worker_codec": "onebit", "bias_correction": False}
+    assert s["optimizer"] == "onebit-adam" and s["worker_codec"] == "onebit"
+    assert s["compress_steps"] == 7
+    assert s["replicas_equal"] is True
+
+
+def test_a_constructor_setting_that_contradicts_the_job_fails_it_naming_both(tmp_path):
+    r, s = launch(tmp_path, 2, 1, ["--optimizer=adam", "--lr=0.01"],
+                  "12 --ctor 'DistributedOptimizer(model, lr=0.001)'")
+    assert r.returncode != 0
+    # Whichever worker registers first is refused with the reason.
+    assert re.search(r"\[worker[01]\] torch_worker: the coordinator at 127\.0\.0\.1:\d+ refused the "
+                     r"registration: worker [01]: --lr: the job sets 0\.01 and the workers declare "
+                     r"0\.001; give it in one place\n", r.stderr), r.stderr
+    assert s.get("status", "").startswith("failed")

@@ -5,10 +5,13 @@ lines; run by the tests through onebit-launch --worker_cmd.
       --nan_at: rank 1 makes one gradient NaN at that step (after backward)
       --no_overlap: push at step() only, not from the backward hooks
       --wider_rank R: rank R's model has a wider hidden layer
+      --ctor EXPR: the optimizer is onebit_ps.EXPR (e.g. "OneBitAdam(model,
+        lr=0.01)"); rank 0 prints the job's optimizer settings as JSON
       --stop_server_at STEP: rank 0 stops server 0 (SIGSTOP: silent, as a dead
         host is) before that step, and reports how long the step took to fail
 Writes the final parameters to $ONEBIT_DUMP_X when set.
 """
+import json
 import os
 import signal
 import sys
@@ -28,7 +31,15 @@ hidden = 33 if onebit_ps.rank() == wider else 32
 model = torch.nn.Sequential(torch.nn.Linear(20, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 4))
 model.register_buffer("frozen", torch.ones(3))  # a buffer: stays local
 try:
-    opt = onebit_ps.DistributedOptimizer(model, overlap="--no_overlap" not in sys.argv)
+    if "--ctor" in sys.argv:
+        opt = eval("onebit_ps." + sys.argv[sys.argv.index("--ctor") + 1])
+        if onebit_ps.rank() == 0:
+            job = json.loads(opt.job["config_json"])
+            keys = ("optimizer", "lr", "beta1", "beta2", "freeze_step", "freeze", "worker_codec",
+                    "bias_correction")
+            print("torch_worker: job " + json.dumps({k: job[k] for k in keys}), file=sys.stderr)
+    else:
+        opt = onebit_ps.DistributedOptimizer(model, overlap="--no_overlap" not in sys.argv)
 except onebit_ps.OnebitError as e:
     print(f"torch_worker: {e}", file=sys.stderr)
     sys.exit(3)

@@ -12,6 +12,8 @@
 //   --lr_rank R --lr_value V   ... rank R sets V instead
 //   --wd B:E:V       parameters [B, E) decay by V instead of the job's
 //   --wd_rank R      ... except on rank R, which declares no range
+//   --set NAME=VALUE a job setting this program chooses (repeatable)
+//   --set_rank R     ... on every rank but R, which declares none
 // Writes its final x to $ONEBIT_DUMP_X when set. Exits 1 with the error.
 #include <cmath>
 #include <cstdio>
@@ -44,7 +46,8 @@ int main(int argc, char** argv) {
   uint64_t d = 1000, steps = 6;
   int bad_d_rank = -1, lr_rank = -1, release = 0;
   std::string init = "rank", wd;
-  int wd_rank = -1;
+  int wd_rank = -1, set_rank = -1;
+  std::vector<std::string> settings;
   double lr = -1, lr_value = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
@@ -69,6 +72,10 @@ int main(int argc, char** argv) {
       wd = v;
     else if (k == "--wd_rank")
       wd_rank = std::atoi(v);
+    else if (k == "--set")
+      settings.push_back(v);
+    else if (k == "--set_rank")
+      set_rank = std::atoi(v);
     else {
       std::fprintf(stderr, "api_worker: unknown argument %s\n", k.c_str());
       return 2;
@@ -85,6 +92,11 @@ int main(int argc, char** argv) {
     range.end = std::strtoull(end + 1, &end, 10);
     range.weight_decay = std::strtof(end + 1, nullptr);
     options->weight_decay.push_back(range);
+  }
+  for (const std::string& kv : settings) {
+    if (my_rank == set_rank) break;
+    const size_t eq = kv.find('=');
+    options->settings[kv.substr(0, eq)] = kv.substr(eq + 1);
   }
   auto connected = onebit::Worker::Connect(*options);
   if (!connected.ok()) return Fail("connect", connected.status());

@@ -1,6 +1,8 @@
 // The job settings: the table, the command line, --config files (ours and
 // DeepSpeed's), and which binary takes which flags.
 #include <fstream>
+#include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -222,6 +224,76 @@ TEST(JobSettings, ConfigFlagArgsRoundTrip) {
   EXPECT_THAT(a, ::testing::Contains("--step_timeout=1.5s"));
   EXPECT_THAT(a, ::testing::Contains("--bias_correction=true"));
   EXPECT_THAT(a, ::testing::Contains("--lr=0.100000001"));  // the float, exactly
+}
+
+// What a worker's program declares (the PyTorch front's constructor) fills in
+// what the job left at its default, and is re-resolved with it.
+TEST(DeclaredSettings, ApplyWhereTheJobLeftTheDefault) {
+  auto c = ConfigFromFlags({"--model=external", "--workers=2", "--servers=2"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->worker_codec(), "fp32");  // sgd, the default optimizer
+  c->set_dim(804);                       // as the workers declared it
+  std::set<std::string> given = {"model", "workers", "servers"};
+  ASSERT_TRUE(ApplyDeclaredSettings({{"optimizer", "onebit-adam"},
+                                     {"lr", "0.001"},
+                                     {"freeze-step", "50"},
+                                     {"beta2", "0.99"},
+                                     {"bias_correction", "true"}},
+                                    &given, &*c)
+                  .ok());
+  EXPECT_EQ(c->optimizer(), "onebit-adam");
+  EXPECT_EQ(c->lr(), 0.001f);
+  EXPECT_EQ(c->beta2(), 0.99f);
+  EXPECT_TRUE(c->bias_correction());
+  EXPECT_EQ(c->freeze_step(), 50u);
+  EXPECT_EQ(c->freeze(), "");              // no auto freeze beside a fixed step
+  EXPECT_EQ(c->worker_codec(), "onebit");  // what onebit-adam implies, derived again
+  EXPECT_EQ(c->server_codec(), "onebit");
+  EXPECT_EQ(c->dim(), 804u);
+  EXPECT_EQ(c->workers(), 2u);
+  EXPECT_TRUE(given.count("optimizer") && given.count("freeze_step") && given.count("beta2"));
+
+  // Without a freeze step, onebit-adam's auto freeze follows as well.
+  auto a = ConfigFromFlags({"--model=external"});
+  ASSERT_TRUE(a.ok());
+  std::set<std::string> g = {"model"};
+  ASSERT_TRUE(ApplyDeclaredSettings({{"optimizer", "onebit-adam"}}, &g, &*a).ok());
+  EXPECT_EQ(a->freeze(), "auto");
+}
+
+TEST(DeclaredSettings, AContradictionOrAForeignSettingIsRefusedAndChangesNothing) {
+  auto job = ConfigFromFlags({"--model=external", "--optimizer=adam", "--lr=0.01"});
+  ASSERT_TRUE(job.ok());
+  const std::set<std::string> job_given = {"model", "optimizer", "lr"};
+  struct Case {
+    std::map<std::string, std::string> declared;
+    std::string error;
+  };
+  const std::vector<Case> cases = {
+      {{{"optimizer", "onebit-adam"}},
+       "--optimizer: the job sets adam and the workers declare onebit-adam; give it in one place"},
+      {{{"lr", "0.001"}},
+       "--lr: the job sets 0.01 and the workers declare 0.001; give it in one place"},
+      {{{"workers", "3"}}, "--workers: a worker may declare only optimizer and compression"},
+      {{{"steps", "3"}}, "--steps: a worker may declare only"},
+      {{{"momentum_of_doom", "1"}}, "the workers declare 'momentum_of_doom', which is no job"},
+      {{{"beta2", "high"}}, "--beta2: the workers declare 'high': "},
+      {{{"block_size", "33"}}, "--block_size: "},
+  };
+  for (const Case& k : cases) {
+    control::TrainingConfig c = *job;
+    std::set<std::string> given = job_given;
+    absl::Status st = ApplyDeclaredSettings(k.declared, &given, &c);
+    EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr(k.error));
+    EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(c, *job)) << k.error;
+    EXPECT_EQ(given, job_given);
+  }
+  // The same value as the job's (the same float) is no contradiction.
+  control::TrainingConfig c = *job;
+  std::set<std::string> given = job_given;
+  EXPECT_TRUE(
+      ApplyDeclaredSettings({{"lr", "0.0100000000"}, {"optimizer", "adam"}}, &given, &c).ok());
+  EXPECT_EQ(c.lr(), 0.01f);
 }
 
 // A model's own options: "k=v,..." on the command line or an object in

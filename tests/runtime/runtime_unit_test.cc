@@ -207,7 +207,7 @@ TEST(JobConfig, ValidationNamesTheFlag) {
 TEST(CoordinatorService, ReplicasEqualOnlyWhenEveryChecksumMatches) {
   for (bool corrupt : {false, true}) {
     control::TrainingConfig cfg = testing::MakeConfig(2, 1, 100, 1, "sgd");
-    CoordinatorService svc(cfg, 42, absl::Seconds(10));
+    CoordinatorService svc(cfg, {}, 42, absl::Seconds(10));
     std::vector<std::thread> threads;
     for (int i = 0; i < 3; ++i) {
       threads.emplace_back([&, i] {
@@ -244,7 +244,7 @@ TEST(CoordinatorService, ReplicasEqualOnlyWhenEveryChecksumMatches) {
 TEST(CoordinatorService, SilentProcessIsDeclaredDeadByName) {
   control::TrainingConfig cfg = testing::MakeConfig(1, 1, 100, 1, "sgd");
   cfg.set_heartbeat_timeout_ms(100);
-  CoordinatorService svc(cfg, 42, absl::Seconds(10));
+  CoordinatorService svc(cfg, {}, 42, absl::Seconds(10));
   std::vector<std::thread> threads;
   for (int i = 0; i < 2; ++i) {
     threads.emplace_back([&, i] {

@@ -164,5 +164,33 @@ TEST(WorkerApi, WorkersDeclaringOtherWeightDecayRangesAreRefused) {
   EXPECT_THAT(j.run.output, ::testing::ContainsRegex("worker 2 declare|but worker 2 declared"));
 }
 
+// The program's own settings: onebit-adam with a fixed freeze where the job
+// names no optimizer, bitwise the job that names them on the command line.
+TEST(WorkerApi, SettingsTheProgramDeclaresRunTheJobTheyName) {
+  const std::vector<std::string> rest = {"--block_size=32", "--chunk_elems=64"};
+  Job flags = RunApiJob("set_flags", 2, 2, kOnebitAdam, "--steps 6");
+  Job declared = RunApiJob("set_declared", 2, 2, rest,
+                           "--steps 6 --set optimizer=onebit-adam --set freeze_step=3 --set "
+                           "lr=0.01");
+  ASSERT_EQ(flags.run.code, 0) << flags.run.output;
+  ASSERT_EQ(declared.run.code, 0) << declared.run.output;
+  EXPECT_THAT(declared.run.output,
+              HasSubstr("the workers set --freeze_step=3 --lr=0.01 --optimizer=onebit-adam"));
+  EXPECT_THAT(declared.summary, HasSubstr("\"optimizer\": \"onebit-adam\""));
+  EXPECT_THAT(declared.summary, HasSubstr("\"compress_steps\": 3"));
+  ASSERT_EQ(declared.replicas.size(), 2u);
+  EXPECT_EQ(FirstDifference(declared.replicas[0], flags.replicas[0]), "");
+  EXPECT_EQ(FirstDifference(Concat(declared.masters), Concat(flags.masters)), "");
+}
+
+TEST(WorkerApi, WorkersDeclaringOtherSettingsAreRefused) {
+  Job j = RunApiJob("set_mismatch", 3, 1, {}, "--steps 2 --set beta2=0.99 --set_rank 1");
+  EXPECT_NE(j.run.code, 0);
+  EXPECT_THAT(j.run.output,
+              ::testing::ContainsRegex("worker 1 declares the settings none, but worker [02] "
+                                       "declared --beta2=0.99|worker [02] declares the settings "
+                                       "--beta2=0.99, but worker 1 declared none"));
+}
+
 }  // namespace
 }  // namespace onebit::testing
