@@ -15,14 +15,17 @@ freeze_step=1000), or OneBitAdam(model, ...)); a setting given in both places
 must have the same value, else the job fails naming both. The
 model's trainable parameters become views into the worker's one flat fp32
 buffer and their .grad views into its gradient buffer, so step() copies
-nothing but the compressed payloads. Parameters with requires_grad=False and
-buffers (batch-norm statistics) stay local to each worker.
+nothing but the compressed payloads; on a GPU worker (ONEBIT_DEVICE=cuda)
+they are GPU tensors and the model must be on that GPU. Parameters with
+requires_grad=False and buffers (batch-norm statistics) stay local to each
+worker.
 """
 
 import os
 import re
 
 import torch
+import torch.utils.dlpack
 
 from ._onebit import OnebitError, Worker
 
@@ -119,13 +122,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for g in groups:
             g.setdefault("lr", job["lr"])
         super().__init__(groups, {"lr": job["lr"]})
-        self._x = torch.frombuffer(self._worker.params_buffer(), dtype=torch.float32)
-        self._g = torch.frombuffer(self._worker.grads_buffer(), dtype=torch.float32)
+        # Views of the worker's buffers, on the CPU or on its GPU.
+        self._x = torch.utils.dlpack.from_dlpack(self._worker.params_dlpack())
+        self._g = torch.utils.dlpack.from_dlpack(self._worker.grads_dlpack())
+        self._cuda = self._x.is_cuda
         self._slices, self._names = [], []
         offset = 0
         with torch.no_grad():
             for g in self.param_groups:
                 for p in g["params"]:
+                    name = names.get(id(p), f"parameter {len(self._names)}")
+                    if p.device != self._x.device:
+                        self._worker.abort(f"{name} is on {p.device}, the worker on {self._x.device}")
+                        raise OnebitError(
+                            f"{name} is on {p.device} but this worker's buffers are on "
+                            f"{self._x.device} ({self._worker.device}): move the model there "
+                            f"first, or start the worker with ONEBIT_DEVICE={p.device.type}")
                     n = p.numel()
                     view = self._x[offset:offset + n].view_as(p)
                     view.copy_(p.data)
@@ -133,8 +145,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     p.grad = self._g[offset:offset + n].view_as(p)
                     p.grad.zero_()
                     self._slices.append((p, offset, n))
-                    self._names.append(names.get(id(p), f"parameter {len(self._names)}"))
+                    self._names.append(name)
                     offset += n
+        self._sync()
         self._hooks = []
         if overlap:
             for (p, offset, n), name in zip(self._slices, self._names):
@@ -147,8 +160,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._last_lr = job["lr"]
         _optimizer = self
 
+    def _sync(self):
+        # torch's kernels run on its stream; the worker reads and writes the
+        # buffers on its own, so what torch queued must be done first.
+        if self._cuda:
+            torch.cuda.current_stream(self._x.device).synchronize()
+
     def _make_hook(self, offset, n):
         def hook(*_):
+            self._sync()
             try:
                 self._worker.gradients_ready(offset, offset + n)
             except OnebitError as e:
@@ -184,6 +204,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._worker.set_learning_rate(float(lr))
             self._last_lr = lr
         value = float(loss) if loss is not None else float("nan")
+        self._sync()
         try:
             self.last_stats = self._worker.step(value, float(epoch or 0.0))
         except OnebitError as e:

@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstdlib>
 #include <limits>
 #include <map>
 #include <memory>
@@ -12,6 +13,7 @@
 #include <tuple>
 #include <vector>
 
+#include "dlpack/dlpack.h"
 #include "onebit/worker.h"
 
 namespace py = pybind11;
@@ -29,10 +31,51 @@ void Check(const absl::Status& st) {
   if (!st.ok()) Raise(st);
 }
 
-py::memoryview View(float* p, uint64_t n) {
-  return py::memoryview::from_buffer(p, {static_cast<py::ssize_t>(n)},
-                                     {static_cast<py::ssize_t>(sizeof(float))},
-                                     /*readonly=*/false);
+// One of the worker's flat buffers as a DLPack tensor (torch.from_dlpack):
+// a view, no copy, on the GPU where the worker's buffers are. It holds a
+// reference to the Python Worker, so the memory outlives every tensor made
+// from it.
+struct DlpackView {
+  DLManagedTensor managed{};
+  int64_t shape[1] = {0};
+  PyObject* owner = nullptr;
+};
+
+void DeleteDlpackView(DLManagedTensor* t) {
+  auto* v = static_cast<DlpackView*>(t->manager_ctx);
+  py::gil_scoped_acquire gil;
+  Py_XDECREF(v->owner);
+  delete v;
+}
+
+py::capsule Dlpack(py::object owner, onebit::Worker& w, float* p) {
+  auto* v = new DlpackView;
+  v->owner = owner.release().ptr();
+  v->shape[0] = static_cast<int64_t>(w.num_params());
+  DLTensor& t = v->managed.dl_tensor;
+  t.data = p;
+  // "cuda:N (name)" is GPU memory; "cpu" and the CPU twin of the GPU path
+  // ("cuda-twin") are host memory.
+  const std::string& dev = w.device();
+  t.device = {kDLCPU, 0};
+  if (dev.rfind("cuda:", 0) == 0) {
+    t.device = {kDLCUDA, std::atoi(dev.c_str() + 5)};
+  }
+  t.ndim = 1;
+  t.dtype = {kDLFloat, 32, 1};
+  t.shape = v->shape;
+  t.strides = nullptr;  // compact
+  t.byte_offset = 0;
+  v->managed.manager_ctx = v;
+  v->managed.deleter = DeleteDlpackView;
+  // A capsule nobody consumed frees its tensor; a consumer renames it
+  // ("used_dltensor") and calls the deleter itself.
+  return py::capsule(&v->managed, "dltensor", [](PyObject* c) {
+    if (PyCapsule_IsValid(c, "dltensor")) {
+      auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(c, "dltensor"));
+      m->deleter(m);
+    }
+  });
 }
 
 std::unique_ptr<onebit::Worker> Connect(
@@ -101,19 +144,19 @@ PYBIND11_MODULE(_onebit, m) {
                                return d;
                              })
       .def(
-          "params_buffer",
-          [](onebit::Worker& w) {
-            if (w.on_device()) Raise(absl::UnimplementedError("device buffers are not views yet"));
-            return View(w.params(), w.num_params());
+          "params_dlpack",
+          [](py::object self) {
+            onebit::Worker& w = self.cast<onebit::Worker&>();
+            return Dlpack(self, w, w.params());
           },
-          "x[0, d) as a writable buffer (host memory), no copy")
+          "x[0, d) as a DLPack capsule (torch.from_dlpack): a view, where the buffer lives")
       .def(
-          "grads_buffer",
-          [](onebit::Worker& w) {
-            if (w.on_device()) Raise(absl::UnimplementedError("device buffers are not views yet"));
-            return View(w.grads(), w.num_params());
+          "grads_dlpack",
+          [](py::object self) {
+            onebit::Worker& w = self.cast<onebit::Worker&>();
+            return Dlpack(self, w, w.grads());
           },
-          "g[0, d) as a writable buffer (host memory), no copy")
+          "g[0, d) as a DLPack capsule, likewise")
       .def("broadcast_parameters",
            [](onebit::Worker& w) {
              absl::Status st;

@@ -95,6 +95,30 @@ def test_pushing_from_the_backward_hooks_changes_nothing(tmp_path):
     assert runs[True] == runs[False]
 
 
+def test_workers_on_the_gpu_code_path_train_bitwise_as_on_the_cpu(tmp_path):
+    # cuda-twin: the GPU worker's code (device replica, its kernels' CPU
+    # twins) behind the same torch views; a real GPU differs in the memory.
+    runs = {}
+    for devices in ("cpu", "cuda-twin,cpu,cuda-twin"):
+        d = tmp_path / devices.replace(",", "_")
+        d.mkdir()
+        r, s = launch(d, 3, 2, ["--optimizer=onebit-adam", "--freeze_step=4", "--lr=0.01",
+                                "--block_size=32", "--chunk_elems=64", "--dump_params",
+                                f"--worker_devices={devices}"], "10")
+        assert r.returncode == 0, r.stderr
+        assert s["replicas_equal"] is True
+        assert s["worker_devices"] == (devices.split(",") if "," in devices else ["cpu"] * 3)
+        runs[devices] = [(d / "run" / f"replica_w{i}.f32").read_bytes() for i in range(3)]
+    assert runs["cpu"] == runs["cuda-twin,cpu,cuda-twin"]
+
+
+def test_a_model_on_another_device_than_the_worker_is_refused_naming_both(tmp_path):
+    r, s = launch(tmp_path, 2, 1, ["--optimizer=adam"], "3 --model_device meta")
+    assert r.returncode != 0
+    assert ("torch_worker: 0.weight is on meta but this worker's buffers are on cpu (cpu): "
+            "move the model there first, or start the worker with ONEBIT_DEVICE=meta") in r.stderr
+
+
 def test_a_rank_with_another_model_size_is_refused_at_init(tmp_path):
     r, s = launch(tmp_path, 2, 1, ["--optimizer=adam"], "3 --wider_rank 1")
     assert r.returncode != 0

@@ -7,6 +7,8 @@ lines; run by the tests through onebit-launch --worker_cmd.
       --wider_rank R: rank R's model has a wider hidden layer
       --ctor EXPR: the optimizer is onebit_ps.EXPR (e.g. "OneBitAdam(model,
         lr=0.01)"); rank 0 prints the job's optimizer settings as JSON
+      --model_device D: the model is moved to D first (e.g. meta: not the
+        worker's device)
       --stop_server_at STEP: rank 0 stops server 0 (SIGSTOP: silent, as a dead
         host is) before that step, and reports how long the step took to fail
 Writes the final parameters to $ONEBIT_DUMP_X when set.
@@ -30,6 +32,8 @@ wider = int(sys.argv[sys.argv.index("--wider_rank") + 1]) if "--wider_rank" in s
 hidden = 33 if onebit_ps.rank() == wider else 32
 model = torch.nn.Sequential(torch.nn.Linear(20, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 4))
 model.register_buffer("frozen", torch.ones(3))  # a buffer: stays local
+if "--model_device" in sys.argv:
+    model.to(sys.argv[sys.argv.index("--model_device") + 1])
 try:
     if "--ctor" in sys.argv:
         opt = eval("onebit_ps." + sys.argv[sys.argv.index("--ctor") + 1])
