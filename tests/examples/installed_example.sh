@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The C++ example as an outside project: install onebit-ps into a prefix,
 # build examples/cpp against it with find_package(onebit), and train its own
-# model on a 4 x 2 cluster with the installed onebit-launch.
+# model on a 4 x 2 cluster with the installed onebit-launch; then, where the
+# PyTorch front was built, a torch script over the installed onebit_ps.
 #   installed_example.sh SOURCE_DIR BUILD_DIR
 set -euo pipefail
 src=$1
@@ -27,3 +28,16 @@ acc=$(grep -o 'test accuracy [0-9.]*' "$tmp/log" | awk '{print $3}')
 # a broken update stays near chance (0.1).
 awk -v a="$acc" 'BEGIN { exit !(a > 0.5) }' || fail "test accuracy $acc"
 echo "installed_example: ok (test accuracy $acc)"
+
+pkg=$tmp/prefix/lib/python3/dist-packages
+[ -d "$pkg/onebit_ps" ] || { echo "installed_example: no PyTorch front built; done"; exit 0; }
+where=$(PYTHONPATH=$pkg /usr/bin/python3 -c 'import onebit_ps; print(onebit_ps.__file__)')
+[ "$where" = "$pkg/onebit_ps/__init__.py" ] || { echo "installed_example: imported $where"; exit 1; }
+PYTHONPATH=$pkg "$tmp/prefix/bin/onebit-launch" --workers 2 --servers 1 --model external \
+  --optimizer onebit-adam --freeze_step 3 --lr 0.01 --out "$tmp/torch" \
+  --worker_cmd "/usr/bin/python3 $src/tests/python/torch_worker.py 8" >"$tmp/log" 2>&1 ||
+  { cat "$tmp/log"; exit 1; }
+summary=$(cat "$tmp/torch/summary.json")
+grep -q '"replicas_equal": true' <<<"$summary" || fail "torch replicas differ"
+grep -q '"compress_steps": 5' <<<"$summary" || fail "torch job did not compress"
+echo "installed_example: ok (onebit_ps from $pkg)"
