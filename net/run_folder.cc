@@ -1,9 +1,15 @@
 #include "net/run_folder.h"
 
+#include <unistd.h>
+
 #include <cerrno>
+#include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -13,12 +19,16 @@ namespace {
 
 absl::Status WriteAtomically(const std::string& path, const std::string& text) {
   const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << text;
-    out.flush();
-    if (!out) return absl::InternalError(absl::StrCat("cannot write ", tmp));
+  std::FILE* f = std::fopen(tmp.c_str(), "w");
+  if (f == nullptr) {
+    return absl::InternalError(absl::StrCat("cannot write ", tmp, ": ", std::strerror(errno)));
   }
+  bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  ok = std::fflush(f) == 0 && ok;
+  ok = fsync(fileno(f)) == 0 && ok;  // the rename must not outrun the data
+  ok = std::fclose(f) == 0 && ok;
+  if (!ok)
+    return absl::InternalError(absl::StrCat("cannot write ", tmp, ": ", std::strerror(errno)));
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
     return absl::InternalError(absl::StrCat("cannot rename ", tmp, ": ", std::strerror(errno)));
   }
@@ -26,6 +36,13 @@ absl::Status WriteAtomically(const std::string& path, const std::string& text) {
 }
 
 std::string Num(double v) { return absl::StrFormat("%.9g", v); }
+
+// JSON has no inf or nan.
+std::string JsonNum(double v) { return std::isfinite(v) ? Num(v) : std::string("null"); }
+
+constexpr char kCsvHeader[] =
+    "step,phase,loss,wall_s,bytes_up,bytes_down,step_s,push_s,reply_s,epoch,test_loss,"
+    "test_accuracy\n";
 
 }  // namespace
 
@@ -77,10 +94,10 @@ absl::Status WriteFloats(const std::string& path, const std::vector<float>& v) {
   return absl::OkStatus();
 }
 
-absl::Status WriteMetricsCsv(const std::string& path, const std::vector<MetricsRow>& rows) {
-  std::string text =
-      "step,phase,loss,wall_s,bytes_up,bytes_down,step_s,push_s,reply_s,epoch,test_loss,"
-      "test_accuracy\n";
+namespace {
+
+std::string CsvRows(const std::vector<MetricsRow>& rows) {
+  std::string text;
   auto opt = [](const std::optional<double>& v) { return v ? Num(*v) : std::string(); };
   for (const MetricsRow& r : rows) {
     absl::StrAppend(&text, r.step, ",", r.phase, ",", Num(r.loss), ",", Num(r.wall_s), ",",
@@ -88,7 +105,74 @@ absl::Status WriteMetricsCsv(const std::string& path, const std::vector<MetricsR
                     Num(r.reply_s), ",", Num(r.epoch), ",", opt(r.test_loss), ",",
                     opt(r.test_accuracy), "\n");
   }
-  return WriteAtomically(path, text);
+  return text;
+}
+
+}  // namespace
+
+absl::Status WriteMetricsCsv(const std::string& path, const std::vector<MetricsRow>& rows) {
+  return WriteAtomically(path, kCsvHeader + CsvRows(rows));
+}
+
+absl::StatusOr<MetricsLog> MetricsLog::Open(const std::string& path) {
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  if (f == nullptr) {
+    return absl::InternalError(absl::StrCat("cannot write ", path, ": ", std::strerror(errno)));
+  }
+  MetricsLog log(f, path);
+  if (std::fputs(kCsvHeader, f) < 0 || std::fflush(f) != 0) {
+    return absl::InternalError(absl::StrCat("cannot write ", path, ": ", std::strerror(errno)));
+  }
+  return log;
+}
+
+MetricsLog::MetricsLog(MetricsLog&& other) noexcept
+    : f_(std::exchange(other.f_, nullptr)), path_(std::move(other.path_)) {}
+
+MetricsLog& MetricsLog::operator=(MetricsLog&& other) noexcept {
+  if (this != &other) {
+    if (f_ != nullptr) std::fclose(f_);
+    f_ = std::exchange(other.f_, nullptr);
+    path_ = std::move(other.path_);
+  }
+  return *this;
+}
+
+MetricsLog::~MetricsLog() {
+  if (f_ != nullptr) std::fclose(f_);
+}
+
+absl::Status MetricsLog::Append(const std::vector<MetricsRow>& rows) {
+  if (f_ == nullptr) return absl::FailedPreconditionError(absl::StrCat(path_, " is closed"));
+  if (rows.empty()) return absl::OkStatus();
+  const std::string text = CsvRows(rows);
+  if (std::fwrite(text.data(), 1, text.size(), f_) != text.size() || std::fflush(f_) != 0) {
+    return absl::InternalError(absl::StrCat("cannot write ", path_, ": ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status MetricsLog::Close() {
+  if (f_ == nullptr) return absl::OkStatus();
+  bool ok = std::fflush(f_) == 0;
+  ok = fsync(fileno(f_)) == 0 && ok;
+  ok = std::fclose(f_) == 0 && ok;
+  f_ = nullptr;
+  if (!ok)
+    return absl::InternalError(absl::StrCat("cannot write ", path_, ": ", std::strerror(errno)));
+  return absl::OkStatus();
+}
+
+absl::Status CheckNotFinished(const std::string& dir) {
+  const std::string path = dir + "/summary.json";
+  std::ifstream in(path);
+  if (!in) return absl::OkStatus();
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (text.find("\"status\": \"ok\"") == std::string::npos) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat(path,
+                   " is a finished job's (status ok): not overwriting it; remove the "
+                   "folder or choose another --out"));
 }
 
 namespace {
@@ -105,12 +189,12 @@ absl::Status WriteSummaryJson(const std::string& path, const Summary& s) {
   auto opt_u = [](const std::optional<uint64_t>& v) {
     return v ? absl::StrCat(*v) : std::string("null");
   };
-  auto opt_d = [](const std::optional<double>& v) { return v ? Num(*v) : std::string("null"); };
+  auto opt_d = [](const std::optional<double>& v) { return v ? JsonNum(*v) : std::string("null"); };
   std::string text = absl::StrCat(
       "{\n", "  \"optimizer\": ", JsonQuote(s.optimizer), ",\n", "  \"workers\": ", s.workers,
       ",\n", "  \"servers\": ", s.servers, ",\n", "  \"params\": ", s.params, ",\n",
       "  \"steps\": ", s.steps, ",\n", "  \"freeze_step\": ", opt_u(s.freeze_step), ",\n",
-      "  \"wall_s\": ", Num(s.wall_s), ",\n", "  \"bytes_up\": ", s.bytes_up, ",\n",
+      "  \"wall_s\": ", JsonNum(s.wall_s), ",\n", "  \"bytes_up\": ", s.bytes_up, ",\n",
       "  \"bytes_down\": ", s.bytes_down, ",\n", "  \"bytes_up_fp32\": ", s.bytes_up_fp32, ",\n",
       "  \"bytes_down_fp32\": ", s.bytes_down_fp32, ",\n",
       "  \"final_loss\": ", opt_d(s.final_loss), ",\n",
@@ -121,7 +205,7 @@ absl::Status WriteSummaryJson(const std::string& path, const Summary& s) {
       "  \"server_codec\": ", JsonQuote(s.server_codec), ",\n",
       "  \"error_feedback\": ", JsonQuote(s.error_feedback), ",\n",
       "  \"server_reply\": ", JsonQuote(s.server_reply), ",\n",
-      "  \"freeze\": ", JsonQuote(s.freeze), ",\n", "  \"v_floor\": ", Num(s.v_floor), ",\n",
+      "  \"freeze\": ", JsonQuote(s.freeze), ",\n", "  \"v_floor\": ", JsonNum(s.v_floor), ",\n",
       "  \"v_floored\": ", s.v_floored, ",\n", "  \"compress_steps\": ", s.compress_steps, ",\n",
       "  \"bytes_up_warmup\": ", s.bytes_up_warmup, ",\n",
       "  \"bytes_up_compress\": ", s.bytes_up_compress, ",\n",

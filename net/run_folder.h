@@ -4,11 +4,13 @@
 #define ONEBIT_NET_RUN_FOLDER_H_
 
 #include <cstdint>
+#include <cstdio>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace onebit {
 
@@ -64,8 +66,35 @@ struct Summary {
 
 // Creates dir (and parents) when missing.
 absl::Status MakeDirs(const std::string& dir);
+
+// metrics.csv as the job runs: the header at Open(), rows appended and
+// flushed as they complete, so a crash of anything (the coordinator
+// included) leaves every row written so far. Not thread-safe.
+class MetricsLog {
+ public:
+  // Creates or truncates `path`.
+  static absl::StatusOr<MetricsLog> Open(const std::string& path);
+  MetricsLog(MetricsLog&& other) noexcept;
+  MetricsLog& operator=(MetricsLog&& other) noexcept;
+  ~MetricsLog();
+
+  absl::Status Append(const std::vector<MetricsRow>& rows);
+  // Flushes to the disk (fsync) and closes; Append() fails after it.
+  absl::Status Close();
+
+ private:
+  MetricsLog(std::FILE* f, std::string path) : f_(f), path_(std::move(path)) {}
+  std::FILE* f_ = nullptr;
+  std::string path_;
+};
+
 absl::Status WriteMetricsCsv(const std::string& path, const std::vector<MetricsRow>& rows);
+// Atomic (a temporary file, fsync, rename) and always valid JSON: a
+// non-finite number is written as null.
 absl::Status WriteSummaryJson(const std::string& path, const Summary& s);
+// A finished job's summary.json ("status": "ok") in `dir`: an error naming
+// it, so that a new job does not overwrite its results; OK otherwise.
+absl::Status CheckNotFinished(const std::string& dir);
 // Writes v as raw fp32 (the --dump_x files); errors name the path.
 absl::Status WriteFloats(const std::string& path, const std::vector<float>& v);
 // JSON string literal with escapes.

@@ -533,36 +533,58 @@ bool CoordinatorService::EveryoneTold() const {
   return true;
 }
 
+std::optional<MetricsRow> CoordinatorService::RowLocked(uint64_t step) const {
+  auto it = metrics_.find(step);
+  if (it == metrics_.end()) return std::nullopt;
+  const auto& per_rank = it->second;
+  if (per_rank.size() != workers_.size()) return std::nullopt;
+  for (const auto& m : per_rank) {
+    if (!m.has_value()) return std::nullopt;
+  }
+  MetricsRow r;
+  r.step = step;
+  r.phase = per_rank[0]->phase().empty() ? "warmup" : per_rank[0]->phase();
+  double loss = 0;
+  for (const auto& m : per_rank) {
+    loss += m->loss();
+    r.wall_s = std::max(r.wall_s, m->wall_s());
+    r.step_s = std::max(r.step_s, m->step_s());
+    r.push_s = std::max(r.push_s, m->push_s());
+    r.reply_s = std::max(r.reply_s, m->reply_s());
+    r.bytes_up += m->bytes_up();
+    r.bytes_down += m->bytes_down();
+  }
+  r.loss = loss / static_cast<double>(per_rank.size());
+  r.epoch = per_rank[0]->epoch();
+  if (per_rank[0]->has_eval()) {
+    r.test_loss = per_rank[0]->test_loss();
+    r.test_accuracy = per_rank[0]->test_accuracy();
+  }
+  return r;
+}
+
 std::vector<MetricsRow> CoordinatorService::MetricsRows() const {
   absl::MutexLock l(&mu_);
   std::vector<MetricsRow> rows;
-  for (const auto& [step, per_rank] : metrics_) {
-    if (per_rank.size() != workers_.size()) continue;
-    bool complete = true;
-    for (const auto& m : per_rank) complete &= m.has_value();
-    if (!complete) continue;
-    MetricsRow r;
-    r.step = step;
-    r.phase = per_rank[0]->phase().empty() ? "warmup" : per_rank[0]->phase();
-    double loss = 0;
-    for (const auto& m : per_rank) {
-      loss += m->loss();
-      r.wall_s = std::max(r.wall_s, m->wall_s());
-      r.step_s = std::max(r.step_s, m->step_s());
-      r.push_s = std::max(r.push_s, m->push_s());
-      r.reply_s = std::max(r.reply_s, m->reply_s());
-      r.bytes_up += m->bytes_up();
-      r.bytes_down += m->bytes_down();
-    }
-    r.loss = loss / static_cast<double>(per_rank.size());
-    r.epoch = per_rank[0]->epoch();
-    if (per_rank[0]->has_eval()) {
-      r.test_loss = per_rank[0]->test_loss();
-      r.test_accuracy = per_rank[0]->test_accuracy();
-    }
-    rows.push_back(r);
+  for (const auto& entry : metrics_) {
+    if (auto r = RowLocked(entry.first)) rows.push_back(*std::move(r));
   }
   return rows;
+}
+
+std::vector<MetricsRow> CoordinatorService::TakeNewRows() {
+  absl::MutexLock l(&mu_);
+  std::vector<MetricsRow> rows;
+  while (auto r = RowLocked(rows_taken_)) {
+    rows.push_back(*std::move(r));
+    ++rows_taken_;
+  }
+  return rows;
+}
+
+void CoordinatorService::Stop(const std::string& reason) {
+  absl::MutexLock l(&mu_);
+  if (state_ == State::kRegistering || state_ == State::kRunning) FailLocked(reason);
 }
 
 double CoordinatorService::WallSeconds() const {

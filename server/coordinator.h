@@ -52,7 +52,13 @@ class CoordinatorService final : public control::Coordinator::Service {
   // True once every live process has been told the outcome (or it exited).
   bool EveryoneTold() const;
 
+  // Ends the job as failed with `reason` unless it is already over.
+  void Stop(const std::string& reason);
+
   std::vector<MetricsRow> MetricsRows() const;
+  // The rows completed since the last call, in step order (a row is complete
+  // once every worker reported its step); for appending to metrics.csv.
+  std::vector<MetricsRow> TakeNewRows();
   // wall_s: from the cluster forming to the outcome.
   Summary MakeSummary() const;
   double WallSeconds() const;
@@ -91,6 +97,8 @@ class CoordinatorService final : public control::Coordinator::Service {
   void AddMetricsLocked(uint32_t rank, const control::StepMetrics& m)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The row of `step` once every worker has reported it.
+  std::optional<MetricsRow> RowLocked(uint64_t step) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   grpc::Status CheckJob(control::Role role, uint32_t rank, uint64_t job_id) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // --freeze auto: records a server's check and decides every check that all
@@ -115,6 +123,7 @@ class CoordinatorService final : public control::Coordinator::Service {
   // step -> per-worker metrics of that step
   std::map<uint64_t, std::vector<std::optional<control::StepMetrics>>> metrics_
       ABSL_GUARDED_BY(mu_);
+  uint64_t rows_taken_ ABSL_GUARDED_BY(mu_) = 0;  // TakeNewRows: the next step's row
   bool replicas_equal_ ABSL_GUARDED_BY(mu_) = false;
   bool workers_agree_ ABSL_GUARDED_BY(mu_) = false;  // every replica equals every other
   std::optional<double> max_replica_diff_ ABSL_GUARDED_BY(mu_);

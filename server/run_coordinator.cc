@@ -1,7 +1,9 @@
 // RunCoordinator (include/onebit/server.h): the coordinator's gRPC service
 // (server/coordinator.h), its watch loop, and the run folder.
 #include <chrono>
+#include <csignal>
 #include <cstdio>
+#include <optional>
 #include <random>
 #include <set>
 
@@ -17,6 +19,17 @@
 
 namespace onebit {
 namespace {
+
+std::string SignalName(int sig) {
+  switch (sig) {
+    case SIGTERM:
+      return "SIGTERM";
+    case SIGINT:
+      return "SIGINT";
+    default:
+      return absl::StrCat("signal ", sig);
+  }
+}
 
 uint64_t NewJobId() {
   std::random_device rd;
@@ -37,8 +50,13 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
     auto map = ShardMap::Create(cfg.dim(), cfg.servers(), cfg.block_size());
     if (!map.ok()) return map.status();
   }
+  std::optional<MetricsLog> metrics;
   if (!o.out.empty()) {
     if (absl::Status st = MakeDirs(o.out); !st.ok()) return st;
+    if (absl::Status st = CheckNotFinished(o.out); !st.ok()) return st;
+    auto log = MetricsLog::Open(o.out + "/metrics.csv");
+    if (!log.ok()) return log.status();
+    metrics = *std::move(log);
   }
 
   const uint64_t job_id = NewJobId();
@@ -63,8 +81,16 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
                cfg.workers(), cfg.optimizer().c_str(), static_cast<unsigned long long>(cfg.dim()),
                static_cast<unsigned long long>(cfg.steps()));
 
+  absl::Status metrics_status;
+  auto append_rows = [&] {
+    if (metrics && metrics_status.ok()) metrics_status = metrics->Append(service.TakeNewRows());
+  };
   while (true) {
     service.Tick();
+    if (o.stop_signal != nullptr && o.stop_signal->load() != 0) {
+      service.Stop(absl::StrCat("stopped by ", SignalName(o.stop_signal->load())));
+    }
+    append_rows();
     const auto s = service.state();
     if (s == CoordinatorService::State::kFinished || s == CoordinatorService::State::kFailed) {
       break;
@@ -88,16 +114,25 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
         absl::StrFormat("job finished; replicas trail the masters by the server error (largest %g)",
                         summary.max_replica_master_diff.value_or(0.0));
   }
-  if (!o.out.empty()) {
-    absl::Status st = WriteMetricsCsv(o.out + "/metrics.csv", service.MetricsRows());
-    if (st.ok()) st = WriteSummaryJson(o.out + "/summary.json", summary);
+  if (metrics) {
+    append_rows();
+    absl::Status st = metrics_status;
+    if (absl::Status closed = metrics->Close(); st.ok()) st = closed;
+    if (absl::Status written = WriteSummaryJson(o.out + "/summary.json", summary); st.ok()) {
+      st = written;
+    }
     if (!st.ok() && result.ok()) result = st;
   }
   // Let every live process hear the outcome through its heartbeat, bounded.
+  // Briefly when a signal stopped us: the sender's grace period is short.
+  const bool signalled = o.stop_signal != nullptr && o.stop_signal->load() != 0;
   const absl::Time deadline =
-      absl::Now() + std::max(absl::Seconds(2), absl::Milliseconds(cfg.heartbeat_timeout_ms()) / 2);
+      absl::Now() +
+      (signalled ? absl::Milliseconds(300)
+                 : std::max(absl::Seconds(2), absl::Milliseconds(cfg.heartbeat_timeout_ms()) / 2));
   while (!service.EveryoneTold() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
-  server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+  server->Shutdown(
+      absl::ToChronoTime(absl::Now() + (signalled ? absl::Milliseconds(200) : absl::Seconds(1))));
   std::fprintf(stderr, "coordinator: %s (%.3f s, final loss %s)\n", verdict.c_str(), wall,
                summary.final_loss ? absl::StrFormat("%.6g", *summary.final_loss).c_str() : "n/a");
   return result;

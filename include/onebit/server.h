@@ -10,6 +10,7 @@
 #ifndef ONEBIT_SERVER_H_
 #define ONEBIT_SERVER_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -51,8 +52,14 @@ struct CoordinatorOptions {
   int port = 7070;  // 0: any free port
   // Called once listening, with the port (useful with port 0).
   std::function<void(int port)> on_listening;
-  // When not empty: the run folder (metrics.csv, summary.json).
+  // When not empty: the run folder. metrics.csv is appended as steps
+  // complete; summary.json is written at the end, ok or failed. A folder
+  // holding a finished job's summary.json is refused, not overwritten.
   std::string out;
+  // When set and it becomes non-zero (a signal number, e.g. from a SIGTERM
+  // handler), the job ends as failed ("stopped by SIGTERM") and the run
+  // folder is written.
+  const std::atomic<int>* stop_signal = nullptr;
   absl::Duration register_timeout = absl::Seconds(60);
 };
 

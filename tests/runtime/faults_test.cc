@@ -18,6 +18,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
 #include "compress/codec.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -487,6 +488,74 @@ TEST(Faults, KilledLauncherLeavesNoOrphans) {
   }
   EXPECT_TRUE(ProcessesMentioning("--coordinator=" + target).empty());
   EXPECT_TRUE(ProcessesMentioning("--out=" + dir + "/run").empty());
+}
+
+std::vector<std::string> Lines(const std::string& text) {
+  return absl::StrSplit(text, '\n', absl::SkipEmpty());
+}
+
+// kill -9 of a worker: the launcher stops the rest, and the coordinator,
+// stopped by SIGTERM, still leaves every metrics row up to the failure and a
+// summary that says it failed.
+TEST(Faults, AKilledWorkerLeavesTheRunFolderWritten) {
+  const std::string dir = TempDir("runfolder");
+  const std::string out = dir + "/run";
+  Subprocess launch =
+      Start({Bin("onebit-launch"), "--workers=2", "--servers=1", "--dim=4000", "--steps=100000000",
+             "--block_size=32", "--chunk_elems=512", "--out=" + out},
+            dir + "/launch.log");
+  ASSERT_TRUE(WaitForText(dir + "/launch.log", "steps/s", absl::Seconds(20)))
+      << ReadFile(dir + "/launch.log");
+  // The rows are on disk while the job runs.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < deadline && Lines(ReadFile(out + "/metrics.csv")).size() < 20) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  const size_t before = Lines(ReadFile(out + "/metrics.csv")).size();
+  EXPECT_GE(before, 20u);
+  const std::string log = ReadFile(dir + "/launch.log");
+  const size_t at = log.find("coordinator at 127.0.0.1:");
+  ASSERT_NE(at, std::string::npos) << log;
+  const std::string target = log.substr(at + 15, log.find(' ', at + 15) - at - 15);
+  std::vector<int> w1;
+  for (int pid : ProcessesMentioning("--coordinator=" + target)) {
+    std::string cmd = ReadFile(absl::StrCat("/proc/", pid, "/cmdline"));
+    std::replace(cmd.begin(), cmd.end(), '\0', ' ');
+    if (cmd.find("onebit-worker") != std::string::npos &&
+        cmd.find("--rank=1") != std::string::npos) {
+      w1.push_back(pid);
+    }
+  }
+  ASSERT_EQ(w1.size(), 1u);
+  kill(w1[0], SIGKILL);
+  auto code = launch.Wait(absl::Seconds(15));
+  ASSERT_TRUE(code.has_value()) << "hung: " << ReadFile(dir + "/launch.log");
+  EXPECT_NE(*code, 0);
+  const std::vector<std::string> lines = Lines(ReadFile(out + "/metrics.csv"));
+  ASSERT_GE(lines.size(), before);
+  EXPECT_EQ(lines[0].rfind("step,phase,loss,", 0), 0u);
+  for (size_t i = 1; i < lines.size(); ++i) {
+    EXPECT_EQ(lines[i].rfind(absl::StrCat(i - 1, ","), 0), 0u) << "row " << i << ": " << lines[i];
+  }
+  const std::string summary = ReadFile(out + "/summary.json");
+  EXPECT_THAT(summary, HasSubstr("\"status\": \"failed: stopped by SIGTERM\""));
+  EXPECT_THAT(summary, HasSubstr("\"replicas_equal\": false"));
+}
+
+TEST(Faults, AFinishedRunFolderIsNotOverwritten) {
+  const std::string out = TempDir("finished") + "/run";
+  const std::vector<std::string> job = {Bin("onebit-launch"), "--workers=1", "--servers=1",
+                                        "--dim=256",          "--steps=3",   "--block_size=32",
+                                        "--chunk_elems=64",   "--out=" + out};
+  RunResult first = RunCommand(job, absl::Seconds(30));
+  ASSERT_EQ(first.code, 0) << first.output;
+  const std::string summary = ReadFile(out + "/summary.json");
+  const std::string metrics = ReadFile(out + "/metrics.csv");
+  RunResult again = RunCommand(job, absl::Seconds(30));
+  EXPECT_NE(again.code, 0);
+  EXPECT_THAT(again.output, HasSubstr(out + "/summary.json is a finished job's (status ok)"));
+  EXPECT_EQ(ReadFile(out + "/summary.json"), summary);
+  EXPECT_EQ(ReadFile(out + "/metrics.csv"), metrics);
 }
 
 // Holds a listening TCP port on 127.0.0.1 for the test's lifetime.

@@ -1,6 +1,7 @@
 // Units of the runtime: data-plane header validation (each refusal names its
 // problem), chunking, the update rules, the synthetic model, the config
 // checks, and the coordinator's replica comparison.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -14,6 +15,7 @@
 #include "net/checksum.h"
 #include "net/data_plane.h"
 #include "net/job_config.h"
+#include "net/run_folder.h"
 #include "server/coordinator.h"
 #include "tests/runtime/test_util.h"
 
@@ -204,6 +206,56 @@ TEST(JobConfig, ValidationNamesTheFlag) {
 }
 
 // Drives the coordinator service in-process: one server, two workers.
+TEST(RunFolder, SummaryIsValidJsonWhateverTheNumbers) {
+  const std::string dir = testing::TempDir("summary_json");
+  Summary s;
+  s.final_loss = std::numeric_limits<double>::infinity();
+  s.test_loss = std::nan("");
+  s.wall_s = 1.5;
+  s.status = "failed: \"quoted\"\n";
+  ASSERT_TRUE(WriteSummaryJson(dir + "/summary.json", s).ok());
+  const std::string text = testing::ReadFile(dir + "/summary.json");
+  EXPECT_THAT(text, HasSubstr("\"final_loss\": null,"));
+  EXPECT_THAT(text, HasSubstr("\"test_loss\": null,"));
+  EXPECT_THAT(text, HasSubstr("\"wall_s\": 1.5,"));
+  EXPECT_THAT(text, HasSubstr("\"status\": \"failed: \\\"quoted\\\"\\n\""));
+  EXPECT_THAT(text, ::testing::Not(HasSubstr("inf")));
+  EXPECT_THAT(text, ::testing::Not(HasSubstr("nan")));
+  // Not finished (status not ok): a new job may use the folder.
+  EXPECT_TRUE(CheckNotFinished(dir).ok());
+  s.status = "ok";
+  ASSERT_TRUE(WriteSummaryJson(dir + "/summary.json", s).ok());
+  absl::Status st = CheckNotFinished(dir);
+  EXPECT_THAT(std::string(st.message()),
+              HasSubstr(dir + "/summary.json is a finished job's (status ok): not overwriting"));
+  EXPECT_TRUE(CheckNotFinished(dir + "/nothing-here").ok());
+}
+
+TEST(RunFolder, MetricsLogHasEveryRowAppendedBeforeItIsClosed) {
+  const std::string path = testing::TempDir("metrics_log") + "/metrics.csv";
+  auto log = MetricsLog::Open(path);
+  ASSERT_TRUE(log.ok()) << log.status();
+  MetricsRow a;
+  a.step = 0;
+  a.phase = "warmup";
+  a.loss = 2.5;
+  MetricsRow b = a;
+  b.step = 1;
+  b.test_accuracy = 0.25;
+  ASSERT_TRUE(log->Append({a}).ok());
+  // Readable as it grows, before Close(): what a crash would leave.
+  std::string text = testing::ReadFile(path);
+  EXPECT_EQ(text.rfind("step,phase,loss,", 0), 0u);
+  EXPECT_THAT(text, HasSubstr("\n0,warmup,2.5,"));
+  ASSERT_TRUE(log->Append({b}).ok());
+  ASSERT_TRUE(log->Close().ok());
+  text = testing::ReadFile(path);
+  EXPECT_THAT(text, HasSubstr("\n1,warmup,2.5,"));
+  EXPECT_EQ(text.substr(text.size() - 6), ",0.25\n");
+  EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), 3);
+  EXPECT_FALSE(log->Append({a}).ok());
+}
+
 TEST(CoordinatorService, ReplicasEqualOnlyWhenEveryChecksumMatches) {
   for (bool corrupt : {false, true}) {
     control::TrainingConfig cfg = testing::MakeConfig(2, 1, 100, 1, "sgd");
