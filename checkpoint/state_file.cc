@@ -1,0 +1,200 @@
+#include "checkpoint/state_file.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+
+#include "absl/strings/str_cat.h"
+
+namespace onebit {
+namespace {
+
+constexpr char kMagic[] = "OBSTATE1";  // 8 bytes, no terminator on disk
+constexpr size_t kMagicSize = 8;
+
+std::string U32(uint32_t v) {
+  std::string s(4, '\0');
+  for (int i = 0; i < 4; ++i) s[i] = static_cast<char>((v >> (8 * i)) & 0xff);
+  return s;
+}
+
+uint32_t ReadU32(const char* p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v |= uint32_t{static_cast<unsigned char>(p[i])} << (8 * i);
+  return v;
+}
+
+absl::Status Errno(absl::string_view what, const std::string& path) {
+  return absl::InternalError(absl::StrCat("cannot ", what, " ", path, ": ", std::strerror(errno)));
+}
+
+absl::Status FsyncDir(const std::string& dir) {
+  const int fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (fd < 0) return Errno("open", dir);
+  const bool ok = fsync(fd) == 0;
+  close(fd);
+  if (!ok) return Errno("fsync", dir);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+uint32_t Crc32(absl::string_view bytes, uint32_t crc) {
+  return static_cast<uint32_t>(crc32_z(crc, reinterpret_cast<const Bytef*>(bytes.data()),
+                                       static_cast<z_size_t>(bytes.size())));
+}
+
+absl::StatusOr<WrittenFile> WriteFileAtomically(const std::string& dir, const std::string& name,
+                                                absl::Span<const absl::string_view> parts) {
+  const std::string path = dir + "/" + name;
+  const std::string tmp = path + ".tmp";
+  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd < 0) return Errno("create", tmp);
+  WrittenFile out;
+  out.name = name;
+  for (absl::string_view part : parts) {
+    out.crc32 = Crc32(part, out.crc32);
+    out.size += part.size();
+    while (!part.empty()) {
+      const ssize_t n = write(fd, part.data(), part.size());
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        const absl::Status st = Errno("write", tmp);
+        close(fd);
+        unlink(tmp.c_str());
+        return st;
+      }
+      part.remove_prefix(static_cast<size_t>(n));
+    }
+  }
+  // The data reaches the disk before the name does.
+  if (fsync(fd) != 0) {
+    const absl::Status st = Errno("fsync", tmp);
+    close(fd);
+    unlink(tmp.c_str());
+    return st;
+  }
+  if (close(fd) != 0) return Errno("close", tmp);
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) return Errno("rename", tmp);
+  if (absl::Status st = FsyncDir(dir); !st.ok()) return st;
+  return out;
+}
+
+StateWriter::StateWriter(checkpoint::StateHeader header) : header_(std::move(header)) {
+  header_.set_format(kCheckpointFormat);
+  header_.clear_sections();
+}
+
+void StateWriter::AddBytes(absl::string_view name, absl::string_view bytes) {
+  checkpoint::Section* s = header_.add_sections();
+  s->set_name(std::string(name));
+  s->set_offset(payload_.size());
+  s->set_size(bytes.size());
+  s->set_crc32(Crc32(bytes));
+  payload_.append(bytes.data(), bytes.size());
+}
+
+void StateWriter::AddFloats(absl::string_view name, absl::Span<const float> values) {
+  AddBytes(name, absl::string_view(reinterpret_cast<const char*>(values.data()),
+                                   values.size() * sizeof(float)));
+}
+
+void StateWriter::SetValue(absl::string_view key, absl::string_view value) {
+  (*header_.mutable_values())[std::string(key)] = std::string(value);
+}
+
+absl::StatusOr<WrittenFile> StateWriter::WriteTo(const std::string& dir,
+                                                 const std::string& name) const {
+  const std::string head = header_.SerializeAsString();
+  const std::string size = U32(static_cast<uint32_t>(head.size()));
+  const std::string crc = U32(Crc32(head));
+  const absl::string_view parts[] = {absl::string_view(kMagic, kMagicSize), size, head, crc,
+                                     payload_};
+  return WriteFileAtomically(dir, name, parts);
+}
+
+absl::StatusOr<StateReader> StateReader::Open(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("checkpoint file ", path, " is missing"));
+  std::string all((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto bad = [&path](absl::string_view why) {
+    return absl::DataLossError(absl::StrCat("checkpoint file ", path, ": ", why));
+  };
+  if (all.size() < kMagicSize + 8 || all.compare(0, kMagicSize, kMagic, kMagicSize) != 0) {
+    return bad("not a onebit-ps state file (no OBSTATE1 magic)");
+  }
+  const uint32_t h = ReadU32(all.data() + kMagicSize);
+  if (all.size() < kMagicSize + 8 + uint64_t{h}) return bad("truncated inside its header");
+  const absl::string_view head(all.data() + kMagicSize + 4, h);
+  if (ReadU32(head.data() + h) != Crc32(head)) return bad("the header's checksum does not match");
+  checkpoint::StateHeader header;
+  if (!header.ParseFromArray(head.data(), static_cast<int>(head.size()))) {
+    return bad("the header does not parse");
+  }
+  if (header.format() != kCheckpointFormat) {
+    return bad(absl::StrCat("format ", header.format(), ", this build reads ", kCheckpointFormat));
+  }
+  std::string payload = all.substr(kMagicSize + 8 + h);
+  uint64_t end = 0;
+  for (const checkpoint::Section& s : header.sections()) {
+    if (s.offset() > payload.size() || s.size() > payload.size() - s.offset()) {
+      return bad(absl::StrCat("truncated: section '", s.name(), "' needs bytes [", s.offset(), ", ",
+                              s.offset() + s.size(), ") of ", payload.size()));
+    }
+    if (Crc32(absl::string_view(payload).substr(s.offset(), s.size())) != s.crc32()) {
+      return bad(absl::StrCat("section '", s.name(), "' does not match its checksum"));
+    }
+    end = std::max(end, s.offset() + s.size());
+  }
+  if (end != payload.size()) {
+    return bad(absl::StrCat(payload.size() - end, " bytes after the last section"));
+  }
+  return StateReader(path, std::move(header), std::move(payload));
+}
+
+absl::StatusOr<absl::string_view> StateReader::Section(absl::string_view name) const {
+  for (const checkpoint::Section& s : header_.sections()) {
+    if (s.name() == name) return absl::string_view(payload_).substr(s.offset(), s.size());
+  }
+  return absl::NotFoundError(
+      absl::StrCat("checkpoint file ", path_, " has no section '", name, "'"));
+}
+
+absl::StatusOr<std::string> StateReader::Value(absl::string_view key) const {
+  auto it = header_.values().find(std::string(key));
+  if (it == header_.values().end()) {
+    return absl::NotFoundError(
+        absl::StrCat("checkpoint file ", path_, " has no value '", key, "'"));
+  }
+  return it->second;
+}
+
+absl::StatusOr<std::string> StateReader::Bytes(absl::string_view name) const {
+  auto s = Section(name);
+  if (!s.ok()) return s.status();
+  return std::string(*s);
+}
+
+absl::StatusOr<std::vector<float>> StateReader::Floats(absl::string_view name,
+                                                       uint64_t count) const {
+  auto s = Section(name);
+  if (!s.ok()) return s.status();
+  const std::string want =
+      count == UINT64_MAX ? std::string("whole floats") : absl::StrCat(count, " floats");
+  if (s->size() % sizeof(float) != 0 ||
+      (count != UINT64_MAX && s->size() != count * sizeof(float))) {
+    return absl::DataLossError(absl::StrCat("checkpoint file ", path_, ": section '", name,
+                                            "' holds ", s->size(), " bytes, not ", want));
+  }
+  std::vector<float> out(s->size() / sizeof(float));
+  std::memcpy(out.data(), s->data(), s->size());
+  return out;
+}
+
+}  // namespace onebit

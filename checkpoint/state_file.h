@@ -1,0 +1,91 @@
+// One process's part of a checkpoint: a state file of named arrays (a
+// server's x, m, v and error over its range; a worker's error and momentum)
+// and a few scalars, each array checksummed, written atomically.
+//
+// Layout (little-endian): "OBSTATE1", u32 H, H bytes of a serialized
+// checkpoint.StateHeader, u32 zlib crc32 of those H bytes, then the
+// sections' bytes at the offsets the header gives. The whole file's crc32
+// and size go into the checkpoint's manifest (checkpoint/checkpoint_dir.h).
+//
+// Not thread-safe; a StateWriter may be filled on one thread and written on
+// another (what the asynchronous checkpoint does) once filling is over.
+#ifndef ONEBIT_CHECKPOINT_STATE_FILE_H_
+#define ONEBIT_CHECKPOINT_STATE_FILE_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "proto/checkpoint.pb.h"
+
+namespace onebit {
+
+inline constexpr uint32_t kCheckpointFormat = 1;
+
+// A written file as the manifest lists it.
+struct WrittenFile {
+  std::string name;  // base name
+  uint64_t size = 0;
+  uint32_t crc32 = 0;
+};
+
+// Collects a snapshot: Add* copy the data, so the caller may go on changing
+// its own arrays at once.
+class StateWriter {
+ public:
+  // header: step, role, rank, range and values; sections are filled here.
+  explicit StateWriter(checkpoint::StateHeader header);
+
+  void AddFloats(absl::string_view name, absl::Span<const float> values);
+  void AddBytes(absl::string_view name, absl::string_view bytes);
+  void SetValue(absl::string_view key, absl::string_view value);
+
+  // Writes dir/name through a temporary file, fsync, rename and an fsync of
+  // dir. Errors name the path.
+  absl::StatusOr<WrittenFile> WriteTo(const std::string& dir, const std::string& name) const;
+
+  uint64_t payload_bytes() const { return payload_.size(); }
+
+ private:
+  checkpoint::StateHeader header_;
+  std::string payload_;
+};
+
+// A state file read back and checked: the magic, the header's checksum and
+// every section's. Errors name the path and, for a section, its name.
+class StateReader {
+ public:
+  static absl::StatusOr<StateReader> Open(const std::string& path);
+
+  const checkpoint::StateHeader& header() const { return header_; }
+  // The value of `key`; an error naming the file when missing.
+  absl::StatusOr<std::string> Value(absl::string_view key) const;
+  // The section `name` as floats; `count` (when not UINT64_MAX) must match.
+  absl::StatusOr<std::vector<float>> Floats(absl::string_view name,
+                                            uint64_t count = UINT64_MAX) const;
+  absl::StatusOr<std::string> Bytes(absl::string_view name) const;
+
+ private:
+  StateReader(std::string path, checkpoint::StateHeader header, std::string payload)
+      : path_(std::move(path)), header_(std::move(header)), payload_(std::move(payload)) {}
+  absl::StatusOr<absl::string_view> Section(absl::string_view name) const;
+
+  std::string path_;
+  checkpoint::StateHeader header_;
+  std::string payload_;
+};
+
+// zlib crc32 of bytes, continuing from `crc` (0 to start).
+uint32_t Crc32(absl::string_view bytes, uint32_t crc = 0);
+
+// Writes `bytes` to dir/name atomically (temporary name, fsync, rename,
+// fsync of dir); returns its size and crc32.
+absl::StatusOr<WrittenFile> WriteFileAtomically(const std::string& dir, const std::string& name,
+                                                absl::Span<const absl::string_view> parts);
+
+}  // namespace onebit
+
+#endif  // ONEBIT_CHECKPOINT_STATE_FILE_H_

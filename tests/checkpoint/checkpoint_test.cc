@@ -1,0 +1,207 @@
+// State files and checkpoint folders: what is written reads back bit for
+// bit; every kind of damage is refused naming the file (and the section),
+// and the newest complete checkpoint is the one found.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "checkpoint/checkpoint_dir.h"
+#include "checkpoint/state_file.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace onebit {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string TempRoot(const std::string& name) {
+  const std::string dir = absl::StrCat("/tmp/onebit-ckpt-", getpid(), "-", name);
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+std::string Read(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+void Write(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+std::vector<float> Ramp(size_t n, float base) {
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = base + 0.25f * static_cast<float>(i);
+  return v;
+}
+
+// A server's file: x and m over [100, 1100), a scalar.
+WrittenFile WriteServerState(const std::string& dir, uint64_t step) {
+  checkpoint::StateHeader h;
+  h.set_step(step);
+  h.set_role("server");
+  h.set_rank(1);
+  h.set_begin(100);
+  h.set_end(1100);
+  StateWriter w(h);
+  std::vector<float> x = Ramp(1000, 1.0f);
+  w.AddFloats("x", x);
+  x[0] = -7.0f;  // the snapshot is a copy: later changes are not in it
+  w.AddFloats("m", Ramp(1000, -3.0f));
+  w.SetValue("phase", "compress");
+  auto f = w.WriteTo(dir, "server-1.state");
+  EXPECT_TRUE(f.ok()) << f.status();
+  return f.value_or(WrittenFile{});
+}
+
+TEST(StateFile, ReadsBackBitForBit) {
+  const std::string dir = TempRoot("roundtrip");
+  const WrittenFile f = WriteServerState(dir, 40);
+  EXPECT_EQ(f.name, "server-1.state");
+  const std::string bytes = Read(dir + "/server-1.state");
+  EXPECT_EQ(f.size, bytes.size());
+  EXPECT_EQ(f.crc32, Crc32(bytes));
+  EXPECT_EQ(bytes.substr(0, 8), "OBSTATE1");
+  EXPECT_FALSE(std::filesystem::exists(dir + "/server-1.state.tmp"));
+
+  auto r = StateReader::Open(dir + "/server-1.state");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->header().step(), 40u);
+  EXPECT_EQ(r->header().role(), "server");
+  EXPECT_EQ(r->header().begin(), 100u);
+  EXPECT_EQ(r->header().end(), 1100u);
+  auto x = r->Floats("x", 1000);
+  ASSERT_TRUE(x.ok()) << x.status();
+  EXPECT_EQ(*x, Ramp(1000, 1.0f));
+  EXPECT_EQ(r->Floats("m").value(), Ramp(1000, -3.0f));
+  EXPECT_EQ(r->Value("phase").value(), "compress");
+  EXPECT_THAT(std::string(r->Floats("v").status().message()),
+              HasSubstr("server-1.state has no section 'v'"));
+  EXPECT_THAT(std::string(r->Floats("x", 999).status().message()),
+              HasSubstr("section 'x' holds 4000 bytes, not 999 floats"));
+  EXPECT_THAT(std::string(r->Value("freeze").status().message()), HasSubstr("no value 'freeze'"));
+}
+
+TEST(StateFile, EveryKindOfDamageIsNamed) {
+  const std::string dir = TempRoot("damage");
+  WriteServerState(dir, 40);
+  const std::string path = dir + "/server-1.state";
+  const std::string good = Read(path);
+  struct Case {
+    std::string name;
+    std::string bytes;
+    std::string error;
+  };
+  std::string flip_m = good;
+  flip_m[flip_m.size() - 10] ^= 0x04;  // inside the last section, m
+  std::string flip_head = good;
+  flip_head[14] ^= 0x01;  // inside the header
+  const std::vector<Case> cases = {
+      {"flipped payload byte", flip_m, "section 'm' does not match its checksum"},
+      {"flipped header byte", flip_head, "the header's checksum does not match"},
+      {"truncated", good.substr(0, good.size() - 100), "truncated: section 'm'"},
+      {"truncated header", good.substr(0, 20), "truncated inside its header"},
+      {"trailing bytes", good + "xx", "2 bytes after the last section"},
+      {"not a state file", "hello, world, this is text", "no OBSTATE1 magic"},
+  };
+  for (const Case& c : cases) {
+    Write(path, c.bytes);
+    auto r = StateReader::Open(path);
+    EXPECT_FALSE(r.ok()) << c.name;
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr("checkpoint file " + path + ": "))
+        << c.name;
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr(c.error)) << c.name;
+  }
+  std::filesystem::remove(path);
+  EXPECT_THAT(std::string(StateReader::Open(path).status().message()),
+              HasSubstr(path + " is missing"));
+}
+
+// A complete checkpoint of `step` under root: one state file and a manifest.
+std::string WriteCheckpoint(const std::string& root, uint64_t step) {
+  const std::string dir = MakeStepDir(root, step).value();
+  const WrittenFile f = WriteServerState(dir, step);
+  checkpoint::Manifest m;
+  m.set_format(kCheckpointFormat);
+  m.set_step(step);
+  m.set_job_id("00000000000000aa");
+  m.mutable_config()->set_workers(3);
+  checkpoint::ManifestFile* e = m.add_files();
+  e->set_name(f.name);
+  e->set_size(f.size);
+  e->set_crc32(f.crc32);
+  EXPECT_TRUE(WriteManifest(dir, m).ok());
+  return dir;
+}
+
+TEST(CheckpointDir, TheNewestCompleteOneIsFoundAndTheDamagedOnesNamed) {
+  const std::string root = TempRoot("latest");
+  EXPECT_EQ(LatestCheckpoint(root, nullptr).status().code(), absl::StatusCode::kNotFound);
+  WriteCheckpoint(root, 20);
+  WriteCheckpoint(root, 40);
+  const std::string d60 = WriteCheckpoint(root, 60);
+  const std::string d80 = WriteCheckpoint(root, 80);
+  const std::string d100 = WriteCheckpoint(root, 100);
+  auto c = LatestCheckpoint(root, nullptr);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->manifest.step(), 100u);
+  EXPECT_EQ(c->dir, root + "/step-000000000100");
+  EXPECT_EQ(c->manifest.config().workers(), 3u);
+
+  // 100: a flipped byte; 80: truncated; 60: no manifest (a crash mid-write).
+  std::string bytes = Read(d100 + "/server-1.state");
+  bytes[bytes.size() / 2] ^= 0x10;
+  Write(d100 + "/server-1.state", bytes);
+  bytes = Read(d80 + "/server-1.state");
+  Write(d80 + "/server-1.state", bytes.substr(0, bytes.size() - 1));
+  std::filesystem::remove(d60 + "/MANIFEST");
+  std::vector<std::string> refused;
+  c = LatestCheckpoint(root, &refused);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->manifest.step(), 40u);
+  ASSERT_EQ(refused.size(), 3u);
+  EXPECT_THAT(refused[0], HasSubstr(d100 + "/server-1.state: does not match its checksum"));
+  EXPECT_THAT(refused[1], HasSubstr(d80 + "/server-1.state: "));
+  EXPECT_THAT(refused[1], HasSubstr("the manifest says"));
+  EXPECT_THAT(refused[2], HasSubstr(d60 + "/MANIFEST is missing: the checkpoint is incomplete"));
+
+  // A damaged manifest is refused too.
+  bytes = Read(root + "/step-000000000040/MANIFEST");
+  bytes[bytes.size() - 1] ^= 0x01;
+  Write(root + "/step-000000000040/MANIFEST", bytes);
+  refused.clear();
+  c = LatestCheckpoint(root, &refused);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->manifest.step(), 20u);
+  EXPECT_THAT(refused.back(), HasSubstr("MANIFEST: does not match its checksum"));
+}
+
+TEST(CheckpointDir, PruningKeepsTheNewestCompleteAndWhatIsBeingWritten) {
+  const std::string root = TempRoot("prune");
+  for (uint64_t step : {10, 20, 30, 40}) WriteCheckpoint(root, step);
+  // 25: an old incomplete one; 50: the one being written now.
+  MakeStepDir(root, 25).value();
+  const std::string d50 = MakeStepDir(root, 50).value();
+  WriteServerState(d50, 50);
+  ASSERT_TRUE(PruneCheckpoints(root, 2).ok());
+  std::vector<std::string> left;
+  for (const auto& e : std::filesystem::directory_iterator(root)) {
+    left.push_back(e.path().filename().string());
+  }
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left, (std::vector<std::string>{"step-000000000030", "step-000000000040",
+                                            "step-000000000050"}));
+  EXPECT_FALSE(PruneCheckpoints(root, 0).ok());
+}
+
+}  // namespace
+}  // namespace onebit
