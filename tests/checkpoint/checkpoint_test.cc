@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "checkpoint/checkpoint_dir.h"
+#include "checkpoint/optimizer_state.h"
 #include "checkpoint/state_file.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -201,6 +202,102 @@ TEST(CheckpointDir, PruningKeepsTheNewestCompleteAndWhatIsBeingWritten) {
   EXPECT_EQ(left, (std::vector<std::string>{"step-000000000030", "step-000000000040",
                                             "step-000000000050"}));
   EXPECT_FALSE(PruneCheckpoints(root, 0).ok());
+}
+
+// A shard with every array, distinct values per array and element.
+ServerShardState Shard(uint32_t shard, uint64_t begin, uint64_t n, uint64_t step) {
+  ServerShardState s;
+  s.shard = shard;
+  s.begin = begin;
+  s.step = step;
+  s.frozen = true;
+  s.floored = 7 + shard;
+  float base = static_cast<float>(begin);
+  for (auto* v : {&s.x, &s.m, &s.v, &s.den, &s.e, &s.v_check}) {
+    *v = Ramp(n, base);
+    base += 100000.0f;
+  }
+  return s;
+}
+
+std::vector<float> Slice(const std::vector<float>& v, size_t b, size_t e) {
+  return std::vector<float>(v.begin() + b, v.begin() + e);
+}
+
+TEST(OptimizerState, AShardRestoresBitForBitAndOntoOtherShardBoundaries) {
+  const std::string dir = TempRoot("shards");
+  // Two servers: [0, 600) and [600, 1000); the whole x is their concatenation.
+  const ServerShardState a = Shard(0, 0, 600, 30), b = Shard(1, 600, 400, 30);
+  ASSERT_TRUE(SaveServerShard(a).WriteTo(dir, "server-0.state").ok());
+  ASSERT_TRUE(SaveServerShard(b).WriteTo(dir, "server-1.state").ok());
+  auto ra = StateReader::Open(dir + "/server-0.state");
+  auto rb = StateReader::Open(dir + "/server-1.state");
+  ASSERT_TRUE(ra.ok() && rb.ok());
+
+  ServerShardState back;
+  back.shard = 1;
+  ASSERT_TRUE(LoadServerShard({&*rb, &*ra}, 600, 1000, &back).ok());
+  EXPECT_EQ(back.shard, 1u);
+  EXPECT_EQ(back.begin, 600u);
+  EXPECT_EQ(back.step, 30u);
+  EXPECT_TRUE(back.frozen);
+  EXPECT_EQ(back.floored, 8u);
+  EXPECT_EQ(back.x, b.x);
+  EXPECT_EQ(back.m, b.m);
+  EXPECT_EQ(back.v, b.v);
+  EXPECT_EQ(back.den, b.den);
+  EXPECT_EQ(back.e, b.e);
+  EXPECT_EQ(back.v_check, b.v_check);
+  EXPECT_TRUE(back.replica.empty());
+
+  // Three servers instead: [300, 700) straddles the old boundary.
+  std::vector<float> all_e = a.e;
+  all_e.insert(all_e.end(), b.e.begin(), b.e.end());
+  std::vector<float> all_x = a.x;
+  all_x.insert(all_x.end(), b.x.begin(), b.x.end());
+  ServerShardState mid;
+  mid.shard = 1;
+  ASSERT_TRUE(LoadServerShard({&*ra, &*rb}, 300, 700, &mid).ok());
+  EXPECT_EQ(mid.begin, 300u);
+  EXPECT_EQ(mid.x, Slice(all_x, 300, 700));
+  EXPECT_EQ(mid.e, Slice(all_e, 300, 700));
+  EXPECT_EQ(mid.floored, 8u);  // server 1's range starts inside [300, 700)
+
+  // Pieces missing, or of another step: refused by name.
+  ServerShardState untouched = a;
+  absl::Status st = LoadServerShard({&*ra}, 300, 700, &untouched);
+  EXPECT_THAT(std::string(st.message()), HasSubstr("cover 300 of the 400 elements of [300, 700)"));
+  EXPECT_EQ(untouched.x, a.x);
+  ASSERT_TRUE(SaveServerShard(Shard(1, 600, 400, 31)).WriteTo(dir, "late.state").ok());
+  auto late = StateReader::Open(dir + "/late.state");
+  st = LoadServerShard({&*ra, &*late}, 0, 1000, &untouched);
+  EXPECT_THAT(std::string(st.message()), HasSubstr("is of step 31"));
+  EXPECT_THAT(std::string(st.message()), HasSubstr("not one checkpoint"));
+}
+
+TEST(OptimizerState, AWorkersStateRestoresBitForBitExceptX) {
+  const std::string dir = TempRoot("worker");
+  WorkerState w;
+  w.x = Ramp(500, 1.0f);
+  w.mbar = Ramp(500, -2.0f);
+  w.e = Ramp(500, 3.5f);
+  w.den = Ramp(500, 0.125f);
+  w.frozen = true;
+  ASSERT_TRUE(SaveWorkerState(w, 2, 44).WriteTo(dir, "worker-2.state").ok());
+  auto r = StateReader::Open(dir + "/worker-2.state");
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->header().step(), 44u);
+  EXPECT_EQ(r->header().rank(), 2u);
+  WorkerState back;
+  back.x = Ramp(500, 9.0f);  // the caller's (from the servers): kept
+  ASSERT_TRUE(LoadWorkerState(*r, 500, &back).ok());
+  EXPECT_EQ(back.x, Ramp(500, 9.0f));
+  EXPECT_EQ(back.mbar, w.mbar);
+  EXPECT_EQ(back.e, w.e);
+  EXPECT_EQ(back.den, w.den);
+  EXPECT_TRUE(back.frozen);
+  EXPECT_THAT(std::string(LoadWorkerState(*r, 501, &back).message()),
+              HasSubstr("worker 2's state file is of d = 500, the job's model has d = 501"));
 }
 
 }  // namespace

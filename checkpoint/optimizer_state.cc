@@ -1,0 +1,168 @@
+#include "checkpoint/optimizer_state.h"
+
+#include <algorithm>
+#include <string>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+namespace onebit {
+namespace {
+
+// The per-element arrays of a shard, by section name.
+std::vector<std::pair<const char*, std::vector<float> ServerShardState::*>> ShardArrays() {
+  return {{"x", &ServerShardState::x},
+          {"m", &ServerShardState::m},
+          {"v", &ServerShardState::v},
+          {"den", &ServerShardState::den},
+          {"e", &ServerShardState::e},
+          {"v_check", &ServerShardState::v_check},
+          {"replica", &ServerShardState::replica}};
+}
+
+std::vector<std::pair<const char*, std::vector<float> WorkerState::*>> WorkerArrays() {
+  return {{"mbar", &WorkerState::mbar}, {"e", &WorkerState::e}, {"den", &WorkerState::den}};
+}
+
+bool HasSection(const StateReader& r, const char* name) {
+  for (const auto& s : r.header().sections()) {
+    if (s.name() == name) return true;
+  }
+  return false;
+}
+
+absl::StatusOr<uint64_t> U64Value(const StateReader& r, const char* key) {
+  auto text = r.Value(key);
+  if (!text.ok()) return text.status();
+  uint64_t v = 0;
+  if (!absl::SimpleAtoi(*text, &v)) {
+    return absl::DataLossError(absl::StrCat("value '", key, "' is '", *text, "', not a count"));
+  }
+  return v;
+}
+
+}  // namespace
+
+StateWriter SaveServerShard(const ServerShardState& s) {
+  checkpoint::StateHeader h;
+  h.set_step(s.step);
+  h.set_role("server");
+  h.set_rank(s.shard);
+  h.set_begin(s.begin);
+  h.set_end(s.begin + s.x.size());
+  StateWriter w(std::move(h));
+  for (const auto& [name, field] : ShardArrays()) {
+    if (!(s.*field).empty()) w.AddFloats(name, s.*field);
+  }
+  w.SetValue("step", absl::StrCat(s.step));
+  w.SetValue("frozen", s.frozen ? "1" : "0");
+  w.SetValue("floored", absl::StrCat(s.floored));
+  return w;
+}
+
+absl::Status LoadServerShard(const std::vector<const StateReader*>& files, uint64_t begin,
+                             uint64_t end, ServerShardState* s) {
+  if (files.empty()) return absl::NotFoundError("no server state files to restore a shard from");
+  // The arrays a job keeps show in any file with elements (an empty shard
+  // saves none).
+  const StateReader* model = files[0];
+  for (const StateReader* r : files) {
+    if (r->header().end() > r->header().begin()) {
+      model = r;
+      break;
+    }
+  }
+  const StateReader& first = *model;
+  auto step = U64Value(first, "step");
+  auto frozen = first.Value("frozen");
+  if (!step.ok()) return step.status();
+  if (!frozen.ok()) return frozen.status();
+  const uint64_t n = end - begin;
+  ServerShardState out;
+  out.shard = s->shard;
+  out.begin = begin;
+  out.step = *step;
+  out.frozen = *frozen == "1";
+  for (const auto& [name, field] : ShardArrays()) {
+    if (HasSection(first, name)) (out.*field).assign(n, 0.0f);
+  }
+  uint64_t covered = 0;
+  for (const StateReader* r : files) {
+    const checkpoint::StateHeader& h = r->header();
+    auto file_step = U64Value(*r, "step");
+    auto file_frozen = r->Value("frozen");
+    if (!file_step.ok()) return file_step.status();
+    if (!file_frozen.ok()) return file_frozen.status();
+    if (*file_step != out.step || (*file_frozen == "1") != out.frozen) {
+      return absl::DataLossError(absl::StrCat(
+          "server ", h.rank(), "'s state file is of step ", *file_step, " (frozen ", *file_frozen,
+          "), server ", first.header().rank(), "'s of step ", out.step, ": not one checkpoint"));
+    }
+    const uint64_t lo = std::max(begin, h.begin()), hi = std::min(end, h.end());
+    if (h.begin() >= begin && h.begin() < end) {
+      auto floored = U64Value(*r, "floored");
+      if (!floored.ok()) return floored.status();
+      out.floored += *floored;
+    }
+    if (lo >= hi) continue;
+    covered += hi - lo;
+    for (const auto& [name, field] : ShardArrays()) {
+      if ((out.*field).empty() != !HasSection(*r, name)) {
+        return absl::DataLossError(absl::StrCat(
+            "server ", h.rank(), "'s state file ", HasSection(*r, name) ? "has" : "lacks", " '",
+            name, "' where server ", first.header().rank(), "'s does not"));
+      }
+      if ((out.*field).empty()) continue;
+      auto values = r->Floats(name, h.end() - h.begin());
+      if (!values.ok()) return values.status();
+      std::copy(values->begin() + (lo - h.begin()), values->begin() + (hi - h.begin()),
+                (out.*field).begin() + (lo - begin));
+    }
+  }
+  // Shards do not overlap, so the pieces cover [begin, end) when they add up.
+  if (covered != n) {
+    return absl::DataLossError(absl::StrCat("the server state files cover ", covered, " of the ", n,
+                                            " elements of [", begin, ", ", end, ")"));
+  }
+  *s = std::move(out);
+  return absl::OkStatus();
+}
+
+StateWriter SaveWorkerState(const WorkerState& s, uint32_t rank, uint64_t step) {
+  checkpoint::StateHeader h;
+  h.set_step(step);
+  h.set_role("worker");
+  h.set_rank(rank);
+  h.set_begin(0);
+  h.set_end(s.x.size());
+  StateWriter w(std::move(h));
+  for (const auto& [name, field] : WorkerArrays()) {
+    if (!(s.*field).empty()) w.AddFloats(name, s.*field);
+  }
+  w.SetValue("frozen", s.frozen ? "1" : "0");
+  return w;
+}
+
+absl::Status LoadWorkerState(const StateReader& file, uint64_t d, WorkerState* s) {
+  if (file.header().end() != d) {
+    return absl::DataLossError(absl::StrCat("worker ", file.header().rank(),
+                                            "'s state file is of d = ", file.header().end(),
+                                            ", the job's model has d = ", d));
+  }
+  auto frozen = file.Value("frozen");
+  if (!frozen.ok()) return frozen.status();
+  WorkerState out;
+  out.x = std::move(s->x);
+  for (const auto& [name, field] : WorkerArrays()) {
+    if (!HasSection(file, name)) continue;
+    auto values = file.Floats(name, d);
+    if (!values.ok()) return values.status();
+    out.*field = *std::move(values);
+  }
+  out.frozen = *frozen == "1";
+  *s = std::move(out);
+  return absl::OkStatus();
+}
+
+}  // namespace onebit

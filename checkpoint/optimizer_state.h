@@ -1,0 +1,42 @@
+// The optimizers' state (shard/optimizer.h) in state files: a server's shard
+// by global range, so that a checkpoint of S servers restores onto any
+// other number of shards, and a worker's own state.
+//
+// A server file holds every per-element array of its shard (x, m, v, den,
+// e, v_check, replica; an empty one is absent) and, as values, step, frozen
+// and floored. Functions only; thread-compatible.
+#ifndef ONEBIT_CHECKPOINT_OPTIMIZER_STATE_H_
+#define ONEBIT_CHECKPOINT_OPTIMIZER_STATE_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "checkpoint/state_file.h"
+#include "shard/optimizer.h"
+
+namespace onebit {
+
+// A snapshot of the shard (copied; the server may go on at once).
+StateWriter SaveServerShard(const ServerShardState& s);
+
+// Rebuilds the shard [begin, end) from the servers' files of one checkpoint
+// (any number, in any order): together they must cover [begin, end) and
+// agree on step and phase. *s keeps its shard number; its begin, step, phase
+// and arrays come from the files. `floored` (a statistic) goes to the shard
+// holding the first element of each file's range. Errors name the file.
+absl::Status LoadServerShard(const std::vector<const StateReader*>& files, uint64_t begin,
+                             uint64_t end, ServerShardState* s);
+
+// A worker's state except x, which the servers hold (the master, or under
+// --server-reply delta the replica they keep): mbar, e, den, frozen; and
+// `step`, its completed steps.
+StateWriter SaveWorkerState(const WorkerState& s, uint32_t rank, uint64_t step);
+
+// Restores mbar, e, den and frozen into *s, whose x the caller fills; the
+// sizes must be d. Errors name the file.
+absl::Status LoadWorkerState(const StateReader& file, uint64_t d, WorkerState* s);
+
+}  // namespace onebit
+
+#endif  // ONEBIT_CHECKPOINT_OPTIMIZER_STATE_H_
