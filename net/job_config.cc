@@ -174,6 +174,10 @@ absl::Status ValidateConfig(const control::TrainingConfig& c) {
   }
   if (c.step_timeout_ms() < 1) return bad("step_timeout", "must be >= 1ms");
   if (c.heartbeat_timeout_ms() < 100) return bad("heartbeat_timeout", "must be >= 100ms");
+  if (c.checkpoint_every() > 0 && c.checkpoint_dir().empty()) {
+    return bad("checkpoint_every", "needs --checkpoint_dir");
+  }
+  if (c.checkpoint_keep() < 1) return bad("checkpoint_keep", "must be >= 1");
   return absl::OkStatus();
 }
 

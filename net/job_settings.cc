@@ -97,6 +97,13 @@ constexpr JobSetting kSettings[] = {
      "(worker waits twice this)"},
     {"heartbeat_timeout", T::kDuration, "10s", "data plane",
      "a process silent this long is declared dead by the coordinator"},
+
+    {"checkpoint_dir", T::kString, "", "checkpoints",
+     "folder every server, worker and the coordinator reach (a shared volume) where "
+     "checkpoints go, one step-N folder each"},
+    {"checkpoint_every", T::kUint64, "0", "checkpoints",
+     "checkpoint after every N completed steps (0: never)"},
+    {"checkpoint_keep", T::kUint32, "2", "checkpoints", "complete checkpoints to keep"},
 };
 
 std::string Normalize(absl::string_view name) { return absl::StrReplaceAll(name, {{"-", "_"}}); }

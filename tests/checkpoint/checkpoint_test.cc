@@ -4,14 +4,20 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "checkpoint/async_writer.h"
 #include "checkpoint/checkpoint_dir.h"
 #include "checkpoint/optimizer_state.h"
 #include "checkpoint/state_file.h"
@@ -298,6 +304,64 @@ TEST(OptimizerState, AWorkersStateRestoresBitForBitExceptX) {
   EXPECT_TRUE(back.frozen);
   EXPECT_THAT(std::string(LoadWorkerState(*r, 501, &back).message()),
               HasSubstr("worker 2's state file is of d = 500, the job's model has d = 501"));
+}
+
+StateWriter Small(uint64_t step) {
+  checkpoint::StateHeader h;
+  h.set_step(step);
+  StateWriter w(h);
+  w.AddFloats("x", Ramp(64, static_cast<float>(step)));
+  return w;
+}
+
+TEST(AsyncStateWriter, WritesBesideTheCallerInOrderAndReportsFailuresByPath) {
+  const std::string dir = TempRoot("async");
+  absl::Mutex mu;
+  std::vector<std::pair<uint64_t, std::string>> done;
+  {
+    AsyncStateWriter writer([&](uint64_t step, const absl::StatusOr<WrittenFile>& f) {
+      absl::MutexLock l(&mu);
+      done.emplace_back(step, f.ok() ? f->name : std::string(f.status().message()));
+    });
+    for (uint64_t step : {5, 10, 15}) {
+      writer.Submit(step, Small(step), dir, absl::StrCat("s", step));
+    }
+    writer.Submit(20, Small(20), dir + "/no/such/folder", "s20");
+    writer.Flush();
+    absl::MutexLock l(&mu);
+    ASSERT_EQ(done.size(), 4u);
+    EXPECT_EQ(done[0], std::make_pair(uint64_t{5}, std::string("s5")));
+    EXPECT_EQ(done[2], std::make_pair(uint64_t{15}, std::string("s15")));
+    EXPECT_EQ(done[3].first, 20u);
+    EXPECT_THAT(done[3].second, HasSubstr(dir + "/no/such/folder/s20.tmp"));
+  }
+  for (uint64_t step : {5, 10, 15}) {
+    auto r = StateReader::Open(absl::StrCat(dir, "/s", step));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->Floats("x").value(), Ramp(64, static_cast<float>(step)));
+  }
+}
+
+TEST(AsyncStateWriter, AThirdSnapshotWaitsForTheFirstToBeWritten) {
+  const std::string dir = TempRoot("bounded");
+  absl::Notification release;
+  AsyncStateWriter writer([&](uint64_t step, const absl::StatusOr<WrittenFile>&) {
+    if (step == 1) release.WaitForNotification();
+  });
+  writer.Submit(1, Small(1), dir, "a");  // being written, held in `done`
+  writer.Submit(2, Small(2), dir, "b");  // queued
+  std::atomic<bool> third{false};
+  std::thread t([&] {
+    writer.Submit(3, Small(3), dir, "c");
+    third = true;
+  });
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_FALSE(third.load());
+  release.Notify();
+  t.join();
+  EXPECT_TRUE(third.load());
+  writer.Flush();
+  EXPECT_TRUE(StateReader::Open(dir + "/c").ok());
 }
 
 }  // namespace
