@@ -150,6 +150,60 @@ TEST(Replica, DeviceCodeOnTheTwinEqualsTheCpuReplicaStepByStep) {
   }
 }
 
+void ExpectSameState(const WorkerState& a, const WorkerState& b) {
+  EXPECT_EQ(a.x, b.x);
+  EXPECT_EQ(a.mbar, b.mbar);
+  EXPECT_EQ(a.e, b.e);
+  EXPECT_EQ(a.den, b.den);
+  EXPECT_EQ(a.frozen, b.frozen);
+}
+
+// What a checkpoint holds: the state after some steps, equal on both
+// devices, and a run restored from it goes on exactly as the original.
+TEST(Replica, SavedStateIsTheSameOnEveryDeviceAndRestoresMidRun) {
+  for (const char* kind : {"onebit-adam", "naive-onebit-adam", "ef-sgd"}) {
+    SCOPED_TRACE(kind);
+    Fixture f(kind);
+    const bool warmup = HasWarmup(*ParseOptimizerKind(kind));
+    // An odd number of compression steps: the device keeps the error in its
+    // second buffer then.
+    for (uint64_t t = 0; t < 5; ++t) f.Step(t, warmup && t == 1);
+    auto a = f.cpu->SaveState();
+    auto b = f.twin->SaveState();
+    ASSERT_TRUE(a.ok() && b.ok());
+    ExpectSameState(*a, *b);
+    EXPECT_TRUE(a->frozen);
+    EXPECT_EQ(a->e.size(), kD);
+    EXPECT_EQ(a->den.size(), std::string(kind) == "onebit-adam" ? kD : 0u);
+    EXPECT_NE(a->e, std::vector<float>(kD, 0.0f)) << "no error feedback to save";
+
+    // Fresh replicas (a restarted worker) given the other device's state.
+    Fixture g(kind);
+    g.shard = f.shard;
+    ASSERT_TRUE(g.cpu->RestoreState(*b).ok());
+    ASSERT_TRUE(g.twin->RestoreState(*a).ok());
+    EXPECT_EQ(g.cpu->phase(), Phase::kCompress);
+    for (uint64_t t = 5; t < 8; ++t) {
+      f.Step(t, false);
+      g.Step(t, false);
+      ASSERT_EQ(f.X(f.cpu.get()), g.X(g.cpu.get())) << "x after step " << t;
+      ASSERT_EQ(f.X(f.cpu.get()), g.X(g.twin.get())) << "x after step " << t;
+    }
+    ExpectSameState(*f.twin->SaveState(), *g.twin->SaveState());
+
+    // A state of another size is refused and changes nothing.
+    WorkerState bad = *a;
+    bad.e.pop_back();
+    const std::vector<float> before = g.X(g.twin.get());
+    for (Replica* r : {g.cpu.get(), g.twin.get()}) {
+      absl::Status st = r->RestoreState(bad);
+      EXPECT_THAT(std::string(st.message()), HasSubstr(absl::StrCat("e ", kD - 1, ", den")));
+      EXPECT_THAT(std::string(st.message()), HasSubstr(absl::StrCat("does not fit d = ", kD)));
+      EXPECT_EQ(g.X(r), before);
+    }
+  }
+}
+
 TEST(Replica, BadHandOverIsRefusedByBothAndChangesNothing) {
   Fixture f;
   f.Step(0, false);

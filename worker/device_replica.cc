@@ -106,7 +106,51 @@ class DeviceReplica final : public Replica {
     if (st.ok()) st = b_.synchronize(push_);  // x (pageable) must be read before it goes
     frozen_ = !HasWarmup(o_.kind);
     e_side_.clear();
+    e_len_.clear();
     return st;
+  }
+
+  absl::StatusOr<WorkerState> SaveState() override {
+    WorkerState s;
+    s.frozen = frozen_;
+    absl::Status st = b_.synchronize(reply_);
+    auto copy = [&](const Buffer& from, std::vector<float>* to) {
+      to->resize(d_);
+      if (st.ok()) st = b_.copy_to_host(to->data(), from.f(), 4 * d_, push_);
+    };
+    copy(x_, &s.x);
+    if (HasCompressionPhase(o_.kind)) {
+      copy(mbar_, &s.mbar);
+      copy(e_[0], &s.e);  // chunks whose error is in e_[1] are copied over below
+    }
+    const bool den = o_.kind == OptimizerKind::kOnebitAdam && frozen_;
+    if (den) copy(den_, &s.den);
+    for (const auto& [b, side] : e_side_) {
+      if (side == 1 && st.ok()) {
+        st = b_.copy_to_host(s.e.data() + b, e_[1].f() + b, 4 * e_len_.at(b), push_);
+      }
+    }
+    if (st.ok()) st = b_.synchronize(push_);
+    if (!st.ok()) return st;
+    return s;
+  }
+
+  absl::Status RestoreState(const WorkerState& s) override {
+    if (absl::Status st = CheckStateFits(s, d_, *opt_); !st.ok()) return st;
+    absl::Status st = b_.synchronize(reply_);
+    auto copy = [&](const std::vector<float>& from, const Buffer& to) {
+      if (st.ok() && !from.empty()) st = b_.copy_to_device(to.f(), from.data(), 4 * d_, push_);
+    };
+    copy(s.x, x_);
+    copy(s.mbar, mbar_);
+    copy(s.e, e_[0]);
+    copy(s.den, den_);
+    if (st.ok()) st = b_.synchronize(push_);  // the host vectors are pageable
+    if (!st.ok()) return st;
+    frozen_ = s.frozen;
+    e_side_.clear();  // every chunk's error is in e_[0] now
+    e_len_.clear();
+    return absl::OkStatus();
   }
 
   float* params() override { return x_.f(); }
@@ -285,6 +329,7 @@ class DeviceReplica final : public Replica {
     }
     const bool ef = o_.worker_error_feedback;
     uint8_t& side = e_side_[b];
+    e_len_[b] = n;
     float* e = ef ? e_[side].f() + b : nullptr;
     if (staging_dev_.size() < codec.EncodedSize(n)) {
       if (absl::Status st = Alloc(codec.EncodedSize(n), false, &staging_dev_); !st.ok()) return st;
@@ -361,6 +406,7 @@ class DeviceReplica final : public Replica {
   Buffer staging_dev_;                           // device: the encoded push payload
   absl::flat_hash_map<uint64_t, Buffer> slots_;  // pinned: reply payloads, by chunk
   absl::flat_hash_map<uint64_t, uint8_t> e_side_;  // chunk -> which e_ holds its error
+  absl::flat_hash_map<uint64_t, size_t> e_len_;    // chunk -> its length
   bool frozen_ = false;
 };
 

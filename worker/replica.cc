@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 
 namespace onebit {
 namespace {
@@ -54,6 +55,12 @@ class CpuReplica final : public Replica {
     std::copy(host, host + n, state_.x.begin() + b);
     return absl::OkStatus();
   }
+  absl::StatusOr<WorkerState> SaveState() override { return state_; }
+  absl::Status RestoreState(const WorkerState& s) override {
+    if (absl::Status st = CheckStateFits(s, g_.size(), *opt_); !st.ok()) return st;
+    state_ = s;
+    return absl::OkStatus();
+  }
   bool can_evaluate() const override { return evaluator_ != nullptr; }
   absl::StatusOr<EvalResult> Evaluate() override {
     if (evaluator_ == nullptr) return absl::FailedPreconditionError("the model has no test set");
@@ -70,6 +77,20 @@ class CpuReplica final : public Replica {
 };
 
 }  // namespace
+
+absl::Status CheckStateFits(const WorkerState& s, uint64_t d, const WorkerOptimizer& opt) {
+  const OptimizerKind kind = opt.options().kind;
+  const bool moments = HasCompressionPhase(kind);
+  const bool den = kind == OptimizerKind::kOnebitAdam && s.frozen;
+  if (s.x.size() != d || s.mbar.size() != (moments ? d : 0) || s.e.size() != (moments ? d : 0) ||
+      s.den.size() != (den ? d : 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the saved worker state (x ", s.x.size(), ", mbar ", s.mbar.size(), ", e ", s.e.size(),
+        ", den ", s.den.size(), " floats", s.frozen ? ", compression phase" : "",
+        ") does not fit d = ", d, " under ", OptimizerKindName(kind)));
+  }
+  return absl::OkStatus();
+}
 
 std::unique_ptr<Replica> NewCpuReplica(uint64_t d, const Model* model,
                                        const WorkerOptimizer* optimizer) {

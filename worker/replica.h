@@ -62,11 +62,22 @@ class Replica {
   virtual absl::Status ReadX(float* x) = 0;
   // x[b, b + n) = host[0, n).
   virtual absl::Status WriteX(uint64_t b, size_t n, const float* host) = 0;
+  // A host copy of the whole state (x, mbar, e, den, the phase) between
+  // steps, for checkpoints; the same on every device for the same steps.
+  virtual absl::StatusOr<WorkerState> SaveState() = 0;
+  // Replaces the state with one SaveState gave (any device's, same d and
+  // optimizer). An error, changing nothing, when the sizes do not fit.
+  virtual absl::Status RestoreState(const WorkerState& s) = 0;
   // Whether Evaluate works: the model has a test set.
   virtual bool can_evaluate() const = 0;
   // Scores x on the model's test set.
   virtual absl::StatusOr<EvalResult> Evaluate() = 0;
 };
+
+// Whether a saved state fits d parameters under `optimizer` (x, and mbar
+// and e where the optimizer has a compression phase, of d floats; den of d
+// once onebit-adam has frozen, else empty); the error lists the sizes.
+absl::Status CheckStateFits(const WorkerState& s, uint64_t d, const WorkerOptimizer& optimizer);
 
 // The replica of d parameters in host memory. `model` (may be null: the
 // caller computes gradients into grads()) and `optimizer` must outlive it;
