@@ -50,4 +50,17 @@ void AsyncStateWriter::Loop() {
   }
 }
 
+control::CheckpointPart PartOf(uint64_t step, const absl::StatusOr<WrittenFile>& written) {
+  control::CheckpointPart p;
+  p.set_step(step);
+  if (!written.ok()) {
+    p.set_error(std::string(written.status().message()));
+    return p;
+  }
+  p.set_name(written->name);
+  p.set_size(written->size);
+  p.set_crc32(written->crc32);
+  return p;
+}
+
 }  // namespace onebit

@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "checkpoint/state_file.h"
+#include "proto/control.pb.h"
 
 namespace onebit {
 
@@ -47,6 +48,9 @@ class AsyncStateWriter {
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
+
+// What a process reports to the coordinator about one written file.
+control::CheckpointPart PartOf(uint64_t step, const absl::StatusOr<WrittenFile>& written);
 
 }  // namespace onebit
 

@@ -143,6 +143,8 @@ void Heartbeater::SendOnce() {
     pending_.clear();
     for (auto& c : checks_) *req.add_freeze_checks() = c;
     checks_.clear();
+    for (auto& c : parts_) *req.add_checkpoint_parts() = c;
+    parts_.clear();
   }
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
@@ -156,6 +158,9 @@ void Heartbeater::SendOnce() {
     }
     for (int i = req.freeze_checks_size() - 1; i >= 0; --i) {
       checks_.insert(checks_.begin(), req.freeze_checks(i));
+    }
+    for (int i = req.checkpoint_parts_size() - 1; i >= 0; --i) {
+      parts_.insert(parts_.begin(), req.checkpoint_parts(i));
     }
     if (command_ == control::CONTINUE && absl::Now() - last_ok_ > coordinator_timeout_) {
       command_ = control::ABORT;
@@ -177,6 +182,14 @@ void Heartbeater::SendOnce() {
 void Heartbeater::Kick() {
   absl::MutexLock l(&mu_);
   kick_ = true;
+}
+
+void Heartbeater::ReportCheckpointPart(const control::CheckpointPart& part) {
+  {
+    absl::MutexLock l(&mu_);
+    parts_.push_back(part);
+  }
+  Kick();
 }
 
 void Heartbeater::ReportFreezeCheck(uint64_t completed, double change) {
@@ -232,6 +245,8 @@ absl::Status Heartbeater::Done(const std::vector<control::ShardChecksum>& checks
     absl::MutexLock l(&mu_);
     for (auto& m : pending_) *req.add_metrics() = m;
     pending_.clear();
+    for (auto& c : parts_) *req.add_checkpoint_parts() = c;
+    parts_.clear();
   }
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() +

@@ -78,6 +78,10 @@ class Heartbeater {
   // Blocks until command() != CONTINUE or `timeout` passes.
   control::Command WaitForCommand(absl::Duration timeout);
 
+  // Queues a written (or failed) checkpoint file for the next heartbeat and
+  // sends it now; Done() carries any still queued. Thread-safe.
+  void ReportCheckpointPart(const control::CheckpointPart& part);
+
   // --freeze auto (servers): queues a check for the next heartbeat and sends
   // it now, so the coordinator can decide before anyone has to wait.
   void ReportFreezeCheck(uint64_t completed, double change);
@@ -102,6 +106,7 @@ class Heartbeater {
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   bool kick_ ABSL_GUARDED_BY(mu_) = false;  // send a heartbeat now
   std::vector<control::FreezeCheck> checks_ ABSL_GUARDED_BY(mu_);
+  std::vector<control::CheckpointPart> parts_ ABSL_GUARDED_BY(mu_);
   uint64_t freeze_decided_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t freeze_step_ ABSL_GUARDED_BY(mu_) = 0;
   std::optional<uint64_t> end_step_ ABSL_GUARDED_BY(mu_);

@@ -177,7 +177,6 @@ absl::Status ValidateConfig(const control::TrainingConfig& c) {
   if (c.checkpoint_every() > 0 && c.checkpoint_dir().empty()) {
     return bad("checkpoint_every", "needs --checkpoint_dir");
   }
-  if (c.checkpoint_keep() < 1) return bad("checkpoint_keep", "must be >= 1");
   return absl::OkStatus();
 }
 

@@ -103,7 +103,8 @@ constexpr JobSetting kSettings[] = {
      "checkpoints go, one step-N folder each"},
     {"checkpoint_every", T::kUint64, "0", "checkpoints",
      "checkpoint after every N completed steps (0: never)"},
-    {"checkpoint_keep", T::kUint32, "2", "checkpoints", "complete checkpoints to keep"},
+    {"checkpoint_keep", T::kUint32, "2", "checkpoints",
+     "complete checkpoints to keep (0: the default, 2)"},
 };
 
 std::string Normalize(absl::string_view name) { return absl::StrReplaceAll(name, {{"-", "_"}}); }

@@ -217,6 +217,8 @@ absl::Status WriteSummaryJson(const std::string& path, const Summary& s) {
       "  \"workers_agree\": ", s.workers_agree ? "true" : "false", ",\n",
       "  \"max_replica_master_diff\": ", opt_d(s.max_replica_master_diff), ",\n",
       "  \"worker_devices\": ", JsonStrings(s.worker_devices), ",\n",
+      "  \"checkpoints\": ", s.checkpoints, ",\n",
+      "  \"last_checkpoint_step\": ", opt_u(s.last_checkpoint_step), ",\n",
       "  \"job_id\": ", JsonQuote(s.job_id), ",\n", "  \"status\": ", JsonQuote(s.status), "\n}\n");
   return WriteAtomically(path, text);
 }

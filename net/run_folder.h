@@ -62,6 +62,8 @@ struct Summary {
   bool workers_agree = false;                     // every worker's replica equals every other's
   std::optional<double> max_replica_master_diff;  // --server-reply delta
   std::vector<std::string> worker_devices;        // by rank: "cpu", "cuda:0 (NVIDIA H200)", ...
+  uint64_t checkpoints = 0;                       // complete checkpoints written
+  std::optional<uint64_t> last_checkpoint_step;
 };
 
 // Creates dir (and parents) when missing.

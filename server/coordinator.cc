@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <utility>
 
 #include "absl/base/casts.h"
 #include "absl/strings/str_cat.h"
@@ -318,6 +319,8 @@ grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext*,
   } else {
     for (const auto& c : req->freeze_checks()) AddFreezeCheckLocked(req->rank(), c);
   }
+  for (const auto& c : req->checkpoint_parts())
+    AddCheckpointPartLocked(req->role(), req->rank(), c);
   reply->set_freeze_decided(freeze_decided_);
   reply->set_freeze_step(freeze_step_);
   if (end_step_) reply->set_end_step(*end_step_);
@@ -390,6 +393,8 @@ grpc::Status CoordinatorService::Done(grpc::ServerContext*, const control::DoneR
       return grpc::Status::OK;
     }
   }
+  for (const auto& c : req->checkpoint_parts())
+    AddCheckpointPartLocked(req->role(), req->rank(), c);
   MaybeFinishLocked();
   return grpc::Status::OK;
 }
@@ -582,6 +587,55 @@ std::vector<MetricsRow> CoordinatorService::TakeNewRows() {
   return rows;
 }
 
+void CoordinatorService::AddCheckpointPartLocked(control::Role role, uint32_t rank,
+                                                 const control::CheckpointPart& part) {
+  const uint64_t every = config_.checkpoint_every();
+  const uint64_t step = part.step();
+  // Only the steps the schedule names. (A part can arrive before the heartbeat
+  // that says its sender got there.)
+  if (every == 0 || step == 0 || step % every != 0) return;
+  if (last_checkpoint_ && step <= *last_checkpoint_) return;
+  // Bounded: a checkpoint still incomplete 16 checkpoints later never will be.
+  while (parts_.size() >= 16 && parts_.begin()->first < step) parts_.erase(parts_.begin());
+  const std::string who = Name(role, rank);
+  auto& files = parts_[step];
+  if (files.count("")) return;  // failed already
+  if (!part.error().empty()) {
+    std::fprintf(stderr, "coordinator: the checkpoint of step %llu is incomplete: %s: %s\n",
+                 static_cast<unsigned long long>(step), who.c_str(), part.error().c_str());
+    files.clear();
+    files.emplace("", part);  // the mark of a failed one
+    return;
+  }
+  files[who] = part;
+  if (files.size() < servers_.size() + workers_.size()) return;
+  checkpoint::Manifest m;
+  m.set_format(1);
+  m.set_step(step);
+  m.set_job_id(absl::StrFormat("%016x", job_id_));
+  *m.mutable_config() = config_;
+  m.set_shard_map(map_.Serialize());
+  for (const auto& [name, f] : files) {
+    checkpoint::ManifestFile* e = m.add_files();
+    e->set_name(f.name());
+    e->set_size(f.size());
+    e->set_crc32(f.crc32());
+  }
+  complete_.push_back(std::move(m));
+  parts_.erase(parts_.begin(), parts_.upper_bound(step));
+}
+
+std::vector<checkpoint::Manifest> CoordinatorService::TakeCompleteCheckpoints() {
+  absl::MutexLock l(&mu_);
+  return std::exchange(complete_, {});
+}
+
+void CoordinatorService::CheckpointWritten(uint64_t step) {
+  absl::MutexLock l(&mu_);
+  ++checkpoints_written_;
+  last_checkpoint_ = std::max(step, last_checkpoint_.value_or(0));
+}
+
 void CoordinatorService::Stop(const std::string& reason) {
   absl::MutexLock l(&mu_);
   if (state_ == State::kRegistering || state_ == State::kRunning) FailLocked(reason);
@@ -638,6 +692,8 @@ Summary CoordinatorService::MakeSummary() const {
   s.worker_codec = config_.worker_codec();
   s.server_codec = config_.server_codec();
   for (const Process& w : workers_) s.worker_devices.push_back(w.info.device());
+  s.checkpoints = checkpoints_written_;
+  s.last_checkpoint_step = last_checkpoint_;
   return s;
 }
 

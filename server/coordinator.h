@@ -18,6 +18,7 @@
 #include "absl/time/time.h"
 #include "net/run_folder.h"
 #include "onebit/server.h"
+#include "proto/checkpoint.pb.h"
 #include "proto/control.grpc.pb.h"
 #include "shard/optimizer.h"
 #include "shard/shard_map.h"
@@ -51,6 +52,12 @@ class CoordinatorService final : public control::Coordinator::Service {
   std::string reason() const;
   // True once every live process has been told the outcome (or it exited).
   bool EveryoneTold() const;
+
+  // Checkpoints whose every file (each server's, each worker's) has been
+  // reported since the last call, as manifests to write (step order).
+  std::vector<checkpoint::Manifest> TakeCompleteCheckpoints();
+  // The manifest of `step` is written: counted for summary.json.
+  void CheckpointWritten(uint64_t step);
 
   // Ends the job as failed with `reason` unless it is already over.
   void Stop(const std::string& reason);
@@ -97,6 +104,9 @@ class CoordinatorService final : public control::Coordinator::Service {
   void AddMetricsLocked(uint32_t rank, const control::StepMetrics& m)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A process's report of its file of a checkpoint.
+  void AddCheckpointPartLocked(control::Role role, uint32_t rank, const control::CheckpointPart& p)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The row of `step` once every worker has reported it.
   std::optional<MetricsRow> RowLocked(uint64_t step) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   grpc::Status CheckJob(control::Role role, uint32_t rank, uint64_t job_id) const
@@ -124,6 +134,11 @@ class CoordinatorService final : public control::Coordinator::Service {
   std::map<uint64_t, std::vector<std::optional<control::StepMetrics>>> metrics_
       ABSL_GUARDED_BY(mu_);
   uint64_t rows_taken_ ABSL_GUARDED_BY(mu_) = 0;  // TakeNewRows: the next step's row
+  // step -> "server 1" / "worker 0" -> its file; a failed one drops the step.
+  std::map<uint64_t, std::map<std::string, control::CheckpointPart>> parts_ ABSL_GUARDED_BY(mu_);
+  std::vector<checkpoint::Manifest> complete_ ABSL_GUARDED_BY(mu_);
+  uint64_t checkpoints_written_ ABSL_GUARDED_BY(mu_) = 0;
+  std::optional<uint64_t> last_checkpoint_ ABSL_GUARDED_BY(mu_);
   bool replicas_equal_ ABSL_GUARDED_BY(mu_) = false;
   bool workers_agree_ ABSL_GUARDED_BY(mu_) = false;  // every replica equals every other
   std::optional<double> max_replica_diff_ ABSL_GUARDED_BY(mu_);

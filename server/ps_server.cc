@@ -415,6 +415,7 @@ void PsServer::EndStep() {
     state_.v_check = state_.v;
     options_.report_freeze_check(state_.step, change);
   }
+  if (options_.on_step_end) options_.on_step_end(state_);
 }
 
 void PsServer::SendError(const std::string& routing_id, const data::Header* request,

@@ -37,6 +37,9 @@ struct PsServerOptions {
   // decision comes from (see Heartbeater::FreezeDecision).
   std::function<void(uint64_t completed, double change)> report_freeze_check;
   std::function<std::optional<uint64_t>(uint64_t completed)> freeze_decision;
+  // When set: called after every step, on Serve's thread, with the shard's
+  // consistent state (e.g. to snapshot it for a checkpoint).
+  std::function<void(const ServerShardState&)> on_step_end;
 };
 
 class PsServer {

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "checkpoint/checkpoint_dir.h"
 #include "net/config_file.h"
 #include "net/health.h"
 #include "net/job_config.h"
@@ -85,18 +86,37 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
   auto append_rows = [&] {
     if (metrics && metrics_status.ok()) metrics_status = metrics->Append(service.TakeNewRows());
   };
+  // A checkpoint is complete once its manifest is written, last.
+  auto write_manifests = [&] {
+    for (const checkpoint::Manifest& m : service.TakeCompleteCheckpoints()) {
+      const std::string dir = StepDir(cfg.checkpoint_dir(), m.step());
+      absl::Status st = WriteManifest(dir, m);
+      if (st.ok())
+        st = PruneCheckpoints(cfg.checkpoint_dir(), static_cast<int>(cfg.checkpoint_keep()));
+      if (!st.ok()) {
+        std::fprintf(stderr, "coordinator: checkpoint of step %llu: %s\n",
+                     static_cast<unsigned long long>(m.step()), std::string(st.message()).c_str());
+        continue;
+      }
+      service.CheckpointWritten(m.step());
+      std::fprintf(stderr, "coordinator: checkpoint of step %llu complete (%d files) in %s\n",
+                   static_cast<unsigned long long>(m.step()), m.files_size(), dir.c_str());
+    }
+  };
   while (true) {
     service.Tick();
     if (o.stop_signal != nullptr && o.stop_signal->load() != 0) {
       service.Stop(absl::StrCat("stopped by ", SignalName(o.stop_signal->load())));
     }
     append_rows();
+    write_manifests();
     const auto s = service.state();
     if (s == CoordinatorService::State::kFinished || s == CoordinatorService::State::kFailed) {
       break;
     }
     absl::SleepFor(absl::Milliseconds(20));
   }
+  write_manifests();  // the last parts came with Done
   const double wall = service.WallSeconds();
   Summary summary = service.MakeSummary();
   absl::Status result;

@@ -6,6 +6,9 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "checkpoint/async_writer.h"
+#include "checkpoint/checkpoint_dir.h"
+#include "checkpoint/optimizer_state.h"
 #include "net/checksum.h"
 #include "net/control.h"
 #include "net/data_plane.h"
@@ -121,6 +124,22 @@ absl::Status RunServer(const ServerOptions& o) {
   po.freeze_decision = [&hb, window](uint64_t completed) {
     return hb.FreezeDecision(completed, window);
   };
+  // Checkpoints: a snapshot at the step boundary, written beside serving.
+  AsyncStateWriter writer([&hb](uint64_t step, const absl::StatusOr<WrittenFile>& written) {
+    hb.ReportCheckpointPart(PartOf(step, written));
+  });
+  const uint64_t every = cfg.checkpoint_every();
+  if (every > 0) {
+    po.on_step_end = [&, every](const ServerShardState& s) {
+      if (s.step % every != 0) return;
+      auto dir = MakeStepDir(cfg.checkpoint_dir(), s.step);
+      if (!dir.ok()) {
+        hb.ReportCheckpointPart(PartOf(s.step, dir.status()));
+        return;
+      }
+      writer.Submit(s.step, SaveServerShard(s), *dir, absl::StrCat("server-", s.shard, ".state"));
+    };
+  }
   auto server = PsServer::Create(po, &socket);
   if (!server.ok()) return fail(server.status());
   const Range r = map->shard(rank);
@@ -152,7 +171,10 @@ absl::Status RunServer(const ServerOptions& o) {
         }
         return hb.command() != control::CONTINUE || !done_status.ok();
       },
-      [&] { done_status = hb.Done({ChecksumOf(ps.state(), rank, r)}); });
+      [&] {
+        writer.Flush();  // the last checkpoint's part goes with Done
+        done_status = hb.Done({ChecksumOf(ps.state(), rank, r)});
+      });
   if (!st.ok()) return fail(st);
   if (!done_status.ok()) return fail(done_status);
 

@@ -13,6 +13,9 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "checkpoint/async_writer.h"
+#include "checkpoint/checkpoint_dir.h"
+#include "checkpoint/optimizer_state.h"
 #include "google/protobuf/util/json_util.h"
 #include "net/checksum.h"
 #include "net/control.h"
@@ -42,6 +45,8 @@ struct Worker::Impl {
   std::unique_ptr<PsClient> client;
   std::unique_ptr<Model> model;
   std::unique_ptr<Replica> replica;
+  // Writes this worker's checkpoint files; reports through hb.
+  std::unique_ptr<AsyncStateWriter> writer;
 
   bool broadcast = false;
   bool finished = false;
@@ -54,6 +59,25 @@ struct Worker::Impl {
   // The last step's metrics, sent with the next step (or Finish) so an
   // evaluation can join them.
   std::optional<control::StepMetrics> last;
+
+  // After a step: the snapshot of a checkpoint step, handed to the writer.
+  absl::Status MaybeCheckpoint() {
+    const uint64_t every = cfg.checkpoint_every();
+    if (every == 0 || step % every != 0) return absl::OkStatus();
+    auto dir = MakeStepDir(cfg.checkpoint_dir(), step);
+    if (!dir.ok()) {
+      hb->ReportCheckpointPart(PartOf(step, dir.status()));
+      return absl::OkStatus();  // the coordinator says the checkpoint failed
+    }
+    auto state = replica->SaveState();
+    if (!state.ok()) {
+      return absl::Status(state.status().code(), absl::StrCat("checkpoint of step ", step, ": ",
+                                                              state.status().message()));
+    }
+    writer->Submit(step, SaveWorkerState(*state, job.rank, step), *dir,
+                   absl::StrCat("worker-", job.rank, ".state"));
+    return absl::OkStatus();
+  }
 
   // Records the first fatal error and tells the coordinator: the job fails.
   absl::Status Fail(const absl::Status& st) {
@@ -168,6 +192,10 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
       stub.get(), o.coordinator, control::WORKER, job.rank, job.job_id,
       std::clamp(hb_timeout / 10, absl::Milliseconds(20), absl::Seconds(1)), hb_timeout);
   hb->Start();
+  writer = std::make_unique<AsyncStateWriter>(
+      [hb = hb.get()](uint64_t step, const absl::StatusOr<WrittenFile>& written) {
+        hb->ReportCheckpointPart(PartOf(step, written));
+      });
 
   // From here on a failure is the job's: Fail() tells the coordinator.
   auto map = ShardMap::Deserialize(reg->shard_map());
@@ -365,6 +393,7 @@ absl::StatusOr<StepStats> Worker::Step(const StepOptions& options) {
   w.last = m;
   ++w.step;
   w.hb->SetStep(w.step);
+  if (absl::Status st = w.MaybeCheckpoint(); !st.ok()) return w.Fail(st);
   return s;
 }
 
@@ -396,6 +425,7 @@ absl::Status Worker::Finish() {
         absl::StrCat("Finish() after ", w.step, " of the job's ", w.cfg.steps(), " steps")));
   }
   w.FlushMetrics();
+  w.writer->Flush();  // the last checkpoint's part goes with Done
   std::vector<float> x(w.job.num_params);
   if (absl::Status st = w.replica->ReadX(x.data()); !st.ok()) {
     return w.Fail(

@@ -203,6 +203,10 @@ TEST(JobConfig, ValidationNamesTheFlag) {
   c.set_server_codec("onebit");
   EXPECT_THAT(std::string(ValidateConfig(c).message()), HasSubstr("--server_codec:"));
   EXPECT_EQ(FlagOfError(ValidateConfig(c)), "server_codec");
+  c = testing::MakeConfig(2, 2, 100, 3, "sgd");
+  c.set_checkpoint_every(5);
+  EXPECT_THAT(std::string(ValidateConfig(c).message()),
+              HasSubstr("--checkpoint_every: needs --checkpoint_dir"));
 }
 
 // Drives the coordinator service in-process: one server, two workers.

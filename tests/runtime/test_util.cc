@@ -186,6 +186,7 @@ ReferenceResult Reference(const control::TrainingConfig& cfg) {
   if (!r.ok()) return out;
   out.x = r->workers[0].x;
   for (const WorkerState& w : r->workers) out.workers.push_back(w.x);
+  out.worker_states = r->workers;
   out.masters = std::move(r->servers);
   out.losses = std::move(r->losses);
   out.freeze_step = r->freeze_step;

@@ -49,6 +49,7 @@ std::string FirstDifference(const std::vector<float>& a, const std::vector<float
 struct ReferenceResult {
   std::vector<float> x;                     // worker 0's replica
   std::vector<std::vector<float>> workers;  // every worker's replica
+  std::vector<WorkerState> worker_states;   // every worker's whole state
   std::vector<ServerShardState> masters;    // one per shard
   std::vector<double> losses;               // mean over workers, per step
   uint64_t freeze_step = kNever;
