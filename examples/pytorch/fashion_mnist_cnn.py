@@ -9,14 +9,17 @@ batches in the same order, the same cosine schedule over the same 2340 steps):
     /usr/bin/python3 examples/pytorch/fashion_mnist_cnn.py --local --epochs 10 --batch 256 --lr 3e-3
 Measured on the 2-core machine (busy with other builds): onebit-ps 0.9142 test accuracy
 (warm-up until step 700, 509 s), AdamW 0.9176 (516 s); tools/demo --pytorch runs both
-and prints them side by side.
+and prints them side by side. --bench STEPS times the steps against forward + backward
+alone (tools/bench/pytorch_front).
 The onebit-ps lines are marked; everything else is plain PyTorch.
 """
 import argparse
+import copy
 import gzip
 import json
 import math
 import os
+import statistics
 import sys
 import time
 
@@ -33,6 +36,9 @@ p.add_argument("--schedule", choices=["cosine", "constant"], default="cosine")
 p.add_argument("--max_train", type=int, default=60000)
 p.add_argument("--local", action="store_true", help="torch.optim.AdamW on one process")
 p.add_argument("--out", help="--local: write metrics.csv and summary.json here, as a job's run folder")
+p.add_argument("--no_overlap", action="store_true", help="push at step(), not from backward hooks")
+p.add_argument("--bench", type=int, default=0, metavar="STEPS",
+               help="time STEPS steps against forward + backward alone, instead of training")
 args = p.parse_args()
 
 
@@ -72,6 +78,7 @@ def evaluate(model):
 torch.set_num_threads(1)
 torch.manual_seed(0)
 model = Net()
+twin = copy.deepcopy(model) if args.bench else None  # --bench: forward + backward with no onebit-ps
 if args.local:
     rank, world = 0, 1
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -80,12 +87,12 @@ else:
     onebit_ps.init()                                                               # onebit-ps
     # onebit_ps sends a scheduler's lr in step(), after backward's hooks have pushed that step's
     # gradients (an error), so a scheduled run pushes at step() (overlap=False).
-    overlap = args.schedule == "constant"
+    overlap = not args.no_overlap and (args.schedule == "constant" or args.bench > 0)
     opt = onebit_ps.DistributedOptimizer(model, lr=args.lr, overlap=overlap)      # onebit-ps
     rank, world = opt.rank, opt.job["workers"]
 
 steps_per_epoch = len(train_x) // (world * args.batch)
-total_steps = args.epochs * steps_per_epoch
+total_steps = args.bench or args.epochs * steps_per_epoch
 sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, total_steps) if args.schedule == "cosine" else None
 gen = torch.Generator().manual_seed(1)
 rows = []  # --local --out: metrics.csv rows
@@ -99,6 +106,52 @@ def batches():
             i = order[(s * world + rank) * args.batch:(s * world + rank + 1) * args.batch]
             yield epoch, s, train_x[i], train_y[i]
 
+
+def bench(block=20):
+    """Blocks of `block` batches: forward + backward of the twin (no onebit-ps) on each,
+    then the steps on the same batches. Per block: wall and CPU time (this process, all
+    its threads) per iteration; the first step of a block, which waits for the slowest
+    rank's twin block, is not counted. Prints each phase's means over its blocks."""
+    blocks, it, t = {}, batches(), 0
+    clocks = lambda: (time.perf_counter(), time.process_time())
+    while t < total_steps:
+        chunk = [next(it) for _ in range(min(block, total_steps - t))]
+        t += len(chunk)
+        w0, c0 = clocks()
+        for _, _, x, y in chunk:
+            twin.zero_grad()
+            F.cross_entropy(twin(x), y).backward()
+        w1, c1 = clocks()
+        twin_wall, twin_cpu = (w1 - w0) / len(chunk), (c1 - c0) / len(chunk)
+        phases, in_step = set(), 0.0
+        for n, (epoch, s, x, y) in enumerate(chunk):
+            if n == 1:
+                w0, c0 = clocks()
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            w1 = time.perf_counter()
+            opt.step() if args.local else opt.step(loss=loss, epoch=epoch + (s + 1) / steps_per_epoch)
+            in_step += (time.perf_counter() - w1) if n else 0.0
+            phases.add("local" if args.local else "compress" if opt.last_stats["compressed"] else "warmup")
+        w1, c1 = clocks()
+        if t > len(chunk) and len(phases) == 1 and len(chunk) > 1:  # not the first block; one phase
+            k = len(chunk) - 1
+            blocks.setdefault(phases.pop(), []).append(
+                (twin_wall, twin_cpu, (w1 - w0) / k, (c1 - c0) / k, in_step / k))
+    for phase, b in blocks.items():
+        fb, fb_cpu, st, st_cpu, call = (statistics.mean(v[i] for v in b) * 1e3 for i in range(5))
+        print(f"fashion_mnist_cnn bench: rank {rank} overlap {'off' if args.no_overlap else 'on'} "
+              f"phase {phase} blocks {len(b)} fwd_bwd_ms {fb:.2f} step_ms {st:.2f} ratio {st / fb:.3f} "
+              f"in_step_call_ms {call:.2f} fwd_bwd_cpu_ms {fb_cpu:.2f} step_cpu_ms {st_cpu:.2f}",
+              file=sys.stderr, flush=True)
+
+
+if args.bench:  # instead of training (tools/bench/pytorch_front)
+    bench()
+    if not args.local:
+        onebit_ps.finish()
+    sys.exit()
 
 start = time.time()
 model.train()
