@@ -85,10 +85,8 @@ if args.local:
 else:
     import onebit_ps                                                               # onebit-ps
     onebit_ps.init()                                                               # onebit-ps
-    # onebit_ps sends a scheduler's lr in step(), after backward's hooks have pushed that step's
-    # gradients (an error), so a scheduled run pushes at step() (overlap=False).
-    overlap = not args.no_overlap and (args.schedule == "constant" or args.bench > 0)
-    opt = onebit_ps.DistributedOptimizer(model, lr=args.lr, overlap=overlap)      # onebit-ps
+    opt = onebit_ps.DistributedOptimizer(model, lr=args.lr,                        # onebit-ps
+                                         overlap=not args.no_overlap)
     rank, world = opt.rank, opt.job["workers"]
 
 steps_per_epoch = len(train_x) // (world * args.batch)

@@ -158,6 +158,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 node.register_hook(self._make_hook(offset, n))
         self._worker.broadcast_parameters()
         self._last_lr = job["lr"]
+        self._lr_sent = False
+        self.last_stats = None  # the last step()'s figures (step, compressed, bytes, step_s)
         _optimizer = self
 
     def _sync(self):
@@ -166,10 +168,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._cuda:
             torch.cuda.current_stream(self._x.device).synchronize()
 
+    def _send_lr(self):
+        """Once per step, before its first push: a scheduler's lr goes to the
+        servers with the step (they refuse one set after a push)."""
+        if self._lr_sent:
+            return
+        lr = self.param_groups[0]["lr"]
+        if any(g["lr"] != lr for g in self.param_groups):
+            raise OnebitError("param groups with different learning rates are not supported")
+        if lr != self._last_lr:
+            self._worker.set_learning_rate(float(lr))
+            self._last_lr = lr
+        self._lr_sent = True
+
     def _make_hook(self, offset, n):
         def hook(*_):
             self._sync()
             try:
+                self._send_lr()
                 self._worker.gradients_ready(offset, offset + n)
             except OnebitError as e:
                 raise OnebitError(self._name_element(str(e))) from None
@@ -197,18 +213,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             elif p.grad.data_ptr() != self._g[offset:].data_ptr():
                 self._g[offset:offset + n].copy_(p.grad.reshape(-1))
             p.grad = self._g[offset:offset + n].view_as(p)
-        lr = self.param_groups[0]["lr"]
-        if any(g["lr"] != lr for g in self.param_groups):
-            raise OnebitError("param groups with different learning rates are not supported")
-        if lr != self._last_lr:
-            self._worker.set_learning_rate(float(lr))
-            self._last_lr = lr
+        self._send_lr()
         value = float(loss) if loss is not None else float("nan")
         self._sync()
         try:
             self.last_stats = self._worker.step(value, float(epoch or 0.0))
         except OnebitError as e:
             raise OnebitError(self._name_element(str(e))) from None
+        finally:
+            self._lr_sent = False
         return loss
 
     def report_evaluation(self, accuracy, loss=float("nan")):

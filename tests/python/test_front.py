@@ -80,19 +80,26 @@ def test_warmup_adam_over_the_servers_tracks_torch_adamw(tmp_path, groups):
     assert "largest relative difference" in r.stderr
 
 
-def test_pushing_from_the_backward_hooks_changes_nothing(tmp_path):
+@pytest.mark.parametrize("schedule", [False, True])
+def test_pushing_from_the_backward_hooks_changes_nothing(tmp_path, schedule):
+    # With a scheduler too: its lr must reach the servers before the hooks'
+    # first push of the step.
     runs = {}
-    for overlap in (True, False):
-        d = tmp_path / ("on" if overlap else "off")
+    variants = [(True, schedule), (False, schedule)] + ([(True, False)] if schedule else [])
+    for overlap, sched in variants:
+        d = tmp_path / f"{overlap}-{sched}"
         d.mkdir()
         r, s = launch(d, 3, 2, ["--optimizer=onebit-adam", "--freeze_step=4", "--lr=0.01",
                                 "--block_size=32", "--chunk_elems=64", "--dump_params"],
-                      "10" + ("" if overlap else " --no_overlap"))
+                      "10" + ("" if overlap else " --no_overlap") + (" --schedule" if sched else ""))
         assert r.returncode == 0, r.stderr
         assert s["replicas_equal"] is True
-        runs[overlap] = [(d / "run" / f"replica_w{i}.f32").read_bytes() for i in range(3)]
-    assert len(runs[True][0]) == 4 * (20 * 32 + 32 + 32 * 4 + 4)
-    assert runs[True] == runs[False]
+        runs[overlap, sched] = [(d / "run" / f"replica_w{i}.f32").read_bytes() for i in range(3)]
+    assert len(runs[True, schedule][0]) == 4 * (20 * 32 + 32 + 32 * 4 + 4)
+    assert runs[True, schedule] == runs[False, schedule]
+    if schedule:
+        # The schedule reached the servers: another lr, another result.
+        assert runs[True, True] != runs[True, False]
 
 
 def test_workers_on_the_gpu_code_path_train_bitwise_as_on_the_cpu(tmp_path):

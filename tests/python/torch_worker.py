@@ -4,6 +4,7 @@ lines; run by the tests through onebit-launch --worker_cmd.
     torch_worker.py STEPS [--nan_at STEP] [--no_overlap]
       --nan_at: rank 1 makes one gradient NaN at that step (after backward)
       --no_overlap: push at step() only, not from the backward hooks
+      --schedule: a torch LambdaLR scheduler, lr / (1 + t)
       --wider_rank R: rank R's model has a wider hidden layer
       --ctor EXPR: the optimizer is onebit_ps.EXPR (e.g. "OneBitAdam(model,
         lr=0.01)"); rank 0 prints the job's optimizer settings as JSON
@@ -54,6 +55,8 @@ for p in model.parameters():
     assert base <= p.data_ptr() < base + 4 * opt._x.numel(), "parameter is not a view"
     assert p.grad.data_ptr() != p.data_ptr()
 
+sched = (torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
+         if "--schedule" in sys.argv else None)
 gen = torch.Generator().manual_seed(onebit_ps.rank())
 loss_fn = torch.nn.CrossEntropyLoss()
 eval_x = torch.randn(256, 20, generator=torch.Generator().manual_seed(99))
@@ -97,6 +100,8 @@ for t in range(steps):
         sys.exit(3)
     try:
         opt.step(loss=loss, epoch=(t + 1) / 4)  # 4 steps an "epoch"
+        if sched is not None:
+            sched.step()
     except onebit_ps.OnebitError as e:
         after = f" (failed {time.monotonic() - t_stop:.1f} s after the stop)" if t_stop else ""
         print(f"torch_worker: step {t}: {e}{after}", file=sys.stderr)
