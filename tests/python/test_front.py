@@ -46,8 +46,8 @@ def test_four_by_two_cluster_of_torch_workers_ends_with_equal_replicas(tmp_path,
     assert by_step[4]["test_accuracy"] == ""
 
 
-def test_auto_freeze(tmp_path):
-    r, s = launch(tmp_path, 2, 1, ["--optimizer=onebit-adam", "--freeze=auto:0.5:5", "--lr=0.01"],
+def test_auto_freeze_on_four_by_two(tmp_path):
+    r, s = launch(tmp_path, 4, 2, ["--optimizer=onebit-adam", "--freeze=auto:0.5:5", "--lr=0.01"],
                   "30")
     assert r.returncode == 0, r.stderr
     assert s["replicas_equal"] is True
@@ -63,6 +63,8 @@ def test_nan_gradient_is_an_exception_and_fails_the_job(tmp_path, overlap):
     assert "non-finite" in r.stderr
     # Named as the user knows it: model[2].bias, element 1.
     assert "(parameter 2.bias[1])" in r.stderr
+    # The failed step applied nothing to the replica that saw the NaN.
+    assert "[worker1] torch_worker: step 2: replica unchanged" in r.stderr
     assert s.get("status", "").startswith("failed")
 
 

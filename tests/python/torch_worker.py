@@ -35,6 +35,8 @@ model = torch.nn.Sequential(torch.nn.Linear(20, hidden), torch.nn.ReLU(), torch.
 model.register_buffer("frozen", torch.ones(3))  # a buffer: stays local
 if "--model_device" in sys.argv:
     model.to(sys.argv[sys.argv.index("--model_device") + 1])
+shapes = [tuple(p.shape) for p in model.parameters()]
+keys = list(model.state_dict().keys())
 try:
     if "--ctor" in sys.argv:
         opt = eval("onebit_ps." + sys.argv[sys.argv.index("--ctor") + 1])
@@ -49,6 +51,9 @@ except onebit_ps.OnebitError as e:
     print(f"torch_worker: {e}", file=sys.stderr)
     sys.exit(3)
 
+# The shapes are the model's own, in the model's order.
+assert [tuple(p.shape) for p in model.parameters()] == shapes, "shapes changed"
+assert list(model.state_dict().keys()) == keys
 # Views, not copies: every trainable tensor lives in the worker's buffer.
 base = opt._x.data_ptr()
 for p in model.parameters():
@@ -93,10 +98,13 @@ for t in range(steps):
         # Poison the last layer's bias gradient inside backward, as a
         # numerical accident would.
         model[2].bias.register_hook(lambda g: g.index_fill(0, torch.tensor([1]), float("nan")))
+    before = opt._x.clone()
     try:
         loss.backward()
     except onebit_ps.OnebitError as e:
         print(f"torch_worker: step {t}: {e}", file=sys.stderr)
+        if torch.equal(opt._x, before):
+            print(f"torch_worker: step {t}: replica unchanged", file=sys.stderr)
         sys.exit(3)
     try:
         opt.step(loss=loss, epoch=(t + 1) / 4)  # 4 steps an "epoch"
@@ -105,6 +113,8 @@ for t in range(steps):
     except onebit_ps.OnebitError as e:
         after = f" (failed {time.monotonic() - t_stop:.1f} s after the stop)" if t_stop else ""
         print(f"torch_worker: step {t}: {e}{after}", file=sys.stderr)
+        if torch.equal(opt._x, before):
+            print(f"torch_worker: step {t}: replica unchanged", file=sys.stderr)
         sys.exit(3)
     if (t + 1) % 4 == 0 and onebit_ps.rank() == 0:
         with torch.no_grad():
