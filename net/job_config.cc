@@ -180,6 +180,21 @@ absl::Status ValidateConfig(const control::TrainingConfig& c) {
   return absl::OkStatus();
 }
 
+std::vector<std::string> ConfigDifferences(const control::TrainingConfig& here,
+                                           const control::TrainingConfig& there,
+                                           const std::set<std::string>& ignore) {
+  std::vector<std::string> out;
+  for (const JobSetting& s : JobSettings()) {
+    if (ignore.count(s.name)) continue;
+    const std::string a = JobSettingText(s, here), b = JobSettingText(s, there);
+    if (a != b) {
+      out.push_back(absl::StrCat("--", s.name, ": ", Shown(s, here), " (here) vs ", Shown(s, there),
+                                 " (there)"));
+    }
+  }
+  return out;
+}
+
 std::vector<std::string> ConfigFlagArgs(const control::TrainingConfig& config) {
   std::vector<std::string> out;
   for (const JobSetting& s : JobSettings()) {

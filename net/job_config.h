@@ -71,6 +71,14 @@ absl::Status ResolveConfig(const std::set<std::string>& given, control::Training
 absl::Status ApplyDeclaredSettings(const std::map<std::string, std::string>& declared,
                                    std::set<std::string>* given, control::TrainingConfig* config);
 
+// The settings whose values differ between two configs, as
+// "--name: A (here) vs B (there)", in --help order; empty when none. A
+// checkpoint resumes only into the config that wrote it, save the
+// settings in `ignore` (e.g. steps, a longer run).
+std::vector<std::string> ConfigDifferences(const control::TrainingConfig& here,
+                                           const control::TrainingConfig& there,
+                                           const std::set<std::string>& ignore = {});
+
 // Checks ranges and combinations; errors start with "--<flag>: ".
 absl::Status ValidateConfig(const control::TrainingConfig& config);
 

@@ -296,6 +296,22 @@ TEST(DeclaredSettings, AContradictionOrAForeignSettingIsRefusedAndChangesNothing
   EXPECT_EQ(c.lr(), 0.01f);
 }
 
+TEST(JobSettings, ConfigDifferencesNameEverySettingThatDiffers) {
+  auto a = ConfigFromFlags({"--optimizer=onebit-adam", "--lr=0.01", "--steps=100"});
+  auto b = ConfigFromFlags({"--optimizer=onebit-adam", "--lr=0.001", "--steps=200",
+                            "--block_size=64", "--chunk_elems=64"});
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_THAT(ConfigDifferences(*a, *a), ::testing::IsEmpty());
+  EXPECT_THAT(ConfigDifferences(*a, *b),
+              ::testing::ElementsAre("--steps: 100 (here) vs 200 (there)",
+                                     "--lr: 0.01 (here) vs 0.001 (there)",
+                                     "--block_size: 2048 (here) vs 64 (there)",
+                                     "--chunk_elems: 1048576 (here) vs 64 (there)"));
+  EXPECT_THAT(ConfigDifferences(*a, *b, {"steps", "chunk_elems"}),
+              ::testing::ElementsAre("--lr: 0.01 (here) vs 0.001 (there)",
+                                     "--block_size: 2048 (here) vs 64 (there)"));
+}
+
 // A model's own options: "k=v,..." on the command line or an object in
 // --config, checked against what the model declares, defaults filled in.
 TEST(JobSettings, ModelOptionsFromTheCommandLineAndTheFile) {
