@@ -249,11 +249,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         raise NotImplementedError(
             "DistributedOptimizer.state_dict(): the optimizer's state (Adam's m and v, the "
             "frozen variance, both error-feedback buffers) lives on the servers and workers of "
-            "the job; onebit-ps checkpoints are not built yet")
+            "the job, which checkpoints it (--checkpoint_dir, --checkpoint_every); resuming "
+            "is not built yet")
 
     def load_state_dict(self, state_dict):
         raise NotImplementedError(
-            "DistributedOptimizer.load_state_dict(): onebit-ps checkpoints are not built yet")
+            "DistributedOptimizer.load_state_dict(): resuming from onebit-ps checkpoints is "
+            "not built yet")
 
     def finish(self):
         self._worker.finish()
