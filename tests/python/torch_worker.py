@@ -42,9 +42,9 @@ try:
         opt = eval("onebit_ps." + sys.argv[sys.argv.index("--ctor") + 1])
         if onebit_ps.rank() == 0:
             job = json.loads(opt.job["config_json"])
-            keys = ("optimizer", "lr", "beta1", "beta2", "freeze_step", "freeze", "worker_codec",
-                    "bias_correction")
-            print("torch_worker: job " + json.dumps({k: job[k] for k in keys}), file=sys.stderr)
+            shown = ("optimizer", "lr", "beta1", "beta2", "freeze_step", "freeze", "worker_codec",
+                     "bias_correction")
+            print("torch_worker: job " + json.dumps({k: job[k] for k in shown}), file=sys.stderr)
     else:
         opt = onebit_ps.DistributedOptimizer(model, overlap="--no_overlap" not in sys.argv)
 except onebit_ps.OnebitError as e:
