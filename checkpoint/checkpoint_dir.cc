@@ -17,18 +17,6 @@ namespace {
 constexpr char kManifestMagic[] = "OBMANIF1";
 constexpr size_t kMagicSize = 8;
 
-std::string U32(uint32_t v) {
-  std::string s(4, '\0');
-  for (int i = 0; i < 4; ++i) s[i] = static_cast<char>((v >> (8 * i)) & 0xff);
-  return s;
-}
-
-uint32_t ReadU32(const char* p) {
-  uint32_t v = 0;
-  for (int i = 0; i < 4; ++i) v |= uint32_t{static_cast<unsigned char>(p[i])} << (8 * i);
-  return v;
-}
-
 absl::StatusOr<std::string> ReadWhole(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat(path, " is missing"));
@@ -68,7 +56,7 @@ absl::StatusOr<std::string> MakeStepDir(const std::string& root, uint64_t step) 
 
 absl::Status WriteManifest(const std::string& step_dir, const checkpoint::Manifest& manifest) {
   const std::string body = manifest.SerializeAsString();
-  const std::string crc = U32(Crc32(body));
+  const std::string crc = LittleEndianU32(Crc32(body));
   const absl::string_view parts[] = {absl::string_view(kManifestMagic, kMagicSize), crc, body};
   return WriteFileAtomically(step_dir, kManifestName, parts).status();
 }
@@ -87,7 +75,7 @@ absl::StatusOr<checkpoint::Manifest> Check(const std::string& step_dir, bool che
   }
   const absl::string_view body = absl::string_view(*text).substr(kMagicSize + 4);
   checkpoint::Manifest m;
-  if (ReadU32(text->data() + kMagicSize) != Crc32(body) ||
+  if (ReadLittleEndianU32(text->data() + kMagicSize) != Crc32(body) ||
       !m.ParseFromArray(body.data(), static_cast<int>(body.size()))) {
     return absl::DataLossError(absl::StrCat(path, ": does not match its checksum"));
   }

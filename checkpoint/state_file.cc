@@ -18,18 +18,6 @@ namespace {
 constexpr char kMagic[] = "OBSTATE1";  // 8 bytes, no terminator on disk
 constexpr size_t kMagicSize = 8;
 
-std::string U32(uint32_t v) {
-  std::string s(4, '\0');
-  for (int i = 0; i < 4; ++i) s[i] = static_cast<char>((v >> (8 * i)) & 0xff);
-  return s;
-}
-
-uint32_t ReadU32(const char* p) {
-  uint32_t v = 0;
-  for (int i = 0; i < 4; ++i) v |= uint32_t{static_cast<unsigned char>(p[i])} << (8 * i);
-  return v;
-}
-
 absl::Status Errno(absl::string_view what, const std::string& path) {
   return absl::InternalError(absl::StrCat("cannot ", what, " ", path, ": ", std::strerror(errno)));
 }
@@ -44,6 +32,18 @@ absl::Status FsyncDir(const std::string& dir) {
 }
 
 }  // namespace
+
+std::string LittleEndianU32(uint32_t v) {
+  std::string s(4, '\0');
+  for (int i = 0; i < 4; ++i) s[i] = static_cast<char>((v >> (8 * i)) & 0xff);
+  return s;
+}
+
+uint32_t ReadLittleEndianU32(const char* p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v |= uint32_t{static_cast<unsigned char>(p[i])} << (8 * i);
+  return v;
+}
 
 uint32_t Crc32(absl::string_view bytes, uint32_t crc) {
   return static_cast<uint32_t>(crc32_z(crc, reinterpret_cast<const Bytef*>(bytes.data()),
@@ -112,8 +112,8 @@ void StateWriter::SetValue(absl::string_view key, absl::string_view value) {
 absl::StatusOr<WrittenFile> StateWriter::WriteTo(const std::string& dir,
                                                  const std::string& name) const {
   const std::string head = header_.SerializeAsString();
-  const std::string size = U32(static_cast<uint32_t>(head.size()));
-  const std::string crc = U32(Crc32(head));
+  const std::string size = LittleEndianU32(static_cast<uint32_t>(head.size()));
+  const std::string crc = LittleEndianU32(Crc32(head));
   const absl::string_view parts[] = {absl::string_view(kMagic, kMagicSize), size, head, crc,
                                      payload_};
   return WriteFileAtomically(dir, name, parts);
@@ -129,10 +129,11 @@ absl::StatusOr<StateReader> StateReader::Open(const std::string& path) {
   if (all.size() < kMagicSize + 8 || all.compare(0, kMagicSize, kMagic, kMagicSize) != 0) {
     return bad("not a onebit-ps state file (no OBSTATE1 magic)");
   }
-  const uint32_t h = ReadU32(all.data() + kMagicSize);
+  const uint32_t h = ReadLittleEndianU32(all.data() + kMagicSize);
   if (all.size() < kMagicSize + 8 + uint64_t{h}) return bad("truncated inside its header");
   const absl::string_view head(all.data() + kMagicSize + 4, h);
-  if (ReadU32(head.data() + h) != Crc32(head)) return bad("the header's checksum does not match");
+  if (ReadLittleEndianU32(head.data() + h) != Crc32(head))
+    return bad("the header's checksum does not match");
   checkpoint::StateHeader header;
   if (!header.ParseFromArray(head.data(), static_cast<int>(head.size()))) {
     return bad("the header does not parse");
@@ -140,7 +141,8 @@ absl::StatusOr<StateReader> StateReader::Open(const std::string& path) {
   if (header.format() != kCheckpointFormat) {
     return bad(absl::StrCat("format ", header.format(), ", this build reads ", kCheckpointFormat));
   }
-  std::string payload = all.substr(kMagicSize + 8 + h);
+  all.erase(0, kMagicSize + 8 + uint64_t{h});  // the payload, without a second copy
+  std::string payload = std::move(all);
   uint64_t end = 0;
   for (const checkpoint::Section& s : header.sections()) {
     if (s.offset() > payload.size() || s.size() > payload.size() - s.offset()) {

@@ -78,6 +78,11 @@ class StateReader {
   std::string payload_;
 };
 
+// The 4 bytes of v, least significant first, as the files store counts
+// and checksums; and back.
+std::string LittleEndianU32(uint32_t v);
+uint32_t ReadLittleEndianU32(const char* p);
+
 // zlib crc32 of bytes, continuing from `crc` (0 to start).
 uint32_t Crc32(absl::string_view bytes, uint32_t crc = 0);
 

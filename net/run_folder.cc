@@ -13,26 +13,17 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "checkpoint/state_file.h"
 
 namespace onebit {
 namespace {
 
+// Temporary name, fsync, rename, fsync of the folder (checkpoint/state_file.h).
 absl::Status WriteAtomically(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  std::FILE* f = std::fopen(tmp.c_str(), "w");
-  if (f == nullptr) {
-    return absl::InternalError(absl::StrCat("cannot write ", tmp, ": ", std::strerror(errno)));
-  }
-  bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
-  ok = std::fflush(f) == 0 && ok;
-  ok = fsync(fileno(f)) == 0 && ok;  // the rename must not outrun the data
-  ok = std::fclose(f) == 0 && ok;
-  if (!ok)
-    return absl::InternalError(absl::StrCat("cannot write ", tmp, ": ", std::strerror(errno)));
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    return absl::InternalError(absl::StrCat("cannot rename ", tmp, ": ", std::strerror(errno)));
-  }
-  return absl::OkStatus();
+  const std::filesystem::path p(path);
+  const std::string dir = p.has_parent_path() ? p.parent_path().string() : ".";
+  const absl::string_view parts[] = {text};
+  return WriteFileAtomically(dir, p.filename().string(), parts).status();
 }
 
 std::string Num(double v) { return absl::StrFormat("%.9g", v); }

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "checkpoint/state_file.h"
 #include "net/control.h"
 #include "net/job_config.h"
 #include "shard/reference.h"
@@ -610,7 +611,7 @@ void CoordinatorService::AddCheckpointPartLocked(control::Role role, uint32_t ra
   files[who] = part;
   if (files.size() < servers_.size() + workers_.size()) return;
   checkpoint::Manifest m;
-  m.set_format(1);
+  m.set_format(kCheckpointFormat);
   m.set_step(step);
   m.set_job_id(absl::StrFormat("%016x", job_id_));
   *m.mutable_config() = config_;
