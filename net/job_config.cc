@@ -177,6 +177,7 @@ absl::Status ValidateConfig(const control::TrainingConfig& c) {
   if (c.checkpoint_every() > 0 && c.checkpoint_dir().empty()) {
     return bad("checkpoint_every", "needs --checkpoint_dir");
   }
+  if (c.resume() && c.checkpoint_dir().empty()) return bad("resume", "needs --checkpoint_dir");
   return absl::OkStatus();
 }
 

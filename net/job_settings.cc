@@ -105,6 +105,10 @@ constexpr JobSetting kSettings[] = {
      "checkpoint after every N completed steps (0: never)"},
     {"checkpoint_keep", T::kUint32, "2", "checkpoints",
      "complete checkpoints to keep (0: the default, 2)"},
+    {"resume", T::kBool, "false", "checkpoints",
+     "insist on resuming: fail unless --checkpoint_dir holds a complete checkpoint of this "
+     "job's config (without it the job resumes from one when there is one, else starts "
+     "afresh)"},
 };
 
 std::string Normalize(absl::string_view name) { return absl::StrReplaceAll(name, {{"-", "_"}}); }

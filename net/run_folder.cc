@@ -11,8 +11,10 @@
 #include <iterator>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "checkpoint/state_file.h"
 
 namespace onebit {
@@ -105,13 +107,50 @@ absl::Status WriteMetricsCsv(const std::string& path, const std::vector<MetricsR
   return WriteAtomically(path, kCsvHeader + CsvRows(rows));
 }
 
-absl::StatusOr<MetricsLog> MetricsLog::Open(const std::string& path) {
+absl::StatusOr<std::vector<MetricsRow>> ReadMetricsCsv(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<MetricsRow> rows;
+  if (!in) return rows;
+  std::string line;
+  std::getline(in, line);
+  if (line + "\n" != kCsvHeader) {
+    return absl::DataLossError(
+        absl::StrCat(path, ": not a metrics.csv of this version (header '", line, "')"));
+  }
+  for (int n = 2; std::getline(in, line); ++n) {
+    // A crash may have cut the last line short; it is dropped.
+    if (in.eof()) break;
+    const std::vector<std::string> f = absl::StrSplit(line, ',');
+    MetricsRow r;
+    bool ok = f.size() == 12 && absl::SimpleAtoi(f[0], &r.step) &&
+              absl::SimpleAtod(f[2], &r.loss) && absl::SimpleAtod(f[3], &r.wall_s) &&
+              absl::SimpleAtoi(f[4], &r.bytes_up) && absl::SimpleAtoi(f[5], &r.bytes_down) &&
+              absl::SimpleAtod(f[6], &r.step_s) && absl::SimpleAtod(f[7], &r.push_s) &&
+              absl::SimpleAtod(f[8], &r.reply_s) && absl::SimpleAtod(f[9], &r.epoch);
+    if (ok) {
+      r.phase = f[1];
+      for (auto [text, out] : {std::pair{&f[10], &r.test_loss}, {&f[11], &r.test_accuracy}}) {
+        double v = 0;
+        if (text->empty()) continue;
+        ok &= absl::SimpleAtod(*text, &v);
+        *out = v;
+      }
+    }
+    if (!ok) return absl::DataLossError(absl::StrCat(path, " line ", n, ": not a metrics row"));
+    rows.push_back(std::move(r));
+  }
+  return rows;
+}
+
+absl::StatusOr<MetricsLog> MetricsLog::Open(const std::string& path,
+                                            const std::vector<MetricsRow>& first_rows) {
   std::FILE* f = std::fopen(path.c_str(), "w");
   if (f == nullptr) {
     return absl::InternalError(absl::StrCat("cannot write ", path, ": ", std::strerror(errno)));
   }
   MetricsLog log(f, path);
-  if (std::fputs(kCsvHeader, f) < 0 || std::fflush(f) != 0) {
+  const std::string text = kCsvHeader + CsvRows(first_rows);
+  if (std::fputs(text.c_str(), f) < 0 || std::fflush(f) != 0) {
     return absl::InternalError(absl::StrCat("cannot write ", path, ": ", std::strerror(errno)));
   }
   return log;
@@ -210,6 +249,7 @@ absl::Status WriteSummaryJson(const std::string& path, const Summary& s) {
       "  \"worker_devices\": ", JsonStrings(s.worker_devices), ",\n",
       "  \"checkpoints\": ", s.checkpoints, ",\n",
       "  \"last_checkpoint_step\": ", opt_u(s.last_checkpoint_step), ",\n",
+      "  \"resumed_from_step\": ", opt_u(s.resumed_from_step), ",\n",
       "  \"job_id\": ", JsonQuote(s.job_id), ",\n", "  \"status\": ", JsonQuote(s.status), "\n}\n");
   return WriteAtomically(path, text);
 }

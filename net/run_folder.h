@@ -64,6 +64,7 @@ struct Summary {
   std::vector<std::string> worker_devices;        // by rank: "cpu", "cuda:0 (NVIDIA H200)", ...
   uint64_t checkpoints = 0;                       // complete checkpoints written
   std::optional<uint64_t> last_checkpoint_step;
+  std::optional<uint64_t> resumed_from_step;  // the checkpoint this run continued from
 };
 
 // Creates dir (and parents) when missing.
@@ -74,8 +75,10 @@ absl::Status MakeDirs(const std::string& dir);
 // included) leaves every row written so far. Not thread-safe.
 class MetricsLog {
  public:
-  // Creates or truncates `path`.
-  static absl::StatusOr<MetricsLog> Open(const std::string& path);
+  // Creates or truncates `path`; writes the header and `first_rows` (a
+  // resumed job's rows of the steps before its checkpoint).
+  static absl::StatusOr<MetricsLog> Open(const std::string& path,
+                                         const std::vector<MetricsRow>& first_rows = {});
   MetricsLog(MetricsLog&& other) noexcept;
   MetricsLog& operator=(MetricsLog&& other) noexcept;
   ~MetricsLog();
@@ -91,6 +94,9 @@ class MetricsLog {
 };
 
 absl::Status WriteMetricsCsv(const std::string& path, const std::vector<MetricsRow>& rows);
+// The rows of a metrics.csv this library wrote (a missing file: none).
+// Errors name the file and line.
+absl::StatusOr<std::vector<MetricsRow>> ReadMetricsCsv(const std::string& path);
 // Atomic (a temporary file, fsync, rename) and always valid JSON: a
 // non-finite number is written as null.
 absl::Status WriteSummaryJson(const std::string& path, const Summary& s);

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/base/casts.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -41,6 +42,23 @@ CoordinatorService::CoordinatorService(control::TrainingConfig config, std::set<
       workers_(config_.workers()) {
   // The config was validated before the service was made.
   freeze_ = FreezeOptionsFromConfig(config_).value_or(FreezeOptions{});
+}
+
+std::vector<std::string> ResumeConflicts(const control::TrainingConfig& config,
+                                         const control::TrainingConfig& written) {
+  // The state is saved by global range, and none of these changes a bit of
+  // the result.
+  static const std::set<std::string> kMayChange = {
+      "servers",        "chunk_elems",      "step_timeout",    "heartbeat_timeout",
+      "checkpoint_dir", "checkpoint_every", "checkpoint_keep", "resume"};
+  return ConfigDifferences(config, written, kMayChange);
+}
+
+void CoordinatorService::ResumeFrom(CompleteCheckpoint checkpoint,
+                                    std::vector<MetricsRow> prior_rows) {
+  absl::MutexLock l(&mu_);
+  resume_ = std::move(checkpoint);
+  prior_rows_ = std::move(prior_rows);
 }
 
 std::string CoordinatorService::Name(control::Role role, uint32_t rank) {
@@ -159,6 +177,14 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx,
     s->set_rank(static_cast<uint32_t>(i));
     s->set_data_endpoint(servers_[i].info.data_endpoint());
   }
+  if (resume_) {
+    control::ResumePoint* r = reply->mutable_resume();
+    r->set_step(resume_->manifest.step());
+    r->set_dir(resume_->dir);
+    for (const checkpoint::ManifestFile& f : resume_->manifest.files()) {
+      if (absl::StartsWith(f.name(), "server-")) r->add_server_files(f.name());
+    }
+  }
   return grpc::Status::OK;
 }
 
@@ -272,6 +298,28 @@ void CoordinatorService::FormLocked() {
     FailLocked(absl::StrCat("the workers' weight-decay ranges ", DecayRangesText(decay_), ": ",
                             st.message()));
     return;
+  }
+  if (resume_) {
+    const checkpoint::Manifest& m = resume_->manifest;
+    const std::vector<std::string> conflicts = ResumeConflicts(config_, m.config());
+    if (!conflicts.empty()) {
+      FailLocked(absl::StrCat(
+          "cannot resume from ", resume_->dir,
+          ": it was written by a job with another config: ", absl::StrJoin(conflicts, "; "),
+          ". Run with that config, or give another --checkpoint_dir"));
+      return;
+    }
+    // The steps before the checkpoint are done: their rows, their
+    // checkpoints and their --freeze auto decisions.
+    rows_taken_ = m.step();
+    last_checkpoint_ = m.step();
+    freeze_decided_ = m.freeze_decided();
+    freeze_step_ = m.freeze_step();
+    for (auto* g : {&servers_, &workers_}) {
+      for (Process& q : *g) q.step = m.step();
+    }
+    std::fprintf(stderr, "coordinator: resuming from the checkpoint of step %llu in %s\n",
+                 static_cast<unsigned long long>(m.step()), resume_->dir.c_str());
   }
   map_ = *std::move(map);
   state_ = State::kRunning;
@@ -571,7 +619,7 @@ std::optional<MetricsRow> CoordinatorService::RowLocked(uint64_t step) const {
 
 std::vector<MetricsRow> CoordinatorService::MetricsRows() const {
   absl::MutexLock l(&mu_);
-  std::vector<MetricsRow> rows;
+  std::vector<MetricsRow> rows = prior_rows_;
   for (const auto& entry : metrics_) {
     if (auto r = RowLocked(entry.first)) rows.push_back(*std::move(r));
   }
@@ -616,6 +664,14 @@ void CoordinatorService::AddCheckpointPartLocked(control::Role role, uint32_t ra
   m.set_job_id(absl::StrFormat("%016x", job_id_));
   *m.mutable_config() = config_;
   m.set_shard_map(map_.Serialize());
+  // --freeze auto as of `step`: the servers may have run ahead and had
+  // later checks decided; those are decided again after a resume.
+  if (freeze_decided_ <= step) {
+    m.set_freeze_decided(freeze_decided_);
+    m.set_freeze_step(freeze_step_);
+  } else if (freeze_.automatic) {
+    m.set_freeze_decided(step / freeze_.window * freeze_.window);
+  }
   for (const auto& [name, f] : files) {
     checkpoint::ManifestFile* e = m.add_files();
     e->set_name(f.name());
@@ -659,6 +715,11 @@ Summary CoordinatorService::MakeSummary() const {
   s.params = config_.dim();
   s.steps = config_.steps() > 0 ? config_.steps() : end_step_.value_or(0);
   s.wall_s = wall_s;
+  if (resume_) {
+    s.resumed_from_step = resume_->manifest.step();
+    // The training time before the checkpoint (the workers carry it on).
+    if (!prior_rows_.empty()) s.wall_s += prior_rows_.back().wall_s;
+  }
   for (const MetricsRow& r : rows) {
     s.bytes_up += r.bytes_up;
     s.bytes_down += r.bytes_down;

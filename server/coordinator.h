@@ -16,6 +16,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "checkpoint/checkpoint_dir.h"
 #include "net/run_folder.h"
 #include "onebit/server.h"
 #include "proto/checkpoint.pb.h"
@@ -35,6 +36,11 @@ class CoordinatorService final : public control::Coordinator::Service {
   // external from the d every worker declared.
   CoordinatorService(control::TrainingConfig config, std::set<std::string> given, uint64_t job_id,
                      absl::Duration register_timeout);
+
+  // Before serving: the job continues from `checkpoint` (its config is
+  // checked against the job's once the cluster forms); `prior_rows`:
+  // metrics.csv's rows of the steps before it, for summary.json.
+  void ResumeFrom(CompleteCheckpoint checkpoint, std::vector<MetricsRow> prior_rows);
 
   grpc::Status Register(grpc::ServerContext* ctx, const control::RegisterRequest* req,
                         control::RegisterReply* reply) override;
@@ -153,11 +159,20 @@ class CoordinatorService final : public control::Coordinator::Service {
   std::map<std::string, std::string> declared_ ABSL_GUARDED_BY(mu_);  // and its settings
   // A job without a fixed length: the steps every worker finished after.
   std::optional<uint64_t> end_step_ ABSL_GUARDED_BY(mu_);
-  std::optional<absl::Time> started_ ABSL_GUARDED_BY(mu_);  // all registered
-  std::optional<absl::Time> ended_ ABSL_GUARDED_BY(mu_);    // finished or failed
+  std::optional<CompleteCheckpoint> resume_ ABSL_GUARDED_BY(mu_);
+  std::vector<MetricsRow> prior_rows_ ABSL_GUARDED_BY(mu_);  // before resume_'s step
+  std::optional<absl::Time> started_ ABSL_GUARDED_BY(mu_);   // all registered
+  std::optional<absl::Time> ended_ ABSL_GUARDED_BY(mu_);     // finished or failed
 };
 
 const char* StateName(CoordinatorService::State s);
+
+// Why the job `config` cannot continue from a checkpoint written under
+// `written`: every setting that differs ("--lr: 0.01 (here) vs 0.001
+// (there)"), save those a resumed job may change (where checkpoints go, the
+// timeouts, the chunking, the number of servers). Empty: it can.
+std::vector<std::string> ResumeConflicts(const control::TrainingConfig& config,
+                                         const control::TrainingConfig& written);
 
 // RunCoordinator (include/onebit/server.h) for a config already built, as
 // onebit-coordinator builds it from its command line.

@@ -31,6 +31,21 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Create(PsServerOptions optio
   }
   const Range r = o.job.map.shard(o.shard);
   s->optimizer_->InitState(o.shard, r.begin, r.size(), &s->state_);
+  if (o.restored) {
+    if (o.restored->begin != r.begin || o.restored->x.size() != r.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the restored state covers [", o.restored->begin, ", ",
+                       o.restored->begin + o.restored->x.size(), "), not shard ", o.shard, "'s [",
+                       r.begin, ", ", r.end, ")"));
+    }
+    if (o.job.steps > 0 && o.restored->step > o.job.steps) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the restored state is after ", o.restored->step, " steps; the job has ", o.job.steps));
+    }
+    s->state_ = *std::move(o.restored);
+    s->state_.shard = o.shard;
+    o.restored.reset();
+  }
   o.job.push_codec = &s->optimizer_->push_codec(PhaseOf(s->state_));
   o.job.init_codec = s->init_codec_.get();
   const uint64_t n = NumChunks(r.size(), o.job.chunk_elems);
@@ -174,17 +189,23 @@ absl::Status PsServer::HandleRequest(const std::string& routing_id, const data::
     return DrainInOrder(c, index);
   }
   if (h.kind() == data::PULL) {
-    if (h.step() != 0) return absl::InvalidArgumentError("PULL must carry step 0");
-    if (state_.step > 0 || c.done) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("PULL is from the past (shard ", options_.shard, " is past step 0)"));
+    // x as of the start of the current step: the initial x at step 0 (once
+    // rank 0's INIT is in), a checkpoint's after a resume.
+    if (h.step() != state_.step) {
+      return absl::InvalidArgumentError(absl::StrCat("PULL for step ", h.step(), ", but shard ",
+                                                     options_.shard, " is at step ", state_.step));
+    }
+    if (c.done || c.pushed[h.rank()]) {
+      return absl::InvalidArgumentError(absl::StrCat("PULL from rank ", h.rank(), " for chunk ",
+                                                     index, " after pushing to step ",
+                                                     state_.step));
     }
     if (c.pulled[h.rank()]) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("duplicate PULL from rank ", h.rank(), " for chunk ", index));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "duplicate PULL from rank ", h.rank(), " for chunk ", index, " of step ", state_.step));
     }
     c.pulled[h.rank()] = true;
-    if (c.initialized) {
+    if (c.initialized || state_.step > 0) {
       SendParams(h.rank(), c);
     } else {
       c.waiting[h.rank()] = true;  // at most one per rank: bounded
@@ -288,8 +309,9 @@ absl::Status PsServer::AgreeOnLr(const Chunk& c, uint64_t index) {
 void PsServer::SendParams(uint32_t rank, const Chunk& c) {
   const uint64_t n = c.range.size();
   auto buf = std::make_shared<std::vector<uint8_t>>(init_codec_->EncodedSize(n));
-  absl::Status st =
-      init_codec_->Encode(state_.x.data() + (c.range.begin - state_.begin), n, buf->data());
+  // Under --server-reply delta the workers' x is the replica, not the master.
+  const std::vector<float>& x = state_.replica.empty() ? state_.x : state_.replica;
+  absl::Status st = init_codec_->Encode(x.data() + (c.range.begin - state_.begin), n, buf->data());
   if (!st.ok()) {
     // rank 0 sent x through the same codec, so this does not happen.
     failure_ = absl::InternalError(absl::StrCat("encoding the initial x: ", st.message()));
@@ -300,7 +322,7 @@ void PsServer::SendParams(uint32_t rank, const Chunk& c) {
   h.set_job_id(options_.job.job_id);
   h.set_kind(data::PARAMS);
   h.set_rank(rank);
-  h.set_step(0);
+  h.set_step(state_.step);
   h.set_shard(options_.shard);
   h.set_begin(c.range.begin);
   h.set_count(n);
@@ -394,6 +416,7 @@ void PsServer::EndStep() {
   for (Chunk& ch : chunks_) {
     ch.next_rank = 0;
     std::fill(ch.pushed.begin(), ch.pushed.end(), false);
+    std::fill(ch.pulled.begin(), ch.pulled.end(), false);
     ch.done = false;
   }
   if (last_warmup) {

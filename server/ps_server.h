@@ -40,6 +40,10 @@ struct PsServerOptions {
   // When set: called after every step, on Serve's thread, with the shard's
   // consistent state (e.g. to snapshot it for a checkpoint).
   std::function<void(const ServerShardState&)> on_step_end;
+  // When set: the shard's state from a checkpoint (its begin and size must
+  // be this shard's); the server continues at its step, without INIT, and
+  // the workers PULL x from it.
+  std::optional<ServerShardState> restored;
 };
 
 class PsServer {
@@ -71,7 +75,7 @@ class PsServer {
     std::vector<bool> pushed;                         // by rank, this step
     std::vector<std::optional<zmq::message_t>> held;  // out-of-order payloads
     bool initialized = false;              // INIT received (needed before step 0 applies)
-    std::vector<bool> pulled;              // by rank: asked for the initial x (PULL)
+    std::vector<bool> pulled;              // by rank: asked for x this step (PULL)
     std::vector<bool> waiting;             // by rank: PULL before INIT, answered when it comes
     std::vector<std::optional<float>> lr;  // by rank, this step: the lr of its push
     bool ready = false;                    // every push is in; waits for the freeze decision

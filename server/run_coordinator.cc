@@ -1,5 +1,6 @@
 // RunCoordinator (include/onebit/server.h): the coordinator's gRPC service
 // (server/coordinator.h), its watch loop, and the run folder.
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -7,8 +8,11 @@
 #include <random>
 #include <set>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "checkpoint/checkpoint_dir.h"
 #include "net/config_file.h"
 #include "net/health.h"
@@ -39,6 +43,42 @@ uint64_t NewJobId() {
   return id == 0 ? 1 : id;
 }
 
+// The newest complete checkpoint under --checkpoint_dir that this job may
+// continue from; none when there is none (an error under --resume). Ones
+// refused (corrupt, incomplete) are named on stderr.
+absl::StatusOr<std::optional<CompleteCheckpoint>> FindResumePoint(
+    const control::TrainingConfig& cfg) {
+  if (cfg.checkpoint_dir().empty()) return std::nullopt;
+  std::vector<std::string> refused;
+  auto latest = LatestCheckpoint(cfg.checkpoint_dir(), &refused);
+  for (const std::string& r : refused) {
+    std::fprintf(stderr, "coordinator: not resuming from %s\n", r.c_str());
+  }
+  if (absl::IsNotFound(latest.status())) {
+    if (!cfg.resume()) return std::nullopt;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--resume: no complete checkpoint under ", cfg.checkpoint_dir(),
+        refused.empty() ? "" : absl::StrCat(" (refused: ", absl::StrJoin(refused, "; "), ")")));
+  }
+  if (!latest.ok()) return latest.status();
+  // A --model external job's d comes from its workers: checked again then.
+  const control::TrainingConfig& written = latest->manifest.config();
+  std::vector<std::string> conflicts = ResumeConflicts(cfg, written);
+  if (cfg.model() == kExternalModel) {
+    conflicts.erase(
+        std::remove_if(conflicts.begin(), conflicts.end(),
+                       [](const std::string& c) { return absl::StartsWith(c, "--dim:"); }),
+        conflicts.end());
+  }
+  if (!conflicts.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot resume from ", latest->dir,
+        ": it was written by a job with another config: ", absl::StrJoin(conflicts, "; "),
+        ". Run with that config, or give another --checkpoint_dir"));
+  }
+  return std::optional<CompleteCheckpoint>(*std::move(latest));
+}
+
 }  // namespace
 
 absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
@@ -51,17 +91,36 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
     auto map = ShardMap::Create(cfg.dim(), cfg.servers(), cfg.block_size());
     if (!map.ok()) return map.status();
   }
+  auto resume = FindResumePoint(cfg);
+  if (!resume.ok()) return resume.status();
   std::optional<MetricsLog> metrics;
+  std::vector<MetricsRow> prior_rows;
   if (!o.out.empty()) {
     if (absl::Status st = MakeDirs(o.out); !st.ok()) return st;
     if (absl::Status st = CheckNotFinished(o.out); !st.ok()) return st;
-    auto log = MetricsLog::Open(o.out + "/metrics.csv");
+    const std::string path = o.out + "/metrics.csv";
+    if (*resume) {
+      // The interrupted run's rows before the checkpoint stay; the steps
+      // after it are run again.
+      auto rows = ReadMetricsCsv(path);
+      if (!rows.ok()) return rows.status();
+      for (MetricsRow& r : *rows) {
+        if (r.step < (*resume)->manifest.step()) prior_rows.push_back(std::move(r));
+      }
+    }
+    auto log = MetricsLog::Open(path, prior_rows);
     if (!log.ok()) return log.status();
     metrics = *std::move(log);
   }
 
-  const uint64_t job_id = NewJobId();
+  // A resumed job is the same job: the same id.
+  uint64_t job_id = NewJobId();
+  if (*resume && !absl::SimpleHexAtoi((*resume)->manifest.job_id(), &job_id)) {
+    return absl::DataLossError(absl::StrCat((*resume)->dir, "/", kManifestName, ": job id '",
+                                            (*resume)->manifest.job_id(), "' is not hex"));
+  }
   CoordinatorService service(cfg, given, job_id, o.register_timeout);
+  if (*resume) service.ResumeFrom(**std::move(resume), std::move(prior_rows));
   EnableHealthService();
   grpc::ServerBuilder builder;
   ConfigureExclusivePort(&builder);

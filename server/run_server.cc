@@ -45,6 +45,37 @@ control::ShardChecksum ChecksumOf(const ServerShardState& state, uint32_t shard,
   return c;
 }
 
+// This shard's state from every server file of the checkpoint (saved by
+// global range: any earlier number of servers).
+absl::StatusOr<ServerShardState> LoadShardFromCheckpoint(const control::ResumePoint& resume,
+                                                         const Range& r, uint32_t shard) {
+  std::vector<StateReader> files;
+  for (const std::string& name : resume.server_files()) {
+    auto f = StateReader::Open(absl::StrCat(resume.dir(), "/", name));
+    if (!f.ok()) return f.status();
+    // Only the files whose range meets this shard's are needed.
+    const bool meets = f->header().begin() < r.end && r.begin < f->header().end();
+    if (r.size() > 0 && !meets) continue;
+    files.push_back(*std::move(f));
+  }
+  std::vector<const StateReader*> parts;
+  for (const StateReader& f : files) parts.push_back(&f);
+  ServerShardState s;
+  s.shard = shard;
+  if (absl::Status st = LoadServerShard(parts, r.begin, r.end, &s); !st.ok()) {
+    return absl::Status(st.code(),
+                        absl::StrCat("resuming from ", resume.dir(), ": ", st.message()));
+  }
+  if (s.step != resume.step()) {
+    return absl::DataLossError(absl::StrCat("resuming from ", resume.dir(),
+                                            ": its files are of step ", s.step,
+                                            ", its manifest of step ", resume.step()));
+  }
+  std::fprintf(stderr, "server %u: resuming from %s (step %llu)\n", shard, resume.dir().c_str(),
+               static_cast<unsigned long long>(s.step));
+  return s;
+}
+
 }  // namespace
 
 absl::Status RunServer(const ServerOptions& o) {
@@ -139,6 +170,11 @@ absl::Status RunServer(const ServerOptions& o) {
       }
       writer.Submit(s.step, SaveServerShard(s), *dir, absl::StrCat("server-", s.shard, ".state"));
     };
+  }
+  if (reg->has_resume()) {
+    auto restored = LoadShardFromCheckpoint(reg->resume(), map->shard(rank), rank);
+    if (!restored.ok()) return fail(restored.status());
+    po.restored = *std::move(restored);
   }
   auto server = PsServer::Create(po, &socket);
   if (!server.ok()) return fail(server.status());

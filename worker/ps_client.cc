@@ -177,19 +177,20 @@ absl::Status PsClient::ReceiveAll(
   return absl::OkStatus();
 }
 
-absl::Status PsClient::PullInit(Replica* replica, const Check& check) {
+absl::Status PsClient::PullParams(uint64_t step, Replica* replica, const Check& check) {
   for (size_t i = 0; i < chunks_.size(); ++i) {
-    absl::Status st = SendChunk(i, 0, *fp32_, data::PULL,
+    absl::Status st = SendChunk(i, step, *fp32_, data::PULL,
                                 [](const Range&, uint8_t*) { return absl::OkStatus(); });
     if (!st.ok()) return st;
   }
   std::vector<bool> got(chunks_.size(), false);
   std::vector<float> x;
   return ReceiveAll(
-      "the initial parameters",
+      step == 0 ? std::string("the initial parameters")
+                : absl::StrCat("the parameters at step ", step),
       [&](uint32_t k, std::vector<zmq::message_t>& frames) -> absl::Status {
         data::Header h;
-        auto i = CheckReply(k, 0, data::PARAMS, frames, &h);
+        auto i = CheckReply(k, step, data::PARAMS, frames, &h);
         if (!i.ok()) return i.status();
         const Range& r = chunks_[*i].range;
         const size_t need = fp32_->EncodedSize(r.size());

@@ -48,9 +48,10 @@ class PsClient {
   // Rank 0 only, before step 0: sends x (fp32, host memory) so the masters
   // start from it.
   absl::Status SendInit(const float* x);
-  // Every other rank, before step 0: fetches the masters' initial x (rank
-  // 0's, once it has arrived) into the replica.
-  absl::Status PullInit(Replica* replica, const Check& check);
+  // Fetches the servers' x as of the start of `step` into the replica:
+  // before step 0 on every other rank (rank 0's x, once it has arrived);
+  // on every rank of a job resumed at `step`.
+  absl::Status PullParams(uint64_t step, Replica* replica, const Check& check);
 
   // A step in parts: BeginStep, then PushReady as gradient ranges become
   // final (each chunk is pushed once all of it is ready), then CompleteStep,

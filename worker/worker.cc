@@ -16,6 +16,7 @@
 #include "checkpoint/async_writer.h"
 #include "checkpoint/checkpoint_dir.h"
 #include "checkpoint/optimizer_state.h"
+#include "checkpoint/state_file.h"
 #include "google/protobuf/util/json_util.h"
 #include "net/checksum.h"
 #include "net/control.h"
@@ -49,6 +50,8 @@ struct Worker::Impl {
   std::unique_ptr<AsyncStateWriter> writer;
 
   bool broadcast = false;
+  bool resumed = false;        // from a checkpoint: x comes from the servers
+  absl::Duration wall_before;  // training time before the checkpoint
   bool finished = false;
   absl::Status failure;
   uint64_t step = 0;        // steps completed
@@ -74,8 +77,9 @@ struct Worker::Impl {
       return absl::Status(state.status().code(), absl::StrCat("checkpoint of step ", step, ": ",
                                                               state.status().message()));
     }
-    writer->Submit(step, SaveWorkerState(*state, job.rank, step), *dir,
-                   absl::StrCat("worker-", job.rank, ".state"));
+    StateWriter file = SaveWorkerState(*state, job.rank, step);
+    file.SetValue("wall_s", absl::StrCat(absl::ToDoubleSeconds(absl::Now() - *t0)));
+    writer->Submit(step, std::move(file), *dir, absl::StrCat("worker-", job.rank, ".state"));
     return absl::OkStatus();
   }
 
@@ -111,7 +115,7 @@ struct Worker::Impl {
     if (client->in_step()) return absl::OkStatus();
     FlushMetrics();
     step_start = absl::Now();
-    if (!t0) t0 = step_start;
+    if (!t0) t0 = step_start - wall_before;
     step_phase = replica->phase();
     return client->BeginStep(step, lr);
   }
@@ -121,7 +125,37 @@ struct Worker::Impl {
   }
 
   absl::Status Connect(const WorkerOptions& o, const ModelFactory& make_model);
+  // This worker's state from the checkpoint the job resumes from (x comes
+  // from the servers in BroadcastParameters).
+  absl::Status Restore(const control::ResumePoint& resume);
 };
+
+absl::Status Worker::Impl::Restore(const control::ResumePoint& resume) {
+  const std::string path = absl::StrCat(resume.dir(), "/worker-", job.rank, ".state");
+  auto file = StateReader::Open(path);
+  if (!file.ok()) return file.status();
+  if (file->header().step() != resume.step()) {
+    return absl::DataLossError(absl::StrCat(path, " is of step ", file->header().step(),
+                                            ", its checkpoint's manifest of step ", resume.step()));
+  }
+  WorkerState s;
+  s.x.resize(job.num_params);
+  absl::Status st = replica->ReadX(s.x.data());
+  if (st.ok()) st = LoadWorkerState(*file, job.num_params, &s);
+  if (st.ok()) st = replica->RestoreState(s);
+  if (!st.ok())
+    return absl::Status(st.code(), absl::StrCat("resuming from ", path, ": ", st.message()));
+  double wall = 0;
+  if (auto text = file->Value("wall_s"); text.ok() && absl::SimpleAtod(*text, &wall)) {
+    wall_before = absl::Seconds(wall);
+  }
+  step = resume.step();
+  hb->SetStep(step);
+  resumed = true;
+  std::fprintf(stderr, "worker %u: resuming from %s (step %llu)\n", job.rank, resume.dir().c_str(),
+               static_cast<unsigned long long>(step));
+  return absl::OkStatus();
+}
 
 namespace {
 
@@ -249,6 +283,9 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
     return Fail(
         absl::Status(st.code(), absl::StrCat("initialising on ", device, ": ", st.message())));
   }
+  if (reg->has_resume()) {
+    if (absl::Status st = Restore(reg->resume()); !st.ok()) return Fail(st);
+  }
   return absl::OkStatus();
 }
 
@@ -317,12 +354,12 @@ absl::Status Worker::BroadcastParameters() {
   if (absl::Status st = w.Usable(); !st.ok()) return st;
   if (w.broadcast) return absl::FailedPreconditionError("the parameters were broadcast already");
   absl::Status st;
-  if (w.job.rank == 0) {
+  if (w.job.rank == 0 && !w.resumed) {
     std::vector<float> x(w.job.num_params);
     st = w.replica->ReadX(x.data());
     if (st.ok()) st = w.client->SendInit(x.data());
   } else {
-    st = w.client->PullInit(w.replica.get(), [&w] { return w.CheckJob(); });
+    st = w.client->PullParams(w.step, w.replica.get(), [&w] { return w.CheckJob(); });
   }
   if (!st.ok()) {
     return w.Fail(absl::Status(

@@ -80,7 +80,9 @@ int Main(int argc, char** argv) {
   const absl::Time t0 = absl::Now();
   absl::Time last_progress = t0;
   uint64_t total_up = 0, total_down = 0;
-  for (uint64_t step = 0; step < steps; ++step) {
+  // A resumed job continues at its checkpoint's step; the data order is the step's.
+  const uint64_t first = w.steps_done();
+  for (uint64_t step = first; step < steps; ++step) {
     if (stall >= 0 && step == static_cast<uint64_t>(stall)) {
       std::fprintf(stderr, "worker %u: stalling at step %llu (--stall_at_step)\n", rank,
                    static_cast<unsigned long long>(step));
@@ -113,7 +115,7 @@ int Main(int argc, char** argv) {
     if (now - last_progress >= progress_every || step + 1 == steps) {
       last_progress = now;
       const double elapsed = absl::ToDoubleSeconds(now - t0);
-      const double rate = static_cast<double>(step + 1) / std::max(elapsed, 1e-9);
+      const double rate = static_cast<double>(step + 1 - first) / std::max(elapsed, 1e-9);
       const std::string epoch =
           per_epoch > 0 ? absl::StrFormat(" epoch %.2f", so.epoch) : std::string();
       const std::string acc =

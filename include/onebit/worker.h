@@ -148,7 +148,10 @@ class Worker {
 
   // Before the first step: rank 0's params() become every worker's and the
   // servers' master copy, so each rank may initialise its model its own
-  // way. Blocks until this worker has them.
+  // way. Blocks until this worker has them. In a job that resumed from a
+  // checkpoint (steps_done() > 0 right after Connect), every rank gets the
+  // checkpoint's x instead: continue your loop, and your data order, at
+  // steps_done().
   absl::Status BroadcastParameters();
 
   // The learning rate of this step and the following ones (until changed),
@@ -173,7 +176,8 @@ class Worker {
   // Step() and the next step's first push. An error before the first step.
   absl::Status ReportEvaluation(double test_loss, double test_accuracy);
 
-  // Steps completed, and whether the next runs in the compression phase.
+  // Steps completed (from the checkpoint's step in a resumed job), and
+  // whether the next runs in the compression phase.
   uint64_t steps_done() const;
   bool compressing() const;
 

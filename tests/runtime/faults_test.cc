@@ -53,15 +53,6 @@ int WaitForPort(const std::string& port_file, Subprocess* coordinator, const std
   return 0;
 }
 
-bool WaitForText(const std::string& path, const std::string& text, absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (absl::Now() < deadline) {
-    if (ReadFile(path).find(text) != std::string::npos) return true;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  return false;
-}
-
 // A test double of a worker's data-plane socket.
 class FakeWorker {
  public:
@@ -449,19 +440,6 @@ TEST(Faults, KilledCoordinatorStopsEveryoneNamingIt) {
   const std::string named = "the coordinator at " + target + " is unreachable";
   EXPECT_THAT(ReadFile(dir + "/worker.log"), HasSubstr(named));
   EXPECT_THAT(ReadFile(dir + "/server.log"), HasSubstr(named));
-}
-
-// Live processes whose command line contains `text` (zombies have none).
-std::vector<int> ProcessesMentioning(const std::string& text) {
-  std::vector<int> pids;
-  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
-    int pid = 0;
-    if (!absl::SimpleAtoi(e.path().filename().string(), &pid) || pid == getpid()) continue;
-    std::string cmd = ReadFile(e.path().string() + "/cmdline");
-    std::replace(cmd.begin(), cmd.end(), '\0', ' ');
-    if (cmd.find(text) != std::string::npos) pids.push_back(pid);
-  }
-  return pids;
 }
 
 TEST(Faults, KilledLauncherLeavesNoOrphans) {

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <thread>
 
@@ -233,6 +234,63 @@ TEST(RunFolder, SummaryIsValidJsonWhateverTheNumbers) {
   EXPECT_THAT(std::string(st.message()),
               HasSubstr(dir + "/summary.json is a finished job's (status ok): not overwriting"));
   EXPECT_TRUE(CheckNotFinished(dir + "/nothing-here").ok());
+}
+
+// A resumed job keeps the rows before its checkpoint: read back as written,
+// a line a crash cut short dropped, another file refused by name.
+TEST(RunFolder, MetricsCsvReadsBackWhatWasWritten) {
+  const std::string dir = testing::TempDir("metrics_read");
+  const std::string path = dir + "/metrics.csv";
+  MetricsRow a;
+  a.step = 0;
+  a.phase = "warmup";
+  a.loss = 2.5;
+  a.wall_s = 0.125;
+  a.bytes_up = 1234;
+  a.bytes_down = 99;
+  a.epoch = 0.5;
+  MetricsRow b = a;
+  b.step = 1;
+  b.phase = "compress";
+  b.test_loss = 0.75;
+  b.test_accuracy = 0.875;
+  auto log = MetricsLog::Open(path, {a});
+  ASSERT_TRUE(log.ok()) << log.status();
+  ASSERT_TRUE(log->Append({b}).ok());
+  ASSERT_TRUE(log->Close().ok());
+  {
+    std::ofstream cut(path, std::ios::app);
+    cut << "2,compress,0.1";  // no newline: the crash came mid-line
+  }
+  auto rows = ReadMetricsCsv(path);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  ASSERT_EQ(rows->size(), 2u);
+  EXPECT_EQ((*rows)[0].step, 0u);
+  EXPECT_EQ((*rows)[0].phase, "warmup");
+  EXPECT_EQ((*rows)[0].loss, 2.5);
+  EXPECT_EQ((*rows)[0].wall_s, 0.125);
+  EXPECT_EQ((*rows)[0].bytes_up, 1234u);
+  EXPECT_EQ((*rows)[0].bytes_down, 99u);
+  EXPECT_EQ((*rows)[0].epoch, 0.5);
+  EXPECT_FALSE((*rows)[0].test_accuracy.has_value());
+  EXPECT_EQ((*rows)[1].phase, "compress");
+  EXPECT_EQ((*rows)[1].test_loss, 0.75);
+  EXPECT_EQ((*rows)[1].test_accuracy, 0.875);
+
+  EXPECT_TRUE(ReadMetricsCsv(dir + "/none.csv").value().empty());
+  {
+    std::ofstream other(dir + "/other.csv");
+    other << "a,b,c\n1,2,3\n";
+  }
+  EXPECT_THAT(std::string(ReadMetricsCsv(dir + "/other.csv").status().message()),
+              HasSubstr(dir + "/other.csv: not a metrics.csv of this version"));
+  {
+    std::ofstream bad(dir + "/bad.csv");
+    bad << "step,phase,loss,wall_s,bytes_up,bytes_down,step_s,push_s,reply_s,epoch,test_loss,"
+           "test_accuracy\n0,warmup,x,0,0,0,0,0,0,0,,\n";
+  }
+  EXPECT_THAT(std::string(ReadMetricsCsv(dir + "/bad.csv").status().message()),
+              HasSubstr(dir + "/bad.csv line 2: not a metrics row"));
 }
 
 TEST(RunFolder, MetricsLogHasEveryRowAppendedBeforeItIsClosed) {

@@ -3,12 +3,14 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "compress/codec.h"
@@ -159,6 +161,27 @@ std::vector<std::string> ConfigArgs(const control::TrainingConfig& c) {
           absl::StrCat("--heartbeat_timeout=", c.heartbeat_timeout_ms(), "ms"),
           absl::StrFormat("--noise=%.9g", c.noise()),
           absl::StrFormat("--curvature_spread=%.9g", c.curvature_spread())};
+}
+
+bool WaitForText(const std::string& path, const std::string& text, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    if (ReadFile(path).find(text) != std::string::npos) return true;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return false;
+}
+
+std::vector<int> ProcessesMentioning(const std::string& text) {
+  std::vector<int> pids;
+  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+    int pid = 0;
+    if (!absl::SimpleAtoi(e.path().filename().string(), &pid) || pid == getpid()) continue;
+    std::string cmd = ReadFile(e.path().string() + "/cmdline");
+    std::replace(cmd.begin(), cmd.end(), '\0', ' ');
+    if (cmd.find(text) != std::string::npos) pids.push_back(pid);
+  }
+  return pids;
 }
 
 ReferenceResult Reference(const control::TrainingConfig& cfg) {

@@ -39,6 +39,10 @@ RunResult RunCommand(const std::vector<std::string>& argv, absl::Duration timeou
 Subprocess Start(const std::vector<std::string>& argv, const std::string& log_path);
 
 std::string ReadFile(const std::string& path);
+// Whether the file at `path` contains `text` within `timeout` (polled).
+bool WaitForText(const std::string& path, const std::string& text, absl::Duration timeout);
+// Live processes whose command line contains `text` (zombies have none).
+std::vector<int> ProcessesMentioning(const std::string& text);
 std::vector<float> ReadFloats(const std::string& path);
 
 // Bitwise equality of two float vectors; on mismatch, a message naming the

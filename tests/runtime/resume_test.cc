@@ -1,0 +1,369 @@
+// Resuming real clusters from their checkpoints: a job is stopped mid-run (one
+// worker stalls, then one process is killed with SIGKILL once the checkpoint
+// before the stall is complete), started again on the same checkpoint
+// folder, and must end bit for bit where the same job run without
+// interruption ends: every worker's x, every master and every server error,
+// and every metrics row's loss.
+#include <signal.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "checkpoint/checkpoint_dir.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/runtime/test_util.h"
+
+namespace onebit::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct Case {
+  std::string name;
+  std::vector<std::string> flags;  // the job, for onebit-launch
+  uint64_t steps = 0;
+  uint64_t every = 0;     // --checkpoint_every
+  uint64_t stall_at = 0;  // worker 1 stops pushing at this step
+  // Killed with SIGKILL: "coordinator", "server K" or "worker R".
+  std::string victim;
+  std::vector<std::string> resume_flags;  // e.g. another --servers
+};
+
+std::vector<std::string> Launch(const Case& c, const std::string& out,
+                                const std::vector<std::string>& more) {
+  std::vector<std::string> argv = {Bin("onebit-launch"), "--out=" + out};
+  argv.insert(argv.end(), c.flags.begin(), c.flags.end());
+  argv.insert(argv.end(), more.begin(), more.end());
+  return argv;
+}
+
+// The pid of the case's victim in the job whose coordinator is `target`.
+int VictimPid(const std::string& victim, const std::string& target, const std::string& out) {
+  std::vector<int> pids;
+  if (victim == "coordinator") {
+    for (int pid : ProcessesMentioning("--out=" + out)) {
+      if (ReadFile(absl::StrCat("/proc/", pid, "/cmdline")).find("onebit-coordinator") !=
+          std::string::npos) {
+        pids.push_back(pid);
+      }
+    }
+  } else {
+    const std::vector<std::string> role = absl::StrSplit(victim, ' ');
+    const std::string bin = role[0] == "server" ? "onebit-server" : "onebit-worker";
+    const std::string rank = absl::StrCat(role[0] == "server" ? "--shard=" : "--rank=", role[1]);
+    for (int pid : ProcessesMentioning("--coordinator=" + target)) {
+      std::string cmd = ReadFile(absl::StrCat("/proc/", pid, "/cmdline"));
+      std::replace(cmd.begin(), cmd.end(), '\0', ' ');
+      if (cmd.find(bin) != std::string::npos && cmd.find(rank + " ") != std::string::npos) {
+        pids.push_back(pid);
+      }
+    }
+  }
+  EXPECT_EQ(pids.size(), 1u) << victim;
+  return pids.empty() ? -1 : pids[0];
+}
+
+std::vector<std::string> Rows(const std::string& out) {
+  std::vector<std::string> lines =
+      absl::StrSplit(ReadFile(out + "/metrics.csv"), '\n', absl::SkipEmpty());
+  if (!lines.empty()) lines.erase(lines.begin());  // the header
+  return lines;
+}
+
+std::string Column(const std::string& row, int i) {
+  const std::vector<std::string> f = absl::StrSplit(row, ',');
+  return i < static_cast<int>(f.size()) ? f[i] : std::string();
+}
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+class Resume : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Resume, EndsBitForBitWhereTheUninterruptedJobEnds) {
+  const Case& c = GetParam();
+  const std::string dir = TempDir("resume_" + c.name);
+  const std::string root = dir + "/ckpt";
+  const std::vector<std::string> ckpt = {"--checkpoint_dir=" + root,
+                                         absl::StrCat("--checkpoint_every=", c.every)};
+
+  RunResult plain = RunCommand(Launch(c, dir + "/plain", {"--dump_params"}), absl::Seconds(60));
+  ASSERT_EQ(plain.code, 0) << plain.output;
+
+  // Interrupted: worker 1 stalls, so the job cannot pass stall_at; the last
+  // checkpoint before it completes, and then the victim dies.
+  const uint64_t at = c.stall_at / c.every * c.every;
+  std::vector<std::string> stalled = ckpt;
+  stalled.push_back("--stall_worker=1");
+  stalled.push_back(absl::StrCat("--stall_at_step=", c.stall_at));
+  const std::string out = dir + "/run";
+  Subprocess first = Start(Launch(c, out, stalled), dir + "/first.log");
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (!VerifyCheckpoint(StepDir(root, at)).ok() && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_TRUE(VerifyCheckpoint(StepDir(root, at)).ok()) << ReadFile(dir + "/first.log");
+  // Every step up to the stall but the last is reported (a worker sends a
+  // step's metrics with its next step, so that an evaluation may join them).
+  while (Rows(out).size() < c.stall_at - 1 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  const std::string log = ReadFile(dir + "/first.log");
+  const size_t pos = log.find("coordinator at 127.0.0.1:");
+  ASSERT_NE(pos, std::string::npos) << log;
+  const std::string target = log.substr(pos + 15, log.find(' ', pos + 15) - pos - 15);
+  const int victim = VictimPid(c.victim, target, out);
+  ASSERT_GT(victim, 0) << log;
+  kill(victim, SIGKILL);
+  auto code = first.Wait(absl::Seconds(20));
+  ASSERT_TRUE(code.has_value()) << "hung: " << ReadFile(dir + "/first.log");
+  EXPECT_NE(*code, 0);
+  // ... and on disk after the kill, whichever process it was.
+  EXPECT_GE(Rows(out).size(), c.stall_at - 1);
+
+  std::vector<std::string> again = ckpt;
+  again.push_back("--resume");
+  again.push_back("--dump_params");
+  again.insert(again.end(), c.resume_flags.begin(), c.resume_flags.end());
+  RunResult resumed = RunCommand(Launch(c, out, again), absl::Seconds(60));
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  EXPECT_THAT(resumed.output,
+              HasSubstr(absl::StrCat("resuming from the checkpoint of step ", at, " in ")));
+
+  const std::string summary = ReadFile(out + "/summary.json");
+  EXPECT_EQ(Field(summary, "status"), "\"ok\"");
+  EXPECT_EQ(Field(summary, "resumed_from_step"), absl::StrCat(at));
+  EXPECT_EQ(Field(summary, "workers_agree"), "true");
+  const std::string want = ReadFile(dir + "/plain/summary.json");
+  // replicas_equal: false by design under --server-reply delta.
+  for (const char* key :
+       {"steps", "freeze_step", "final_loss", "test_accuracy", "replicas_equal"}) {
+    EXPECT_EQ(Field(summary, key), Field(want, key)) << key;
+  }
+  if (c.resume_flags.empty()) {  // headers are per server
+    for (const char* key : {"bytes_up", "bytes_down"}) {
+      EXPECT_EQ(Field(summary, key), Field(want, key)) << key;
+    }
+  }
+  uint32_t workers = 0, servers = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(Field(want, "workers"), &workers));
+  ASSERT_TRUE(absl::SimpleAtoi(Field(summary, "servers"), &servers));
+  for (uint32_t w = 0; w < workers; ++w) {
+    const std::string f = absl::StrCat("/replica_w", w, ".f32");
+    EXPECT_EQ(FirstDifference(ReadFloats(out + f), ReadFloats(dir + "/plain" + f)), "") << f;
+  }
+  // The masters and server errors, joined over the shards (a resumed job
+  // may have another number of servers).
+  for (const char* kind : {"master", "error"}) {
+    std::vector<float> got, expect;
+    for (uint32_t k = 0; k < servers; ++k) {
+      std::vector<float> v = ReadFloats(absl::StrCat(out, "/", kind, "_s", k, ".f32"));
+      got.insert(got.end(), v.begin(), v.end());
+    }
+    uint32_t plain_servers = 0;
+    ASSERT_TRUE(absl::SimpleAtoi(Field(want, "servers"), &plain_servers));
+    for (uint32_t k = 0; k < plain_servers; ++k) {
+      std::vector<float> v = ReadFloats(absl::StrCat(dir, "/plain/", kind, "_s", k, ".f32"));
+      expect.insert(expect.end(), v.begin(), v.end());
+    }
+    EXPECT_EQ(FirstDifference(got, expect), "") << kind;
+  }
+  // metrics.csv: each step once, in order, the same losses (the rows before
+  // the checkpoint kept from the first run, the rest from the second).
+  const std::vector<std::string> rows = Rows(out), plain_rows = Rows(dir + "/plain");
+  ASSERT_EQ(rows.size(), c.steps);
+  ASSERT_EQ(plain_rows.size(), c.steps);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    EXPECT_EQ(Column(rows[i], 0), absl::StrCat(i)) << rows[i];
+    EXPECT_EQ(Column(rows[i], 1), Column(plain_rows[i], 1)) << "phase of step " << i;
+    EXPECT_EQ(Column(rows[i], 2), Column(plain_rows[i], 2)) << "loss of step " << i;
+  }
+}
+
+std::vector<std::string> Synthetic(const std::string& optimizer, uint32_t servers, uint64_t steps,
+                                   std::vector<std::string> more) {
+  std::vector<std::string> f = {"--workers=3",
+                                absl::StrCat("--servers=", servers),
+                                "--dim=6007",
+                                absl::StrCat("--steps=", steps),
+                                "--optimizer=" + optimizer,
+                                "--block_size=32",
+                                "--chunk_elems=1024",
+                                "--heartbeat_timeout=3s"};
+  f.insert(f.end(), more.begin(), more.end());
+  return f;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Jobs, Resume,
+    ::testing::Values(
+        // The checkpoint exactly at the freeze step (the first compression
+        // step is 4): v frozen, the errors still zero.
+        Case{"at_the_freeze", Synthetic("onebit-adam", 2, 10, {"--freeze_step=4"}), 10, 4, 6,
+             "worker 1"},
+        Case{"compression_phase_server_killed",
+             Synthetic("onebit-adam", 2, 12, {"--freeze_step=3"}), 12, 3, 7, "server 0"},
+        Case{"warmup_coordinator_killed", Synthetic("adam", 2, 10, {}), 10, 2, 5, "coordinator"},
+        Case{"delta_reply",
+             Synthetic("onebit-adam", 2, 12,
+                       {"--freeze_step=3", "--server_reply=delta", "--server_codec=fp16"}),
+             12, 4, 9, "server 1"},
+        Case{"naive_onebit_adam", Synthetic("naive-onebit-adam", 2, 10, {"--freeze_step=2"}), 10, 3,
+             7, "worker 0"},
+        Case{"ef_sgd", Synthetic("ef-sgd", 1, 8, {}), 8, 3, 4, "worker 2"},
+        // --freeze auto: the coordinator's decisions up to the checkpoint
+        // come from its manifest; the later ones are made again.
+        Case{"auto_freeze",
+             {"--workers=2", "--servers=3", "--dim=3000", "--steps=40", "--optimizer=onebit-adam",
+              "--freeze=auto:0.3:5", "--block_size=32", "--chunk_elems=256", "--seed=7",
+              "--heartbeat_timeout=3s"},
+             40,
+             5,
+             12,
+             "server 2"},
+        // Saved by global range: two servers' files restore onto three.
+        Case{"reshard_2_to_3",
+             Synthetic("onebit-adam", 2, 10, {"--freeze_step=3"}),
+             10,
+             5,
+             6,
+             "worker 2",
+             {"--servers=3"}},
+        Case{"mlp",
+             {"--workers=2", "--servers=2", "--model=mlp", "--layers=784-16-10",
+              "--optimizer=onebit-adam", "--lr=2e-3", "--batch=32", "--max_train=512",
+              "--max_test=200", "--epochs=3", "--freeze_step=8", "--heartbeat_timeout=3s"},
+             24,
+             8,
+             13,
+             "server 1"}),
+    [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
+
+// A finished job's checkpoints, then damaged as a disk or a user might: each
+// kind is refused naming the file, and the job resumes from the one before.
+TEST(Resume, ACorruptCheckpointIsRefusedNamingTheFileAndThePreviousOneIsUsed) {
+  const std::string dir = TempDir("resume_corrupt");
+  const std::vector<std::string> job = {
+      Bin("onebit-launch"),   "--workers=2",         "--servers=2",
+      "--dim=3001",           "--steps=9",           "--optimizer=onebit-adam",
+      "--freeze_step=2",      "--block_size=32",     "--chunk_elems=512",
+      "--checkpoint_every=3", "--checkpoint_keep=3", "--dump_params"};
+  auto with = [&](std::vector<std::string> more) {
+    std::vector<std::string> argv = job;
+    argv.insert(argv.end(), more.begin(), more.end());
+    return argv;
+  };
+  RunResult plain = RunCommand(with({"--out=" + dir + "/plain", "--checkpoint_dir=" + dir + "/ck"}),
+                               absl::Seconds(60));
+  ASSERT_EQ(plain.code, 0) << plain.output;
+  // Another job's file: the same job under another seed.
+  RunResult other = RunCommand(
+      with({"--out=" + dir + "/other", "--checkpoint_dir=" + dir + "/other_ck", "--seed=99"}),
+      absl::Seconds(60));
+  ASSERT_EQ(other.code, 0) << other.output;
+
+  struct Damage {
+    std::string name, file;
+    std::function<void(const std::string& path)> apply;
+    std::string says;
+  };
+  const std::vector<Damage> damages = {
+      {"flipped", "server-0.state",
+       [](const std::string& p) {
+         std::fstream f(p, std::ios::in | std::ios::out | std::ios::binary);
+         f.seekp(300);
+         char c = 0;
+         f.seekg(300);
+         f.get(c);
+         f.seekp(300);
+         f.put(static_cast<char>(c ^ 0x10));
+       },
+       "does not match its checksum"},
+      {"truncated", "worker-1.state",
+       [](const std::string& p) {
+         std::filesystem::resize_file(p, std::filesystem::file_size(p) / 2);
+       },
+       "(truncated?)"},
+      {"missing", "worker-0.state", [](const std::string& p) { std::filesystem::remove(p); },
+       "is missing"},
+      {"another_jobs", "server-1.state",
+       [&](const std::string& p) {
+         std::filesystem::copy_file(StepDir(dir + "/other_ck", 9) + "/server-1.state", p,
+                                    std::filesystem::copy_options::overwrite_existing);
+       },
+       "does not match its checksum"},
+  };
+  for (const Damage& d : damages) {
+    SCOPED_TRACE(d.name);
+    const std::string ck = dir + "/ck_" + d.name;
+    std::filesystem::copy(dir + "/ck", ck, std::filesystem::copy_options::recursive);
+    const std::string path = StepDir(ck, 9) + "/" + d.file;
+    d.apply(path);
+    RunResult r =
+        RunCommand(with({"--out=" + dir + "/run_" + d.name, "--checkpoint_dir=" + ck, "--resume"}),
+                   absl::Seconds(60));
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_THAT(r.output,
+                HasSubstr(absl::StrCat("not resuming from ", StepDir(ck, 9), ": ", path)));
+    EXPECT_THAT(r.output, HasSubstr(d.says));
+    EXPECT_THAT(r.output, HasSubstr("resuming from the checkpoint of step 6 in "));
+    for (const char* f :
+         {"/replica_w0.f32", "/replica_w1.f32", "/master_s0.f32", "/error_s1.f32"}) {
+      EXPECT_EQ(
+          FirstDifference(ReadFloats(dir + "/run_" + d.name + f), ReadFloats(dir + "/plain" + f)),
+          "")
+          << f;
+    }
+    // The checkpoint of step 9 is whole again.
+    EXPECT_TRUE(VerifyCheckpoint(StepDir(ck, 9)).ok());
+  }
+}
+
+// A checkpoint resumes only into the config that wrote it; --resume insists
+// on one.
+TEST(Resume, AnotherConfigOrNoCheckpointIsAClearError) {
+  const std::string dir = TempDir("resume_config");
+  const std::vector<std::string> job = {Bin("onebit-launch"),
+                                        "--workers=1",
+                                        "--servers=1",
+                                        "--dim=500",
+                                        "--steps=4",
+                                        "--block_size=32",
+                                        "--chunk_elems=256",
+                                        "--checkpoint_every=2",
+                                        "--checkpoint_dir=" + dir + "/ck"};
+  auto with = [&](std::vector<std::string> more) {
+    std::vector<std::string> argv = job;
+    argv.insert(argv.end(), more.begin(), more.end());
+    return argv;
+  };
+  RunResult none = RunCommand(with({"--out=" + dir + "/none", "--resume"}), absl::Seconds(30));
+  EXPECT_NE(none.code, 0);
+  EXPECT_THAT(none.output, HasSubstr("--resume: no complete checkpoint under " + dir + "/ck"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/ck/step-000000000002"));
+
+  RunResult first = RunCommand(with({"--out=" + dir + "/first", "--lr=0.02"}), absl::Seconds(30));
+  ASSERT_EQ(first.code, 0) << first.output;
+  RunResult other =
+      RunCommand(with({"--out=" + dir + "/other", "--lr=0.03", "--seed=5"}), absl::Seconds(30));
+  EXPECT_NE(other.code, 0);
+  EXPECT_THAT(other.output,
+              HasSubstr("cannot resume from " + StepDir(dir + "/ck", 4) +
+                        ": it was written by a job with another config: --seed: 5 (here) vs 1 "
+                        "(there); --lr: 0.03 (here) vs 0.02 (there)"));
+  // Where checkpoints go and how often may change.
+  RunResult same = RunCommand(
+      with({"--out=" + dir + "/same", "--lr=0.02", "--checkpoint_every=1", "--step_timeout=20s"}),
+      absl::Seconds(30));
+  EXPECT_EQ(same.code, 0) << same.output;
+  EXPECT_THAT(same.output, HasSubstr("resuming from the checkpoint of step 4"));
+}
+
+}  // namespace
+}  // namespace onebit::testing
