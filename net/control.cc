@@ -6,6 +6,7 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
+#include "net/stop_signal.h"
 
 namespace onebit {
 
@@ -122,13 +123,45 @@ void Heartbeater::Loop() {
   while (true) {
     {
       absl::MutexLock l(&mu_);
-      auto wake = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || kick_; };
-      mu_.AwaitWithTimeout(absl::Condition(&wake), interval_);
+      // A signal handler cannot kick us: look at its flag often.
+      auto signalled = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stop_signal_ != nullptr && stop_signal_->load() != 0 && !stop_sent_;
+      };
+      auto wake = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || kick_; };
+      const absl::Time until = absl::Now() + interval_;
+      while (!wake() && !signalled() && absl::Now() < until) {
+        mu_.AwaitWithTimeout(
+            absl::Condition(&wake),
+            stop_signal_ != nullptr ? std::min(interval_, absl::Milliseconds(50)) : interval_);
+      }
       if (stop_) return;
       kick_ = false;
     }
     SendOnce();
   }
+}
+
+void Heartbeater::WatchStopSignal(const std::atomic<int>* flag) { stop_signal_ = flag; }
+
+std::optional<uint64_t> Heartbeater::stop_step() const {
+  absl::MutexLock l(&mu_);
+  return stop_step_;
+}
+
+Heartbeater::StepGate Heartbeater::BeginStep(uint64_t step, absl::Duration timeout) {
+  absl::MutexLock l(&mu_);
+  if (!stopping_) {
+    begun_ = std::max(begun_, step + 1);
+    return StepGate::kGo;
+  }
+  auto decided = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return stop_step_.has_value() || command_ != control::CONTINUE;
+  };
+  mu_.AwaitWithTimeout(absl::Condition(&decided), timeout);
+  if (!stop_step_ || command_ != control::CONTINUE) return StepGate::kUndecided;
+  if (step >= *stop_step_) return StepGate::kStopHere;
+  begun_ = std::max(begun_, step + 1);
+  return StepGate::kGo;
 }
 
 void Heartbeater::SendOnce() {
@@ -145,6 +178,10 @@ void Heartbeater::SendOnce() {
     checks_.clear();
     for (auto& c : parts_) *req.add_checkpoint_parts() = c;
     parts_.clear();
+    if (stop_signal_ != nullptr && stop_signal_->load() != 0) {
+      req.set_stop_requested(SignalName(stop_signal_->load()));
+    }
+    if (stop_ack_) req.set_stop_ack(*stop_ack_);
   }
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
@@ -170,6 +207,15 @@ void Heartbeater::SendOnce() {
     return;
   }
   last_ok_ = absl::Now();
+  if (!req.stop_requested().empty()) stop_sent_ = true;
+  if (reply.stopping() && !stopping_) {
+    stopping_ = true;
+    if (role_ == control::WORKER) {
+      stop_ack_ = begun_;
+      kick_ = true;  // tell the coordinator at once
+    }
+  }
+  if (reply.has_stop_step()) stop_step_ = reply.stop_step();
   freeze_decided_ = std::max(freeze_decided_, reply.freeze_decided());
   if (reply.freeze_step() != 0) freeze_step_ = reply.freeze_step();
   if (reply.has_end_step()) end_step_ = reply.end_step();

@@ -4,6 +4,7 @@
 #ifndef ONEBIT_NET_CONTROL_H_
 #define ONEBIT_NET_CONTROL_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -82,6 +83,22 @@ class Heartbeater {
   // sends it now; Done() carries any still queued. Thread-safe.
   void ReportCheckpointPart(const control::CheckpointPart& part);
 
+  // When *flag becomes non-zero (a signal's number, net/stop_signal.h),
+  // asks the coordinator to stop the job after a checkpoint at the next
+  // step boundary. Call before Start(); `flag` must outlive this.
+  void WatchStopSignal(const std::atomic<int>* flag);
+  // Once decided while the job is stopping: after how many completed steps
+  // every process stops.
+  std::optional<uint64_t> stop_step() const;
+  // Workers, before beginning step `step` (0-based). kGo unless the job is
+  // stopping; then, once the coordinator has named the stop step (waiting
+  // at most `timeout` for it), kGo before it and kStopHere at it;
+  // kUndecided when it did not come in time or the job ended otherwise
+  // (see command()). Atomic with hearing of the stop, so that the steps a
+  // worker says it has begun are all it begins.
+  enum class StepGate { kGo, kStopHere, kUndecided };
+  StepGate BeginStep(uint64_t step, absl::Duration timeout);
+
   // --freeze auto (servers): queues a check for the next heartbeat and sends
   // it now, so the coordinator can decide before anyone has to wait.
   void ReportFreezeCheck(uint64_t completed, double change);
@@ -111,6 +128,12 @@ class Heartbeater {
   uint64_t freeze_step_ ABSL_GUARDED_BY(mu_) = 0;
   std::optional<uint64_t> end_step_ ABSL_GUARDED_BY(mu_);
   uint64_t step_ ABSL_GUARDED_BY(mu_) = 0;
+  const std::atomic<int>* stop_signal_ = nullptr;
+  bool stop_sent_ ABSL_GUARDED_BY(mu_) = false;  // the request reached the coordinator
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::optional<uint64_t> stop_step_ ABSL_GUARDED_BY(mu_);
+  uint64_t begun_ ABSL_GUARDED_BY(mu_) = 0;                // steps begun (workers)
+  std::optional<uint64_t> stop_ack_ ABSL_GUARDED_BY(mu_);  // begun_ when stopping_ came
   std::vector<control::StepMetrics> pending_ ABSL_GUARDED_BY(mu_);
   control::Command command_ ABSL_GUARDED_BY(mu_) = control::CONTINUE;
   std::string reason_ ABSL_GUARDED_BY(mu_);

@@ -3,6 +3,7 @@
 #include <malloc.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 
@@ -109,6 +110,15 @@ zmq::message_t ShareFrame(const SharedBytes& buf, size_t offset, size_t size) {
   return zmq::message_t(
       const_cast<uint8_t*>(buf->data()) + offset, size,
       [](void*, void* hint) { delete static_cast<SharedBytes*>(hint); }, hold);
+}
+
+int PollItems(zmq::pollitem_t* items, size_t n, std::chrono::milliseconds timeout) {
+  try {
+    return zmq::poll(items, n, timeout);
+  } catch (const zmq::error_t& e) {
+    if (e.num() == EINTR) return 0;
+    throw;
+  }
 }
 
 void ConfigureDataSocket(zmq::socket_t* s) {

@@ -3,6 +3,7 @@
 #ifndef ONEBIT_NET_DATA_PLANE_H_
 #define ONEBIT_NET_DATA_PLANE_H_
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -65,6 +66,10 @@ zmq::message_t ShareFrame(const SharedBytes& buf, size_t offset, size_t size);
 // socket buffers (on loopback they took 1x1 push/pull of 10 M floats from
 // 1.5 to 2.4 GB/s: fewer wake-ups per chunk).
 void ConfigureDataSocket(zmq::socket_t* socket);
+
+// zmq::poll, where a caught signal (net/stop_signal.h) interrupting the
+// wait counts as a timeout: the caller's loop looks at its flags next.
+int PollItems(zmq::pollitem_t* items, size_t n, std::chrono::milliseconds timeout);
 
 // Makes malloc keep multi-MB chunk buffers (ZeroMQ allocates one per
 // received message) instead of returning them to the kernel on free and

@@ -250,6 +250,7 @@ absl::Status WriteSummaryJson(const std::string& path, const Summary& s) {
       "  \"checkpoints\": ", s.checkpoints, ",\n",
       "  \"last_checkpoint_step\": ", opt_u(s.last_checkpoint_step), ",\n",
       "  \"resumed_from_step\": ", opt_u(s.resumed_from_step), ",\n",
+      "  \"stopped_at_step\": ", opt_u(s.stopped_at_step), ",\n",
       "  \"job_id\": ", JsonQuote(s.job_id), ",\n", "  \"status\": ", JsonQuote(s.status), "\n}\n");
   return WriteAtomically(path, text);
 }

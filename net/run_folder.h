@@ -65,6 +65,7 @@ struct Summary {
   uint64_t checkpoints = 0;                       // complete checkpoints written
   std::optional<uint64_t> last_checkpoint_step;
   std::optional<uint64_t> resumed_from_step;  // the checkpoint this run continued from
+  std::optional<uint64_t> stopped_at_step;    // stopped on request, checkpointed there
 };
 
 // Creates dir (and parents) when missing.

@@ -27,6 +27,8 @@ const char* StateName(CoordinatorService::State s) {
       return "finished";
     case CoordinatorService::State::kFailed:
       return "failed";
+    case CoordinatorService::State::kStopped:
+      return "stopped";
   }
   return "?";
 }
@@ -370,6 +372,13 @@ grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext*,
   }
   for (const auto& c : req->checkpoint_parts())
     AddCheckpointPartLocked(req->role(), req->rank(), c);
+  if (!req->stop_requested().empty()) {
+    RequestStopLocked(absl::StrCat(req->stop_requested(), " to ", Name(req->role(), req->rank())));
+  }
+  if (req->role() == control::WORKER && req->has_stop_ack()) p.stop_ack = req->stop_ack();
+  MaybeDecideStopLocked();
+  reply->set_stopping(!stop_by_.empty());
+  if (stop_step_) reply->set_stop_step(*stop_step_);
   reply->set_freeze_decided(freeze_decided_);
   reply->set_freeze_step(freeze_step_);
   if (end_step_) reply->set_end_step(*end_step_);
@@ -382,6 +391,11 @@ grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext*,
       break;
     case State::kFailed:
       reply->set_command(control::ABORT);
+      reply->set_reason(reason_);
+      p.told = true;
+      break;
+    case State::kStopped:
+      reply->set_command(control::STOP);
       reply->set_reason(reason_);
       p.told = true;
       break;
@@ -548,6 +562,13 @@ void CoordinatorService::Tick() {
     return;
   }
   if (state_ != State::kRunning) return;
+  if (!stop_by_.empty() && now > stop_deadline_) {
+    FailLocked(absl::StrCat("stopped by ", stop_by_, ", but the checkpoint to stop at ",
+                            stop_step_ ? absl::StrCat("(step ", *stop_step_, ") ")
+                                       : std::string("(none yet: not every worker answered) "),
+                            "was not complete in time; resume from the previous one"));
+    return;
+  }
   for (control::Role role : {control::SERVER, control::WORKER}) {
     std::vector<Process>& group = Group(role);
     for (size_t i = 0; i < group.size(); ++i) {
@@ -640,9 +661,10 @@ void CoordinatorService::AddCheckpointPartLocked(control::Role role, uint32_t ra
                                                  const control::CheckpointPart& part) {
   const uint64_t every = config_.checkpoint_every();
   const uint64_t step = part.step();
-  // Only the steps the schedule names. (A part can arrive before the heartbeat
-  // that says its sender got there.)
-  if (every == 0 || step == 0 || step % every != 0) return;
+  // Only the steps the schedule names, and a stop's. (A part can arrive
+  // before the heartbeat that says its sender got there.)
+  const bool scheduled = every > 0 && step % every == 0;
+  if (step == 0 || !(scheduled || (stop_step_ && step == *stop_step_))) return;
   if (last_checkpoint_ && step <= *last_checkpoint_) return;
   // Bounded: a checkpoint still incomplete 16 checkpoints later never will be.
   while (parts_.size() >= 16 && parts_.begin()->first < step) parts_.erase(parts_.begin());
@@ -657,7 +679,10 @@ void CoordinatorService::AddCheckpointPartLocked(control::Role role, uint32_t ra
     return;
   }
   files[who] = part;
-  if (files.size() < servers_.size() + workers_.size()) return;
+  // A server with an empty shard runs no steps and saves nothing.
+  size_t expected = workers_.size();
+  for (uint32_t k = 0; k < map_.num_shards(); ++k) expected += map_.shard(k).size() > 0;
+  if (files.size() < expected) return;
   checkpoint::Manifest m;
   m.set_format(kCheckpointFormat);
   m.set_step(step);
@@ -691,11 +716,54 @@ void CoordinatorService::CheckpointWritten(uint64_t step) {
   absl::MutexLock l(&mu_);
   ++checkpoints_written_;
   last_checkpoint_ = std::max(step, last_checkpoint_.value_or(0));
+  if (stop_step_ && *stop_step_ == step) StoppedLocked();
 }
 
-void CoordinatorService::Stop(const std::string& reason) {
+void CoordinatorService::RequestStop(const std::string& who) {
   absl::MutexLock l(&mu_);
-  if (state_ == State::kRegistering || state_ == State::kRunning) FailLocked(reason);
+  RequestStopLocked(who);
+}
+
+void CoordinatorService::RequestStopLocked(const std::string& who) {
+  if (!stop_by_.empty()) return;
+  if (state_ != State::kRunning || config_.checkpoint_dir().empty()) {
+    if (state_ == State::kRegistering || state_ == State::kRunning) {
+      FailLocked(absl::StrCat("stopped by ", who));  // nowhere to save it
+    }
+    return;
+  }
+  stop_by_ = who;
+  // Long enough to write a checkpoint; within a usual grace period.
+  stop_deadline_ = absl::Now() + std::max(absl::Seconds(10), 3 * heartbeat_timeout_);
+  std::fprintf(stderr, "coordinator: %s: stopping at the next step boundary, with a checkpoint\n",
+               who.c_str());
+  MaybeDecideStopLocked();
+}
+
+void CoordinatorService::MaybeDecideStopLocked() {
+  if (stop_by_.empty() || stop_step_ || state_ != State::kRunning) return;
+  std::optional<uint64_t> step;
+  for (const Process& w : workers_) {
+    if (w.done) continue;  // finished: the job ends as it would have
+    if (!w.stop_ack) return;
+    step = std::max(step.value_or(0), *w.stop_ack);
+  }
+  if (!step) return;
+  stop_step_ = step;
+  std::fprintf(stderr, "coordinator: every worker heard; the job stops after %llu steps\n",
+               static_cast<unsigned long long>(*step));
+  // Nothing to save before the first step, nor twice.
+  if (*step == 0 || (last_checkpoint_ && *last_checkpoint_ == *step)) StoppedLocked();
+}
+
+void CoordinatorService::StoppedLocked() {
+  if (state_ != State::kRunning) return;
+  state_ = State::kStopped;
+  ended_ = absl::Now();
+  reason_ = *stop_step_ == 0 ? absl::StrCat(stop_by_, " before the first step; nothing to save")
+                             : absl::StrCat(stop_by_, "; the checkpoint of step ", *stop_step_,
+                                            " is complete: run the job again to resume it");
+  std::fprintf(stderr, "coordinator: stopped: %s\n", reason_.c_str());
 }
 
 double CoordinatorService::WallSeconds() const {
@@ -750,6 +818,7 @@ Summary CoordinatorService::MakeSummary() const {
   }
   s.replicas_equal = state_ == State::kFinished && replicas_equal_;
   s.status = state_ == State::kFinished ? "ok" : absl::StrCat(StateName(state_), ": ", reason_);
+  s.stopped_at_step = state_ == State::kStopped ? stop_step_ : std::nullopt;
   s.job_id = absl::StrFormat("%016x", job_id_);
   s.worker_codec = config_.worker_codec();
   s.server_codec = config_.server_codec();

@@ -28,7 +28,9 @@ namespace onebit {
 
 class CoordinatorService final : public control::Coordinator::Service {
  public:
-  enum class State { kRegistering, kRunning, kFinished, kFailed };
+  // kStopped: ended early on request, after a complete checkpoint (or at
+  // step 0, with nothing to save); it resumes from there.
+  enum class State { kRegistering, kRunning, kFinished, kFailed, kStopped };
 
   // `config` must be valid (ValidateConfig); `given`: the settings the job
   // set explicitly (the workers may declare the others). The shard map is
@@ -65,8 +67,11 @@ class CoordinatorService final : public control::Coordinator::Service {
   // The manifest of `step` is written: counted for summary.json.
   void CheckpointWritten(uint64_t step);
 
-  // Ends the job as failed with `reason` unless it is already over.
-  void Stop(const std::string& reason);
+  // A stop asked for by `who` (e.g. "SIGTERM to worker 2"): a running job
+  // with a --checkpoint_dir stops after a checkpoint at the next step
+  // boundary every worker can reach; otherwise it fails ("stopped by
+  // <who>"). Repeated calls change nothing.
+  void RequestStop(const std::string& who);
 
   std::vector<MetricsRow> MetricsRows() const;
   // The rows completed since the last call, in step order (a row is complete
@@ -82,8 +87,9 @@ class CoordinatorService final : public control::Coordinator::Service {
     control::RegisterRequest info;
     absl::Time last_seen;
     uint64_t step = 0;
-    bool done = false;  // sent Done (workers exit after it)
-    bool told = false;  // got SHUTDOWN/ABORT in a heartbeat reply
+    bool done = false;                 // sent Done (workers exit after it)
+    bool told = false;                 // got SHUTDOWN/ABORT/STOP in a heartbeat reply
+    std::optional<uint64_t> stop_ack;  // workers, while stopping: steps begun
     std::vector<control::ShardChecksum> checksums;
   };
 
@@ -110,6 +116,11 @@ class CoordinatorService final : public control::Coordinator::Service {
   void AddMetricsLocked(uint32_t rank, const control::StepMetrics& m)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RequestStopLocked(const std::string& who) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Once every worker has acknowledged the stop: the stop step, the most
+  // steps any has begun.
+  void MaybeDecideStopLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void StoppedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A process's report of its file of a checkpoint.
   void AddCheckpointPartLocked(control::Role role, uint32_t rank, const control::CheckpointPart& p)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -159,6 +170,9 @@ class CoordinatorService final : public control::Coordinator::Service {
   std::map<std::string, std::string> declared_ ABSL_GUARDED_BY(mu_);  // and its settings
   // A job without a fixed length: the steps every worker finished after.
   std::optional<uint64_t> end_step_ ABSL_GUARDED_BY(mu_);
+  std::string stop_by_ ABSL_GUARDED_BY(mu_);  // non-empty: stopping, asked by this
+  std::optional<uint64_t> stop_step_ ABSL_GUARDED_BY(mu_);
+  absl::Time stop_deadline_ ABSL_GUARDED_BY(mu_);
   std::optional<CompleteCheckpoint> resume_ ABSL_GUARDED_BY(mu_);
   std::vector<MetricsRow> prior_rows_ ABSL_GUARDED_BY(mu_);  // before resume_'s step
   std::optional<absl::Time> started_ ABSL_GUARDED_BY(mu_);   // all registered

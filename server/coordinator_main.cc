@@ -1,8 +1,6 @@
 // onebit-coordinator: RunCoordinator (include/onebit/server.h) from the
 // command line: holds the job's one training config, forms the cluster,
 // watches heartbeats, collects metrics and checksums, writes --out.
-#include <atomic>
-#include <csignal>
 #include <cstdio>
 #include <fstream>
 
@@ -11,6 +9,7 @@
 #include "net/flags.h"
 #include "net/job_config.h"
 #include "net/run_folder.h"
+#include "net/stop_signal.h"
 #include "onebit/server.h"
 #include "server/coordinator.h"
 
@@ -23,11 +22,6 @@ ABSL_FLAG(absl::Duration, register_timeout, absl::Seconds(60),
 
 namespace onebit {
 namespace {
-
-// SIGTERM (Kubernetes, onebit-launch) or SIGINT: end the job, writing the
-// run folder, instead of dying with it unwritten.
-std::atomic<int> g_stop_signal{0};
-extern "C" void OnStopSignal(int sig) { g_stop_signal.store(sig); }
 
 int Main(int argc, char** argv) {
   std::set<std::string> given;
@@ -58,12 +52,11 @@ int Main(int argc, char** argv) {
       port_written = std::rename(tmp.c_str(), port_file.c_str()) == 0;
     };
   }
-  o.stop_signal = &g_stop_signal;
-  struct sigaction sa = {};
-  sa.sa_handler = OnStopSignal;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGTERM, &sa, nullptr);
-  sigaction(SIGINT, &sa, nullptr);
+  // SIGTERM (Kubernetes, onebit-launch) or SIGINT: stop the job after a
+  // checkpoint, or end it writing the run folder, instead of dying with it
+  // unwritten.
+  CatchStopSignals();
+  o.stop_signal = StopSignalFlag();
   absl::Status st = RunCoordinatorJob(cfg, given, o);
   if (!port_written) ExitError(1, absl::StrCat("cannot write --port_file ", port_file));
   if (!st.ok()) ExitError(1, st.message());

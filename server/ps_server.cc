@@ -106,7 +106,7 @@ absl::Status PsServer::Serve(const std::function<bool()>& should_stop,
           " steps within --step-timeout=", absl::FormatDuration(options_.step_timeout)));
     }
     zmq::pollitem_t item{socket_->handle(), 0, ZMQ_POLLIN, 0};
-    zmq::poll(&item, 1, std::chrono::milliseconds(50));
+    PollItems(&item, 1, std::chrono::milliseconds(50));
     // Drain what has arrived; bounded so timeouts and stop are still checked.
     for (int i = 0; i < 1024 && failure_.ok(); ++i) {
       std::vector<zmq::message_t> frames;

@@ -19,22 +19,12 @@
 #include "net/job_config.h"
 #include "net/job_settings.h"
 #include "net/run_folder.h"
+#include "net/stop_signal.h"
 #include "onebit/server.h"
 #include "server/coordinator.h"
 
 namespace onebit {
 namespace {
-
-std::string SignalName(int sig) {
-  switch (sig) {
-    case SIGTERM:
-      return "SIGTERM";
-    case SIGINT:
-      return "SIGINT";
-    default:
-      return absl::StrCat("signal ", sig);
-  }
-}
 
 uint64_t NewJobId() {
   std::random_device rd;
@@ -165,12 +155,13 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
   while (true) {
     service.Tick();
     if (o.stop_signal != nullptr && o.stop_signal->load() != 0) {
-      service.Stop(absl::StrCat("stopped by ", SignalName(o.stop_signal->load())));
+      service.RequestStop(absl::StrCat(SignalName(o.stop_signal->load()), " to the coordinator"));
     }
     append_rows();
     write_manifests();
     const auto s = service.state();
-    if (s == CoordinatorService::State::kFinished || s == CoordinatorService::State::kFailed) {
+    if (s == CoordinatorService::State::kFinished || s == CoordinatorService::State::kFailed ||
+        s == CoordinatorService::State::kStopped) {
       break;
     }
     absl::SleepFor(absl::Milliseconds(20));
@@ -183,6 +174,8 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
   if (service.state() == CoordinatorService::State::kFailed) {
     result = absl::AbortedError(absl::StrCat("job failed: ", service.reason()));
     verdict = std::string(result.message());
+  } else if (service.state() == CoordinatorService::State::kStopped) {
+    verdict = absl::StrCat("job stopped: ", service.reason());
   } else if (!summary.workers_agree) {
     verdict = "job finished but the replicas differ from the masters";
     result = absl::DataLossError(verdict);
@@ -204,7 +197,8 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
   }
   // Let every live process hear the outcome through its heartbeat, bounded.
   // Briefly when a signal stopped us: the sender's grace period is short.
-  const bool signalled = o.stop_signal != nullptr && o.stop_signal->load() != 0;
+  const bool signalled = o.stop_signal != nullptr && o.stop_signal->load() != 0 &&
+                         service.state() != CoordinatorService::State::kStopped;
   const absl::Time deadline =
       absl::Now() +
       (signalled ? absl::Milliseconds(300)

@@ -120,6 +120,7 @@ absl::Status RunServer(const ServerOptions& o) {
   const absl::Duration hb_timeout = absl::Milliseconds(cfg.heartbeat_timeout_ms());
   Heartbeater hb(stub.get(), o.coordinator, control::SERVER, rank, reg->job_id(),
                  std::clamp(hb_timeout / 10, absl::Milliseconds(20), absl::Seconds(1)), hb_timeout);
+  hb.WatchStopSignal(o.stop_signal);
   hb.Start();
   // From here on a failure is the job's: the coordinator hears why.
   auto fail = [&](const absl::Status& st) {
@@ -159,16 +160,21 @@ absl::Status RunServer(const ServerOptions& o) {
   AsyncStateWriter writer([&hb](uint64_t step, const absl::StatusOr<WrittenFile>& written) {
     hb.ReportCheckpointPart(PartOf(step, written));
   });
+  uint64_t checkpointed = 0;  // the last step written
+  auto checkpoint = [&](const ServerShardState& s) {
+    if (s.step == 0 || s.step == checkpointed) return;
+    checkpointed = s.step;
+    auto dir = MakeStepDir(cfg.checkpoint_dir(), s.step);
+    if (!dir.ok()) {
+      hb.ReportCheckpointPart(PartOf(s.step, dir.status()));
+      return;
+    }
+    writer.Submit(s.step, SaveServerShard(s), *dir, absl::StrCat("server-", s.shard, ".state"));
+  };
   const uint64_t every = cfg.checkpoint_every();
   if (every > 0) {
     po.on_step_end = [&, every](const ServerShardState& s) {
-      if (s.step % every != 0) return;
-      auto dir = MakeStepDir(cfg.checkpoint_dir(), s.step);
-      if (!dir.ok()) {
-        hb.ReportCheckpointPart(PartOf(s.step, dir.status()));
-        return;
-      }
-      writer.Submit(s.step, SaveServerShard(s), *dir, absl::StrCat("server-", s.shard, ".state"));
+      if (s.step % every == 0) checkpoint(s);
     };
   }
   if (reg->has_resume()) {
@@ -190,6 +196,8 @@ absl::Status RunServer(const ServerOptions& o) {
   absl::Status st = ps.Serve(
       [&] {
         hb.SetStep(ps.state().step);
+        // Stopping: no push comes past the stop step; save the shard there.
+        if (auto stop = hb.stop_step(); stop && ps.state().step == *stop) checkpoint(ps.state());
         // A job without a fixed length ends where the workers finished.
         if (cfg.steps() == 0 && done_status.ok() && !ps.finished()) {
           if (auto end = hb.end_step()) done_status = ps.SetEndStep(*end);
@@ -213,6 +221,11 @@ absl::Status RunServer(const ServerOptions& o) {
       });
   if (!st.ok()) return fail(st);
   if (!done_status.ok()) return fail(done_status);
+  if (hb.command() == control::STOP) {
+    writer.Flush();
+    std::fprintf(stderr, "server %u: the job stopped: %s\n", rank, hb.reason().c_str());
+    return absl::OkStatus();
+  }
 
   for (auto [name, path, v] : {std::tuple{"dump_x", &o.dump_x, &ps.state().x},
                                {"dump_error", &o.dump_error, &ps.state().e}}) {

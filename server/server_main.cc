@@ -8,6 +8,7 @@
 #include "absl/time/time.h"
 #include "net/data_plane.h"
 #include "net/flags.h"
+#include "net/stop_signal.h"
 #include "onebit/server.h"
 
 ABSL_FLAG(std::string, coordinator, "", "coordinator address host:port (required)");
@@ -46,6 +47,9 @@ int Main(int argc, char** argv) {
   o.register_timeout = absl::GetFlag(FLAGS_register_timeout);
   o.dump_x = absl::GetFlag(FLAGS_dump_x);
   o.dump_error = absl::GetFlag(FLAGS_dump_error);
+  // SIGTERM (Kubernetes, onebit-launch): stop the job after a checkpoint.
+  CatchStopSignals();
+  o.stop_signal = StopSignalFlag();
   absl::Status st = RunServer(o);
   if (!st.ok()) ExitError(1, std::string(st.message()));
   return 0;

@@ -149,7 +149,7 @@ absl::Status PsClient::ReceiveAll(
   std::vector<zmq::pollitem_t> items(S);
   while (left > 0) {
     for (size_t k = 0; k < S; ++k) items[k] = {sockets_[k].handle(), 0, ZMQ_POLLIN, 0};
-    zmq::poll(items.data(), S, std::chrono::milliseconds(100));
+    PollItems(items.data(), S, std::chrono::milliseconds(100));
     for (uint32_t k = 0; k < S; ++k) {
       if (!(items[k].revents & ZMQ_POLLIN)) continue;
       while (true) {

@@ -23,6 +23,7 @@
 #include "net/data_plane.h"
 #include "net/health.h"
 #include "net/job_config.h"
+#include "net/stop_signal.h"
 #include "worker/device.h"
 #include "worker/ps_client.h"
 #include "worker/worker_internal.h"
@@ -63,10 +64,18 @@ struct Worker::Impl {
   // evaluation can join them.
   std::optional<control::StepMetrics> last;
 
+  uint64_t checkpointed = 0;  // the last step saved
+  absl::Status stopped;       // CANCELLED once it has stopped
+
   // After a step: the snapshot of a checkpoint step, handed to the writer.
   absl::Status MaybeCheckpoint() {
     const uint64_t every = cfg.checkpoint_every();
     if (every == 0 || step % every != 0) return absl::OkStatus();
+    return Checkpoint();
+  }
+  absl::Status Checkpoint() {
+    if (step == 0 || step == checkpointed) return absl::OkStatus();
+    checkpointed = step;
     auto dir = MakeStepDir(cfg.checkpoint_dir(), step);
     if (!dir.ok()) {
       hb->ReportCheckpointPart(PartOf(step, dir.status()));
@@ -91,7 +100,33 @@ struct Worker::Impl {
     }
     return failure;
   }
+  absl::Duration StopWait() const {
+    return 3 * absl::Milliseconds(cfg.heartbeat_timeout_ms()) +
+           2 * absl::Milliseconds(cfg.step_timeout_ms());
+  }
+  // The job stops here: saves this worker's state, waits for the checkpoint
+  // to be complete and returns CANCELLED.
+  absl::Status StopHere() {
+    FlushMetrics();
+    if (absl::Status st = Checkpoint(); !st.ok()) return Fail(st);
+    writer->Flush();
+    hb->Kick();
+    const control::Command c = hb->WaitForCommand(StopWait());
+    if (c == control::STOP) {
+      finished = true;
+      stopped = absl::CancelledError(absl::StrCat("the job stopped: ", hb->reason()));
+      return stopped;
+    }
+    if (c == control::CONTINUE) {
+      return Fail(absl::DeadlineExceededError(absl::StrCat("the checkpoint to stop at (step ", step,
+                                                           ") was not complete within ",
+                                                           absl::FormatDuration(StopWait()))));
+    }
+    return Fail(CheckJob());
+  }
+
   absl::Status Usable() const {
+    if (!stopped.ok()) return stopped;
     if (!failure.ok()) return failure;
     if (finished) return absl::FailedPreconditionError("the worker has finished");
     return absl::OkStatus();
@@ -111,8 +146,30 @@ struct Worker::Impl {
     }
     return absl::OkStatus();
   }
-  absl::Status BeginStepIfNeeded() {
+  // Begins the step unless one is begun. `may_wait` false (a
+  // GradientsReady): when the job is stopping, *deferred says the step
+  // waits for Step() to decide it.
+  absl::Status BeginStepIfNeeded(bool may_wait, bool* deferred = nullptr) {
     if (client->in_step()) return absl::OkStatus();
+    switch (hb->BeginStep(step, may_wait ? StopWait() : absl::ZeroDuration())) {
+      case Heartbeater::StepGate::kGo:
+        break;
+      case Heartbeater::StepGate::kStopHere:
+        if (!may_wait) {
+          *deferred = true;
+          return absl::OkStatus();
+        }
+        return StopHere();
+      case Heartbeater::StepGate::kUndecided:
+        if (!may_wait) {
+          *deferred = true;
+          return absl::OkStatus();
+        }
+        if (absl::Status st = CheckJob(); !st.ok()) return Fail(st);
+        return Fail(absl::DeadlineExceededError(absl::StrCat(
+            "the job is stopping, but the coordinator named no step to stop at within ",
+            absl::FormatDuration(StopWait()))));
+    }
     FlushMetrics();
     step_start = absl::Now();
     if (!t0) t0 = step_start - wall_before;
@@ -225,6 +282,7 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
   hb = std::make_unique<Heartbeater>(
       stub.get(), o.coordinator, control::WORKER, job.rank, job.job_id,
       std::clamp(hb_timeout / 10, absl::Milliseconds(20), absl::Seconds(1)), hb_timeout);
+  hb->WatchStopSignal(o.stop_signal);
   hb->Start();
   writer = std::make_unique<AsyncStateWriter>(
       [hb = hb.get()](uint64_t step, const absl::StatusOr<WrittenFile>& written) {
@@ -287,6 +345,11 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
     if (absl::Status st = Restore(reg->resume()); !st.ok()) return Fail(st);
   }
   return absl::OkStatus();
+}
+
+const std::atomic<int>* StopOnSignals() {
+  CatchStopSignals();
+  return StopSignalFlag();
 }
 
 absl::StatusOr<WorkerOptions> WorkerOptionsFromEnvironment(uint64_t num_params) {
@@ -394,7 +457,10 @@ absl::Status Worker::GradientsReady(uint64_t begin, uint64_t end) {
     return absl::OutOfRangeError(absl::StrCat("GradientsReady(", begin, ", ", end,
                                               "): not a range within [0, ", w.job.num_params, ")"));
   }
-  if (absl::Status st = w.BeginStepIfNeeded(); !st.ok()) return w.Fail(st);
+  // Stopping: Step() decides whether this step runs, and pushes it then.
+  bool deferred = false;
+  if (absl::Status st = w.BeginStepIfNeeded(false, &deferred); !st.ok()) return w.Fail(st);
+  if (deferred) return absl::OkStatus();
   if (absl::Status st = w.client->PushReady(begin, end, w.replica.get()); !st.ok()) {
     return w.Fail(st);
   }
@@ -404,7 +470,9 @@ absl::Status Worker::GradientsReady(uint64_t begin, uint64_t end) {
 absl::StatusOr<StepStats> Worker::Step(const StepOptions& options) {
   Impl& w = *impl_;
   if (absl::Status st = w.ReadyToStep(); !st.ok()) return st;
-  if (absl::Status st = w.BeginStepIfNeeded(); !st.ok()) return w.Fail(st);
+  if (absl::Status st = w.BeginStepIfNeeded(true); !st.ok()) {
+    return absl::IsCancelled(st) ? st : w.Fail(st);
+  }
   absl::Status st = w.client->CompleteStep(w.replica.get(), [&w] { return w.CheckJob(); });
   if (!st.ok()) return w.Fail(st);
   const absl::Time end = absl::Now();

@@ -59,6 +59,8 @@ int Main(int argc, char** argv) {
   if (auto choice = ChooseDevice(o.device); !choice.ok()) {
     ExitError(2, std::string(choice.status().message()));
   }
+  // SIGTERM (Kubernetes, onebit-launch): stop the job after a checkpoint.
+  o.stop_signal = StopOnSignals();
   auto connected = ConnectWithModel(o, NewModel);
   if (!connected.ok()) ExitError(1, std::string(connected.status().message()));
   Worker& w = **connected;
@@ -97,6 +99,10 @@ int Main(int argc, char** argv) {
     so.loss = *loss;
     if (per_epoch > 0) so.epoch = static_cast<double>(step + 1) / per_epoch;
     auto stats = w.Step(so);
+    if (absl::IsCancelled(stats.status())) {
+      std::fprintf(stderr, "worker %u: %s\n", rank, std::string(stats.status().message()).c_str());
+      return 0;
+    }
     if (!stats.ok()) fail("", stats.status());
     // Rank 0 scores its replica (equal to every other) on the test set.
     if (evaluate && ((step + 1) % cfg.eval_every() == 0 || step + 1 == steps)) {

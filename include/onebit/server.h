@@ -36,10 +36,15 @@ struct ServerOptions {
   // When not empty: the final master shard and server error, raw fp32.
   std::string dump_x;
   std::string dump_error;
+  // When set and it becomes non-zero (a signal number, e.g. from a SIGTERM
+  // handler), the job stops after a checkpoint at the next step boundary
+  // (and this returns OK), or fails where it has no --checkpoint_dir.
+  const std::atomic<int>* stop_signal = nullptr;
 };
 
 // Registers, serves the shard until the coordinator ends the job, and reports
-// the shard's checksum. OK: the job finished and this shard ran every step.
+// the shard's checksum. OK: the job finished and this shard ran every step,
+// or it stopped on request after a complete checkpoint.
 absl::Status RunServer(const ServerOptions& options);
 
 struct CoordinatorOptions {
@@ -57,8 +62,10 @@ struct CoordinatorOptions {
   // holding a finished job's summary.json is refused, not overwritten.
   std::string out;
   // When set and it becomes non-zero (a signal number, e.g. from a SIGTERM
-  // handler), the job ends as failed ("stopped by SIGTERM") and the run
-  // folder is written.
+  // handler): a job with a --checkpoint_dir stops after a checkpoint at the
+  // next step boundary (the summary says "stopped: ..."; starting the job
+  // again resumes it), any other ends as failed ("stopped by SIGTERM"); the
+  // run folder is written either way.
   const std::atomic<int>* stop_signal = nullptr;
   absl::Duration register_timeout = absl::Seconds(60);
 };

@@ -26,6 +26,7 @@
 #ifndef ONEBIT_WORKER_H_
 #define ONEBIT_WORKER_H_
 
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <map>
@@ -78,6 +79,10 @@ struct WorkerOptions {
   int health_port = 0;
   // How long to wait for the coordinator and the rest of the cluster.
   absl::Duration register_timeout = absl::Seconds(60);
+  // When set and it becomes non-zero (a signal number, e.g. from a SIGTERM
+  // handler), the job stops after a checkpoint at the next step boundary:
+  // Step() then returns CANCELLED (see there).
+  const std::atomic<int>* stop_signal = nullptr;
 };
 
 // Options from the environment onebit-launch --worker_cmd (or a Kubernetes
@@ -85,6 +90,13 @@ struct WorkerOptions {
 // else any), ONEBIT_DEVICE, ONEBIT_ADVERTISE_HOST; `num_params` as given.
 // An error names a missing or malformed variable.
 absl::StatusOr<WorkerOptions> WorkerOptionsFromEnvironment(uint64_t num_params);
+
+// For programs that should survive preemption: catches SIGTERM (what
+// Kubernetes sends) and SIGINT process-wide, where their disposition is
+// still the default, and returns the flag to pass as
+// WorkerOptions::stop_signal. The first signal asks the job to stop after a
+// checkpoint; a second ends the process as before. Safe to call again.
+const std::atomic<int>* StopOnSignals();
 
 // The job this worker belongs to, fixed once Connect returns.
 struct JobInfo {
@@ -169,6 +181,11 @@ class Worker {
   // Completes the step: pushes what GradientsReady has not, waits for every
   // server's reply (each wait bounded by the job's step timeout) and applies
   // them to params().
+  //
+  // CANCELLED: the job stopped on request (a SIGTERM to one of its
+  // processes) before this step, after a complete checkpoint of
+  // steps_done() steps; the message says by whom. Exit successfully without
+  // Finish(): running the job again resumes it there.
   absl::StatusOr<StepStats> Step(const StepOptions& options = {});
 
   // Your test-set score after the step just completed, for metrics.csv

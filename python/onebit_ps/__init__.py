@@ -23,14 +23,29 @@ worker.
 
 import os
 import re
+import sys
 
 import torch
 import torch.utils.dlpack
 
-from ._onebit import OnebitError, Worker
+from ._onebit import OnebitError, Stopped, Worker
 
-__all__ = ["init", "DistributedOptimizer", "OneBitAdam", "finish", "OnebitError", "rank",
-           "world_size"]
+__all__ = ["init", "DistributedOptimizer", "OneBitAdam", "finish", "OnebitError", "JobStopped",
+           "rank", "world_size"]
+
+
+class JobStopped(SystemExit):
+    """The job stopped on request (a SIGTERM to one of its processes, e.g. a
+    Kubernetes preemption) after a complete checkpoint. Raised by step();
+    uncaught, it ends the program with status 0. Running the job again
+    resumes it: DistributedOptimizer then starts at steps_done."""
+
+    def __init__(self, message):
+        super().__init__(0)
+        self.message = message
+
+    def __str__(self):
+        return self.message
 
 _settings = {}
 _optimizer = None
@@ -195,6 +210,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def rank(self):
         return self._worker.rank
 
+    @property
+    def steps_done(self):
+        """Steps completed: in a job resumed from a checkpoint, its step at
+        first (the model holds the checkpoint's weights); continue your loop,
+        your data and your scheduler there."""
+        return self._worker.steps_done
+
     def zero_grad(self, set_to_none=False):
         # The gradients must stay views of the worker's buffer.
         self._g.zero_()
@@ -218,6 +240,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._sync()
         try:
             self.last_stats = self._worker.step(value, float(epoch or 0.0))
+        except Stopped as e:
+            print(f"onebit_ps: {e}", file=sys.stderr)
+            raise JobStopped(str(e)) from None
         except OnebitError as e:
             raise OnebitError(self._name_element(str(e))) from None
         finally:

@@ -20,10 +20,11 @@ namespace py = pybind11;
 
 namespace {
 
-PyObject* g_error = nullptr;  // onebit_ps.OnebitError, set at import
+PyObject* g_error = nullptr;    // onebit_ps.OnebitError, set at import
+PyObject* g_stopped = nullptr;  // _onebit.Stopped (CANCELLED), a kind of it
 
 [[noreturn]] void Raise(const absl::Status& st) {
-  PyErr_SetString(g_error, std::string(st.message()).c_str());
+  PyErr_SetString(absl::IsCancelled(st) ? g_stopped : g_error, std::string(st.message()).c_str());
   throw py::error_already_set();
 }
 
@@ -97,6 +98,9 @@ std::unique_ptr<onebit::Worker> Connect(
   o.register_timeout = absl::Seconds(register_timeout_s);
   for (const auto& [b, e, v] : wd) o.weight_decay.push_back({b, e, v});
   o.settings = settings;
+  // Preemption (SIGTERM) stops the job after a checkpoint. Python keeps its
+  // own SIGINT handler (KeyboardInterrupt).
+  o.stop_signal = onebit::StopOnSignals();
   absl::StatusOr<std::unique_ptr<onebit::Worker>> w;
   {
     py::gil_scoped_release release;
@@ -112,6 +116,8 @@ PYBIND11_MODULE(_onebit, m) {
   m.doc() = "onebit-ps worker (include/onebit/worker.h); use the onebit_ps package";
   static py::exception<std::runtime_error> error(m, "OnebitError");
   g_error = error.ptr();
+  static py::exception<std::runtime_error> stopped(m, "Stopped", error.ptr());
+  g_stopped = stopped.ptr();
 
   py::class_<onebit::Worker>(m, "Worker")
       .def_static("connect", &Connect, py::arg("coordinator") = "", py::arg("rank") = -1,

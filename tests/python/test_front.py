@@ -173,3 +173,23 @@ def test_a_constructor_setting_that_contradicts_the_job_fails_it_naming_both(tmp
                      r"registration: worker [01]: --lr: the job sets 0\.01 and the workers declare "
                      r"0\.001; give it in one place\n", r.stderr), r.stderr
     assert s.get("status", "").startswith("failed")
+
+
+def test_a_sigterm_stops_the_job_after_a_checkpoint_and_it_resumes_bitwise(tmp_path):
+    job = ["--optimizer=onebit-adam", "--freeze_step=20", "--lr=0.01", "--dump_params"]
+    plain, _ = launch(tmp_path / "plain", 3, 2, job, "400")
+    assert plain.returncode == 0, plain.stderr
+    ckpt = [f"--checkpoint_dir={tmp_path}/ckpt", "--checkpoint_every=100000"]
+    r, s = launch(tmp_path / "run", 3, 2, job + ckpt, "400 --sigterm_at 60")
+    assert r.returncode == 0, r.stderr  # every process exited 0
+    assert s["status"].startswith("stopped: SIGTERM to worker 1; the checkpoint of step "), s
+    at = s["stopped_at_step"]
+    assert 60 <= at < 400
+    assert f"[worker2] onebit_ps: the job stopped: SIGTERM to worker 1" in r.stderr
+    again, s2 = launch(tmp_path / "run", 3, 2, job + ckpt, "400")
+    assert again.returncode == 0, again.stderr
+    assert f"torch_worker: rank 0 resumes at step {at}" in again.stderr
+    assert s2["status"] == "ok" and s2["resumed_from_step"] == at
+    for w in range(3):
+        got = (tmp_path / "run" / "run" / f"replica_w{w}.f32").read_bytes()
+        assert got == (tmp_path / "plain" / "run" / f"replica_w{w}.f32").read_bytes(), w

@@ -12,7 +12,10 @@ lines; run by the tests through onebit-launch --worker_cmd.
         worker's device)
       --stop_server_at STEP: rank 0 stops server 0 (SIGSTOP: silent, as a dead
         host is) before that step, and reports how long the step took to fail
-Writes the final parameters to $ONEBIT_DUMP_X when set.
+      --sigterm_at STEP: rank 1 sends itself SIGTERM (a preemption) before
+        that step; the job stops after a checkpoint
+A job resumed from a checkpoint continues at opt.steps_done, the data where
+it was. Writes the final parameters to $ONEBIT_DUMP_X when set.
 """
 import json
 import os
@@ -85,8 +88,17 @@ def stop_server_0():
     sys.exit("torch_worker: server 0 not found")
 
 
+sigterm_at = int(sys.argv[sys.argv.index("--sigterm_at") + 1]) if "--sigterm_at" in sys.argv else -1
+start = opt.steps_done
+if start:
+    print(f"torch_worker: rank {onebit_ps.rank()} resumes at step {start}", file=sys.stderr)
 t_stop = None
 for t in range(steps):
+    if t < start:
+        torch.randn(16, 20, generator=gen)  # the data order goes on where it was
+        continue
+    if t == sigterm_at and onebit_ps.rank() == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
     if t == stop_at and onebit_ps.rank() == 0:
         stop_server_0()
         t_stop = time.monotonic()

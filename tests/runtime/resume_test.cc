@@ -6,6 +6,7 @@
 // and every metrics row's loss.
 #include <signal.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -244,6 +245,80 @@ INSTANTIATE_TEST_SUITE_P(
              13,
              "server 1"}),
     [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
+
+// SIGTERM (what Kubernetes sends on preemption) to any one process: the job
+// checkpoints at the next step boundary, every process exits 0, and the job
+// run again ends bit for bit where the uninterrupted one does.
+class Sigterm : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(Sigterm, StopsAfterACheckpointAndResumesBitForBit) {
+  const std::string victim = GetParam();
+  std::string name = victim;
+  std::replace(name.begin(), name.end(), ' ', '_');
+  const std::string dir = TempDir("sigterm_" + name);
+  Case c;
+  c.flags = Synthetic("onebit-adam", 2, 3000, {"--freeze_step=40"});
+  const std::vector<std::string> ckpt = {"--checkpoint_dir=" + dir + "/ckpt",
+                                         "--checkpoint_every=100000"};
+  RunResult plain = RunCommand(Launch(c, dir + "/plain", {"--dump_params"}), absl::Seconds(60));
+  ASSERT_EQ(plain.code, 0) << plain.output;
+
+  const std::string out = dir + "/run";
+  Subprocess first = Start(Launch(c, out, ckpt), dir + "/first.log");
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (Rows(out).size() < 100 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_GE(Rows(out).size(), 100u) << ReadFile(dir + "/first.log");
+  const std::string log = ReadFile(dir + "/first.log");
+  const size_t pos = log.find("coordinator at 127.0.0.1:");
+  ASSERT_NE(pos, std::string::npos) << log;
+  const std::string target = log.substr(pos + 15, log.find(' ', pos + 15) - pos - 15);
+  const int pid = VictimPid(victim, target, out);
+  ASSERT_GT(pid, 0);
+  const absl::Time sent = absl::Now();
+  kill(pid, SIGTERM);
+  auto code = first.Wait(absl::Seconds(20));
+  ASSERT_TRUE(code.has_value()) << "hung: " << ReadFile(dir + "/first.log");
+  const absl::Duration took = absl::Now() - sent;
+  const std::string stopped_log = ReadFile(dir + "/first.log");
+  // onebit-launch exits 0 only when every process did.
+  EXPECT_EQ(*code, 0) << stopped_log;
+  EXPECT_LT(took, absl::Seconds(10)) << "a Kubernetes grace period is 30 s";
+  const std::string who =
+      (victim == "coordinator" ? "SIGTERM to the coordinator" : "SIGTERM to " + victim);
+  const std::string summary = ReadFile(out + "/summary.json");
+  uint64_t at = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(Field(summary, "stopped_at_step"), &at)) << summary;
+  EXPECT_GT(at, 0u);
+  EXPECT_LT(at, 3000u) << "it stopped early";
+  EXPECT_THAT(summary,
+              HasSubstr(absl::StrCat("\"status\": \"stopped: ", who, "; the checkpoint of step ",
+                                     at, " is complete: run the job again to resume it\"")));
+  EXPECT_TRUE(VerifyCheckpoint(StepDir(dir + "/ckpt", at)).ok());
+  EXPECT_EQ(Rows(out).size(), at);  // every step before the stop has its row
+
+  std::vector<std::string> again = ckpt;
+  again.push_back("--dump_params");
+  RunResult resumed = RunCommand(Launch(c, out, again), absl::Seconds(60));
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  EXPECT_THAT(resumed.output,
+              HasSubstr(absl::StrCat("resuming from the checkpoint of step ", at, " in ")));
+  for (const char* f : {"/replica_w0.f32", "/replica_w2.f32", "/master_s0.f32", "/master_s1.f32",
+                        "/error_s0.f32"}) {
+    EXPECT_EQ(FirstDifference(ReadFloats(out + f), ReadFloats(dir + "/plain" + f)), "") << f;
+  }
+  const std::string final_summary = ReadFile(out + "/summary.json");
+  EXPECT_EQ(Field(final_summary, "status"), "\"ok\"");
+  EXPECT_EQ(Field(final_summary, "final_loss"),
+            Field(ReadFile(dir + "/plain/summary.json"), "final_loss"));
+}
+
+INSTANTIATE_TEST_SUITE_P(AnyProcess, Sigterm,
+                         ::testing::Values("worker 1", "server 0", "coordinator"),
+                         [](const ::testing::TestParamInfo<std::string>& i) {
+                           std::string n = i.param;
+                           std::replace(n.begin(), n.end(), ' ', '_');
+                           return n;
+                         });
 
 // A finished job's checkpoints, then damaged as a disk or a user might: each
 // kind is refused naming the file, and the job resumes from the one before.
