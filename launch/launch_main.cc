@@ -42,6 +42,10 @@ ABSL_FLAG(int64_t, stall_at_step, -1, "... at this step");
 ABSL_FLAG(absl::Duration, grace, absl::Seconds(1),
           "after a child fails: how long the others get to exit on their own, then to "
           "exit after SIGTERM before SIGKILL");
+ABSL_FLAG(int32_t, max_restarts, 0,
+          "when a process fails mid-job, stop the rest and start the whole job again, up to "
+          "this many times; with --checkpoint_dir it resumes from its last complete "
+          "checkpoint, bit for bit as if uninterrupted");
 ABSL_FLAG(absl::Duration, launch_register_timeout, absl::Seconds(60),
           "registration timeout passed to every process");
 
@@ -140,172 +144,187 @@ int Main(int argc, char** argv) {
     absl::Status st = MakeDirs(out);
     if (!st.ok()) ExitFlagError("out", st.message());
   }
-  char tmpl[] = "/tmp/onebit-launch.XXXXXX";
-  if (mkdtemp(tmpl) == nullptr) ExitError(1, "cannot create a temporary folder");
-  const std::string tmp = tmpl;
-  const std::string port_file = tmp + "/coordinator.port";
-  const std::string reg_timeout =
-      absl::FormatDuration(absl::GetFlag(FLAGS_launch_register_timeout));
-  const absl::Duration grace = absl::GetFlag(FLAGS_grace);
+  // One start of the whole job; *running: it got as far as starting every
+  // process (a job that fails before that is not worth restarting).
+  auto run = [&](int attempt, bool* running) -> int {
+    char tmpl[] = "/tmp/onebit-launch.XXXXXX";
+    if (mkdtemp(tmpl) == nullptr) ExitError(1, "cannot create a temporary folder");
+    const std::string tmp = tmpl;
+    const std::string port_file = tmp + "/coordinator.port";
+    const std::string reg_timeout =
+        absl::FormatDuration(absl::GetFlag(FLAGS_launch_register_timeout));
+    const absl::Duration grace = absl::GetFlag(FLAGS_grace);
 
-  std::vector<Child> children(1 + cfg.servers() + cfg.workers());
-  int exit_code = 0;
-  auto stop_all = [&](const std::string& why) {
-    Log(why);
-    // First let the others exit on their own (they may name the cause).
-    const absl::Time deadline = absl::Now() + grace;
-    for (Child& c : children) {
-      if (!c.proc) continue;
-      while (!c.proc->Poll() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
-    }
-    for (Child& c : children) {
-      if (c.proc && !c.proc->Poll()) {
-        Log(absl::StrCat("stopping ", c.name));
-        c.proc->Stop(grace);
+    std::vector<Child> children(1 + cfg.servers() + cfg.workers());
+    int exit_code = 0;
+    auto stop_all = [&](const std::string& why) {
+      Log(why);
+      // First let the others exit on their own (they may name the cause).
+      const absl::Time deadline = absl::Now() + grace;
+      for (Child& c : children) {
+        if (!c.proc) continue;
+        while (!c.proc->Poll() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
       }
-    }
-  };
-  auto finish = [&](int code) {
-    for (Child& c : children) {
-      if (c.proc && !c.proc->Poll()) c.proc->Stop(grace);
-      if (c.reader.joinable()) c.reader.join();
-    }
-    std::error_code ec;
-    std::filesystem::remove_all(tmp, ec);
-    return code;
-  };
+      for (Child& c : children) {
+        if (c.proc && !c.proc->Poll()) {
+          Log(absl::StrCat("stopping ", c.name));
+          c.proc->Stop(grace);
+        }
+      }
+    };
+    auto finish = [&](int code) {
+      for (Child& c : children) {
+        if (c.proc && !c.proc->Poll()) c.proc->Stop(grace);
+        if (c.reader.joinable()) c.reader.join();
+      }
+      std::error_code ec;
+      std::filesystem::remove_all(tmp, ec);
+      return code;
+    };
 
-  // The coordinator first: it picks its port and writes it to port_file.
-  Child& coord = children[0];
-  coord.name = "coordinator";
-  std::vector<std::string> args = {bin + "/onebit-coordinator", "--port=0",
-                                   "--port_file=" + port_file, "--bind_host=127.0.0.1",
-                                   "--register_timeout=" + reg_timeout};
-  if (!out.empty()) args.push_back("--out=" + out);
-  for (const std::string& a : ConfigFlagArgs()) args.push_back(a);
-  if (absl::Status st = Start(&coord, args); !st.ok()) {
-    Log(std::string(st.message()));
-    return finish(1);
-  }
-  int port = 0;
-  const absl::Time port_deadline = absl::Now() + absl::Seconds(30);
-  while (port == 0) {
-    std::ifstream in(port_file);
-    std::string text;
-    if (in >> text && absl::SimpleAtoi(text, &port) && port > 0) break;
-    port = 0;
-    if (auto code = coord.proc->Poll()) {
-      Log(absl::StrCat("the coordinator exited before listening (", DescribeExit(*code), ")"));
-      return finish(*code == 0 ? 1 : (*code < 126 ? *code : 1));
-    }
-    if (absl::Now() > port_deadline) {
-      Log("the coordinator did not start listening within 30s");
+    // The coordinator first: it picks its port and writes it to port_file.
+    Child& coord = children[0];
+    coord.name = "coordinator";
+    std::vector<std::string> args = {bin + "/onebit-coordinator", "--port=0",
+                                     "--port_file=" + port_file, "--bind_host=127.0.0.1",
+                                     "--register_timeout=" + reg_timeout};
+    if (!out.empty()) args.push_back("--out=" + out);
+    for (const std::string& a : ConfigFlagArgs()) args.push_back(a);
+    if (absl::Status st = Start(&coord, args); !st.ok()) {
+      Log(std::string(st.message()));
       return finish(1);
     }
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  const std::string target = absl::StrCat("127.0.0.1:", port);
-  if (absl::Status st = CheckHealth(target, absl::Seconds(10)); !st.ok()) {
-    Log(std::string(st.message()));
-    return finish(1);
-  }
-  Log(absl::StrCat("coordinator at ", target, " is serving; starting ", cfg.servers(),
-                   " servers and ", cfg.workers(), " workers"));
-
-  for (uint32_t k = 0; k < cfg.servers(); ++k) {
-    Child& c = children[1 + k];
-    c.name = absl::StrCat("server", k);
-    std::vector<std::string> a = {
-        bin + "/onebit-server",  "--coordinator=" + target,          absl::StrCat("--shard=", k),
-        "--bind_host=127.0.0.1", "--advertise_host=127.0.0.1",       "--data_port=0",
-        "--health_port=0",       "--register_timeout=" + reg_timeout};
-    if (absl::GetFlag(FLAGS_dump_params)) {
-      a.push_back(absl::StrCat("--dump_x=", out, "/master_s", k, ".f32"));
-      a.push_back(absl::StrCat("--dump_error=", out, "/error_s", k, ".f32"));
+    int port = 0;
+    const absl::Time port_deadline = absl::Now() + absl::Seconds(30);
+    while (port == 0) {
+      std::ifstream in(port_file);
+      std::string text;
+      if (in >> text && absl::SimpleAtoi(text, &port) && port > 0) break;
+      port = 0;
+      if (auto code = coord.proc->Poll()) {
+        Log(absl::StrCat("the coordinator exited before listening (", DescribeExit(*code), ")"));
+        return finish(*code == 0 ? 1 : (*code < 126 ? *code : 1));
+      }
+      if (absl::Now() > port_deadline) {
+        Log("the coordinator did not start listening within 30s");
+        return finish(1);
+      }
+      absl::SleepFor(absl::Milliseconds(10));
     }
-    if (absl::Status st = Start(&c, a); !st.ok()) {
-      stop_all(std::string(st.message()));
+    const std::string target = absl::StrCat("127.0.0.1:", port);
+    if (absl::Status st = CheckHealth(target, absl::Seconds(10)); !st.ok()) {
+      Log(std::string(st.message()));
       return finish(1);
     }
-  }
-  for (uint32_t i = 0; i < cfg.workers(); ++i) {
-    Child& c = children[1 + cfg.servers() + i];
-    c.name = absl::StrCat("worker", i);
-    if (!worker_cmd.empty()) {
-      // The user's program: `exec` so that the child is the program itself
-      // (it gets our signals and dies with us).
-      std::vector<std::string> env = {"ONEBIT_COORDINATOR=" + target,
-                                      absl::StrCat("ONEBIT_RANK=", i),
-                                      absl::StrCat("ONEBIT_WORLD_SIZE=", cfg.workers()),
-                                      absl::StrCat("RANK=", i),
-                                      absl::StrCat("WORLD_SIZE=", cfg.workers()),
-                                      absl::StrCat("LOCAL_RANK=", i),
-                                      "ONEBIT_ADVERTISE_HOST=127.0.0.1"};
-      if (!devices.empty()) {
-        env.push_back("ONEBIT_DEVICE=" + devices[std::min<size_t>(i, devices.size() - 1)]);
-      }
+    *running = true;
+    Log(absl::StrCat("coordinator at ", target, " is serving; starting ", cfg.servers(),
+                     " servers and ", cfg.workers(), " workers"));
+
+    for (uint32_t k = 0; k < cfg.servers(); ++k) {
+      Child& c = children[1 + k];
+      c.name = absl::StrCat("server", k);
+      std::vector<std::string> a = {
+          bin + "/onebit-server",  "--coordinator=" + target,          absl::StrCat("--shard=", k),
+          "--bind_host=127.0.0.1", "--advertise_host=127.0.0.1",       "--data_port=0",
+          "--health_port=0",       "--register_timeout=" + reg_timeout};
       if (absl::GetFlag(FLAGS_dump_params)) {
-        env.push_back(absl::StrCat("ONEBIT_DUMP_X=", out, "/replica_w", i, ".f32"));
+        a.push_back(absl::StrCat("--dump_x=", out, "/master_s", k, ".f32"));
+        a.push_back(absl::StrCat("--dump_error=", out, "/error_s", k, ".f32"));
       }
-      if (absl::Status st = Start(&c, {"/bin/sh", "-c", "exec " + worker_cmd}, env); !st.ok()) {
+      if (absl::Status st = Start(&c, a); !st.ok()) {
         stop_all(std::string(st.message()));
         return finish(1);
       }
-      continue;
     }
-    std::vector<std::string> a = {bin + "/onebit-worker",
-                                  "--coordinator=" + target,
-                                  absl::StrCat("--rank=", i),
-                                  "--bind_host=127.0.0.1",
-                                  "--advertise_host=127.0.0.1",
-                                  "--health_port=0",
-                                  "--register_timeout=" + reg_timeout};
-    if (absl::GetFlag(FLAGS_dump_params)) {
-      a.push_back(absl::StrCat("--dump_x=", out, "/replica_w", i, ".f32"));
-    }
-    if (!devices.empty()) {
-      a.push_back("--device=" + devices[std::min<size_t>(i, devices.size() - 1)]);
-    }
-    if (static_cast<int>(i) == stall_worker) {
-      a.push_back(absl::StrCat("--stall_at_step=", absl::GetFlag(FLAGS_stall_at_step)));
-    }
-    if (absl::Status st = Start(&c, a); !st.ok()) {
-      stop_all(std::string(st.message()));
-      return finish(1);
-    }
-  }
-
-  // Watch: the first failure stops everyone; after the coordinator is done,
-  // the rest must follow promptly.
-  std::optional<absl::Time> coordinator_exited;
-  const absl::Duration after_coordinator = absl::Seconds(10);
-  while (true) {
-    bool all_done = true;
-    for (Child& c : children) {
-      if (c.code) continue;
-      c.code = c.proc->Poll();
-      if (!c.code) {
-        all_done = false;
+    for (uint32_t i = 0; i < cfg.workers(); ++i) {
+      Child& c = children[1 + cfg.servers() + i];
+      c.name = absl::StrCat("worker", i);
+      if (!worker_cmd.empty()) {
+        // The user's program: `exec` so that the child is the program itself
+        // (it gets our signals and dies with us).
+        std::vector<std::string> env = {"ONEBIT_COORDINATOR=" + target,
+                                        absl::StrCat("ONEBIT_RANK=", i),
+                                        absl::StrCat("ONEBIT_WORLD_SIZE=", cfg.workers()),
+                                        absl::StrCat("RANK=", i),
+                                        absl::StrCat("WORLD_SIZE=", cfg.workers()),
+                                        absl::StrCat("LOCAL_RANK=", i),
+                                        "ONEBIT_ADVERTISE_HOST=127.0.0.1"};
+        if (!devices.empty()) {
+          env.push_back("ONEBIT_DEVICE=" + devices[std::min<size_t>(i, devices.size() - 1)]);
+        }
+        if (absl::GetFlag(FLAGS_dump_params)) {
+          env.push_back(absl::StrCat("ONEBIT_DUMP_X=", out, "/replica_w", i, ".f32"));
+        }
+        if (absl::Status st = Start(&c, {"/bin/sh", "-c", "exec " + worker_cmd}, env); !st.ok()) {
+          stop_all(std::string(st.message()));
+          return finish(1);
+        }
         continue;
       }
-      if (&c == &coord) coordinator_exited = absl::Now();
-      if (*c.code != 0) {
-        exit_code = *c.code < 126 ? *c.code : 1;
-        stop_all(
-            absl::StrCat(c.name, " failed (", DescribeExit(*c.code), "); stopping the others"));
-        return finish(exit_code);
+      std::vector<std::string> a = {bin + "/onebit-worker",
+                                    "--coordinator=" + target,
+                                    absl::StrCat("--rank=", i),
+                                    "--bind_host=127.0.0.1",
+                                    "--advertise_host=127.0.0.1",
+                                    "--health_port=0",
+                                    "--register_timeout=" + reg_timeout};
+      if (absl::GetFlag(FLAGS_dump_params)) {
+        a.push_back(absl::StrCat("--dump_x=", out, "/replica_w", i, ".f32"));
+      }
+      if (!devices.empty()) {
+        a.push_back("--device=" + devices[std::min<size_t>(i, devices.size() - 1)]);
+      }
+      if (static_cast<int>(i) == stall_worker && attempt == 0) {
+        a.push_back(absl::StrCat("--stall_at_step=", absl::GetFlag(FLAGS_stall_at_step)));
+      }
+      if (absl::Status st = Start(&c, a); !st.ok()) {
+        stop_all(std::string(st.message()));
+        return finish(1);
       }
     }
-    if (all_done) break;
-    if (coordinator_exited && absl::Now() - *coordinator_exited > after_coordinator) {
-      stop_all(absl::StrCat("processes still running ", absl::FormatDuration(after_coordinator),
-                            " after the coordinator exited"));
-      return finish(1);
+
+    // Watch: the first failure stops everyone; after the coordinator is done,
+    // the rest must follow promptly.
+    std::optional<absl::Time> coordinator_exited;
+    const absl::Duration after_coordinator = absl::Seconds(10);
+    while (true) {
+      bool all_done = true;
+      for (Child& c : children) {
+        if (c.code) continue;
+        c.code = c.proc->Poll();
+        if (!c.code) {
+          all_done = false;
+          continue;
+        }
+        if (&c == &coord) coordinator_exited = absl::Now();
+        if (*c.code != 0) {
+          exit_code = *c.code < 126 ? *c.code : 1;
+          stop_all(
+              absl::StrCat(c.name, " failed (", DescribeExit(*c.code), "); stopping the others"));
+          return finish(exit_code);
+        }
+      }
+      if (all_done) break;
+      if (coordinator_exited && absl::Now() - *coordinator_exited > after_coordinator) {
+        stop_all(absl::StrCat("processes still running ", absl::FormatDuration(after_coordinator),
+                              " after the coordinator exited"));
+        return finish(1);
+      }
+      absl::SleepFor(absl::Milliseconds(20));
     }
-    absl::SleepFor(absl::Milliseconds(20));
+    Log(out.empty() ? "job finished" : absl::StrCat("job finished; run folder ", out));
+    return finish(0);
+  };
+  const int max_restarts = absl::GetFlag(FLAGS_max_restarts);
+  for (int attempt = 0;; ++attempt) {
+    bool running = false;
+    const int code = run(attempt, &running);
+    if (code == 0 || attempt >= max_restarts || !running) return code;
+    Log(absl::StrCat(
+        "restart ", attempt + 1, " of ", max_restarts, ": starting the whole job again",
+        cfg.checkpoint_dir().empty() ? " from the start (it has no --checkpoint_dir)"
+                                     : "; it resumes from its last complete checkpoint"));
   }
-  Log(out.empty() ? "job finished" : absl::StrCat("job finished; run folder ", out));
-  return finish(0);
 }
 
 }  // namespace

@@ -193,6 +193,24 @@ absl::Status MetricsLog::Close() {
   return absl::OkStatus();
 }
 
+std::optional<RestartHistory> ReadRestartHistory(const std::string& summary_path) {
+  std::ifstream in(summary_path);
+  if (!in) return std::nullopt;
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto count = [&](absl::string_view key, auto* out) {
+    const std::string tag = absl::StrCat("\"", key, "\": ");
+    const size_t at = text.find(tag);
+    if (at == std::string::npos) return false;
+    const size_t begin = at + tag.size();
+    return absl::SimpleAtoi(text.substr(begin, text.find_first_of(",\n}", begin) - begin), out);
+  };
+  RestartHistory h;
+  if (!count("restarts", &h.restarts) || !count("rolled_back_steps", &h.rolled_back_steps)) {
+    return std::nullopt;
+  }
+  return h;
+}
+
 absl::Status CheckNotFinished(const std::string& dir) {
   const std::string path = dir + "/summary.json";
   std::ifstream in(path);
@@ -250,7 +268,8 @@ absl::Status WriteSummaryJson(const std::string& path, const Summary& s) {
       "  \"checkpoints\": ", s.checkpoints, ",\n",
       "  \"last_checkpoint_step\": ", opt_u(s.last_checkpoint_step), ",\n",
       "  \"resumed_from_step\": ", opt_u(s.resumed_from_step), ",\n",
-      "  \"stopped_at_step\": ", opt_u(s.stopped_at_step), ",\n",
+      "  \"stopped_at_step\": ", opt_u(s.stopped_at_step), ",\n", "  \"restarts\": ", s.restarts,
+      ",\n", "  \"rolled_back_steps\": ", s.rolled_back_steps, ",\n",
       "  \"job_id\": ", JsonQuote(s.job_id), ",\n", "  \"status\": ", JsonQuote(s.status), "\n}\n");
   return WriteAtomically(path, text);
 }

@@ -66,6 +66,8 @@ struct Summary {
   std::optional<uint64_t> last_checkpoint_step;
   std::optional<uint64_t> resumed_from_step;  // the checkpoint this run continued from
   std::optional<uint64_t> stopped_at_step;    // stopped on request, checkpointed there
+  uint32_t restarts = 0;                      // times the job was started again from a checkpoint
+  uint64_t rolled_back_steps = 0;             // steps done after a checkpoint, lost and run again
 };
 
 // Creates dir (and parents) when missing.
@@ -101,6 +103,13 @@ absl::StatusOr<std::vector<MetricsRow>> ReadMetricsCsv(const std::string& path);
 // Atomic (a temporary file, fsync, rename) and always valid JSON: a
 // non-finite number is written as null.
 absl::Status WriteSummaryJson(const std::string& path, const Summary& s);
+// What an earlier run's summary.json says of the job's restarts; nullopt
+// when there is none or it does not say.
+struct RestartHistory {
+  uint32_t restarts = 0;
+  uint64_t rolled_back_steps = 0;
+};
+std::optional<RestartHistory> ReadRestartHistory(const std::string& summary_path);
 // A finished job's summary.json ("status": "ok") in `dir`: an error naming
 // it, so that a new job does not overwrite its results; OK otherwise.
 absl::Status CheckNotFinished(const std::string& dir);

@@ -57,10 +57,13 @@ std::vector<std::string> ResumeConflicts(const control::TrainingConfig& config,
 }
 
 void CoordinatorService::ResumeFrom(CompleteCheckpoint checkpoint,
-                                    std::vector<MetricsRow> prior_rows) {
+                                    std::vector<MetricsRow> prior_rows, uint32_t restarts,
+                                    uint64_t rolled_back_steps) {
   absl::MutexLock l(&mu_);
   resume_ = std::move(checkpoint);
   prior_rows_ = std::move(prior_rows);
+  restarts_ = restarts;
+  rolled_back_steps_ = rolled_back_steps;
 }
 
 std::string CoordinatorService::Name(control::Role role, uint32_t rank) {
@@ -689,6 +692,8 @@ void CoordinatorService::AddCheckpointPartLocked(control::Role role, uint32_t ra
   m.set_job_id(absl::StrFormat("%016x", job_id_));
   *m.mutable_config() = config_;
   m.set_shard_map(map_.Serialize());
+  m.set_restarts(restarts_);
+  m.set_rolled_back_steps(rolled_back_steps_);
   // --freeze auto as of `step`: the servers may have run ahead and had
   // later checks decided; those are decided again after a resume.
   if (freeze_decided_ <= step) {
@@ -819,6 +824,8 @@ Summary CoordinatorService::MakeSummary() const {
   s.replicas_equal = state_ == State::kFinished && replicas_equal_;
   s.status = state_ == State::kFinished ? "ok" : absl::StrCat(StateName(state_), ": ", reason_);
   s.stopped_at_step = state_ == State::kStopped ? stop_step_ : std::nullopt;
+  s.restarts = restarts_;
+  s.rolled_back_steps = rolled_back_steps_;
   s.job_id = absl::StrFormat("%016x", job_id_);
   s.worker_codec = config_.worker_codec();
   s.server_codec = config_.server_codec();

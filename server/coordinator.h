@@ -41,8 +41,11 @@ class CoordinatorService final : public control::Coordinator::Service {
 
   // Before serving: the job continues from `checkpoint` (its config is
   // checked against the job's once the cluster forms); `prior_rows`:
-  // metrics.csv's rows of the steps before it, for summary.json.
-  void ResumeFrom(CompleteCheckpoint checkpoint, std::vector<MetricsRow> prior_rows);
+  // metrics.csv's rows of the steps before it, for summary.json;
+  // `restarts` and `rolled_back_steps`: the job's history, this resume
+  // included.
+  void ResumeFrom(CompleteCheckpoint checkpoint, std::vector<MetricsRow> prior_rows,
+                  uint32_t restarts, uint64_t rolled_back_steps);
 
   grpc::Status Register(grpc::ServerContext* ctx, const control::RegisterRequest* req,
                         control::RegisterReply* reply) override;
@@ -175,8 +178,10 @@ class CoordinatorService final : public control::Coordinator::Service {
   absl::Time stop_deadline_ ABSL_GUARDED_BY(mu_);
   std::optional<CompleteCheckpoint> resume_ ABSL_GUARDED_BY(mu_);
   std::vector<MetricsRow> prior_rows_ ABSL_GUARDED_BY(mu_);  // before resume_'s step
-  std::optional<absl::Time> started_ ABSL_GUARDED_BY(mu_);   // all registered
-  std::optional<absl::Time> ended_ ABSL_GUARDED_BY(mu_);     // finished or failed
+  uint32_t restarts_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t rolled_back_steps_ ABSL_GUARDED_BY(mu_) = 0;
+  std::optional<absl::Time> started_ ABSL_GUARDED_BY(mu_);  // all registered
+  std::optional<absl::Time> ended_ ABSL_GUARDED_BY(mu_);    // finished or failed
 };
 
 const char* StateName(CoordinatorService::State s);

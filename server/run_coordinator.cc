@@ -85,6 +85,14 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
   if (!resume.ok()) return resume.status();
   std::optional<MetricsLog> metrics;
   std::vector<MetricsRow> prior_rows;
+  // The job's history: the checkpoint's, or the run folder's when that
+  // knows of later restarts (the manifest was written before them).
+  uint32_t restarts = 0;
+  uint64_t rolled_back = 0;
+  if (*resume) {
+    restarts = (*resume)->manifest.restarts() + 1;
+    rolled_back = (*resume)->manifest.rolled_back_steps();
+  }
   if (!o.out.empty()) {
     if (absl::Status st = MakeDirs(o.out); !st.ok()) return st;
     if (absl::Status st = CheckNotFinished(o.out); !st.ok()) return st;
@@ -94,9 +102,19 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
       // after it are run again.
       auto rows = ReadMetricsCsv(path);
       if (!rows.ok()) return rows.status();
+      uint64_t lost = 0;
       for (MetricsRow& r : *rows) {
-        if (r.step < (*resume)->manifest.step()) prior_rows.push_back(std::move(r));
+        if (r.step < (*resume)->manifest.step()) {
+          prior_rows.push_back(std::move(r));
+        } else {
+          ++lost;
+        }
       }
+      if (auto before = ReadRestartHistory(o.out + "/summary.json")) {
+        restarts = std::max(restarts, before->restarts + 1);
+        rolled_back = std::max(rolled_back, before->rolled_back_steps);
+      }
+      rolled_back += lost;
     }
     auto log = MetricsLog::Open(path, prior_rows);
     if (!log.ok()) return log.status();
@@ -110,7 +128,9 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
                                             (*resume)->manifest.job_id(), "' is not hex"));
   }
   CoordinatorService service(cfg, given, job_id, o.register_timeout);
-  if (*resume) service.ResumeFrom(**std::move(resume), std::move(prior_rows));
+  if (*resume) {
+    service.ResumeFrom(**std::move(resume), std::move(prior_rows), restarts, rolled_back);
+  }
   EnableHealthService();
   grpc::ServerBuilder builder;
   ConfigureExclusivePort(&builder);

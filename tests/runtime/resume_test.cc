@@ -320,6 +320,75 @@ INSTANTIATE_TEST_SUITE_P(AnyProcess, Sigterm,
                            return n;
                          });
 
+// kill -9 of a worker in the warm-up, of a server around the freeze step and
+// of the coordinator in the compression phase, each under onebit-launch
+// --max_restarts: the launcher starts the job again, it resumes from its
+// last complete checkpoint, and ends bit for bit where the uninterrupted job
+// ends; summary.json counts the restart and the steps run twice.
+TEST(Recovery, AKilledProcessIsRestartedAndTheJobEndsBitForBit) {
+  const std::string dir = TempDir("recovery");
+  Case c;
+  c.flags = Synthetic("onebit-adam", 2, 3000, {"--freeze_step=1500"});
+  RunResult plain = RunCommand(Launch(c, dir + "/plain", {"--dump_params"}), absl::Seconds(60));
+  ASSERT_EQ(plain.code, 0) << plain.output;
+  const std::string want = ReadFile(dir + "/plain/summary.json");
+  struct Kill {
+    std::string victim;
+    size_t after_rows;  // steps done when it is killed
+  };
+  for (const Kill& k : {Kill{"worker 1", 500}, Kill{"server 0", 1450}, Kill{"coordinator", 2200}}) {
+    SCOPED_TRACE(k.victim);
+    std::string name = k.victim;
+    std::replace(name.begin(), name.end(), ' ', '_');
+    const std::string out = dir + "/" + name;
+    Subprocess job = Start(Launch(c, out,
+                                  {"--checkpoint_dir=" + out + "/ckpt", "--checkpoint_every=200",
+                                   "--max_restarts=2", "--dump_params"}),
+                           out + ".log");
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (Rows(out).size() < k.after_rows && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(2));
+    }
+    ASSERT_GE(Rows(out).size(), k.after_rows) << ReadFile(out + ".log");
+    const std::string log = ReadFile(out + ".log");
+    const size_t pos = log.find("coordinator at 127.0.0.1:");
+    ASSERT_NE(pos, std::string::npos) << log;
+    const std::string target = log.substr(pos + 15, log.find(' ', pos + 15) - pos - 15);
+    const int pid = VictimPid(k.victim, target, out);
+    ASSERT_GT(pid, 0);
+    kill(pid, SIGKILL);
+    auto code = job.Wait(absl::Seconds(90));
+    ASSERT_TRUE(code.has_value()) << "hung: " << ReadFile(out + ".log");
+    const std::string full_log = ReadFile(out + ".log");
+    ASSERT_EQ(*code, 0) << full_log;
+    EXPECT_THAT(full_log, HasSubstr("restart 1 of 2: starting the whole job again; it resumes "
+                                    "from its last complete checkpoint"));
+    const std::string summary = ReadFile(out + "/summary.json");
+    EXPECT_EQ(Field(summary, "status"), "\"ok\"");
+    EXPECT_EQ(Field(summary, "restarts"), "1");
+    uint64_t resumed = 0, rolled_back = 0;
+    ASSERT_TRUE(absl::SimpleAtoi(Field(summary, "resumed_from_step"), &resumed)) << summary;
+    ASSERT_TRUE(absl::SimpleAtoi(Field(summary, "rolled_back_steps"), &rolled_back));
+    EXPECT_EQ(resumed % 200, 0u);
+    EXPECT_GE(resumed + 200, k.after_rows);  // the checkpoint before the kill...
+    EXPECT_LE(resumed, k.after_rows + 200);  // ...or one more, written meanwhile
+    EXPECT_GE(rolled_back, k.after_rows >= resumed ? k.after_rows - resumed - 1 : 0);
+    for (const char* key : {"final_loss", "freeze_step", "replicas_equal"}) {
+      EXPECT_EQ(Field(summary, key), Field(want, key)) << key;
+    }
+    for (const char* f : {"/replica_w0.f32", "/replica_w1.f32", "/replica_w2.f32", "/master_s0.f32",
+                          "/master_s1.f32", "/error_s0.f32", "/error_s1.f32"}) {
+      EXPECT_EQ(FirstDifference(ReadFloats(out + f), ReadFloats(dir + "/plain" + f)), "") << f;
+    }
+    // Every step's row once, in order.
+    const std::vector<std::string> rows = Rows(out);
+    ASSERT_EQ(rows.size(), 3000u);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      ASSERT_EQ(Column(rows[i], 0), absl::StrCat(i));
+    }
+  }
+}
+
 // A finished job's checkpoints, then damaged as a disk or a user might: each
 // kind is refused naming the file, and the job resumes from the one before.
 TEST(Resume, ACorruptCheckpointIsRefusedNamingTheFileAndThePreviousOneIsUsed) {
