@@ -165,4 +165,41 @@ absl::Status LoadWorkerState(const StateReader& file, uint64_t d, WorkerState* s
   return absl::OkStatus();
 }
 
+absl::Status LoadWorkerStateResized(const std::vector<std::string>& paths, uint32_t rank,
+                                    uint64_t d, WorkerState* s) {
+  if (paths.empty()) return absl::NotFoundError("no worker state files to resume from");
+  const size_t n = paths.size();
+  std::vector<double> sum;
+  bool has_e = false;
+  WorkerState mine;
+  mine.x = std::move(s->x);
+  for (size_t w = 0; w < n; ++w) {
+    auto file = StateReader::Open(paths[w]);
+    if (!file.ok()) return file.status();
+    WorkerState old;
+    absl::Status st = LoadWorkerState(*file, d, &old);
+    if (!st.ok()) return absl::Status(st.code(), absl::StrCat(paths[w], ": ", st.message()));
+    if (w == 0) has_e = !old.e.empty();
+    if (old.e.empty() == has_e) {
+      return absl::DataLossError(absl::StrCat(paths[w], ": ", has_e ? "lacks" : "has",
+                                              " a worker error where ", paths[0],
+                                              has_e ? " has one" : " has none"));
+    }
+    if (has_e) {
+      sum.resize(d, 0.0);
+      for (uint64_t i = 0; i < d; ++i) sum[i] += old.e[i];
+    }
+    if (w == rank % n) {
+      old.x = std::move(mine.x);
+      mine = std::move(old);
+    }
+  }
+  if (has_e) {
+    for (uint64_t i = 0; i < d; ++i)
+      mine.e[i] = static_cast<float>(sum[i] / static_cast<double>(n));
+  }
+  *s = std::move(mine);
+  return absl::OkStatus();
+}
+
 }  // namespace onebit

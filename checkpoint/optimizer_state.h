@@ -9,6 +9,7 @@
 #define ONEBIT_CHECKPOINT_OPTIMIZER_STATE_H_
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -36,6 +37,15 @@ StateWriter SaveWorkerState(const WorkerState& s, uint32_t rank, uint64_t step);
 // Restores mbar, e, den and frozen into *s, whose x the caller fills; the
 // sizes must be d. Errors name the file.
 absl::Status LoadWorkerState(const StateReader& file, uint64_t d, WorkerState* s);
+
+// The same for a job resumed with another number of workers than wrote
+// the checkpoint: `paths` are every old worker's file, by rank. New rank
+// `rank` takes the momentum, den and phase of old rank rank mod N, and every
+// new worker starts with the mean of the old workers' errors: the error
+// feedback still owed to the workers' average is kept, spread evenly.
+// Files are read one at a time. Errors name the file.
+absl::Status LoadWorkerStateResized(const std::vector<std::string>& paths, uint32_t rank,
+                                    uint64_t d, WorkerState* s);
 
 }  // namespace onebit
 

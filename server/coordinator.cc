@@ -48,10 +48,11 @@ CoordinatorService::CoordinatorService(control::TrainingConfig config, std::set<
 
 std::vector<std::string> ResumeConflicts(const control::TrainingConfig& config,
                                          const control::TrainingConfig& written) {
-  // The state is saved by global range, and none of these changes a bit of
-  // the result.
+  // The servers' state is saved by global range, and none of these but
+  // the number of workers changes a bit of the result (see
+  // LoadWorkerStateResized for that one).
   static const std::set<std::string> kMayChange = {
-      "servers",        "chunk_elems",      "step_timeout",    "heartbeat_timeout",
+      "servers",        "workers",          "chunk_elems",     "step_timeout", "heartbeat_timeout",
       "checkpoint_dir", "checkpoint_every", "checkpoint_keep", "resume"};
   return ConfigDifferences(config, written, kMayChange);
 }
@@ -188,6 +189,10 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx,
     r->set_dir(resume_->dir);
     for (const checkpoint::ManifestFile& f : resume_->manifest.files()) {
       if (absl::StartsWith(f.name(), "server-")) r->add_server_files(f.name());
+    }
+    r->set_workers(resume_->manifest.config().workers());
+    for (uint32_t w = 0; w < resume_->manifest.config().workers(); ++w) {
+      r->add_worker_files(absl::StrCat("worker-", w, ".state"));
     }
   }
   return grpc::Status::OK;

@@ -188,7 +188,9 @@ struct Worker::Impl {
 };
 
 absl::Status Worker::Impl::Restore(const control::ResumePoint& resume) {
-  const std::string path = absl::StrCat(resume.dir(), "/worker-", job.rank, ".state");
+  // (Under another number of workers: the file of rank mod N, for its step and time.)
+  const uint32_t own = resume.workers() == 0 ? job.rank : job.rank % resume.workers();
+  const std::string path = absl::StrCat(resume.dir(), "/worker-", own, ".state");
   auto file = StateReader::Open(path);
   if (!file.ok()) return file.status();
   if (file->header().step() != resume.step()) {
@@ -198,7 +200,16 @@ absl::Status Worker::Impl::Restore(const control::ResumePoint& resume) {
   WorkerState s;
   s.x.resize(job.num_params);
   absl::Status st = replica->ReadX(s.x.data());
-  if (st.ok()) st = LoadWorkerState(*file, job.num_params, &s);
+  if (st.ok() && resume.workers() != 0 && resume.workers() != job.workers) {
+    // Another number of workers than wrote the checkpoint.
+    std::vector<std::string> paths;
+    for (const std::string& name : resume.worker_files()) {
+      paths.push_back(absl::StrCat(resume.dir(), "/", name));
+    }
+    st = LoadWorkerStateResized(paths, job.rank, job.num_params, &s);
+  } else if (st.ok()) {
+    st = LoadWorkerState(*file, job.num_params, &s);
+  }
   if (st.ok()) st = replica->RestoreState(s);
   if (!st.ok())
     return absl::Status(st.code(), absl::StrCat("resuming from ", path, ": ", st.message()));

@@ -274,13 +274,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         raise NotImplementedError(
             "DistributedOptimizer.state_dict(): the optimizer's state (Adam's m and v, the "
             "frozen variance, both error-feedback buffers) lives on the servers and workers of "
-            "the job, which checkpoints it (--checkpoint_dir, --checkpoint_every); resuming "
-            "is not built yet")
+            "the job, which checkpoint it (--checkpoint_dir, --checkpoint_every); a job started "
+            "again resumes from its last checkpoint by itself, at opt.steps_done")
 
     def load_state_dict(self, state_dict):
         raise NotImplementedError(
-            "DistributedOptimizer.load_state_dict(): resuming from onebit-ps checkpoints is "
-            "not built yet")
+            "DistributedOptimizer.load_state_dict(): a onebit-ps job resumes from its own "
+            "checkpoints (--checkpoint_dir) when started again; continue at opt.steps_done")
 
     def finish(self):
         self._worker.finish()

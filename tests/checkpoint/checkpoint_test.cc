@@ -306,6 +306,38 @@ TEST(OptimizerState, AWorkersStateRestoresBitForBitExceptX) {
               HasSubstr("worker 2's state file is of d = 500, the job's model has d = 501"));
 }
 
+// Three workers' files resumed by four: rank 3 takes old rank 0's momentum
+// (3 mod 3), and every worker the mean of the three errors.
+TEST(OptimizerState, AnotherNumberOfWorkersKeepsTheMeanError) {
+  const std::string dir = TempRoot("resized");
+  std::vector<std::string> paths;
+  for (uint32_t r = 0; r < 3; ++r) {
+    WorkerState w;
+    w.x = Ramp(8, 0.0f);
+    w.mbar = Ramp(8, 10.0f * static_cast<float>(r));
+    w.e = std::vector<float>(8, static_cast<float>(r + 1));  // 1, 2, 3: mean 2
+    w.den = Ramp(8, 0.5f);
+    w.frozen = true;
+    const std::string name = absl::StrCat("worker-", r, ".state");
+    ASSERT_TRUE(SaveWorkerState(w, r, 7).WriteTo(dir, name).ok());
+    paths.push_back(dir + "/" + name);
+  }
+  WorkerState s;
+  s.x = Ramp(8, 5.0f);
+  ASSERT_TRUE(LoadWorkerStateResized(paths, 3, 8, &s).ok());
+  EXPECT_EQ(s.x, Ramp(8, 5.0f));
+  EXPECT_EQ(s.mbar, Ramp(8, 0.0f));
+  EXPECT_EQ(s.e, std::vector<float>(8, 2.0f));
+  EXPECT_EQ(s.den, Ramp(8, 0.5f));
+  EXPECT_TRUE(s.frozen);
+  WorkerState t;
+  t.x = Ramp(8, 5.0f);
+  ASSERT_TRUE(LoadWorkerStateResized(paths, 1, 8, &t).ok());
+  EXPECT_EQ(t.mbar, Ramp(8, 10.0f));
+  std::filesystem::remove(paths[2]);
+  EXPECT_THAT(std::string(LoadWorkerStateResized(paths, 0, 8, &t).message()), HasSubstr(paths[2]));
+}
+
 StateWriter Small(uint64_t step) {
   checkpoint::StateHeader h;
   h.set_step(step);

@@ -389,6 +389,59 @@ TEST(Recovery, AKilledProcessIsRestartedAndTheJobEndsBitForBit) {
   }
 }
 
+// Another number of workers on resume (not bitwise: the data is split
+// otherwise): every new worker starts with the mean of the old workers'
+// errors and the momentum of old rank r mod N; the job goes on converging.
+TEST(Resume, AnotherNumberOfWorkersGoesOnConverging) {
+  const std::string dir = TempDir("resume_workers");
+  const std::vector<std::string> job = {
+      "--servers=2",       "--dim=6007",      "--steps=400",        "--optimizer=onebit-adam",
+      "--freeze_step=100", "--block_size=32", "--chunk_elems=1024", "--heartbeat_timeout=3s"};
+  auto launch = [&](uint32_t workers, const std::string& out, std::vector<std::string> more) {
+    std::vector<std::string> argv = {Bin("onebit-launch"), absl::StrCat("--workers=", workers),
+                                     "--out=" + out};
+    argv.insert(argv.end(), job.begin(), job.end());
+    argv.insert(argv.end(), more.begin(), more.end());
+    return argv;
+  };
+  RunResult plain = RunCommand(launch(3, dir + "/plain", {}), absl::Seconds(60));
+  ASSERT_EQ(plain.code, 0) << plain.output;
+  double want = 0;
+  ASSERT_TRUE(absl::SimpleAtod(Field(ReadFile(dir + "/plain/summary.json"), "final_loss"), &want));
+  // A checkpoint after 200 steps, of 3 workers.
+  Subprocess first = Start(launch(3, dir + "/first",
+                                  {"--checkpoint_dir=" + dir + "/ck", "--checkpoint_every=200",
+                                   "--stall_worker=1", "--stall_at_step=250"}),
+                           dir + "/first.log");
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (!VerifyCheckpoint(StepDir(dir + "/ck", 200)).ok() && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_TRUE(VerifyCheckpoint(StepDir(dir + "/ck", 200)).ok()) << ReadFile(dir + "/first.log");
+  first.Stop(absl::Seconds(5));
+  double at_checkpoint = 0;
+  ASSERT_TRUE(absl::SimpleAtod(Column(Rows(dir + "/plain")[199], 2), &at_checkpoint));
+  for (uint32_t workers : {2u, 4u}) {
+    SCOPED_TRACE(workers);
+    const std::string ck = absl::StrCat(dir, "/ck", workers);
+    std::filesystem::copy(dir + "/ck", ck, std::filesystem::copy_options::recursive);
+    const std::string out = absl::StrCat(dir, "/run", workers);
+    RunResult r = RunCommand(launch(workers, out, {"--checkpoint_dir=" + ck}), absl::Seconds(60));
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_THAT(r.output, HasSubstr("resuming from the checkpoint of step 200"));
+    const std::string summary = ReadFile(out + "/summary.json");
+    EXPECT_EQ(Field(summary, "status"), "\"ok\"");
+    EXPECT_EQ(Field(summary, "workers_agree"), "true");
+    double final_loss = 0;
+    ASSERT_TRUE(absl::SimpleAtod(Field(summary, "final_loss"), &final_loss));
+    // Near where 3 workers end (the noise floor moves with N), and not
+    // drifting up from the checkpoint's loss.
+    EXPECT_LT(final_loss, 2.0 * want);
+    EXPECT_GT(final_loss, 0.5 * want);
+    EXPECT_LT(final_loss, 2.0 * at_checkpoint);
+  }
+}
+
 // A finished job's checkpoints, then damaged as a disk or a user might: each
 // kind is refused naming the file, and the job resumes from the one before.
 TEST(Resume, ACorruptCheckpointIsRefusedNamingTheFileAndThePreviousOneIsUsed) {
