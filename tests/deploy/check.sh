@@ -4,8 +4,10 @@
 #   check.sh render   OVERLAY            kubectl kustomize renders it
 #   check.sh validate OVERLAY            schema validation (tools/k8s-validate.js)
 #   check.sh flags    OVERLAY BIN_DIR    flag drift (tools/k8s-flags.js)
+#   check.sh durable  OVERLAY            restarts and the shared checkpoints claim
+#                                        (tests/deploy/durable.js)
 #   check.sh yamllint                    yamllint --strict on deploy/
-#   check.sh expect-fail validate|flags OVERLAY [BIN_DIR] REGEX
+#   check.sh expect-fail validate|flags|durable OVERLAY [BIN_DIR] REGEX
 #                                        that check exits 1 and prints REGEX
 # Exit 77 (ctest: skipped) with a printed reason where kubectl is absent.
 set -euo pipefail
@@ -24,7 +26,7 @@ render() {
   kubectl kustomize "$1"
 }
 
-# run_check validate|flags OVERLAY [BIN_DIR]: prints the check's output, returns its status.
+# run_check validate|flags|durable OVERLAY [BIN_DIR]: prints the check's output, returns its status.
 run_check() {
   local what=$1 overlay=$2 rendered status=0
   rendered=$(kubectl kustomize "$overlay") || return 2
@@ -32,6 +34,7 @@ run_check() {
     validate) node tools/k8s-validate.js <<<"$rendered" || status=$? ;;
     flags) node tools/k8s-flags.js --bin-dir "$3" --dockerfile deploy/docker/Dockerfile \
              <<<"$rendered" || status=$? ;;
+    durable) node tests/deploy/durable.js <<<"$rendered" || status=$? ;;
     *) echo "unknown check $what" >&2; return 2 ;;
   esac
   return $status
@@ -47,7 +50,7 @@ case $cmd in
     echo "$1: $n objects"
     ((n > 0))
     ;;
-  validate | flags)
+  validate | flags | durable)
     need_kubectl
     run_check "$cmd" "$@"
     ;;
@@ -73,7 +76,7 @@ case $cmd in
     echo "ok: '$what' rejects $overlay with /$regex/"
     ;;
   *)
-    sed -n '2,11p' "$0" >&2
+    sed -n '2,12p' "$0" >&2
     exit 2
     ;;
 esac
