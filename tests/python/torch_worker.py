@@ -140,7 +140,7 @@ for name, tensor in model.state_dict().items():
         assert base <= tensor.data_ptr() < base + 4 * opt._x.numel(), name
 try:
     opt.state_dict()
-    sys.exit("torch_worker: state_dict() should say it is not built")
+    sys.exit("torch_worker: state_dict() should raise NotImplementedError")
 except NotImplementedError as e:
     assert "lives on the servers" in str(e)
 print(f"torch_worker: rank {onebit_ps.rank()} final loss {loss.item():.4f}", file=sys.stderr)
