@@ -130,15 +130,22 @@ absl::Status LoadServerShard(const std::vector<const StateReader*>& files, uint6
 }
 
 StateWriter SaveWorkerState(const WorkerState& s, uint32_t rank, uint64_t step) {
+  WorkerState copy;
+  for (const auto& [name, field] : WorkerArrays()) copy.*field = s.*field;
+  copy.frozen = s.frozen;
+  return SaveWorkerState(std::move(copy), rank, step, s.x.size());
+}
+
+StateWriter SaveWorkerState(WorkerState&& s, uint32_t rank, uint64_t step, uint64_t d) {
   checkpoint::StateHeader h;
   h.set_step(step);
   h.set_role("worker");
   h.set_rank(rank);
   h.set_begin(0);
-  h.set_end(s.x.size());
+  h.set_end(d);
   StateWriter w(std::move(h));
   for (const auto& [name, field] : WorkerArrays()) {
-    if (!(s.*field).empty()) w.AddFloats(name, s.*field);
+    if (!(s.*field).empty()) w.AddFloats(name, std::move(s.*field));
   }
   w.SetValue("frozen", s.frozen ? "1" : "0");
   return w;

@@ -33,6 +33,8 @@ absl::Status LoadServerShard(const std::vector<const StateReader*>& files, uint6
 // --server-reply delta the replica they keep): mbar, e, den, frozen; and
 // `step`, its completed steps.
 StateWriter SaveWorkerState(const WorkerState& s, uint32_t rank, uint64_t step);
+// The same, taking the arrays (s.x may be empty: `d` is the model's size).
+StateWriter SaveWorkerState(WorkerState&& s, uint32_t rank, uint64_t step, uint64_t d);
 
 // Restores mbar, e, den and frozen into *s, whose x the caller fills; the
 // sizes must be d. Errors name the file.

@@ -91,18 +91,28 @@ StateWriter::StateWriter(checkpoint::StateHeader header) : header_(std::move(hea
   header_.clear_sections();
 }
 
-void StateWriter::AddBytes(absl::string_view name, absl::string_view bytes) {
+void StateWriter::AddSection(absl::string_view name, uint64_t size) {
   checkpoint::Section* s = header_.add_sections();
   s->set_name(std::string(name));
-  s->set_offset(payload_.size());
-  s->set_size(bytes.size());
-  s->set_crc32(Crc32(bytes));
-  payload_.append(bytes.data(), bytes.size());
+  s->set_offset(payload_bytes_);
+  s->set_size(size);
+  payload_bytes_ += size;
+}
+
+void StateWriter::AddBytes(absl::string_view name, absl::string_view bytes) {
+  AddSection(name, bytes.size());
+  order_.emplace_back(false, copied_.size());
+  copied_.emplace_back(bytes);
 }
 
 void StateWriter::AddFloats(absl::string_view name, absl::Span<const float> values) {
-  AddBytes(name, absl::string_view(reinterpret_cast<const char*>(values.data()),
-                                   values.size() * sizeof(float)));
+  AddFloats(name, std::vector<float>(values.begin(), values.end()));
+}
+
+void StateWriter::AddFloats(absl::string_view name, std::vector<float>&& values) {
+  AddSection(name, values.size() * sizeof(float));
+  order_.emplace_back(true, taken_.size());
+  taken_.push_back(std::move(values));
 }
 
 void StateWriter::SetValue(absl::string_view key, absl::string_view value) {
@@ -111,11 +121,22 @@ void StateWriter::SetValue(absl::string_view key, absl::string_view value) {
 
 absl::StatusOr<WrittenFile> StateWriter::WriteTo(const std::string& dir,
                                                  const std::string& name) const {
-  const std::string head = header_.SerializeAsString();
+  std::vector<absl::string_view> sections;
+  checkpoint::StateHeader header = header_;
+  for (size_t i = 0; i < order_.size(); ++i) {
+    const auto [taken, k] = order_[i];
+    const absl::string_view bytes =
+        taken ? absl::string_view(reinterpret_cast<const char*>(taken_[k].data()),
+                                  taken_[k].size() * sizeof(float))
+              : absl::string_view(copied_[k]);
+    header.mutable_sections(static_cast<int>(i))->set_crc32(Crc32(bytes));
+    sections.push_back(bytes);
+  }
+  const std::string head = header.SerializeAsString();
   const std::string size = LittleEndianU32(static_cast<uint32_t>(head.size()));
   const std::string crc = LittleEndianU32(Crc32(head));
-  const absl::string_view parts[] = {absl::string_view(kMagic, kMagicSize), size, head, crc,
-                                     payload_};
+  std::vector<absl::string_view> parts = {absl::string_view(kMagic, kMagicSize), size, head, crc};
+  parts.insert(parts.end(), sections.begin(), sections.end());
   return WriteFileAtomically(dir, name, parts);
 }
 

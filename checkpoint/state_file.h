@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -32,14 +33,17 @@ struct WrittenFile {
   uint32_t crc32 = 0;
 };
 
-// Collects a snapshot: Add* copy the data, so the caller may go on changing
-// its own arrays at once.
+// Collects a snapshot: Add* copy the data (or take it), so the caller may
+// go on changing its own arrays at once. The checksums are computed by
+// WriteTo, on whichever thread writes: the step loop pays for one copy.
 class StateWriter {
  public:
   // header: step, role, rank, range and values; sections are filled here.
   explicit StateWriter(checkpoint::StateHeader header);
 
   void AddFloats(absl::string_view name, absl::Span<const float> values);
+  // Takes the values without copying them.
+  void AddFloats(absl::string_view name, std::vector<float>&& values);
   void AddBytes(absl::string_view name, absl::string_view bytes);
   void SetValue(absl::string_view key, absl::string_view value);
 
@@ -47,11 +51,17 @@ class StateWriter {
   // dir. Errors name the path.
   absl::StatusOr<WrittenFile> WriteTo(const std::string& dir, const std::string& name) const;
 
-  uint64_t payload_bytes() const { return payload_.size(); }
+  uint64_t payload_bytes() const { return payload_bytes_; }
 
  private:
-  checkpoint::StateHeader header_;
-  std::string payload_;
+  void AddSection(absl::string_view name, uint64_t size);
+
+  checkpoint::StateHeader header_;  // the sections' crc32s are filled in by WriteTo
+  // Each section's bytes, in order: copied ones or taken floats.
+  std::vector<std::string> copied_;
+  std::vector<std::vector<float>> taken_;
+  std::vector<std::pair<bool, size_t>> order_;  // (taken?, index)
+  uint64_t payload_bytes_ = 0;
 };
 
 // A state file read back and checked: the magic, the header's checksum and

@@ -110,7 +110,7 @@ class DeviceReplica final : public Replica {
     return st;
   }
 
-  absl::StatusOr<WorkerState> SaveState() override {
+  absl::StatusOr<WorkerState> SaveState(bool with_x) override {
     WorkerState s;
     s.frozen = frozen_;
     absl::Status st = b_.synchronize(reply_);
@@ -118,7 +118,7 @@ class DeviceReplica final : public Replica {
       to->resize(d_);
       if (st.ok()) st = b_.copy_to_host(to->data(), from.f(), 4 * d_, push_);
     };
-    copy(x_, &s.x);
+    if (with_x) copy(x_, &s.x);
     if (HasCompressionPhase(o_.kind)) {
       copy(mbar_, &s.mbar);
       copy(e_[0], &s.e);  // chunks whose error is in e_[1] are copied over below

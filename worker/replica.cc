@@ -55,7 +55,15 @@ class CpuReplica final : public Replica {
     std::copy(host, host + n, state_.x.begin() + b);
     return absl::OkStatus();
   }
-  absl::StatusOr<WorkerState> SaveState() override { return state_; }
+  absl::StatusOr<WorkerState> SaveState(bool with_x) override {
+    if (with_x) return state_;
+    WorkerState s;
+    s.mbar = state_.mbar;
+    s.e = state_.e;
+    s.den = state_.den;
+    s.frozen = state_.frozen;
+    return s;
+  }
   absl::Status RestoreState(const WorkerState& s) override {
     if (absl::Status st = CheckStateFits(s, g_.size(), *opt_); !st.ok()) return st;
     state_ = s;

@@ -62,9 +62,10 @@ class Replica {
   virtual absl::Status ReadX(float* x) = 0;
   // x[b, b + n) = host[0, n).
   virtual absl::Status WriteX(uint64_t b, size_t n, const float* host) = 0;
-  // A host copy of the whole state (x, mbar, e, den, the phase) between
-  // steps, for checkpoints; the same on every device for the same steps.
-  virtual absl::StatusOr<WorkerState> SaveState() = 0;
+  // A host copy of the whole state (x unless !with_x, mbar, e, den, the
+  // phase) between steps, for checkpoints; the same on every device for the
+  // same steps.
+  virtual absl::StatusOr<WorkerState> SaveState(bool with_x) = 0;
   // Replaces the state with one SaveState gave (any device's, same d and
   // optimizer). An error, changing nothing, when the sizes do not fit.
   virtual absl::Status RestoreState(const WorkerState& s) = 0;

@@ -81,12 +81,12 @@ struct Worker::Impl {
       hb->ReportCheckpointPart(PartOf(step, dir.status()));
       return absl::OkStatus();  // the coordinator says the checkpoint failed
     }
-    auto state = replica->SaveState();
+    auto state = replica->SaveState(/*with_x=*/false);  // the servers hold x
     if (!state.ok()) {
       return absl::Status(state.status().code(), absl::StrCat("checkpoint of step ", step, ": ",
                                                               state.status().message()));
     }
-    StateWriter file = SaveWorkerState(*state, job.rank, step);
+    StateWriter file = SaveWorkerState(*std::move(state), job.rank, step, job.num_params);
     file.SetValue("wall_s", absl::StrCat(absl::ToDoubleSeconds(absl::Now() - *t0)));
     writer->Submit(step, std::move(file), *dir, absl::StrCat("worker-", job.rank, ".state"));
     return absl::OkStatus();
