@@ -50,16 +50,24 @@ uint32_t Crc32(absl::string_view bytes, uint32_t crc) {
                                        static_cast<z_size_t>(bytes.size())));
 }
 
-absl::StatusOr<WrittenFile> WriteFileAtomically(const std::string& dir, const std::string& name,
-                                                absl::Span<const absl::string_view> parts) {
+namespace {
+
+// WriteFileAtomically, with the crc32 of parts[i] given as crcs[i] where
+// crcs is not empty (combined, not computed again).
+absl::StatusOr<WrittenFile> WriteParts(const std::string& dir, const std::string& name,
+                                       absl::Span<const absl::string_view> parts,
+                                       absl::Span<const uint32_t> crcs) {
   const std::string path = dir + "/" + name;
   const std::string tmp = path + ".tmp";
   const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (fd < 0) return Errno("create", tmp);
   WrittenFile out;
   out.name = name;
-  for (absl::string_view part : parts) {
-    out.crc32 = Crc32(part, out.crc32);
+  for (size_t i = 0; i < parts.size(); ++i) {
+    absl::string_view part = parts[i];
+    out.crc32 = crcs.empty() ? Crc32(part, out.crc32)
+                             : static_cast<uint32_t>(crc32_combine(
+                                   out.crc32, crcs[i], static_cast<z_off_t>(part.size())));
     out.size += part.size();
     while (!part.empty()) {
       const ssize_t n = write(fd, part.data(), part.size());
@@ -84,6 +92,13 @@ absl::StatusOr<WrittenFile> WriteFileAtomically(const std::string& dir, const st
   if (std::rename(tmp.c_str(), path.c_str()) != 0) return Errno("rename", tmp);
   if (absl::Status st = FsyncDir(dir); !st.ok()) return st;
   return out;
+}
+
+}  // namespace
+
+absl::StatusOr<WrittenFile> WriteFileAtomically(const std::string& dir, const std::string& name,
+                                                absl::Span<const absl::string_view> parts) {
+  return WriteParts(dir, name, parts, {});
 }
 
 StateWriter::StateWriter(checkpoint::StateHeader header) : header_(std::move(header)) {
@@ -122,6 +137,7 @@ void StateWriter::SetValue(absl::string_view key, absl::string_view value) {
 absl::StatusOr<WrittenFile> StateWriter::WriteTo(const std::string& dir,
                                                  const std::string& name) const {
   std::vector<absl::string_view> sections;
+  std::vector<uint32_t> section_crcs;
   checkpoint::StateHeader header = header_;
   for (size_t i = 0; i < order_.size(); ++i) {
     const auto [taken, k] = order_[i];
@@ -129,7 +145,8 @@ absl::StatusOr<WrittenFile> StateWriter::WriteTo(const std::string& dir,
         taken ? absl::string_view(reinterpret_cast<const char*>(taken_[k].data()),
                                   taken_[k].size() * sizeof(float))
               : absl::string_view(copied_[k]);
-    header.mutable_sections(static_cast<int>(i))->set_crc32(Crc32(bytes));
+    section_crcs.push_back(Crc32(bytes));
+    header.mutable_sections(static_cast<int>(i))->set_crc32(section_crcs.back());
     sections.push_back(bytes);
   }
   const std::string head = header.SerializeAsString();
@@ -137,7 +154,11 @@ absl::StatusOr<WrittenFile> StateWriter::WriteTo(const std::string& dir,
   const std::string crc = LittleEndianU32(Crc32(head));
   std::vector<absl::string_view> parts = {absl::string_view(kMagic, kMagicSize), size, head, crc};
   parts.insert(parts.end(), sections.begin(), sections.end());
-  return WriteFileAtomically(dir, name, parts);
+  // The file's crc32 for the manifest from the sections' (one pass, not two).
+  std::vector<uint32_t> crcs;
+  for (size_t i = 0; i < 4; ++i) crcs.push_back(Crc32(parts[i]));
+  crcs.insert(crcs.end(), section_crcs.begin(), section_crcs.end());
+  return WriteParts(dir, name, parts, crcs);
 }
 
 absl::StatusOr<StateReader> StateReader::Open(const std::string& path) {
