@@ -120,12 +120,15 @@ control::Command Heartbeater::WaitForCommand(absl::Duration timeout) {
 }
 
 void Heartbeater::Loop() {
+  absl::Time last_send = absl::InfinitePast();
   while (true) {
     {
       absl::MutexLock l(&mu_);
-      // A signal handler cannot kick us: look at its flag often.
-      auto signalled = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return stop_signal_ != nullptr && stop_signal_->load() != 0 && !stop_sent_;
+      // A signal handler cannot kick us: look at its flag often (but while
+      // the coordinator does not answer, not more than every 50 ms).
+      auto signalled = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stop_signal_ != nullptr && stop_signal_->load() != 0 && !stop_sent_ &&
+               absl::Now() - last_send >= absl::Milliseconds(50);
       };
       auto wake = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || kick_; };
       const absl::Time until = absl::Now() + interval_;
@@ -137,6 +140,7 @@ void Heartbeater::Loop() {
       if (stop_) return;
       kick_ = false;
     }
+    last_send = absl::Now();
     SendOnce();
   }
 }
