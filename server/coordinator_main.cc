@@ -19,6 +19,10 @@ ABSL_FLAG(std::string, port_file, "", "write the bound port to this file once li
 ABSL_FLAG(std::string, out, "", "run folder: metrics.csv and summary.json");
 ABSL_FLAG(absl::Duration, register_timeout, absl::Seconds(60),
           "how long to wait for all servers and workers to register");
+ABSL_FLAG(int32_t, exit_code_when_stopped, 0,
+          "exit with this code when the job stopped on request (SIGTERM to one of its processes) "
+          "after a complete checkpoint; e.g. 75 so that a Kubernetes Job with restartPolicy "
+          "OnFailure starts the pod again and the job resumes");
 
 namespace onebit {
 namespace {
@@ -59,6 +63,7 @@ int Main(int argc, char** argv) {
   o.stop_signal = StopSignalFlag();
   absl::Status st = RunCoordinatorJob(cfg, given, o);
   if (!port_written) ExitError(1, absl::StrCat("cannot write --port_file ", port_file));
+  if (absl::IsCancelled(st)) return absl::GetFlag(FLAGS_exit_code_when_stopped);
   if (!st.ok()) ExitError(1, st.message());
   return 0;
 }

@@ -196,6 +196,7 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
     verdict = std::string(result.message());
   } else if (service.state() == CoordinatorService::State::kStopped) {
     verdict = absl::StrCat("job stopped: ", service.reason());
+    result = absl::CancelledError(verdict);
   } else if (!summary.workers_agree) {
     verdict = "job finished but the replicas differ from the masters";
     result = absl::DataLossError(verdict);
@@ -213,7 +214,7 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
     if (absl::Status written = WriteSummaryJson(o.out + "/summary.json", summary); st.ok()) {
       st = written;
     }
-    if (!st.ok() && result.ok()) result = st;
+    if (!st.ok() && (result.ok() || absl::IsCancelled(result))) result = st;
   }
   // Let every live process hear the outcome through its heartbeat, bounded.
   // Briefly when a signal stopped us: the sender's grace period is short.

@@ -223,8 +223,7 @@ absl::Status RunServer(const ServerOptions& o) {
   if (!done_status.ok()) return fail(done_status);
   if (hb.command() == control::STOP) {
     writer.Flush();
-    std::fprintf(stderr, "server %u: the job stopped: %s\n", rank, hb.reason().c_str());
-    return absl::OkStatus();
+    return absl::CancelledError(absl::StrCat("server ", rank, ": the job stopped: ", hb.reason()));
   }
 
   for (auto [name, path, v] : {std::tuple{"dump_x", &o.dump_x, &ps.state().x},

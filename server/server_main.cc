@@ -2,6 +2,7 @@
 // registers with the coordinator, binds a ZeroMQ ROUTER on its data port and
 // serves one shard until the coordinator says the job is over.
 
+#include <cstdio>
 #include <string>
 
 #include "absl/flags/flag.h"
@@ -23,6 +24,11 @@ ABSL_FLAG(absl::Duration, register_timeout, absl::Seconds(60),
 ABSL_FLAG(std::string, dump_x, "", "write the final master shard (raw fp32) to this file");
 ABSL_FLAG(std::string, dump_error, "",
           "write the final server error feedback e_s of the shard (raw fp32) to this file");
+
+ABSL_FLAG(int32_t, exit_code_when_stopped, 0,
+          "exit with this code when the job stopped on request (SIGTERM to one of its processes) "
+          "after a complete checkpoint; e.g. 75 so that a Kubernetes Job with restartPolicy "
+          "OnFailure starts the pod again and the job resumes");
 
 namespace onebit {
 namespace {
@@ -51,6 +57,10 @@ int Main(int argc, char** argv) {
   CatchStopSignals();
   o.stop_signal = StopSignalFlag();
   absl::Status st = RunServer(o);
+  if (absl::IsCancelled(st)) {
+    std::fprintf(stderr, "%s\n", std::string(st.message()).c_str());
+    return absl::GetFlag(FLAGS_exit_code_when_stopped);
+  }
   if (!st.ok()) ExitError(1, std::string(st.message()));
   return 0;
 }

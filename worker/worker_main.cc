@@ -30,6 +30,10 @@ ABSL_FLAG(std::string, device, "auto",
           "(a GPU; an error when none is usable); auto (GPU 0 when one is usable, else the "
           "CPU); cuda-twin (the GPU worker's code on the CPU twins of its kernels, for "
           "testing without a GPU)");
+ABSL_FLAG(int32_t, exit_code_when_stopped, 0,
+          "exit with this code when the job stopped on request (SIGTERM to one of its processes) "
+          "after a complete checkpoint; e.g. 75 so that a Kubernetes Job with restartPolicy "
+          "OnFailure starts the pod again and the job resumes");
 ABSL_FLAG(absl::Duration, progress_interval, absl::Seconds(1),
           "how often to print the progress line on stderr");
 
@@ -101,7 +105,7 @@ int Main(int argc, char** argv) {
     auto stats = w.Step(so);
     if (absl::IsCancelled(stats.status())) {
       std::fprintf(stderr, "worker %u: %s\n", rank, std::string(stats.status().message()).c_str());
-      return 0;
+      return absl::GetFlag(FLAGS_exit_code_when_stopped);
     }
     if (!stats.ok()) fail("", stats.status());
     // Rank 0 scores its replica (equal to every other) on the test set.

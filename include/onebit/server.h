@@ -38,13 +38,14 @@ struct ServerOptions {
   std::string dump_error;
   // When set and it becomes non-zero (a signal number, e.g. from a SIGTERM
   // handler), the job stops after a checkpoint at the next step boundary
-  // (and this returns OK), or fails where it has no --checkpoint_dir.
+  // (and this returns CANCELLED), or fails where it has no --checkpoint_dir.
   const std::atomic<int>* stop_signal = nullptr;
 };
 
 // Registers, serves the shard until the coordinator ends the job, and reports
-// the shard's checksum. OK: the job finished and this shard ran every step,
-// or it stopped on request after a complete checkpoint.
+// the shard's checksum. OK: the job finished and this shard ran every step.
+// CANCELLED: the job stopped on request after a complete checkpoint (running
+// it again resumes it).
 absl::Status RunServer(const ServerOptions& options);
 
 struct CoordinatorOptions {
@@ -63,16 +64,17 @@ struct CoordinatorOptions {
   std::string out;
   // When set and it becomes non-zero (a signal number, e.g. from a SIGTERM
   // handler): a job with a --checkpoint_dir stops after a checkpoint at the
-  // next step boundary (the summary says "stopped: ..."; starting the job
-  // again resumes it), any other ends as failed ("stopped by SIGTERM"); the
-  // run folder is written either way.
+  // next step boundary (the summary says "stopped: ..." and this returns
+  // CANCELLED; starting the job again resumes it), any other ends as failed
+  // ("stopped by SIGTERM"); the run folder is written either way.
   const std::atomic<int>* stop_signal = nullptr;
   absl::Duration register_timeout = absl::Seconds(60);
 };
 
 // Forms the cluster, runs the job to its end and writes the run folder. OK:
 // every process finished and every replica equals the masters (or, under
-// --server-reply delta, trails them by design); else the job's failure.
+// --server-reply delta, trails them by design); CANCELLED: it stopped on
+// request after a complete checkpoint; else the job's failure.
 absl::Status RunCoordinator(const CoordinatorOptions& options);
 
 }  // namespace onebit

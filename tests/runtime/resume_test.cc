@@ -444,6 +444,84 @@ TEST(Resume, AnotherNumberOfWorkersGoesOnConverging) {
   }
 }
 
+// Kubernetes' view: each binary started on its own, as a pod is. After a
+// SIGTERM every process exits with --exit_code_when_stopped (75), so that a
+// Job with restartPolicy OnFailure starts it again; started again, the
+// same processes resume the job and it ends bit for bit.
+TEST(Preemption, PodsStartedAgainResumeTheJob) {
+  const std::string dir = TempDir("sigterm_pods");
+  const std::vector<std::string> job = {"--workers=2",
+                                        "--servers=1",
+                                        "--dim=6007",
+                                        "--steps=3000",
+                                        "--optimizer=onebit-adam",
+                                        "--freeze_step=40",
+                                        "--block_size=32",
+                                        "--chunk_elems=1024",
+                                        "--heartbeat_timeout=3s"};
+  Case c;
+  c.flags = job;
+  RunResult plain = RunCommand(Launch(c, dir + "/plain", {"--dump_params"}), absl::Seconds(60));
+  ASSERT_EQ(plain.code, 0) << plain.output;
+  // One start of every "pod"; returns their exit codes once all are done.
+  auto pods = [&](const std::string& name, bool sigterm_worker) {
+    const std::string port_file = dir + "/" + name + ".port";
+    std::vector<std::string> coord = {
+        Bin("onebit-coordinator"),    "--port=0",
+        "--port_file=" + port_file,   "--bind_host=127.0.0.1",
+        "--out=" + dir + "/run",      "--checkpoint_dir=" + dir + "/ckpt",
+        "--exit_code_when_stopped=75"};
+    coord.insert(coord.end(), job.begin(), job.end());
+    std::vector<Subprocess> procs;
+    procs.push_back(Start(coord, dir + "/" + name + ".coordinator.log"));
+    int port = 0;
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (port == 0 && absl::Now() < deadline) {
+      std::ifstream in(port_file);
+      if (!(in >> port)) port = 0;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    EXPECT_GT(port, 0);
+    const std::string target = absl::StrCat("--coordinator=127.0.0.1:", port);
+    procs.push_back(Start({Bin("onebit-server"), target, "--shard=0", "--bind_host=127.0.0.1",
+                           "--advertise_host=127.0.0.1", "--exit_code_when_stopped=75",
+                           "--dump_x=" + dir + "/master.f32"},
+                          dir + "/" + name + ".server.log"));
+    for (int w = 0; w < 2; ++w) {
+      procs.push_back(
+          Start({Bin("onebit-worker"), target, absl::StrCat("--rank=", w), "--bind_host=127.0.0.1",
+                 "--advertise_host=127.0.0.1", "--device=cpu", "--exit_code_when_stopped=75",
+                 absl::StrCat("--dump_x=", dir, "/replica_w", w, ".f32")},
+                absl::StrCat(dir, "/", name, ".worker", w, ".log")));
+    }
+    if (sigterm_worker) {
+      EXPECT_TRUE(
+          WaitForText(absl::StrCat(dir, "/", name, ".worker1.log"), "steps/s", absl::Seconds(20)));
+      kill(procs[3].pid(), SIGTERM);
+    }
+    std::vector<int> codes;
+    for (Subprocess& p : procs) {
+      auto code = p.Wait(absl::Seconds(60));
+      codes.push_back(code.value_or(-1));
+    }
+    return codes;
+  };
+  EXPECT_THAT(pods("first", true), ::testing::Each(75));
+  const std::string stopped = ReadFile(dir + "/run/summary.json");
+  EXPECT_THAT(Field(stopped, "status"), HasSubstr("stopped: SIGTERM to worker 1"));
+  EXPECT_THAT(pods("again", false), ::testing::Each(0));
+  const std::string summary = ReadFile(dir + "/run/summary.json");
+  EXPECT_EQ(Field(summary, "status"), "\"ok\"");
+  EXPECT_EQ(Field(summary, "resumed_from_step"), Field(stopped, "stopped_at_step"));
+  EXPECT_EQ(Field(summary, "restarts"), "1");
+  for (const char* f : {"/replica_w0.f32", "/replica_w1.f32"}) {
+    EXPECT_EQ(FirstDifference(ReadFloats(dir + f), ReadFloats(dir + "/plain" + f)), "") << f;
+  }
+  EXPECT_EQ(
+      FirstDifference(ReadFloats(dir + "/master.f32"), ReadFloats(dir + "/plain/master_s0.f32")),
+      "");
+}
+
 // A finished job's checkpoints, then damaged as a disk or a user might: each
 // kind is refused naming the file, and the job resumes from the one before.
 TEST(Resume, ACorruptCheckpointIsRefusedNamingTheFileAndThePreviousOneIsUsed) {
