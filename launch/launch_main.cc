@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <thread>
 #include <vector>
@@ -312,7 +313,17 @@ int Main(int argc, char** argv) {
       }
       absl::SleepFor(absl::Milliseconds(20));
     }
-    Log(out.empty() ? "job finished" : absl::StrCat("job finished; run folder ", out));
+    // Every process exited 0: the job finished, or stopped after a checkpoint.
+    std::string outcome = "job finished";
+    if (!out.empty()) {
+      std::ifstream in(out + "/summary.json");
+      const std::string text((std::istreambuf_iterator<char>(in)),
+                             std::istreambuf_iterator<char>());
+      if (text.find("\"status\": \"stopped: ") != std::string::npos) {
+        outcome = "job stopped after a checkpoint (summary.json says why); run it again to resume";
+      }
+    }
+    Log(out.empty() ? outcome : absl::StrCat(outcome, "; run folder ", out));
     return finish(0);
   };
   const int max_restarts = absl::GetFlag(FLAGS_max_restarts);

@@ -282,6 +282,7 @@ TEST_P(Sigterm, StopsAfterACheckpointAndResumesBitForBit) {
   const std::string stopped_log = ReadFile(dir + "/first.log");
   // onebit-launch exits 0 only when every process did.
   EXPECT_EQ(*code, 0) << stopped_log;
+  EXPECT_THAT(stopped_log, HasSubstr("launch: job stopped after a checkpoint"));
   EXPECT_LT(took, absl::Seconds(10)) << "a Kubernetes grace period is 30 s";
   const std::string who =
       (victim == "coordinator" ? "SIGTERM to the coordinator" : "SIGTERM to " + victim);
