@@ -46,15 +46,20 @@ CoordinatorService::CoordinatorService(control::TrainingConfig config, std::set<
   freeze_ = FreezeOptionsFromConfig(config_).value_or(FreezeOptions{});
 }
 
-std::vector<std::string> ResumeConflicts(const control::TrainingConfig& config,
-                                         const control::TrainingConfig& written) {
+absl::Status CheckResumable(const control::TrainingConfig& config,
+                            const CompleteCheckpoint& checkpoint) {
   // The servers' state is saved by global range, and none of these but
   // the number of workers changes a bit of the result (see
   // LoadWorkerStateResized for that one).
   static const std::set<std::string> kMayChange = {
       "servers",        "workers",          "chunk_elems",     "step_timeout", "heartbeat_timeout",
       "checkpoint_dir", "checkpoint_every", "checkpoint_keep", "resume"};
-  return ConfigDifferences(config, written, kMayChange);
+  const std::vector<std::string> conflicts =
+      ConfigDifferences(config, checkpoint.manifest.config(), kMayChange);
+  if (conflicts.empty()) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "cannot resume from ", checkpoint.dir, ": it was written by a job with another config: ",
+      absl::StrJoin(conflicts, "; "), ". Run with that config, or give another --checkpoint_dir"));
 }
 
 void CoordinatorService::ResumeFrom(CompleteCheckpoint checkpoint,
@@ -311,12 +316,8 @@ void CoordinatorService::FormLocked() {
   }
   if (resume_) {
     const checkpoint::Manifest& m = resume_->manifest;
-    const std::vector<std::string> conflicts = ResumeConflicts(config_, m.config());
-    if (!conflicts.empty()) {
-      FailLocked(absl::StrCat(
-          "cannot resume from ", resume_->dir,
-          ": it was written by a job with another config: ", absl::StrJoin(conflicts, "; "),
-          ". Run with that config, or give another --checkpoint_dir"));
+    if (absl::Status st = CheckResumable(config_, *resume_); !st.ok()) {
+      FailLocked(std::string(st.message()));
       return;
     }
     // The steps before the checkpoint are done: their rows, their

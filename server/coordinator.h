@@ -186,12 +186,13 @@ class CoordinatorService final : public control::Coordinator::Service {
 
 const char* StateName(CoordinatorService::State s);
 
-// Why the job `config` cannot continue from a checkpoint written under
-// `written`: every setting that differs ("--lr: 0.01 (here) vs 0.001
-// (there)"), save those a resumed job may change (where checkpoints go, the
-// timeouts, the chunking, the number of servers). Empty: it can.
-std::vector<std::string> ResumeConflicts(const control::TrainingConfig& config,
-                                         const control::TrainingConfig& written);
+// OK when the job `config` may continue from `checkpoint`; else
+// FAILED_PRECONDITION naming the checkpoint and every setting that differs
+// ("--lr: 0.01 (here) vs 0.001 (there)"), save those a resumed job may
+// change (where checkpoints go, the timeouts, the chunking, the numbers of
+// servers and workers).
+absl::Status CheckResumable(const control::TrainingConfig& config,
+                            const CompleteCheckpoint& checkpoint);
 
 // RunCoordinator (include/onebit/server.h) for a config already built, as
 // onebit-coordinator builds it from its command line.

@@ -1,6 +1,5 @@
 // RunCoordinator (include/onebit/server.h): the coordinator's gRPC service
 // (server/coordinator.h), its watch loop, and the run folder.
-#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -8,7 +7,6 @@
 #include <random>
 #include <set>
 
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -52,20 +50,9 @@ absl::StatusOr<std::optional<CompleteCheckpoint>> FindResumePoint(
   }
   if (!latest.ok()) return latest.status();
   // A --model external job's d comes from its workers: checked again then.
-  const control::TrainingConfig& written = latest->manifest.config();
-  std::vector<std::string> conflicts = ResumeConflicts(cfg, written);
-  if (cfg.model() == kExternalModel) {
-    conflicts.erase(
-        std::remove_if(conflicts.begin(), conflicts.end(),
-                       [](const std::string& c) { return absl::StartsWith(c, "--dim:"); }),
-        conflicts.end());
-  }
-  if (!conflicts.empty()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "cannot resume from ", latest->dir,
-        ": it was written by a job with another config: ", absl::StrJoin(conflicts, "; "),
-        ". Run with that config, or give another --checkpoint_dir"));
-  }
+  control::TrainingConfig mine = cfg;
+  if (cfg.model() == kExternalModel) mine.set_dim(latest->manifest.config().dim());
+  if (absl::Status st = CheckResumable(mine, *latest); !st.ok()) return st;
   return std::optional<CompleteCheckpoint>(*std::move(latest));
 }
 

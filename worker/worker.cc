@@ -151,24 +151,18 @@ struct Worker::Impl {
   // waits for Step() to decide it.
   absl::Status BeginStepIfNeeded(bool may_wait, bool* deferred = nullptr) {
     if (client->in_step()) return absl::OkStatus();
-    switch (hb->BeginStep(step, may_wait ? StopWait() : absl::ZeroDuration())) {
-      case Heartbeater::StepGate::kGo:
-        break;
-      case Heartbeater::StepGate::kStopHere:
-        if (!may_wait) {
-          *deferred = true;
-          return absl::OkStatus();
-        }
-        return StopHere();
-      case Heartbeater::StepGate::kUndecided:
-        if (!may_wait) {
-          *deferred = true;
-          return absl::OkStatus();
-        }
-        if (absl::Status st = CheckJob(); !st.ok()) return Fail(st);
-        return Fail(absl::DeadlineExceededError(absl::StrCat(
-            "the job is stopping, but the coordinator named no step to stop at within ",
-            absl::FormatDuration(StopWait()))));
+    const Heartbeater::StepGate gate =
+        hb->BeginStep(step, may_wait ? StopWait() : absl::ZeroDuration());
+    if (gate != Heartbeater::StepGate::kGo && !may_wait) {
+      *deferred = true;
+      return absl::OkStatus();
+    }
+    if (gate == Heartbeater::StepGate::kStopHere) return StopHere();
+    if (gate == Heartbeater::StepGate::kUndecided) {
+      if (absl::Status st = CheckJob(); !st.ok()) return Fail(st);
+      return Fail(absl::DeadlineExceededError(
+          absl::StrCat("the job is stopping, but the coordinator named no step to stop at within ",
+                       absl::FormatDuration(StopWait()))));
     }
     FlushMetrics();
     step_start = absl::Now();
