@@ -9,6 +9,7 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <variant>
 
 #include "absl/strings/str_cat.h"
 
@@ -116,8 +117,7 @@ void StateWriter::AddSection(absl::string_view name, uint64_t size) {
 
 void StateWriter::AddBytes(absl::string_view name, absl::string_view bytes) {
   AddSection(name, bytes.size());
-  order_.emplace_back(false, copied_.size());
-  copied_.emplace_back(bytes);
+  sections_.emplace_back(std::string(bytes));
 }
 
 void StateWriter::AddFloats(absl::string_view name, absl::Span<const float> values) {
@@ -126,8 +126,7 @@ void StateWriter::AddFloats(absl::string_view name, absl::Span<const float> valu
 
 void StateWriter::AddFloats(absl::string_view name, std::vector<float>&& values) {
   AddSection(name, values.size() * sizeof(float));
-  order_.emplace_back(true, taken_.size());
-  taken_.push_back(std::move(values));
+  sections_.emplace_back(std::move(values));
 }
 
 void StateWriter::SetValue(absl::string_view key, absl::string_view value) {
@@ -139,12 +138,12 @@ absl::StatusOr<WrittenFile> StateWriter::WriteTo(const std::string& dir,
   std::vector<absl::string_view> sections;
   std::vector<uint32_t> section_crcs;
   checkpoint::StateHeader header = header_;
-  for (size_t i = 0; i < order_.size(); ++i) {
-    const auto [taken, k] = order_[i];
+  for (size_t i = 0; i < sections_.size(); ++i) {
+    const auto* floats = std::get_if<std::vector<float>>(&sections_[i]);
     const absl::string_view bytes =
-        taken ? absl::string_view(reinterpret_cast<const char*>(taken_[k].data()),
-                                  taken_[k].size() * sizeof(float))
-              : absl::string_view(copied_[k]);
+        floats != nullptr ? absl::string_view(reinterpret_cast<const char*>(floats->data()),
+                                              floats->size() * sizeof(float))
+                          : absl::string_view(std::get<std::string>(sections_[i]));
     section_crcs.push_back(Crc32(bytes));
     header.mutable_sections(static_cast<int>(i))->set_crc32(section_crcs.back());
     sections.push_back(bytes);

@@ -14,7 +14,7 @@
 
 #include <cstdint>
 #include <string>
-#include <utility>
+#include <variant>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -57,10 +57,8 @@ class StateWriter {
   void AddSection(absl::string_view name, uint64_t size);
 
   checkpoint::StateHeader header_;  // the sections' crc32s are filled in by WriteTo
-  // Each section's bytes, in order: copied ones or taken floats.
-  std::vector<std::string> copied_;
-  std::vector<std::vector<float>> taken_;
-  std::vector<std::pair<bool, size_t>> order_;  // (taken?, index)
+  // Each section's bytes, in order: copied bytes or taken floats.
+  std::vector<std::variant<std::string, std::vector<float>>> sections_;
   uint64_t payload_bytes_ = 0;
 };
 
