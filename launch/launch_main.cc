@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
+#include "checkpoint/checkpoint_dir.h"
 #include "net/flags.h"
 #include "net/health.h"
 #include "net/job_config.h"
@@ -44,9 +45,10 @@ ABSL_FLAG(absl::Duration, grace, absl::Seconds(1),
           "after a child fails: how long the others get to exit on their own, then to "
           "exit after SIGTERM before SIGKILL");
 ABSL_FLAG(int32_t, max_restarts, 0,
-          "when a process fails mid-job, stop the rest and start the whole job again, up to "
-          "this many times; with --checkpoint_dir it resumes from its last complete "
-          "checkpoint, bit for bit as if uninterrupted");
+          "when a process fails mid-job, start it again, up to this many times in all: with "
+          "--checkpoint_dir (and --rejoin_timeout > 0) that process alone, and the others roll "
+          "back to the last complete checkpoint and go on; without, the whole job from the "
+          "start. Either way the job ends bit for bit as if uninterrupted");
 ABSL_FLAG(absl::Duration, launch_register_timeout, absl::Seconds(60),
           "registration timeout passed to every process");
 
@@ -57,6 +59,9 @@ absl::Mutex log_mu;
 
 struct Child {
   std::string name;
+  // How to start it again (live recovery).
+  std::vector<std::string> argv;
+  std::vector<std::string> env;
   std::optional<Subprocess> proc;
   int read_fd = -1;
   std::thread reader;
@@ -93,6 +98,8 @@ void Log(const std::string& msg) {
 
 absl::Status Start(Child* c, const std::vector<std::string>& argv,
                    const std::vector<std::string>& env = {}) {
+  if (c->reader.joinable()) c->reader.join();  // a restart: the last one's output is done
+  c->code.reset();
   int fds[2];
   if (pipe2(fds, O_CLOEXEC) != 0) return absl::InternalError("pipe2 failed");
   auto p = Subprocess::Spawn(argv, fds[1], fds[1], env);
@@ -105,6 +112,19 @@ absl::Status Start(Child* c, const std::vector<std::string>& argv,
   c->read_fd = fds[0];
   c->reader = std::thread(PumpLines, fds[0], c->name);
   return absl::OkStatus();
+}
+
+// Whether a checkpoint's manifest is under `root`: the job can roll back to
+// it (before the first one only a start from scratch can recover).
+bool HasCheckpoint(const std::string& root) {
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(root, ec)) {
+    if (e.path().filename().string().rfind("step-", 0) == 0 &&
+        std::filesystem::exists(e.path() / kManifestName, ec)) {
+      return true;
+    }
+  }
+  return false;
 }
 
 std::string SelfDir() {
@@ -145,9 +165,12 @@ int Main(int argc, char** argv) {
     absl::Status st = MakeDirs(out);
     if (!st.ok()) ExitFlagError("out", st.message());
   }
+  const int max_restarts = absl::GetFlag(FLAGS_max_restarts);
+  const bool live = !cfg.checkpoint_dir().empty() && cfg.rejoin_timeout_ms() > 0;
   // One start of the whole job; *running: it got as far as starting every
   // process (a job that fails before that is not worth restarting).
-  auto run = [&](int attempt, bool* running) -> int {
+  // *restarts_used counts every restart, of one process or of the job.
+  auto run = [&](int attempt, bool* running, int* restarts_used) -> int {
     char tmpl[] = "/tmp/onebit-launch.XXXXXX";
     if (mkdtemp(tmpl) == nullptr) ExitError(1, "cannot create a temporary folder");
     const std::string tmp = tmpl;
@@ -191,6 +214,7 @@ int Main(int argc, char** argv) {
                                      "--register_timeout=" + reg_timeout};
     if (!out.empty()) args.push_back("--out=" + out);
     for (const std::string& a : ConfigFlagArgs()) args.push_back(a);
+    coord.argv = args;
     if (absl::Status st = Start(&coord, args); !st.ok()) {
       Log(std::string(st.message()));
       return finish(1);
@@ -213,6 +237,10 @@ int Main(int argc, char** argv) {
       absl::SleepFor(absl::Milliseconds(10));
     }
     const std::string target = absl::StrCat("127.0.0.1:", port);
+    // Started again, the coordinator must listen where everyone looks for it.
+    for (std::string& a : coord.argv) {
+      if (a == "--port=0") a = absl::StrCat("--port=", port);
+    }
     if (absl::Status st = CheckHealth(target, absl::Seconds(10)); !st.ok()) {
       Log(std::string(st.message()));
       return finish(1);
@@ -232,6 +260,7 @@ int Main(int argc, char** argv) {
         a.push_back(absl::StrCat("--dump_x=", out, "/master_s", k, ".f32"));
         a.push_back(absl::StrCat("--dump_error=", out, "/error_s", k, ".f32"));
       }
+      c.argv = a;
       if (absl::Status st = Start(&c, a); !st.ok()) {
         stop_all(std::string(st.message()));
         return finish(1);
@@ -256,7 +285,9 @@ int Main(int argc, char** argv) {
         if (absl::GetFlag(FLAGS_dump_params)) {
           env.push_back(absl::StrCat("ONEBIT_DUMP_X=", out, "/replica_w", i, ".f32"));
         }
-        if (absl::Status st = Start(&c, {"/bin/sh", "-c", "exec " + worker_cmd}, env); !st.ok()) {
+        c.argv = {"/bin/sh", "-c", "exec " + worker_cmd};
+        c.env = env;
+        if (absl::Status st = Start(&c, c.argv, env); !st.ok()) {
           stop_all(std::string(st.message()));
           return finish(1);
         }
@@ -275,6 +306,7 @@ int Main(int argc, char** argv) {
       if (!devices.empty()) {
         a.push_back("--device=" + devices[std::min<size_t>(i, devices.size() - 1)]);
       }
+      c.argv = a;  // a restarted one does not stall again
       if (static_cast<int>(i) == stall_worker && attempt == 0) {
         a.push_back(absl::StrCat("--stall_at_step=", absl::GetFlag(FLAGS_stall_at_step)));
       }
@@ -294,6 +326,25 @@ int Main(int argc, char** argv) {
         if (c.code) continue;
         c.code = c.proc->Poll();
         if (!c.code) {
+          all_done = false;
+          continue;
+        }
+        // Live recovery: this process alone starts again and the job rolls
+        // back; the coordinator only when it was killed (a job that
+        // failed would fail again).
+        const bool coordinator_running = !coord.code;
+        if (*c.code != 0 && live && *restarts_used < max_restarts &&
+            (&c == &coord ? *c.code > 128 : coordinator_running) &&
+            HasCheckpoint(cfg.checkpoint_dir())) {
+          ++*restarts_used;
+          Log(absl::StrCat(c.name, " failed (", DescribeExit(*c.code), "); restart ",
+                           *restarts_used, " of ", max_restarts, ": starting it again",
+                           &c == &coord ? "; the others wait for it"
+                                        : "; the job rolls back to its last complete checkpoint"));
+          if (absl::Status st = Start(&c, c.argv, c.env); !st.ok()) {
+            stop_all(std::string(st.message()));
+            return finish(1);
+          }
           all_done = false;
           continue;
         }
@@ -326,13 +377,14 @@ int Main(int argc, char** argv) {
     Log(out.empty() ? outcome : absl::StrCat(outcome, "; run folder ", out));
     return finish(0);
   };
-  const int max_restarts = absl::GetFlag(FLAGS_max_restarts);
+  int restarts_used = 0;
   for (int attempt = 0;; ++attempt) {
     bool running = false;
-    const int code = run(attempt, &running);
-    if (code == 0 || attempt >= max_restarts || !running) return code;
+    const int code = run(attempt, &running, &restarts_used);
+    if (code == 0 || restarts_used >= max_restarts || !running) return code;
+    ++restarts_used;
     Log(absl::StrCat(
-        "restart ", attempt + 1, " of ", max_restarts, ": starting the whole job again",
+        "restart ", restarts_used, " of ", max_restarts, ": starting the whole job again",
         cfg.checkpoint_dir().empty() ? " from the start (it has no --checkpoint_dir)"
                                      : "; it resumes from its last complete checkpoint"));
   }

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 
 #include "absl/strings/str_cat.h"
 #include "net/stop_signal.h"
@@ -73,7 +74,14 @@ Heartbeater::Heartbeater(control::Coordinator::Stub* stub, std::string target, c
       rank_(rank),
       job_id_(job_id),
       interval_(interval),
-      coordinator_timeout_(coordinator_timeout) {}
+      coordinator_timeout_(coordinator_timeout),
+      coordinator_wait_(coordinator_timeout) {}
+
+void Heartbeater::SetIncarnation(uint64_t incarnation) { incarnation_ = incarnation; }
+
+void Heartbeater::WaitForLostCoordinator(absl::Duration wait) {
+  coordinator_wait_ = std::max(wait, coordinator_timeout_);
+}
 
 Heartbeater::~Heartbeater() {
   {
@@ -173,6 +181,7 @@ void Heartbeater::SendOnce() {
   req.set_role(role_);
   req.set_rank(rank_);
   req.set_job_id(job_id_);
+  req.set_incarnation(incarnation_);
   {
     absl::MutexLock l(&mu_);
     req.set_step(step_);
@@ -203,14 +212,28 @@ void Heartbeater::SendOnce() {
     for (int i = req.checkpoint_parts_size() - 1; i >= 0; --i) {
       parts_.insert(parts_.begin(), req.checkpoint_parts(i));
     }
-    if (command_ == control::CONTINUE && absl::Now() - last_ok_ > coordinator_timeout_) {
+    const absl::Duration silent = absl::Now() - last_ok_;
+    if (command_ == control::CONTINUE && silent > coordinator_wait_) {
       command_ = control::ABORT;
       reason_ = absl::StrCat("the coordinator at ", target_, " is unreachable (no heartbeat for ",
-                             absl::FormatDuration(coordinator_timeout_), "): ", s.error_message());
+                             absl::FormatDuration(coordinator_wait_), "): ", s.error_message());
+    } else if (command_ == control::CONTINUE && silent > coordinator_timeout_ && !lost_said_) {
+      lost_said_ = true;
+      std::fprintf(stderr,
+                   "%s %u: lost the coordinator at %s (no heartbeat for %s: %s); waiting up to "
+                   "%s for it to come back\n",
+                   role_ == control::SERVER ? "server" : "worker", rank_, target_.c_str(),
+                   absl::FormatDuration(coordinator_timeout_).c_str(), s.error_message().c_str(),
+                   absl::FormatDuration(coordinator_wait_).c_str());
     }
     return;
   }
   last_ok_ = absl::Now();
+  if (lost_said_) {
+    lost_said_ = false;
+    std::fprintf(stderr, "%s %u: the coordinator at %s answers again\n",
+                 role_ == control::SERVER ? "server" : "worker", rank_, target_.c_str());
+  }
   if (!req.stop_requested().empty()) stop_sent_ = true;
   if (reply.stopping() && !stopping_) {
     stopping_ = true;
@@ -270,6 +293,7 @@ void Heartbeater::ReportError(const std::string& error) {
   req.set_role(role_);
   req.set_rank(rank_);
   req.set_job_id(job_id_);
+  req.set_incarnation(incarnation_);
   req.set_error(error);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
@@ -289,6 +313,7 @@ absl::Status Heartbeater::Done(const std::vector<control::ShardChecksum>& checks
   req.set_role(role_);
   req.set_rank(rank_);
   req.set_job_id(job_id_);
+  req.set_incarnation(incarnation_);
   req.set_steps(steps);
   for (const auto& c : checksums) *req.add_checksums() = c;
   {
@@ -298,13 +323,34 @@ absl::Status Heartbeater::Done(const std::vector<control::ShardChecksum>& checks
     for (auto& c : parts_) *req.add_checkpoint_parts() = c;
     parts_.clear();
   }
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() +
-                   absl::ToChronoMilliseconds(coordinator_timeout_));
-  control::DoneReply reply;
-  grpc::Status s = stub_->Done(&ctx, req, &reply);
-  if (!s.ok()) return RpcError(absl::StrCat("Done to the coordinator at ", target_), s);
-  return absl::OkStatus();
+  // A lost coordinator is waited for as the heartbeat waits for it.
+  absl::Time since;
+  {
+    absl::MutexLock l(&mu_);
+    since = last_ok_;
+  }
+  while (true) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     absl::ToChronoMilliseconds(coordinator_timeout_));
+    control::DoneReply reply;
+    grpc::Status s = stub_->Done(&ctx, req, &reply);
+    if (s.ok()) return absl::OkStatus();
+    if (s.error_code() != grpc::StatusCode::UNAVAILABLE) {
+      return RpcError(absl::StrCat("Done to the coordinator at ", target_), s);
+    }
+    if (absl::Now() - since > coordinator_wait_) {
+      return RpcError(
+          absl::StrCat("Done: the coordinator at ", target_, " is unreachable (no heartbeat for ",
+                       absl::FormatDuration(coordinator_wait_), ")"),
+          s);
+    }
+    absl::SleepFor(absl::Milliseconds(100));
+    absl::MutexLock l(&mu_);
+    if (command_ != control::CONTINUE) {
+      return absl::AbortedError(absl::StrCat("Done: ", reason_));  // e.g. told to REJOIN
+    }
+  }
 }
 
 }  // namespace onebit

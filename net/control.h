@@ -53,6 +53,14 @@ class Heartbeater {
               absl::Duration coordinator_timeout);
   ~Heartbeater();  // stops the thread
 
+  // Before Start(): the incarnation of the job this process registered in
+  // (RegisterReply.incarnation), sent with every heartbeat and Done.
+  void SetIncarnation(uint64_t incarnation);
+  // Before Start(): when the coordinator is lost, keep trying for this long
+  // in all (saying so on stderr once), for a restarted one to answer,
+  // rather than for `coordinator_timeout`.
+  void WaitForLostCoordinator(absl::Duration wait);
+
   void Start();
   void SetStep(uint64_t steps_done);
   void AddMetrics(const control::StepMetrics& m);
@@ -72,7 +80,8 @@ class Heartbeater {
   // Sends a heartbeat now rather than at the next interval.
   void Kick();
 
-  // CONTINUE until the coordinator says SHUTDOWN or ABORT, or is lost (ABORT).
+  // CONTINUE until the coordinator says SHUTDOWN, ABORT, STOP or REJOIN, or
+  // is lost (ABORT). The first command other than CONTINUE stays.
   control::Command command() const;
   std::string reason() const;
 
@@ -118,6 +127,8 @@ class Heartbeater {
   const uint64_t job_id_;
   const absl::Duration interval_;
   const absl::Duration coordinator_timeout_;
+  uint64_t incarnation_ = 0;
+  absl::Duration coordinator_wait_;
 
   mutable absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
@@ -138,6 +149,7 @@ class Heartbeater {
   control::Command command_ ABSL_GUARDED_BY(mu_) = control::CONTINUE;
   std::string reason_ ABSL_GUARDED_BY(mu_);
   absl::Time last_ok_ ABSL_GUARDED_BY(mu_);
+  bool lost_said_ ABSL_GUARDED_BY(mu_) = false;  // "waiting for the coordinator" printed
   std::thread thread_;
 };
 

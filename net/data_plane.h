@@ -42,6 +42,11 @@ Range ChunkRange(const ShardMap& map, uint32_t shard, uint64_t chunk_elems, uint
 // worker of this one.
 std::string WorkerIdentity(uint64_t job_id, uint32_t rank);
 
+// The job id data-plane messages carry in `incarnation` of job `job_id`
+// (control::RegisterReply): a roll-back or restart makes a new one, so a
+// message sent before it is refused after it.
+inline uint64_t DataPlaneId(uint64_t job_id, uint64_t incarnation) { return job_id ^ incarnation; }
+
 // Parses frame 0. Errors say "malformed header".
 absl::StatusOr<data::Header> ParseHeader(const void* data, size_t size);
 

@@ -109,6 +109,11 @@ constexpr JobSetting kSettings[] = {
      "insist on resuming: fail unless --checkpoint_dir holds a complete checkpoint of this "
      "job's config (without it the job resumes from one when there is one, else starts "
      "afresh)"},
+    {"rejoin_timeout", T::kDuration, "60s", "checkpoints",
+     "when a process is lost (or the coordinator restarts), every other process rolls back to "
+     "the last complete checkpoint and the job waits this long for the lost one to register "
+     "again (restarted by onebit-launch --max_restarts, Kubernetes or you) before it fails; "
+     "0: fail at once. Needs --checkpoint_dir"},
 };
 
 std::string Normalize(absl::string_view name) { return absl::StrReplaceAll(name, {{"-", "_"}}); }

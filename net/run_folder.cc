@@ -270,7 +270,8 @@ absl::Status WriteSummaryJson(const std::string& path, const Summary& s) {
       "  \"resumed_from_step\": ", opt_u(s.resumed_from_step), ",\n",
       "  \"stopped_at_step\": ", opt_u(s.stopped_at_step), ",\n", "  \"restarts\": ", s.restarts,
       ",\n", "  \"rolled_back_steps\": ", s.rolled_back_steps, ",\n",
-      "  \"job_id\": ", JsonQuote(s.job_id), ",\n", "  \"status\": ", JsonQuote(s.status), "\n}\n");
+      "  \"rollbacks\": ", s.rollbacks, ",\n", "  \"job_id\": ", JsonQuote(s.job_id), ",\n",
+      "  \"status\": ", JsonQuote(s.status), "\n}\n");
   return WriteAtomically(path, text);
 }
 

@@ -68,6 +68,9 @@ struct Summary {
   std::optional<uint64_t> stopped_at_step;    // stopped on request, checkpointed there
   uint32_t restarts = 0;                      // times the job was started again from a checkpoint
   uint64_t rolled_back_steps = 0;             // steps done after a checkpoint, lost and run again
+  // Of the restarts: those the running processes rolled back for, without
+  // being started again themselves (a lost process came back).
+  uint32_t rollbacks = 0;
 };
 
 // Creates dir (and parents) when missing.

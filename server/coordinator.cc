@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <random>
 #include <utility>
 
 #include "absl/base/casts.h"
@@ -16,6 +17,17 @@
 #include "shard/reference.h"
 
 namespace onebit {
+namespace {
+
+// A fresh incarnation: random, so that no earlier one (of this coordinator
+// or of one before a restart) can be taken for it.
+uint64_t NewIncarnation() {
+  std::random_device rd;
+  const uint64_t v = (uint64_t{rd()} << 32) ^ rd();
+  return v == 0 ? 1 : v;
+}
+
+}  // namespace
 
 const char* StateName(CoordinatorService::State s) {
   switch (s) {
@@ -40,6 +52,9 @@ CoordinatorService::CoordinatorService(control::TrainingConfig config, std::set<
       job_id_(job_id),
       register_deadline_(absl::Now() + register_timeout),
       heartbeat_timeout_(absl::Milliseconds(config_.heartbeat_timeout_ms())),
+      rejoin_timeout_(config_.checkpoint_dir().empty()
+                          ? absl::ZeroDuration()
+                          : absl::Milliseconds(config_.rejoin_timeout_ms())),
       servers_(config_.servers()),
       workers_(config_.workers()) {
   // The config was validated before the service was made.
@@ -53,7 +68,7 @@ absl::Status CheckResumable(const control::TrainingConfig& config,
   // LoadWorkerStateResized for that one).
   static const std::set<std::string> kMayChange = {
       "servers",        "workers",          "chunk_elems",     "step_timeout", "heartbeat_timeout",
-      "checkpoint_dir", "checkpoint_every", "checkpoint_keep", "resume"};
+      "checkpoint_dir", "checkpoint_every", "checkpoint_keep", "resume",       "rejoin_timeout"};
   const std::vector<std::string> conflicts =
       ConfigDifferences(config, checkpoint.manifest.config(), kMayChange);
   if (conflicts.empty()) return absl::OkStatus();
@@ -66,7 +81,12 @@ void CoordinatorService::ResumeFrom(CompleteCheckpoint checkpoint,
                                     std::vector<MetricsRow> prior_rows, uint32_t restarts,
                                     uint64_t rolled_back_steps) {
   absl::MutexLock l(&mu_);
+  latest_ = checkpoint;
   resume_ = std::move(checkpoint);
+  // Processes of the job that outlived its last coordinator must not pass
+  // for this forming's.
+  incarnation_ = NewIncarnation();
+  rejoin_why_ = "the coordinator restarted";
   prior_rows_ = std::move(prior_rows);
   restarts_ = restarts;
   rolled_back_steps_ = rolled_back_steps;
@@ -112,11 +132,6 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx,
                                           const control::RegisterRequest* req,
                                           control::RegisterReply* reply) {
   absl::MutexLock l(&mu_);
-  if (state_ != State::kRegistering) {
-    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                        absl::StrCat("job ", absl::StrFormat("%016x", job_id_), " is ",
-                                     StateName(state_), ": registration is closed"));
-  }
   if (req->role() != control::SERVER && req->role() != control::WORKER) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "role must be SERVER or WORKER");
   }
@@ -128,9 +143,35 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx,
                         absl::StrCat(what, " rank ", rank, " out of range (job has ", group.size(),
                                      " ", what, "s)"));
   }
+  if (state_ == State::kRunning && rank >= 0 && !req->has_rejoin_from()) {
+    // A process of this rank started again (its predecessor crashed or was
+    // preempted, perhaps before its heartbeats stopped): the job rolls back.
+    grpc::Status st;
+    if (req->role() == control::WORKER) {
+      if (absl::Status c = CheckRejoiningWorkerLocked(rank, *req); !c.ok()) {
+        st = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(c.message()));
+      }
+    }
+    std::string why_not;
+    const std::string why = absl::StrCat(what, " ", rank, " registered again (restarted)");
+    if (st.ok() && !RollBackLocked(why, &why_not)) {
+      // Its predecessor is gone, and the job cannot go on without it.
+      FailLocked(absl::StrCat(why, ", but the job cannot roll back: ", why_not));
+      st = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        absl::StrCat("job ", absl::StrFormat("%016x", job_id_),
+                                     " is running: registration is closed (", why_not, ")"));
+    }
+    if (!st.ok()) return st;
+  }
+  if (state_ != State::kRegistering) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        absl::StrCat("job ", absl::StrFormat("%016x", job_id_), " is ",
+                                     StateName(state_), ": registration is closed"));
+  }
   if (rank >= 0 && group[rank].registered) {
     return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
-                        absl::StrCat(what, " rank ", rank, " is already registered"));
+                        absl::StrCat(what, " rank ", rank, " is already registered",
+                                     req->has_rejoin_from() ? " (by a restarted process)" : ""));
   }
   if (rank < 0) {
     for (size_t i = 0; i < group.size() && rank < 0; ++i) {
@@ -144,7 +185,12 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx,
   if (req->role() == control::SERVER && req->data_endpoint().empty()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "a server must give its data_endpoint");
   }
-  if (req->role() == control::WORKER) {
+  if (req->role() == control::WORKER && formed_) {
+    // The job is set up; a worker that declares otherwise cannot join it.
+    if (absl::Status st = CheckRejoiningWorkerLocked(rank, *req); !st.ok()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(st.message()));
+    }
+  } else if (req->role() == control::WORKER) {
     absl::Status st = CheckDeclaredParamsLocked(static_cast<uint32_t>(rank), req->num_params());
     if (st.ok()) st = CheckDeclaredDecayLocked(static_cast<uint32_t>(rank), *req);
     if (st.ok()) st = CheckDeclaredSettingsLocked(static_cast<uint32_t>(rank), *req);
@@ -160,7 +206,7 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx,
   p.last_seen = absl::Now();
   std::fprintf(stderr, "coordinator: %s %d registered (%s)\n", what, rank,
                req->data_endpoint().empty() ? req->host().c_str() : req->data_endpoint().c_str());
-  if (AllRegisteredLocked()) FormLocked();
+  if (AllRegisteredLocked()) formed_ ? ReformLocked() : FormLocked();
   const absl::Time deadline = std::min(register_deadline_, absl::FromChrono(ctx->deadline()));
   auto ready = [this]()
                    ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return state_ != State::kRegistering; };
@@ -174,6 +220,7 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx,
     return grpc::Status(grpc::StatusCode::ABORTED, absl::StrCat("job failed: ", reason_));
   }
   reply->set_job_id(job_id_);
+  reply->set_incarnation(incarnation_);
   reply->set_rank(static_cast<uint32_t>(rank));
   *reply->mutable_config() = config_;
   reply->set_shard_map(map_.Serialize());
@@ -326,14 +373,20 @@ void CoordinatorService::FormLocked() {
     last_checkpoint_ = m.step();
     freeze_decided_ = m.freeze_decided();
     freeze_step_ = m.freeze_step();
+    bool live = false;  // processes that outlived the coordinator before this one
     for (auto* g : {&servers_, &workers_}) {
-      for (Process& q : *g) q.step = m.step();
+      for (Process& q : *g) {
+        q.step = m.step();
+        live |= q.info.has_rejoin_from();
+      }
     }
+    rollbacks_ += live;
     std::fprintf(stderr, "coordinator: resuming from the checkpoint of step %llu in %s\n",
                  static_cast<unsigned long long>(m.step()), resume_->dir.c_str());
   }
   map_ = *std::move(map);
   state_ = State::kRunning;
+  formed_ = true;
   const absl::Time now = absl::Now();
   started_ = now;
   for (auto* g : {&servers_, &workers_}) {
@@ -342,6 +395,111 @@ void CoordinatorService::FormLocked() {
   std::fprintf(
       stderr, "coordinator: all %u servers and %u workers registered; running (d = %llu)\n",
       config_.servers(), config_.workers(), static_cast<unsigned long long>(config_.dim()));
+}
+
+absl::Status CoordinatorService::CheckRejoiningWorkerLocked(
+    uint32_t rank, const control::RegisterRequest& req) const {
+  // (0: the job's built-in model decides.)
+  const bool external = config_.model() == kExternalModel;
+  if ((external || req.num_params() != 0) && req.num_params() != config_.dim()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "worker ", rank, " declares d = ", req.num_params(), "; the job has d = ", config_.dim()));
+  }
+  if (!SameDecay(decay_, DecayRangesOf(req.weight_decay_ranges()))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("worker ", rank, " declares the weight-decay ranges ",
+                     DecayRangesText(DecayRangesOf(req.weight_decay_ranges())), "; the job's are ",
+                     DecayRangesText(decay_)));
+  }
+  std::map<std::string, std::string> mine(req.settings().begin(), req.settings().end());
+  if (mine != declared_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("worker ", rank, " declares the settings ", SettingsText(mine),
+                     "; the job's workers declared ", SettingsText(declared_)));
+  }
+  return absl::OkStatus();
+}
+
+bool CoordinatorService::RollBackLocked(const std::string& why, std::string* why_not) {
+  const std::optional<CompleteCheckpoint>& target = latest_;
+  if (state_ != State::kRunning) {
+    *why_not = absl::StrCat("the job is ", StateName(state_));
+  } else if (config_.checkpoint_dir().empty()) {
+    *why_not = "it has no --checkpoint_dir to roll back to";
+  } else if (rejoin_timeout_ == absl::ZeroDuration()) {
+    *why_not = "--rejoin_timeout is 0";
+  } else if (!target) {
+    *why_not = "no checkpoint is complete yet to roll back to";
+  } else if (!stop_by_.empty()) {
+    *why_not = absl::StrCat("the job is stopping (", stop_by_, ")");
+  } else {
+    for (uint32_t w = 0; w < workers_.size() && why_not->empty(); ++w) {
+      if (workers_[w].done) *why_not = absl::StrCat("worker ", w, " has finished and left");
+    }
+  }
+  if (!why_not->empty()) return false;
+  const uint64_t step = target->manifest.step();
+  uint64_t reached = step;
+  for (const Process& p : workers_) reached = std::max(reached, p.step);
+  rolled_back_steps_ += reached - step;
+  ++restarts_;
+  ++rollbacks_;
+  resume_ = target;
+  incarnation_ = NewIncarnation();
+  rejoin_why_ = why;
+  state_ = State::kRegistering;
+  register_deadline_ = absl::Now() + rejoin_timeout_;
+  for (auto* g : {&servers_, &workers_}) {
+    for (Process& p : *g) {
+      p.registered = false;
+      p.told = false;
+      p.done = false;
+      p.stop_ack.reset();
+      p.checksums.clear();
+      p.step = step;
+    }
+  }
+  // The rows written to metrics.csv stay (the steps run again reproduce
+  // them bit for bit); partial ones are reported again.
+  metrics_.erase(metrics_.lower_bound(rows_taken_), metrics_.end());
+  parts_.clear();
+  freeze_checks_.clear();
+  freeze_decided_ = target->manifest.freeze_decided();
+  freeze_step_ = target->manifest.freeze_step();
+  std::fprintf(stderr,
+               "coordinator: %s: rolling the job back to the checkpoint of step %llu (%llu steps "
+               "to run again); waiting up to %s for every process to register again\n",
+               why.c_str(), static_cast<unsigned long long>(step),
+               static_cast<unsigned long long>(reached - step),
+               absl::FormatDuration(rejoin_timeout_).c_str());
+  return true;
+}
+
+void CoordinatorService::ReformLocked() {
+  state_ = State::kRunning;
+  const absl::Time now = absl::Now();
+  for (auto* g : {&servers_, &workers_}) {
+    for (Process& q : *g) q.last_seen = now;
+  }
+  std::fprintf(stderr,
+               "coordinator: every process registered again; the job continues from step %llu\n",
+               static_cast<unsigned long long>(resume_->manifest.step()));
+}
+
+void CoordinatorService::ReplyToStrangerLocked(control::HeartbeatReply* reply) const {
+  if (state_ == State::kRegistering || state_ == State::kRunning) {
+    reply->set_command(control::REJOIN);
+    reply->set_reason(absl::StrCat(
+        rejoin_why_.empty() ? std::string("the job formed again without this process")
+                            : rejoin_why_,
+        resume_
+            ? absl::StrCat("; rolling back to the checkpoint of step ", resume_->manifest.step())
+            : std::string()));
+    return;
+  }
+  reply->set_command(control::ABORT);
+  reply->set_reason(absl::StrCat("the job is ", StateName(state_),
+                                 reason_.empty() ? std::string() : absl::StrCat(": ", reason_)));
 }
 
 grpc::Status CoordinatorService::CheckJob(control::Role role, uint32_t rank,
@@ -360,6 +518,7 @@ grpc::Status CoordinatorService::CheckJob(control::Role role, uint32_t rank,
 }
 
 void CoordinatorService::AddMetricsLocked(uint32_t rank, const control::StepMetrics& m) {
+  if (m.step() < rows_taken_) return;  // written already, before a roll-back
   auto& row = metrics_[m.step()];
   row.resize(workers_.size());
   row[rank] = m;
@@ -369,6 +528,14 @@ grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext*,
                                            const control::HeartbeatRequest* req,
                                            control::HeartbeatReply* reply) {
   absl::MutexLock l(&mu_);
+  if (req->job_id() == job_id_ &&
+      (req->role() == control::SERVER || req->role() == control::WORKER) &&
+      req->rank() < Group(req->role()).size() &&
+      (!Group(req->role())[req->rank()].registered || req->incarnation() != incarnation_)) {
+    // Of this job, but not of this forming of it: nothing it says counts.
+    ReplyToStrangerLocked(reply);
+    return grpc::Status::OK;
+  }
   grpc::Status st = CheckJob(req->role(), req->rank(), req->job_id());
   if (!st.ok()) return st;
   Process& p = Group(req->role())[req->rank()];
@@ -448,6 +615,11 @@ grpc::Status CoordinatorService::Done(grpc::ServerContext*, const control::DoneR
   absl::MutexLock l(&mu_);
   grpc::Status st = CheckJob(req->role(), req->rank(), req->job_id());
   if (!st.ok()) return st;
+  if (req->incarnation() != incarnation_) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        absl::StrCat("Done of an earlier incarnation of the job (", rejoin_why_,
+                                     "): register again"));
+  }
   if (state_ != State::kRunning) {
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                         absl::StrCat("job is ", StateName(state_), ": ", reason_));
@@ -567,7 +739,14 @@ void CoordinatorService::Tick() {
   absl::MutexLock l(&mu_);
   const absl::Time now = absl::Now();
   if (state_ == State::kRegistering && now > register_deadline_) {
-    FailLocked(absl::StrCat("registration timed out; still waiting for ", MissingLocked()));
+    if (formed_) {
+      FailLocked(absl::StrCat(rejoin_why_, "; rolled back to the checkpoint of step ",
+                              resume_->manifest.step(), ", but ", MissingLocked(),
+                              " did not register again within ",
+                              absl::FormatDuration(rejoin_timeout_)));
+    } else {
+      FailLocked(absl::StrCat("registration timed out; still waiting for ", MissingLocked()));
+    }
     return;
   }
   if (state_ != State::kRunning) return;
@@ -587,9 +766,16 @@ void CoordinatorService::Tick() {
         p.told = true;  // the dead hear nothing; do not wait for it
         const std::string ep =
             p.info.data_endpoint().empty() ? p.info.host() : p.info.data_endpoint();
-        FailLocked(absl::StrCat(Name(role, static_cast<uint32_t>(i)), " (", ep,
-                                ") sent no heartbeat for ",
-                                absl::FormatDuration(heartbeat_timeout_), ": presumed dead"));
+        const std::string lost =
+            absl::StrCat(Name(role, static_cast<uint32_t>(i)), " (", ep, ") sent no heartbeat for ",
+                         absl::FormatDuration(heartbeat_timeout_));
+        std::string why_not;
+        if (!RollBackLocked(absl::StrCat(lost, ": presumed dead"), &why_not)) {
+          FailLocked(absl::StrCat(lost, ": presumed dead",
+                                  rejoin_timeout_ > absl::ZeroDuration()
+                                      ? absl::StrCat(" (the job cannot roll back: ", why_not, ")")
+                                      : std::string()));
+        }
         return;
       }
     }
@@ -723,8 +909,10 @@ std::vector<checkpoint::Manifest> CoordinatorService::TakeCompleteCheckpoints() 
   return std::exchange(complete_, {});
 }
 
-void CoordinatorService::CheckpointWritten(uint64_t step) {
+void CoordinatorService::CheckpointWritten(CompleteCheckpoint checkpoint) {
   absl::MutexLock l(&mu_);
+  const uint64_t step = checkpoint.manifest.step();
+  if (!latest_ || latest_->manifest.step() < step) latest_ = std::move(checkpoint);
   ++checkpoints_written_;
   last_checkpoint_ = std::max(step, last_checkpoint_.value_or(0));
   if (stop_step_ && *stop_step_ == step) StoppedLocked();
@@ -832,6 +1020,7 @@ Summary CoordinatorService::MakeSummary() const {
   s.stopped_at_step = state_ == State::kStopped ? stop_step_ : std::nullopt;
   s.restarts = restarts_;
   s.rolled_back_steps = rolled_back_steps_;
+  s.rollbacks = rollbacks_;
   s.job_id = absl::StrFormat("%016x", job_id_);
   s.worker_codec = config_.worker_codec();
   s.server_codec = config_.server_codec();

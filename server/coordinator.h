@@ -67,8 +67,9 @@ class CoordinatorService final : public control::Coordinator::Service {
   // Checkpoints whose every file (each server's, each worker's) has been
   // reported since the last call, as manifests to write (step order).
   std::vector<checkpoint::Manifest> TakeCompleteCheckpoints();
-  // The manifest of `step` is written: counted for summary.json.
-  void CheckpointWritten(uint64_t step);
+  // The manifest of `checkpoint` is written: counted for summary.json, and
+  // the job rolls back to it if a process is lost.
+  void CheckpointWritten(CompleteCheckpoint checkpoint);
 
   // A stop asked for by `who` (e.g. "SIGTERM to worker 2"): a running job
   // with a --checkpoint_dir stops after a checkpoint at the next step
@@ -115,6 +116,22 @@ class CoordinatorService final : public control::Coordinator::Service {
   // The cluster has formed: applies the declared settings, fixes d and the
   // shard map, starts the job.
   void FormLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Live recovery: when the job can roll back (a --checkpoint_dir, a
+  // complete checkpoint, --rejoin_timeout > 0, no worker finished, no stop
+  // under way), every process is told to REJOIN, the coordinator waits for
+  // all to register again and the job goes on from that checkpoint; returns
+  // true. Else false and *why_not says why (the caller fails the job).
+  bool RollBackLocked(const std::string& why, std::string* why_not)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every process has registered again after a roll-back.
+  void ReformLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A worker registering again must declare what it declared before.
+  absl::Status CheckRejoiningWorkerLocked(uint32_t rank, const control::RegisterRequest& req) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A heartbeat of a process of another incarnation (or one the coordinator
+  // has not registered, e.g. after the coordinator restarted).
+  void ReplyToStrangerLocked(control::HeartbeatReply* reply) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string MissingLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AddMetricsLocked(uint32_t rank, const control::StepMetrics& m)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -141,8 +158,9 @@ class CoordinatorService final : public control::Coordinator::Service {
   std::set<std::string> given_;  // settings the job set itself
   const uint64_t job_id_;
   ShardMap map_ ABSL_GUARDED_BY(mu_) = ShardMap::Create(0, 1, 32).value();
-  const absl::Time register_deadline_;
+  absl::Time register_deadline_ ABSL_GUARDED_BY(mu_);
   const absl::Duration heartbeat_timeout_;
+  const absl::Duration rejoin_timeout_;  // zero: no live recovery
   FreezeOptions freeze_;
 
   mutable absl::Mutex mu_;
@@ -177,6 +195,12 @@ class CoordinatorService final : public control::Coordinator::Service {
   std::optional<uint64_t> stop_step_ ABSL_GUARDED_BY(mu_);
   absl::Time stop_deadline_ ABSL_GUARDED_BY(mu_);
   std::optional<CompleteCheckpoint> resume_ ABSL_GUARDED_BY(mu_);
+  std::optional<CompleteCheckpoint> latest_ ABSL_GUARDED_BY(mu_);  // newest written
+  bool formed_ ABSL_GUARDED_BY(mu_) = false;                       // FormLocked ran
+  // This forming of the cluster (RegisterReply.incarnation).
+  uint64_t incarnation_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string rejoin_why_ ABSL_GUARDED_BY(mu_);              // what the last roll-back was for
+  uint32_t rollbacks_ ABSL_GUARDED_BY(mu_) = 0;              // live ones, by this coordinator
   std::vector<MetricsRow> prior_rows_ ABSL_GUARDED_BY(mu_);  // before resume_'s step
   uint32_t restarts_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t rolled_back_steps_ ABSL_GUARDED_BY(mu_) = 0;

@@ -151,6 +151,17 @@ void PsServer::HandleMessage(std::vector<zmq::message_t>& frames) {
     SendError(routing_id, nullptr, std::string(header.status().message()));
     return;
   }
+  if (std::find(options_.earlier_job_ids.begin(), options_.earlier_job_ids.end(),
+                header->job_id()) != options_.earlier_job_ids.end()) {
+    // Its sender has rejoined under the new id, or is gone.
+    if (dropped_++ == 0) {
+      std::fprintf(stderr,
+                   "server %u: dropping the messages sent before the job rolled back "
+                   "(first from '%s')\n",
+                   options_.shard, absl::CHexEscape(routing_id).c_str());
+    }
+    return;
+  }
   if (frames.size() != 3) {
     SendError(routing_id, &*header,
               absl::StrCat("expected 2 frames (header, payload), got ", frames.size() - 1));

@@ -44,6 +44,9 @@ struct PsServerOptions {
   // be this shard's); the server continues at its step, without INIT, and
   // the workers PULL x from it.
   std::optional<ServerShardState> restored;
+  // The data-plane ids of this job's earlier incarnations (before a
+  // roll-back): their messages, sent before it, are dropped unanswered.
+  std::vector<uint64_t> earlier_job_ids;
 };
 
 class PsServer {
@@ -119,6 +122,7 @@ class PsServer {
   bool step_lr_known_ = false;              // the current step's lr has been agreed...
   std::optional<float> step_lr_;            // ...as this (nullopt: the schedule's)
   bool reported_finished_ = false;
+  uint64_t dropped_ = 0;  // messages of an earlier incarnation
   absl::Status failure_;  // first fatal error, e.g. a decode failure of the update
 };
 

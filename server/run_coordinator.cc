@@ -154,7 +154,7 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
                      static_cast<unsigned long long>(m.step()), std::string(st.message()).c_str());
         continue;
       }
-      service.CheckpointWritten(m.step());
+      service.CheckpointWritten(CompleteCheckpoint{dir, m});
       std::fprintf(stderr, "coordinator: checkpoint of step %llu complete (%d files) in %s\n",
                    static_cast<unsigned long long>(m.step()), m.files_size(), dir.c_str());
     }

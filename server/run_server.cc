@@ -76,6 +76,21 @@ absl::StatusOr<ServerShardState> LoadShardFromCheckpoint(const control::ResumePo
   return s;
 }
 
+// How long a process of a job with live recovery waits for the coordinator
+// and the rest of the cluster to come back (the coordinator's
+// --rejoin_timeout); zero without it.
+absl::Duration RejoinWait(const control::TrainingConfig& cfg) {
+  if (cfg.checkpoint_dir().empty()) return absl::ZeroDuration();
+  return absl::Milliseconds(cfg.rejoin_timeout_ms());
+}
+
+// One forming of the cluster, from its RegisterReply to the end of the job
+// or to the coordinator's REJOIN (then *rejoin is set and this returns OK).
+absl::Status ServeIncarnation(const ServerOptions& o, const control::RegisterReply& registered,
+                              zmq::socket_t& socket, control::Coordinator::Stub* stub,
+                              const std::string& advertise, int bound_port,
+                              const std::vector<uint64_t>& earlier, bool* rejoin);
+
 }  // namespace
 
 absl::Status RunServer(const ServerOptions& o) {
@@ -113,13 +128,43 @@ absl::Status RunServer(const ServerOptions& o) {
   req.set_data_endpoint(absl::StrCat("tcp://", advertise, ":", bound_port));
   req.set_health_endpoint(absl::StrCat(advertise, ":", health_bound));
   req.set_host(Hostname());
-  auto reg = RegisterWithCoordinator(stub.get(), o.coordinator, req, o.register_timeout);
-  if (!reg.ok()) return reg.status();
+  std::optional<uint64_t> rejoin_from;  // the incarnation this server was told to leave
+  std::vector<uint64_t> earlier;        // and the data-plane ids of all before
+  absl::Duration wait = o.register_timeout;
+  while (true) {
+    if (rejoin_from) req.set_rejoin_from(*rejoin_from);
+    auto reg = RegisterWithCoordinator(stub.get(), o.coordinator, req, wait);
+    if (!reg.ok()) {
+      if (!rejoin_from) return reg.status();
+      return absl::Status(reg.status().code(),
+                          absl::StrCat("server ", req.requested_rank(),
+                                       ": registering again: ", reg.status().message()));
+    }
+    bool rejoin = false;
+    absl::Status st =
+        ServeIncarnation(o, *reg, socket, stub.get(), advertise, bound_port, earlier, &rejoin);
+    if (!rejoin) return st;
+    earlier.push_back(DataPlaneId(reg->job_id(), reg->incarnation()));
+    rejoin_from = reg->incarnation();
+    req.set_requested_rank(static_cast<int>(reg->rank()));
+    wait = std::max(o.register_timeout, RejoinWait(reg->config()));
+  }
+}
+
+namespace {
+
+absl::Status ServeIncarnation(const ServerOptions& o, const control::RegisterReply& registered,
+                              zmq::socket_t& socket, control::Coordinator::Stub* stub,
+                              const std::string& advertise, int bound_port,
+                              const std::vector<uint64_t>& earlier, bool* rejoin) {
+  const control::RegisterReply* reg = &registered;
   const control::TrainingConfig& cfg = reg->config();
   const uint32_t rank = reg->rank();
   const absl::Duration hb_timeout = absl::Milliseconds(cfg.heartbeat_timeout_ms());
-  Heartbeater hb(stub.get(), o.coordinator, control::SERVER, rank, reg->job_id(),
+  Heartbeater hb(stub, o.coordinator, control::SERVER, rank, reg->job_id(),
                  std::clamp(hb_timeout / 10, absl::Milliseconds(20), absl::Seconds(1)), hb_timeout);
+  hb.SetIncarnation(reg->incarnation());
+  hb.WaitForLostCoordinator(RejoinWait(cfg));
   hb.WatchStopSignal(o.stop_signal);
   hb.Start();
   // From here on a failure is the job's: the coordinator hears why.
@@ -140,7 +185,8 @@ absl::Status RunServer(const ServerOptions& o) {
   auto freeze = FreezeOptionsFromConfig(cfg);
   if (!freeze.ok()) return fail(freeze.status());
   PsServerOptions po;
-  po.job.job_id = reg->job_id();
+  po.job.job_id = DataPlaneId(reg->job_id(), reg->incarnation());
+  po.earlier_job_ids = earlier;
   po.job.workers = cfg.workers();
   po.job.steps = cfg.steps();
   po.job.map = *map;
@@ -219,6 +265,13 @@ absl::Status RunServer(const ServerOptions& o) {
         writer.Flush();  // the last checkpoint's part goes with Done
         done_status = hb.Done({ChecksumOf(ps.state(), rank, r)});
       });
+  if (hb.command() == control::REJOIN) {
+    // Whatever failed meanwhile came of the loss the job rolls back for.
+    writer.Flush();
+    std::fprintf(stderr, "server %u: %s: registering again\n", rank, hb.reason().c_str());
+    *rejoin = true;
+    return absl::OkStatus();
+  }
   if (!st.ok()) return fail(st);
   if (!done_status.ok()) return fail(done_status);
   if (hb.command() == control::STOP) {
@@ -244,4 +297,5 @@ absl::Status RunServer(const ServerOptions& o) {
                                              : hb.reason()));
 }
 
+}  // namespace
 }  // namespace onebit

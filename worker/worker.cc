@@ -11,8 +11,10 @@
 #include <optional>
 #include <vector>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "checkpoint/async_writer.h"
 #include "checkpoint/checkpoint_dir.h"
 #include "checkpoint/optimizer_state.h"
@@ -29,6 +31,20 @@
 #include "worker/worker_internal.h"
 
 namespace onebit {
+namespace {
+
+// Status payloads: the coordinator said REJOIN (internal), and the worker
+// has rejoined (IsRolledBack).
+constexpr char kRejoinMark[] = "onebit.worker/rejoin";
+constexpr char kRolledBackMark[] = "onebit.worker/rolled-back";
+
+bool HasMark(const absl::Status& st, const char* mark) {
+  return !st.ok() && st.GetPayload(mark).has_value();
+}
+
+}  // namespace
+
+bool IsRolledBack(const absl::Status& status) { return HasMark(status, kRolledBackMark); }
 
 struct Worker::Impl {
   // Declared in the order they are built; destroyed in reverse, so the
@@ -41,6 +57,8 @@ struct Worker::Impl {
   ShardMap map = ShardMap::Create(0, 1, 32).value();  // the job's, from the coordinator
   std::unique_ptr<grpc::Server> health;
   std::unique_ptr<control::Coordinator::Stub> stub;
+  control::RegisterRequest registration;  // as sent, for registering again
+  uint64_t incarnation = 0;               // RegisterReply.incarnation
   std::unique_ptr<Heartbeater> hb;
   std::unique_ptr<WorkerOptimizer> optimizer;
   std::unique_ptr<zmq::context_t> ctx;
@@ -132,9 +150,31 @@ struct Worker::Impl {
     return absl::OkStatus();
   }
   absl::Status CheckJob() const {
-    if (hb->command() == control::CONTINUE) return absl::OkStatus();
+    const control::Command c = hb->command();
+    if (c == control::CONTINUE) return absl::OkStatus();
+    if (c == control::REJOIN) {
+      absl::Status st = absl::AbortedError(absl::StrCat("the job rolls back: ", hb->reason()));
+      st.SetPayload(kRejoinMark, absl::Cord("1"));
+      return st;
+    }
     return absl::AbortedError(absl::StrCat("job aborted by the coordinator: ", hb->reason()));
   }
+  // A call failed with `st`: when the coordinator has said REJOIN (the
+  // failure may have come of the loss it rolls back for), rejoins and
+  // returns the IsRolledBack status; else fails the worker with `st`.
+  absl::Status FailOrRejoin(const absl::Status& st) {
+    if (!failure.ok() || !stopped.ok()) return Usable();
+    if (HasMark(st, kRejoinMark) || (hb != nullptr && hb->command() == control::REJOIN)) {
+      return Rejoin();
+    }
+    return Fail(st);
+  }
+  // Registers again under this rank and continues from the checkpoint the
+  // job rolls back to.
+  absl::Status Rejoin();
+  // Parts of Connect that a rejoin does again, for the reply `reg`.
+  void StartHeartbeat(const control::RegisterReply& reg);
+  absl::Status ConnectToServers(const control::RegisterReply& reg);
   absl::Status ReadyToStep() const {
     if (absl::Status st = Usable(); !st.ok()) return st;
     if (!broadcast) {
@@ -159,7 +199,7 @@ struct Worker::Impl {
     }
     if (gate == Heartbeater::StepGate::kStopHere) return StopHere();
     if (gate == Heartbeater::StepGate::kUndecided) {
-      if (absl::Status st = CheckJob(); !st.ok()) return Fail(st);
+      if (absl::Status st = CheckJob(); !st.ok()) return st;  // the caller's to fail
       return Fail(absl::DeadlineExceededError(
           absl::StrCat("the job is stopping, but the coordinator named no step to stop at within ",
                        absl::FormatDuration(StopWait()))));
@@ -267,6 +307,7 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
     p->set_weight_decay(r.weight_decay);
   }
   req.mutable_settings()->insert(o.settings.begin(), o.settings.end());
+  registration = req;
   auto reg = RegisterWithCoordinator(stub.get(), o.coordinator, req, o.register_timeout);
   if (!reg.ok()) return reg.status();
   cfg = reg->config();
@@ -283,16 +324,7 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
   json.always_print_primitive_fields = true;
   (void)google::protobuf::util::MessageToJsonString(cfg, &job.config_json, json);
 
-  const absl::Duration hb_timeout = absl::Milliseconds(cfg.heartbeat_timeout_ms());
-  hb = std::make_unique<Heartbeater>(
-      stub.get(), o.coordinator, control::WORKER, job.rank, job.job_id,
-      std::clamp(hb_timeout / 10, absl::Milliseconds(20), absl::Seconds(1)), hb_timeout);
-  hb->WatchStopSignal(o.stop_signal);
-  hb->Start();
-  writer = std::make_unique<AsyncStateWriter>(
-      [hb = hb.get()](uint64_t step, const absl::StatusOr<WrittenFile>& written) {
-        hb->ReportCheckpointPart(PartOf(step, written));
-      });
+  StartHeartbeat(*reg);
 
   // From here on a failure is the job's: Fail() tells the coordinator.
   auto map = ShardMap::Deserialize(reg->shard_map());
@@ -321,19 +353,7 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
   optimizer = std::move(*opt);
 
   ctx = std::make_unique<zmq::context_t>(static_cast<int>(std::min<uint32_t>(cfg.servers(), 2)));
-  PsClientOptions po;
-  po.job_id = job.job_id;
-  po.rank = job.rank;
-  po.map = *map;
-  po.chunk_elems = cfg.chunk_elems();
-  po.optimizer = optimizer.get();
-  for (const auto& s : reg->servers()) po.server_endpoints.push_back(s.data_endpoint());
-  // The server gives up on a missing push after the step timeout and says
-  // why; this is the backstop for a server that died.
-  po.reply_timeout = 2 * absl::Milliseconds(cfg.step_timeout_ms());
-  auto c = PsClient::Connect(po, ctx.get());
-  if (!c.ok()) return Fail(c.status());
-  client = std::move(*c);
+  if (absl::Status st = ConnectToServers(*reg); !st.ok()) return Fail(st);
 
   auto r = NewReplica(*choice, job.num_params, model.get(), optimizer.get());
   if (!r.ok()) {
@@ -350,6 +370,86 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
     if (absl::Status st = Restore(reg->resume()); !st.ok()) return Fail(st);
   }
   return absl::OkStatus();
+}
+
+void Worker::Impl::StartHeartbeat(const control::RegisterReply& reg) {
+  incarnation = reg.incarnation();
+  const absl::Duration hb_timeout = absl::Milliseconds(cfg.heartbeat_timeout_ms());
+  hb = std::make_unique<Heartbeater>(
+      stub.get(), options.coordinator, control::WORKER, job.rank, job.job_id,
+      std::clamp(hb_timeout / 10, absl::Milliseconds(20), absl::Seconds(1)), hb_timeout);
+  hb->SetIncarnation(incarnation);
+  if (!cfg.checkpoint_dir().empty()) {
+    hb->WaitForLostCoordinator(absl::Milliseconds(cfg.rejoin_timeout_ms()));
+  }
+  hb->WatchStopSignal(options.stop_signal);
+  hb->SetStep(step);
+  hb->Start();
+  writer = std::make_unique<AsyncStateWriter>(
+      [hb = hb.get()](uint64_t step, const absl::StatusOr<WrittenFile>& written) {
+        hb->ReportCheckpointPart(PartOf(step, written));
+      });
+}
+
+absl::Status Worker::Impl::ConnectToServers(const control::RegisterReply& reg) {
+  PsClientOptions po;
+  po.job_id = DataPlaneId(job.job_id, reg.incarnation());
+  po.rank = job.rank;
+  po.map = map;
+  po.chunk_elems = cfg.chunk_elems();
+  po.optimizer = optimizer.get();
+  for (const auto& s : reg.servers()) po.server_endpoints.push_back(s.data_endpoint());
+  // The server gives up on a missing push after the step timeout and says
+  // why; this is the backstop for a server that died.
+  po.reply_timeout = 2 * absl::Milliseconds(cfg.step_timeout_ms());
+  auto c = PsClient::Connect(po, ctx.get());
+  if (!c.ok()) return c.status();
+  client = std::move(*c);
+  return absl::OkStatus();
+}
+
+absl::Status Worker::Impl::Rejoin() {
+  const std::string why = hb->reason();
+  std::fprintf(stderr, "worker %u: %s: registering again\n", job.rank, why.c_str());
+  // The old incarnation's sockets, heartbeat and pending writes go first
+  // (the writer reports through the heartbeat).
+  writer->Flush();
+  writer.reset();
+  client.reset();
+  hb.reset();
+  control::RegisterRequest req = registration;
+  req.set_requested_rank(static_cast<int>(job.rank));
+  req.set_rejoin_from(incarnation);
+  const absl::Duration wait =
+      std::max(options.register_timeout, absl::Milliseconds(cfg.rejoin_timeout_ms()));
+  auto reg = RegisterWithCoordinator(stub.get(), options.coordinator, req, wait);
+  if (!reg.ok()) {
+    return Fail(absl::Status(reg.status().code(),
+                             absl::StrCat("registering again: ", reg.status().message())));
+  }
+  StartHeartbeat(*reg);
+  if (reg->job_id() != job.job_id || reg->rank() != job.rank || !reg->has_resume() ||
+      reg->shard_map() != map.Serialize()) {
+    return Fail(absl::InternalError(absl::StrCat(
+        "registered again, but not as before: job ", absl::StrFormat("%016x", reg->job_id()),
+        ", rank ", reg->rank(), reg->has_resume() ? "" : ", no checkpoint to continue from")));
+  }
+  absl::Status st = ConnectToServers(*reg);
+  if (st.ok()) st = Restore(reg->resume());
+  if (st.ok()) st = client->PullParams(step, replica.get(), [this] { return CheckJob(); });
+  if (!st.ok()) {
+    if (HasMark(st, kRejoinMark)) return Rejoin();  // rolled back again meanwhile
+    return Fail(st);
+  }
+  broadcast = true;
+  last.reset();
+  t0.reset();
+  checkpointed = step;
+  absl::Status rolled =
+      absl::AbortedError(absl::StrCat("the job rolled back to the checkpoint of step ", step, " (",
+                                      why, "); continue at steps_done()"));
+  rolled.SetPayload(kRolledBackMark, absl::Cord("1"));
+  return rolled;
 }
 
 const std::atomic<int>* StopOnSignals() {
@@ -430,7 +530,7 @@ absl::Status Worker::BroadcastParameters() {
     st = w.client->PullParams(w.step, w.replica.get(), [&w] { return w.CheckJob(); });
   }
   if (!st.ok()) {
-    return w.Fail(absl::Status(
+    return w.FailOrRejoin(absl::Status(
         st.code(), absl::StrCat("broadcasting the initial parameters: ", st.message())));
   }
   w.broadcast = true;
@@ -464,10 +564,12 @@ absl::Status Worker::GradientsReady(uint64_t begin, uint64_t end) {
   }
   // Stopping: Step() decides whether this step runs, and pushes it then.
   bool deferred = false;
-  if (absl::Status st = w.BeginStepIfNeeded(false, &deferred); !st.ok()) return w.Fail(st);
+  if (absl::Status st = w.BeginStepIfNeeded(false, &deferred); !st.ok()) {
+    return w.FailOrRejoin(st);
+  }
   if (deferred) return absl::OkStatus();
   if (absl::Status st = w.client->PushReady(begin, end, w.replica.get()); !st.ok()) {
-    return w.Fail(st);
+    return w.FailOrRejoin(st);
   }
   return absl::OkStatus();
 }
@@ -476,10 +578,10 @@ absl::StatusOr<StepStats> Worker::Step(const StepOptions& options) {
   Impl& w = *impl_;
   if (absl::Status st = w.ReadyToStep(); !st.ok()) return st;
   if (absl::Status st = w.BeginStepIfNeeded(true); !st.ok()) {
-    return absl::IsCancelled(st) ? st : w.Fail(st);
+    return absl::IsCancelled(st) ? st : w.FailOrRejoin(st);
   }
   absl::Status st = w.client->CompleteStep(w.replica.get(), [&w] { return w.CheckJob(); });
-  if (!st.ok()) return w.Fail(st);
+  if (!st.ok()) return w.FailOrRejoin(st);
   const absl::Time end = absl::Now();
   StepStats s;
   s.step = w.step;
@@ -551,7 +653,14 @@ absl::Status Worker::Finish() {
     c.set_crc32(Crc32OfFloats(x.data() + r.begin, r.size()));
     sums.push_back(c);
   }
-  if (absl::Status st = w.hb->Done(sums, w.step); !st.ok()) return w.Fail(st);
+  if (w.hb->command() == control::REJOIN) return w.Rejoin();
+  if (absl::Status st = w.hb->Done(sums, w.step); !st.ok()) {
+    // Refused by a coordinator that has rolled the job back: its REJOIN
+    // comes with the next heartbeat.
+    w.hb->Kick();
+    w.hb->WaitForCommand(absl::Milliseconds(w.cfg.heartbeat_timeout_ms()));
+    return w.FailOrRejoin(st);
+  }
   w.finished = true;
   return absl::OkStatus();
 }

@@ -75,7 +75,7 @@ int Main(int argc, char** argv) {
   Replica& rep = WorkerAccess::replica(w);
   const control::TrainingConfig& cfg = WorkerAccess::config(w);
   std::fprintf(stderr, "worker %u: training on %s\n", rank, w.device().c_str());
-  if (absl::Status st = w.BroadcastParameters(); !st.ok()) fail("", st);
+  if (absl::Status st = w.BroadcastParameters(); !st.ok() && !IsRolledBack(st)) fail("", st);
 
   const uint64_t steps = cfg.steps();
   const uint64_t per_epoch = WorkerAccess::model(w)->steps_per_epoch();
@@ -86,71 +86,88 @@ int Main(int argc, char** argv) {
   const absl::Time t0 = absl::Now();
   absl::Time last_progress = t0;
   uint64_t total_up = 0, total_down = 0;
-  // A resumed job continues at its checkpoint's step; the data order is the step's.
+  // A resumed job continues at its checkpoint's step; the data order is the
+  // step's. So does a job that rolled back (then steps_done() went back).
   const uint64_t first = w.steps_done();
-  for (uint64_t step = first; step < steps; ++step) {
-    if (stall >= 0 && step == static_cast<uint64_t>(stall)) {
-      std::fprintf(stderr, "worker %u: stalling at step %llu (--stall_at_step)\n", rank,
-                   static_cast<unsigned long long>(step));
-      absl::Status st;
-      while ((st = WorkerAccess::WaitForJobEnd(w, absl::Seconds(1))).ok()) {
+  // Finish() too may find that the job rolled back.
+  while (true) {
+    for (uint64_t step = w.steps_done(); step < steps; step = w.steps_done()) {
+      if (stall >= 0 && step == static_cast<uint64_t>(stall)) {
+        std::fprintf(stderr, "worker %u: stalling at step %llu (--stall_at_step)\n", rank,
+                     static_cast<unsigned long long>(step));
+        absl::Status st;
+        while ((st = WorkerAccess::WaitForJobEnd(w, absl::Seconds(1))).ok()) {
+        }
+        fail("", st);
       }
-      fail("", st);
-    }
-    auto loss = rep.ComputeGradient(rank, step);
-    if (!loss.ok()) fail("", WorkerAccess::Fail(w, loss.status()));
-    StepOptions so;
-    so.loss = *loss;
-    if (per_epoch > 0) so.epoch = static_cast<double>(step + 1) / per_epoch;
-    auto stats = w.Step(so);
-    if (absl::IsCancelled(stats.status())) {
-      std::fprintf(stderr, "worker %u: %s\n", rank, std::string(stats.status().message()).c_str());
-      return absl::GetFlag(FLAGS_exit_code_when_stopped);
-    }
-    if (!stats.ok()) fail("", stats.status());
-    // Rank 0 scores its replica (equal to every other) on the test set.
-    if (evaluate && ((step + 1) % cfg.eval_every() == 0 || step + 1 == steps)) {
-      auto eval = rep.Evaluate();
-      if (!eval.ok()) {
-        fail("", WorkerAccess::Fail(
-                     w, absl::Status(eval.status().code(),
-                                     absl::StrCat("evaluation: ", eval.status().message()))));
+      auto loss = rep.ComputeGradient(rank, step);
+      if (!loss.ok()) fail("", WorkerAccess::Fail(w, loss.status()));
+      StepOptions so;
+      so.loss = *loss;
+      if (per_epoch > 0) so.epoch = static_cast<double>(step + 1) / per_epoch;
+      auto stats = w.Step(so);
+      if (IsRolledBack(stats.status())) {
+        std::fprintf(stderr, "worker %u: %s\n", rank,
+                     std::string(stats.status().message()).c_str());
+        continue;
       }
-      if (absl::Status st = w.ReportEvaluation(eval->loss, eval->accuracy); !st.ok()) fail("", st);
-      last_accuracy = eval->accuracy;
+      if (absl::IsCancelled(stats.status())) {
+        std::fprintf(stderr, "worker %u: %s\n", rank,
+                     std::string(stats.status().message()).c_str());
+        return absl::GetFlag(FLAGS_exit_code_when_stopped);
+      }
+      if (!stats.ok()) fail("", stats.status());
+      // Rank 0 scores its replica (equal to every other) on the test set.
+      if (evaluate && ((step + 1) % cfg.eval_every() == 0 || step + 1 == steps)) {
+        auto eval = rep.Evaluate();
+        if (!eval.ok()) {
+          fail("", WorkerAccess::Fail(
+                       w, absl::Status(eval.status().code(),
+                                       absl::StrCat("evaluation: ", eval.status().message()))));
+        }
+        if (absl::Status st = w.ReportEvaluation(eval->loss, eval->accuracy); !st.ok())
+          fail("", st);
+        last_accuracy = eval->accuracy;
+      }
+      total_up += stats->bytes_up;
+      total_down += stats->bytes_down;
+      const absl::Time now = absl::Now();
+      if (now - last_progress >= progress_every || step + 1 == steps) {
+        last_progress = now;
+        const double elapsed = absl::ToDoubleSeconds(now - t0);
+        const double rate = static_cast<double>(step + 1 - first) / std::max(elapsed, 1e-9);
+        const std::string epoch =
+            per_epoch > 0 ? absl::StrFormat(" epoch %.2f", so.epoch) : std::string();
+        const std::string acc =
+            last_accuracy >= 0 ? absl::StrFormat(" test acc %.4f", last_accuracy) : std::string();
+        std::fprintf(stderr,
+                     "worker %u: step %llu/%llu%s loss %.6g%s %s %.2f steps/s up %.1f MB down %.1f "
+                     "MB ETA %.0fs\n",
+                     rank, static_cast<unsigned long long>(step + 1),
+                     static_cast<unsigned long long>(steps), epoch.c_str(), *loss, acc.c_str(),
+                     stats->compressed ? "compress" : "warmup", rate, total_up / 1e6,
+                     total_down / 1e6, static_cast<double>(steps - step - 1) / rate);
+      }
     }
-    total_up += stats->bytes_up;
-    total_down += stats->bytes_down;
-    const absl::Time now = absl::Now();
-    if (now - last_progress >= progress_every || step + 1 == steps) {
-      last_progress = now;
-      const double elapsed = absl::ToDoubleSeconds(now - t0);
-      const double rate = static_cast<double>(step + 1 - first) / std::max(elapsed, 1e-9);
-      const std::string epoch =
-          per_epoch > 0 ? absl::StrFormat(" epoch %.2f", so.epoch) : std::string();
-      const std::string acc =
-          last_accuracy >= 0 ? absl::StrFormat(" test acc %.4f", last_accuracy) : std::string();
-      std::fprintf(stderr,
-                   "worker %u: step %llu/%llu%s loss %.6g%s %s %.2f steps/s up %.1f MB down %.1f "
-                   "MB ETA %.0fs\n",
-                   rank, static_cast<unsigned long long>(step + 1),
-                   static_cast<unsigned long long>(steps), epoch.c_str(), *loss, acc.c_str(),
-                   stats->compressed ? "compress" : "warmup", rate, total_up / 1e6,
-                   total_down / 1e6, static_cast<double>(steps - step - 1) / rate);
-    }
-  }
 
-  const std::string dump = absl::GetFlag(FLAGS_dump_x);
-  if (!dump.empty()) {
-    std::vector<float> x(w.num_params());
-    absl::Status st = w.ReadParams(x.data());
-    if (st.ok()) st = WriteFloats(dump, x);
-    if (!st.ok()) {
-      fail("", WorkerAccess::Fail(
-                   w, absl::Status(st.code(), absl::StrCat("--dump_x: ", st.message()))));
+    const std::string dump = absl::GetFlag(FLAGS_dump_x);
+    if (!dump.empty()) {
+      std::vector<float> x(w.num_params());
+      absl::Status st = w.ReadParams(x.data());
+      if (st.ok()) st = WriteFloats(dump, x);
+      if (!st.ok()) {
+        fail("", WorkerAccess::Fail(
+                     w, absl::Status(st.code(), absl::StrCat("--dump_x: ", st.message()))));
+      }
     }
+    absl::Status finished = w.Finish();
+    if (IsRolledBack(finished)) {
+      std::fprintf(stderr, "worker %u: %s\n", rank, std::string(finished.message()).c_str());
+      continue;
+    }
+    if (!finished.ok()) fail("", finished);
+    break;
   }
-  if (absl::Status st = w.Finish(); !st.ok()) fail("", st);
   return 0;
 }
 

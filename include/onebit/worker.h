@@ -21,7 +21,8 @@
 //
 // Every call returns an error instead of exiting; after a failed call the
 // worker has told the coordinator, the job is over, and later calls return
-// the same error. Calls must not overlap (one thread at a time; they may come
+// the same error. One exception: IsRolledBack(error) (see there), after
+// which the worker goes on. Calls must not overlap (one thread at a time; they may come
 // from different threads).
 #ifndef ONEBIT_WORKER_H_
 #define ONEBIT_WORKER_H_
@@ -97,6 +98,14 @@ absl::StatusOr<WorkerOptions> WorkerOptionsFromEnvironment(uint64_t num_params);
 // WorkerOptions::stop_signal. The first signal asks the job to stop after a
 // checkpoint; a second ends the process as before. Safe to call again.
 const std::atomic<int>* StopOnSignals();
+
+// Whether `status` (from Step, GradientsReady, BroadcastParameters or
+// Finish) says that the job rolled back to its last complete checkpoint: a
+// process was lost and came back, or the coordinator was restarted. The
+// worker has rejoined: params() hold the checkpoint's x and steps_done()
+// its step. Continue your loop, and your data order, at steps_done(), as
+// after a resume; the job ends bit for bit where it would have.
+bool IsRolledBack(const absl::Status& status);
 
 // The job this worker belongs to, fixed once Connect returns.
 struct JobInfo {
@@ -186,6 +195,8 @@ class Worker {
   // processes) before this step, after a complete checkpoint of
   // steps_done() steps; the message says by whom. Exit successfully without
   // Finish(): running the job again resumes it there.
+  // IsRolledBack(): the step did not happen; the job continues at
+  // steps_done() (see IsRolledBack).
   absl::StatusOr<StepStats> Step(const StepOptions& options = {});
 
   // Your test-set score after the step just completed, for metrics.csv

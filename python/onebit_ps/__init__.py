@@ -28,10 +28,17 @@ import sys
 import torch
 import torch.utils.dlpack
 
-from ._onebit import OnebitError, Stopped, Worker
+from ._onebit import OnebitError, RolledBack, Stopped, Worker
 
 __all__ = ["init", "DistributedOptimizer", "OneBitAdam", "finish", "OnebitError", "JobStopped",
-           "rank", "world_size"]
+           "RolledBack", "rank", "world_size"]
+
+RolledBack.__doc__ = (
+    "The job rolled back to its last complete checkpoint (a process of it was lost and came "
+    "back, or its coordinator was restarted); raised by step(), by loss.backward() (from the "
+    "gradient hooks) or by finish(). The step did not happen. The model's parameters now hold "
+    "the checkpoint's weights: continue your loop, your data and your scheduler at "
+    "opt.steps_done, and the job ends bit for bit where it would have.")
 
 
 class JobStopped(SystemExit):
@@ -202,6 +209,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             try:
                 self._send_lr()
                 self._worker.gradients_ready(offset, offset + n)
+            except RolledBack:
+                self._lr_sent = False
+                raise
             except OnebitError as e:
                 raise OnebitError(self._name_element(str(e))) from None
         return hook
@@ -243,6 +253,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         except Stopped as e:
             print(f"onebit_ps: {e}", file=sys.stderr)
             raise JobStopped(str(e)) from None
+        except RolledBack:
+            raise
         except OnebitError as e:
             raise OnebitError(self._name_element(str(e))) from None
         finally:

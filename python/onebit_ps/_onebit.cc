@@ -20,11 +20,15 @@ namespace py = pybind11;
 
 namespace {
 
-PyObject* g_error = nullptr;    // onebit_ps.OnebitError, set at import
-PyObject* g_stopped = nullptr;  // _onebit.Stopped (CANCELLED), a kind of it
+PyObject* g_error = nullptr;        // onebit_ps.OnebitError, set at import
+PyObject* g_stopped = nullptr;      // _onebit.Stopped (CANCELLED), a kind of it
+PyObject* g_rolled_back = nullptr;  // _onebit.RolledBack (onebit::IsRolledBack), another
 
 [[noreturn]] void Raise(const absl::Status& st) {
-  PyErr_SetString(absl::IsCancelled(st) ? g_stopped : g_error, std::string(st.message()).c_str());
+  PyObject* type = absl::IsCancelled(st)      ? g_stopped
+                   : onebit::IsRolledBack(st) ? g_rolled_back
+                                              : g_error;
+  PyErr_SetString(type, std::string(st.message()).c_str());
   throw py::error_already_set();
 }
 
@@ -118,6 +122,8 @@ PYBIND11_MODULE(_onebit, m) {
   g_error = error.ptr();
   static py::exception<std::runtime_error> stopped(m, "Stopped", error.ptr());
   g_stopped = stopped.ptr();
+  static py::exception<std::runtime_error> rolled_back(m, "RolledBack", error.ptr());
+  g_rolled_back = rolled_back.ptr();
 
   py::class_<onebit::Worker>(m, "Worker")
       .def_static("connect", &Connect, py::arg("coordinator") = "", py::arg("rank") = -1,

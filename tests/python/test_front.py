@@ -193,3 +193,26 @@ def test_a_sigterm_stops_the_job_after_a_checkpoint_and_it_resumes_bitwise(tmp_p
     for w in range(3):
         got = (tmp_path / "run" / "run" / f"replica_w{w}.f32").read_bytes()
         assert got == (tmp_path / "plain" / "run" / f"replica_w{w}.f32").read_bytes(), w
+
+
+def test_a_killed_server_comes_back_and_the_torch_workers_roll_back_bitwise(tmp_path):
+    job = ["--optimizer=onebit-adam", "--freeze_step=20", "--lr=0.01", "--dump_params"]
+    plain, _ = launch(tmp_path / "plain", 3, 2, job, "400")
+    assert plain.returncode == 0, plain.stderr
+    ckpt = [f"--checkpoint_dir={tmp_path}/ckpt", "--checkpoint_every=50", "--max_restarts=1"]
+    r, s = launch(tmp_path / "run", 3, 2, job + ckpt, "400 --kill_server_at 180")
+    assert r.returncode == 0, r.stderr
+    assert "launch: server0 failed (signal 9 (Killed)); restart 1 of 1: starting it again" in r.stderr
+    # Every worker's loop caught onebit_ps.RolledBack and went on at opt.steps_done.
+    rolled = re.findall(r"\[worker(\d)\] torch_worker: step (\d+): the job rolled back to the "
+                        r"checkpoint of step (\d+)", r.stderr)
+    assert sorted(w for w, _, _ in rolled) == ["0", "1", "2"], r.stderr
+    at = int(rolled[0][2])
+    assert at % 50 == 0 and 100 <= at <= 180 and all(int(a) == at for _, _, a in rolled)
+    assert s["status"] == "ok" and s["rollbacks"] == 1 and s["resumed_from_step"] == at, s
+    for w in range(3):
+        got = (tmp_path / "run" / "run" / f"replica_w{w}.f32").read_bytes()
+        assert got == (tmp_path / "plain" / "run" / f"replica_w{w}.f32").read_bytes(), w
+    for k in range(2):
+        got = (tmp_path / "run" / "run" / f"master_s{k}.f32").read_bytes()
+        assert got == (tmp_path / "plain" / "run" / f"master_s{k}.f32").read_bytes(), k

@@ -14,8 +14,12 @@ lines; run by the tests through onebit-launch --worker_cmd.
         host is) before that step, and reports how long the step took to fail
       --sigterm_at STEP: rank 1 sends itself SIGTERM (a preemption) before
         that step; the job stops after a checkpoint
-A job resumed from a checkpoint continues at opt.steps_done, the data where
-it was. Writes the final parameters to $ONEBIT_DUMP_X when set.
+      --kill_server_at STEP: rank 0 kills server 0 (SIGKILL) before that
+        step, once; started again by onebit-launch --max_restarts, the job
+        rolls back (onebit_ps.RolledBack) to its last checkpoint
+A job resumed from a checkpoint, or rolled back to one, continues at
+opt.steps_done, the data where it was. Writes the final parameters to
+$ONEBIT_DUMP_X when set.
 """
 import json
 import os
@@ -65,14 +69,21 @@ for p in model.parameters():
 
 sched = (torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
          if "--schedule" in sys.argv else None)
-gen = torch.Generator().manual_seed(onebit_ps.rank())
 loss_fn = torch.nn.CrossEntropyLoss()
 eval_x = torch.randn(256, 20, generator=torch.Generator().manual_seed(99))
 eval_y = (eval_x[:, 0] > 0).long() + 2 * (eval_x[:, 1] > 0).long()
 stop_at = int(sys.argv[sys.argv.index("--stop_server_at") + 1]) if "--stop_server_at" in sys.argv else -1
 
 
-def stop_server_0():
+def batch(t):
+    # Each step's data from its number alone, so a resumed or rolled-back
+    # job sees what it would have.
+    gen = torch.Generator().manual_seed(1000 * onebit_ps.rank() + t)
+    x = torch.randn(16, 20, generator=gen)
+    return x, (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+
+
+def signal_server_0(sig):
     # onebit-launch started the servers; this worker is its child too.
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -83,27 +94,28 @@ def stop_server_0():
         except OSError:
             continue
         if ppid == os.getppid() and argv[0].endswith(b"onebit-server") and b"--shard=0" in argv:
-            os.kill(int(pid), signal.SIGSTOP)
+            os.kill(int(pid), sig)
             return
     sys.exit("torch_worker: server 0 not found")
 
 
 sigterm_at = int(sys.argv[sys.argv.index("--sigterm_at") + 1]) if "--sigterm_at" in sys.argv else -1
+kill_at = int(sys.argv[sys.argv.index("--kill_server_at") + 1]) if "--kill_server_at" in sys.argv else -1
 start = opt.steps_done
 if start:
     print(f"torch_worker: rank {onebit_ps.rank()} resumes at step {start}", file=sys.stderr)
 t_stop = None
-for t in range(steps):
-    if t < start:
-        torch.randn(16, 20, generator=gen)  # the data order goes on where it was
-        continue
+t = start
+while t < steps:
     if t == sigterm_at and onebit_ps.rank() == 1:
         os.kill(os.getpid(), signal.SIGTERM)
     if t == stop_at and onebit_ps.rank() == 0:
-        stop_server_0()
+        signal_server_0(signal.SIGSTOP)
         t_stop = time.monotonic()
-    x = torch.randn(16, 20, generator=gen)
-    y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+    if t == kill_at and onebit_ps.rank() == 0:
+        signal_server_0(signal.SIGKILL)
+        kill_at = -1
+    x, y = batch(t)
     opt.zero_grad()
     loss = loss_fn(model(x), y)
     if t == nan_at and onebit_ps.rank() == 1:
@@ -113,6 +125,10 @@ for t in range(steps):
     before = opt._x.clone()
     try:
         loss.backward()
+    except onebit_ps.RolledBack as e:
+        print(f"torch_worker: step {t}: {e}", file=sys.stderr)
+        t = opt.steps_done
+        continue
     except onebit_ps.OnebitError as e:
         print(f"torch_worker: step {t}: {e}", file=sys.stderr)
         if torch.equal(opt._x, before):
@@ -122,6 +138,10 @@ for t in range(steps):
         opt.step(loss=loss, epoch=(t + 1) / 4)  # 4 steps an "epoch"
         if sched is not None:
             sched.step()
+    except onebit_ps.RolledBack as e:
+        print(f"torch_worker: step {t}: {e}", file=sys.stderr)
+        t = opt.steps_done
+        continue
     except onebit_ps.OnebitError as e:
         after = f" (failed {time.monotonic() - t_stop:.1f} s after the stop)" if t_stop else ""
         print(f"torch_worker: step {t}: {e}{after}", file=sys.stderr)
@@ -134,6 +154,7 @@ for t in range(steps):
             acc = (out.argmax(1) == eval_y).float().mean().item()
             opt.report_evaluation(acc, loss=loss_fn(out, eval_y).item())
         print(f"torch_worker: step {t} eval {acc!r}", file=sys.stderr)
+    t += 1
 # Still views after training: state_dict() shares the worker's memory.
 for name, tensor in model.state_dict().items():
     if name != "frozen":

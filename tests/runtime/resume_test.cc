@@ -25,6 +25,7 @@ namespace onebit::testing {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 struct Case {
   std::string name;
@@ -326,70 +327,143 @@ INSTANTIATE_TEST_SUITE_P(AnyProcess, Sigterm,
 // --max_restarts: the launcher starts the job again, it resumes from its
 // last complete checkpoint, and ends bit for bit where the uninterrupted job
 // ends; summary.json counts the restart and the steps run twice.
-TEST(Recovery, AKilledProcessIsRestartedAndTheJobEndsBitForBit) {
+// The port in a launcher's log ("coordinator at 127.0.0.1:PORT").
+std::string CoordinatorTarget(const std::string& log) {
+  const size_t pos = log.find("coordinator at 127.0.0.1:");
+  if (pos == std::string::npos) return "";
+  return log.substr(pos + 15, log.find(' ', pos + 15) - pos - 15);
+}
+
+struct Kill {
+  std::string victim;  // "worker 1", "server 0", "coordinator"
+  size_t after_rows;   // killed once this many steps are in metrics.csv
+};
+
+// Kills `k.victim` of a job started by onebit-launch with `more` once
+// k.after_rows rows are on disk; the launcher starts it again. Checks that
+// the job ends bit for bit as `plain` (its run folder) did, with every row
+// once, and returns the summary.
+std::string KillAndCompare(const Case& c, const std::string& plain, const std::string& out,
+                           const Kill& k, const std::vector<std::string>& more) {
+  Subprocess job = Start(Launch(c, out, more), out + ".log");
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (Rows(out).size() < k.after_rows && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  EXPECT_GE(Rows(out).size(), k.after_rows) << ReadFile(out + ".log");
+  const std::string target = CoordinatorTarget(ReadFile(out + ".log"));
+  EXPECT_NE(target, "");
+  const int pid = VictimPid(k.victim, target, out);
+  if (pid > 0) kill(pid, SIGKILL);
+  auto code = job.Wait(absl::Seconds(90));
+  EXPECT_TRUE(code.has_value()) << "hung: " << ReadFile(out + ".log");
+  EXPECT_EQ(code.value_or(-1), 0) << ReadFile(out + ".log");
+  const std::string summary = ReadFile(out + "/summary.json");
+  const std::string want = ReadFile(plain + "/summary.json");
+  EXPECT_EQ(Field(summary, "status"), "\"ok\"") << ReadFile(out + ".log");
+  for (const char* key : {"final_loss", "freeze_step", "replicas_equal", "bytes_up"}) {
+    EXPECT_EQ(Field(summary, key), Field(want, key)) << key;
+  }
+  uint64_t resumed = 0, rolled_back = 0;
+  EXPECT_TRUE(absl::SimpleAtoi(Field(summary, "resumed_from_step"), &resumed)) << summary;
+  EXPECT_TRUE(absl::SimpleAtoi(Field(summary, "rolled_back_steps"), &rolled_back));
+  const uint64_t every = 200;
+  EXPECT_EQ(resumed % every, 0u);
+  EXPECT_GE(resumed + every, k.after_rows);  // the checkpoint before the kill...
+  EXPECT_LE(resumed, k.after_rows + every);  // ...or one more, written meanwhile
+  // The steps after the checkpoint that were on disk were run again (a
+  // kill may cut the last row short).
+  EXPECT_GE(rolled_back, resumed + 1 < k.after_rows ? k.after_rows - resumed - 1 : 0);
+  for (const char* f : {"/replica_w0.f32", "/replica_w1.f32", "/replica_w2.f32", "/master_s0.f32",
+                        "/master_s1.f32", "/error_s0.f32", "/error_s1.f32"}) {
+    EXPECT_EQ(FirstDifference(ReadFloats(out + f), ReadFloats(plain + f)), "") << f;
+  }
+  // Every step's row once, in order, with the uninterrupted run's loss.
+  const std::vector<std::string> rows = Rows(out);
+  const std::vector<std::string> plain_rows = Rows(plain);
+  EXPECT_EQ(rows.size(), plain_rows.size());
+  for (size_t i = 0; i < std::min(rows.size(), plain_rows.size()); ++i) {
+    EXPECT_EQ(Column(rows[i], 0), absl::StrCat(i));
+    EXPECT_EQ(Column(rows[i], 2), Column(plain_rows[i], 2)) << "loss of step " << i;
+  }
+  return summary;
+}
+
+// Live recovery: the killed process alone is started again, every other
+// rolls back to the last complete checkpoint without restarting, and the
+// job ends bit for bit as uninterrupted. Each role at each phase (the
+// warm-up, just before the freeze step, the compression phase), and a
+// second seed.
+TEST(Recovery, AKilledProcessComesBackAndTheOthersRollBackBitForBit) {
   const std::string dir = TempDir("recovery");
-  Case c;
-  c.flags = Synthetic("onebit-adam", 2, 3000, {"--freeze_step=1500"});
-  RunResult plain = RunCommand(Launch(c, dir + "/plain", {"--dump_params"}), absl::Seconds(60));
-  ASSERT_EQ(plain.code, 0) << plain.output;
-  const std::string want = ReadFile(dir + "/plain/summary.json");
-  struct Kill {
-    std::string victim;
-    size_t after_rows;  // steps done when it is killed
+  struct Seed {
+    int seed;
+    std::vector<Kill> kills;
   };
-  for (const Kill& k : {Kill{"worker 1", 500}, Kill{"server 0", 1450}, Kill{"coordinator", 2200}}) {
-    SCOPED_TRACE(k.victim);
-    std::string name = k.victim;
-    std::replace(name.begin(), name.end(), ' ', '_');
-    const std::string out = dir + "/" + name;
-    Subprocess job = Start(Launch(c, out,
-                                  {"--checkpoint_dir=" + out + "/ckpt", "--checkpoint_every=200",
-                                   "--max_restarts=2", "--dump_params"}),
-                           out + ".log");
-    const absl::Time deadline = absl::Now() + absl::Seconds(30);
-    while (Rows(out).size() < k.after_rows && absl::Now() < deadline) {
-      absl::SleepFor(absl::Milliseconds(2));
-    }
-    ASSERT_GE(Rows(out).size(), k.after_rows) << ReadFile(out + ".log");
-    const std::string log = ReadFile(out + ".log");
-    const size_t pos = log.find("coordinator at 127.0.0.1:");
-    ASSERT_NE(pos, std::string::npos) << log;
-    const std::string target = log.substr(pos + 15, log.find(' ', pos + 15) - pos - 15);
-    const int pid = VictimPid(k.victim, target, out);
-    ASSERT_GT(pid, 0);
-    kill(pid, SIGKILL);
-    auto code = job.Wait(absl::Seconds(90));
-    ASSERT_TRUE(code.has_value()) << "hung: " << ReadFile(out + ".log");
-    const std::string full_log = ReadFile(out + ".log");
-    ASSERT_EQ(*code, 0) << full_log;
-    EXPECT_THAT(full_log, HasSubstr("restart 1 of 2: starting the whole job again; it resumes "
-                                    "from its last complete checkpoint"));
-    const std::string summary = ReadFile(out + "/summary.json");
-    EXPECT_EQ(Field(summary, "status"), "\"ok\"");
-    EXPECT_EQ(Field(summary, "restarts"), "1");
-    uint64_t resumed = 0, rolled_back = 0;
-    ASSERT_TRUE(absl::SimpleAtoi(Field(summary, "resumed_from_step"), &resumed)) << summary;
-    ASSERT_TRUE(absl::SimpleAtoi(Field(summary, "rolled_back_steps"), &rolled_back));
-    EXPECT_EQ(resumed % 200, 0u);
-    EXPECT_GE(resumed + 200, k.after_rows);  // the checkpoint before the kill...
-    EXPECT_LE(resumed, k.after_rows + 200);  // ...or one more, written meanwhile
-    // The rows after the checkpoint that were on disk (a kill may cut the
-    // last one short) were run again.
-    EXPECT_GE(rolled_back, resumed + 1 < k.after_rows ? k.after_rows - resumed - 1 : 0);
-    for (const char* key : {"final_loss", "freeze_step", "replicas_equal"}) {
-      EXPECT_EQ(Field(summary, key), Field(want, key)) << key;
-    }
-    for (const char* f : {"/replica_w0.f32", "/replica_w1.f32", "/replica_w2.f32", "/master_s0.f32",
-                          "/master_s1.f32", "/error_s0.f32", "/error_s1.f32"}) {
-      EXPECT_EQ(FirstDifference(ReadFloats(out + f), ReadFloats(dir + "/plain" + f)), "") << f;
-    }
-    // Every step's row once, in order.
-    const std::vector<std::string> rows = Rows(out);
-    ASSERT_EQ(rows.size(), 3000u);
-    for (size_t i = 0; i < rows.size(); ++i) {
-      ASSERT_EQ(Column(rows[i], 0), absl::StrCat(i));
+  const std::vector<Seed> seeds = {
+      {1,
+       {{"worker 1", 500},
+        {"server 0", 500},
+        {"coordinator", 500},
+        {"worker 2", 1450},
+        {"server 1", 1450},
+        {"coordinator", 1450},
+        {"worker 0", 2200},
+        {"server 0", 2200},
+        {"coordinator", 2200}}},
+      {7, {{"server 1", 700}, {"coordinator", 1500}, {"worker 1", 2500}}},
+  };
+  for (const Seed& seed : seeds) {
+    Case c;
+    c.flags = Synthetic("onebit-adam", 2, 3000,
+                        {"--freeze_step=1500", absl::StrCat("--seed=", seed.seed)});
+    const std::string plain = absl::StrCat(dir, "/plain", seed.seed);
+    RunResult r = RunCommand(Launch(c, plain, {"--dump_params"}), absl::Seconds(60));
+    ASSERT_EQ(r.code, 0) << r.output;
+    int n = 0;
+    for (const Kill& k : seed.kills) {
+      SCOPED_TRACE(absl::StrCat(k.victim, " after ", k.after_rows, " steps, seed ", seed.seed));
+      const std::string out = absl::StrCat(dir, "/s", seed.seed, "-", n++);
+      const std::string summary =
+          KillAndCompare(c, plain, out, k,
+                         {"--checkpoint_dir=" + out + "/ckpt", "--checkpoint_every=200",
+                          "--max_restarts=2", "--dump_params"});
+      const std::string log = ReadFile(out + ".log");
+      EXPECT_THAT(log, HasSubstr("restart 1 of 2: starting it again")) << log;
+      EXPECT_THAT(log, Not(HasSubstr("starting the whole job again")));
+      // The others were not started again: they rolled back in place.
+      for (const std::string& other :
+           {"worker 0", "worker 1", "worker 2", "server 0", "server 1"}) {
+        if (other == k.victim) continue;
+        EXPECT_THAT(log, HasSubstr(absl::StrCat(other, ": ",
+                                                k.victim == "coordinator"
+                                                    ? "the coordinator restarted"
+                                                    : k.victim + " registered again")))
+            << other;
+      }
+      EXPECT_EQ(Field(summary, "restarts"), "1");
+      EXPECT_EQ(Field(summary, "rollbacks"), "1");
     }
   }
+}
+
+// Without live recovery (--rejoin_timeout=0) the launcher starts the whole
+// job again, which resumes from the checkpoint.
+TEST(Recovery, WithoutRejoinTheWholeJobStartsAgainAndResumes) {
+  const std::string dir = TempDir("recovery_whole");
+  Case c;
+  c.flags = Synthetic("onebit-adam", 2, 3000, {"--freeze_step=1500"});
+  RunResult r = RunCommand(Launch(c, dir + "/plain", {"--dump_params"}), absl::Seconds(60));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string out = dir + "/job";
+  const std::string summary =
+      KillAndCompare(c, dir + "/plain", out, {"worker 1", 1000},
+                     {"--checkpoint_dir=" + out + "/ckpt", "--checkpoint_every=200",
+                      "--rejoin_timeout=0", "--max_restarts=2", "--dump_params"});
+  EXPECT_THAT(ReadFile(out + ".log"), HasSubstr("restart 1 of 2: starting the whole job again; it "
+                                                "resumes from its last complete checkpoint"));
+  EXPECT_EQ(Field(summary, "restarts"), "1");
+  EXPECT_EQ(Field(summary, "rollbacks"), "0");
 }
 
 // Another number of workers on resume (not bitwise: the data is split
@@ -449,72 +523,106 @@ TEST(Resume, AnotherNumberOfWorkersGoesOnConverging) {
 // SIGTERM every process exits with --exit_code_when_stopped (75), so that a
 // Job with restartPolicy OnFailure starts it again; started again, the
 // same processes resume the job and it ends bit for bit.
+// A job started process by process, as pods are: a coordinator with `job`
+// and `coordinator_flags`, one server and `workers` workers with
+// `process_flags`, each dumping its final x into `dir`.
+struct Pods {
+  std::string target;             // "--coordinator=127.0.0.1:PORT"
+  std::vector<Subprocess> procs;  // the coordinator, server 0, workers 0...
+};
+
+std::vector<std::string> WorkerPod(const std::string& target, int w, const std::string& dir,
+                                   const std::vector<std::string>& process_flags) {
+  std::vector<std::string> argv = {Bin("onebit-worker"),
+                                   target,
+                                   absl::StrCat("--rank=", w),
+                                   "--bind_host=127.0.0.1",
+                                   "--advertise_host=127.0.0.1",
+                                   "--device=cpu",
+                                   absl::StrCat("--dump_x=", dir, "/replica_w", w, ".f32")};
+  argv.insert(argv.end(), process_flags.begin(), process_flags.end());
+  return argv;
+}
+
+Pods StartPods(const std::string& dir, const std::string& name, const std::vector<std::string>& job,
+               const std::vector<std::string>& coordinator_flags,
+               const std::vector<std::string>& process_flags, int workers) {
+  Pods pods;
+  const std::string port_file = dir + "/" + name + ".port";
+  std::vector<std::string> coord = {Bin("onebit-coordinator"), "--port=0",
+                                    "--port_file=" + port_file, "--bind_host=127.0.0.1"};
+  coord.insert(coord.end(), job.begin(), job.end());
+  coord.insert(coord.end(), coordinator_flags.begin(), coordinator_flags.end());
+  pods.procs.push_back(Start(coord, dir + "/" + name + ".coordinator.log"));
+  int port = 0;
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (port == 0 && absl::Now() < deadline) {
+    std::ifstream in(port_file);
+    if (!(in >> port)) port = 0;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_GT(port, 0);
+  pods.target = absl::StrCat("--coordinator=127.0.0.1:", port);
+  std::vector<std::string> server = {Bin("onebit-server"),
+                                     pods.target,
+                                     "--shard=0",
+                                     "--bind_host=127.0.0.1",
+                                     "--advertise_host=127.0.0.1",
+                                     "--dump_x=" + dir + "/master.f32"};
+  server.insert(server.end(), process_flags.begin(), process_flags.end());
+  pods.procs.push_back(Start(server, dir + "/" + name + ".server.log"));
+  for (int w = 0; w < workers; ++w) {
+    pods.procs.push_back(Start(WorkerPod(pods.target, w, dir, process_flags),
+                               absl::StrCat(dir, "/", name, ".worker", w, ".log")));
+  }
+  return pods;
+}
+
+// Waits for every process; their exit codes (-1: still running after 60 s).
+std::vector<int> WaitForAll(Pods& pods) {
+  std::vector<int> codes;
+  for (Subprocess& p : pods.procs) codes.push_back(p.Wait(absl::Seconds(60)).value_or(-1));
+  return codes;
+}
+
+void WaitForRows(const std::string& out, size_t n) {
+  const absl::Time until = absl::Now() + absl::Seconds(20);
+  while (Rows(out).size() < n && absl::Now() < until) absl::SleepFor(absl::Milliseconds(2));
+  EXPECT_GE(Rows(out).size(), n);
+}
+
+// The jobs of the pod tests: 2 workers, 1 server, d = 6007, 3000 steps of
+// onebit-adam, and `more`.
+std::vector<std::string> PodJob(const std::vector<std::string>& more) {
+  std::vector<std::string> job = {"--workers=2",
+                                  "--servers=1",
+                                  "--dim=6007",
+                                  "--steps=3000",
+                                  "--optimizer=onebit-adam",
+                                  "--block_size=32",
+                                  "--chunk_elems=1024"};
+  job.insert(job.end(), more.begin(), more.end());
+  return job;
+}
+
 TEST(Preemption, PodsStartedAgainResumeTheJob) {
   const std::string dir = TempDir("sigterm_pods");
-  const std::vector<std::string> job = {"--workers=2",
-                                        "--servers=1",
-                                        "--dim=6007",
-                                        "--steps=3000",
-                                        "--optimizer=onebit-adam",
-                                        "--freeze_step=40",
-                                        "--block_size=32",
-                                        "--chunk_elems=1024",
-                                        "--heartbeat_timeout=3s"};
+  const std::vector<std::string> job = PodJob({"--freeze_step=40", "--heartbeat_timeout=3s"});
   Case c;
   c.flags = job;
   RunResult plain = RunCommand(Launch(c, dir + "/plain", {"--dump_params"}), absl::Seconds(60));
   ASSERT_EQ(plain.code, 0) << plain.output;
-  // One start of every "pod"; returns their exit codes once all are done.
-  auto pods = [&](const std::string& name, bool sigterm_worker) {
-    const std::string port_file = dir + "/" + name + ".port";
-    std::vector<std::string> coord = {
-        Bin("onebit-coordinator"),    "--port=0",
-        "--port_file=" + port_file,   "--bind_host=127.0.0.1",
-        "--out=" + dir + "/run",      "--checkpoint_dir=" + dir + "/ckpt",
-        "--exit_code_when_stopped=75"};
-    coord.insert(coord.end(), job.begin(), job.end());
-    std::vector<Subprocess> procs;
-    procs.push_back(Start(coord, dir + "/" + name + ".coordinator.log"));
-    int port = 0;
-    const absl::Time deadline = absl::Now() + absl::Seconds(20);
-    while (port == 0 && absl::Now() < deadline) {
-      std::ifstream in(port_file);
-      if (!(in >> port)) port = 0;
-      absl::SleepFor(absl::Milliseconds(10));
-    }
-    EXPECT_GT(port, 0);
-    const std::string target = absl::StrCat("--coordinator=127.0.0.1:", port);
-    procs.push_back(Start({Bin("onebit-server"), target, "--shard=0", "--bind_host=127.0.0.1",
-                           "--advertise_host=127.0.0.1", "--exit_code_when_stopped=75",
-                           "--dump_x=" + dir + "/master.f32"},
-                          dir + "/" + name + ".server.log"));
-    for (int w = 0; w < 2; ++w) {
-      procs.push_back(
-          Start({Bin("onebit-worker"), target, absl::StrCat("--rank=", w), "--bind_host=127.0.0.1",
-                 "--advertise_host=127.0.0.1", "--device=cpu", "--exit_code_when_stopped=75",
-                 absl::StrCat("--dump_x=", dir, "/replica_w", w, ".f32")},
-                absl::StrCat(dir, "/", name, ".worker", w, ".log")));
-    }
-    if (sigterm_worker) {
-      // Early in the run (the progress line comes only after a second).
-      const absl::Time until = absl::Now() + absl::Seconds(20);
-      while (Rows(dir + "/run").size() < 50 && absl::Now() < until) {
-        absl::SleepFor(absl::Milliseconds(2));
-      }
-      EXPECT_GE(Rows(dir + "/run").size(), 50u);
-      kill(procs[3].pid(), SIGTERM);
-    }
-    std::vector<int> codes;
-    for (Subprocess& p : procs) {
-      auto code = p.Wait(absl::Seconds(60));
-      codes.push_back(code.value_or(-1));
-    }
-    return codes;
-  };
-  EXPECT_THAT(pods("first", true), ::testing::Each(75));
+  const std::vector<std::string> coordinator = {
+      "--out=" + dir + "/run", "--checkpoint_dir=" + dir + "/ckpt", "--exit_code_when_stopped=75"};
+  Pods first = StartPods(dir, "first", job, coordinator, {"--exit_code_when_stopped=75"}, 2);
+  // Early in the run (the progress line comes only after a second).
+  WaitForRows(dir + "/run", 50);
+  kill(first.procs[3].pid(), SIGTERM);
+  EXPECT_THAT(WaitForAll(first), ::testing::Each(75));
   const std::string stopped = ReadFile(dir + "/run/summary.json");
   EXPECT_THAT(Field(stopped, "status"), HasSubstr("stopped: SIGTERM to worker 1"));
-  EXPECT_THAT(pods("again", false), ::testing::Each(0));
+  Pods again = StartPods(dir, "again", job, coordinator, {"--exit_code_when_stopped=75"}, 2);
+  EXPECT_THAT(WaitForAll(again), ::testing::Each(0));
   const std::string summary = ReadFile(dir + "/run/summary.json");
   EXPECT_EQ(Field(summary, "status"), "\"ok\"");
   EXPECT_EQ(Field(summary, "resumed_from_step"), Field(stopped, "stopped_at_step"));
@@ -525,6 +633,81 @@ TEST(Preemption, PodsStartedAgainResumeTheJob) {
   EXPECT_EQ(
       FirstDifference(ReadFloats(dir + "/master.f32"), ReadFloats(dir + "/plain/master_s0.f32")),
       "");
+}
+
+// Processes started by hand: a worker killed and not started again is
+// missed after the heartbeat timeout, the others roll back and wait for it
+// up to --rejoin_timeout, then the job fails naming it; started again by
+// hand in time, it rejoins and the job ends bit for bit. A lost
+// coordinator is waited for as long, then named.
+TEST(Recovery, ALostProcessIsWaitedForBoundedAndRejoinsWhenStartedAgain) {
+  const std::string dir = TempDir("recovery_pods");
+  const std::vector<std::string> job =
+      PodJob({"--freeze_step=1000", "--heartbeat_timeout=1s", "--rejoin_timeout=4s"});
+  Case c;
+  c.flags = job;
+  RunResult plain = RunCommand(Launch(c, dir + "/plain", {"--dump_params"}), absl::Seconds(60));
+  ASSERT_EQ(plain.code, 0) << plain.output;
+  auto coordinator = [&](const std::string& name) {
+    return std::vector<std::string>{"--out=" + dir + "/" + name,
+                                    "--checkpoint_dir=" + dir + "/" + name + "-ckpt",
+                                    "--checkpoint_every=200"};
+  };
+  {
+    SCOPED_TRACE("not started again");
+    Pods pods = StartPods(dir, "lost", job, coordinator("lost"), {}, 2);
+    WaitForRows(dir + "/lost", 500);
+    kill(pods.procs[3].pid(), SIGKILL);
+    const absl::Time killed = absl::Now();
+    std::vector<int> codes = WaitForAll(pods);
+    EXPECT_LT(absl::Now() - killed, absl::Seconds(20));
+    EXPECT_NE(codes[0], 0);
+    const std::string summary = ReadFile(dir + "/lost/summary.json");
+    EXPECT_THAT(Field(summary, "status"),
+                ::testing::AllOf(HasSubstr("worker 1 (vm) sent no heartbeat for 1s"),
+                                 HasSubstr("but worker 1 did not register again within 4s")))
+        << summary;
+    EXPECT_THAT(ReadFile(dir + "/lost.worker0.log"),
+                HasSubstr("worker 0: worker 1 (vm) sent no heartbeat for 1s: presumed dead; "
+                          "rolling back to the checkpoint of step"));
+    // Every row on disk before the kill is still there.
+    EXPECT_GE(Rows(dir + "/lost").size(), 500u);
+  }
+  {
+    SCOPED_TRACE("started again by hand");
+    Pods pods = StartPods(dir, "back", job, coordinator("back"), {}, 2);
+    WaitForRows(dir + "/back", 500);
+    kill(pods.procs[3].pid(), SIGKILL);
+    pods.procs[3].Wait(absl::Seconds(5));
+    absl::SleepFor(absl::Seconds(2));  // missed by its heartbeat first
+    pods.procs.push_back(
+        Start(WorkerPod(pods.target, 1, dir, {}), dir + "/back.worker1-again.log"));
+    pods.procs.erase(pods.procs.begin() + 3);
+    EXPECT_THAT(WaitForAll(pods), ::testing::Each(0));
+    const std::string summary = ReadFile(dir + "/back/summary.json");
+    EXPECT_EQ(Field(summary, "status"), "\"ok\"") << summary;
+    EXPECT_EQ(Field(summary, "rollbacks"), "1");
+    EXPECT_EQ(Field(summary, "final_loss"),
+              Field(ReadFile(dir + "/plain/summary.json"), "final_loss"));
+    for (const char* f : {"/replica_w0.f32", "/replica_w1.f32"}) {
+      EXPECT_EQ(FirstDifference(ReadFloats(dir + f), ReadFloats(dir + "/plain" + f)), "") << f;
+    }
+    EXPECT_EQ(
+        FirstDifference(ReadFloats(dir + "/master.f32"), ReadFloats(dir + "/plain/master_s0.f32")),
+        "");
+  }
+  {
+    SCOPED_TRACE("the coordinator lost");
+    Pods pods = StartPods(dir, "nocoord", job, coordinator("nocoord"), {}, 2);
+    WaitForRows(dir + "/nocoord", 500);
+    kill(pods.procs[0].pid(), SIGKILL);
+    std::vector<int> codes = WaitForAll(pods);
+    for (size_t i = 1; i < codes.size(); ++i) EXPECT_NE(codes[i], 0) << i;
+    const std::string log = ReadFile(dir + "/nocoord.worker0.log");
+    EXPECT_THAT(log, HasSubstr("worker 0: lost the coordinator at 127.0.0.1:"));
+    EXPECT_THAT(log, HasSubstr("waiting up to 4s for it to come back"));
+    EXPECT_THAT(log, HasSubstr("is unreachable (no heartbeat for 4s)"));
+  }
 }
 
 // A finished job's checkpoints, then damaged as a disk or a user might: each
