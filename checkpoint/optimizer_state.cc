@@ -44,7 +44,8 @@ absl::StatusOr<uint64_t> U64Value(const StateReader& r, const char* key) {
 
 }  // namespace
 
-StateWriter SaveServerShard(const ServerShardState& s) {
+StateWriter SaveServerShard(const ServerShardState& s, bool with_den,
+                            std::shared_ptr<SnapshotBuffers> buffers) {
   checkpoint::StateHeader h;
   h.set_step(s.step);
   h.set_role("server");
@@ -53,8 +54,11 @@ StateWriter SaveServerShard(const ServerShardState& s) {
   h.set_end(s.begin + s.x.size());
   StateWriter w(std::move(h));
   for (const auto& [name, field] : ShardArrays()) {
-    if (!(s.*field).empty()) w.AddFloats(name, s.*field);
+    if (field == &ServerShardState::den && !with_den) continue;
+    if ((s.*field).empty()) continue;
+    w.AddFloats(name, buffers != nullptr ? buffers->Copy(s.*field) : SnapshotFloats(s.*field));
   }
+  w.ReturnBuffersTo(std::move(buffers));
   w.SetValue("step", absl::StrCat(s.step));
   w.SetValue("frozen", s.frozen ? "1" : "0");
   w.SetValue("floored", absl::StrCat(s.floored));
@@ -63,6 +67,15 @@ StateWriter SaveServerShard(const ServerShardState& s) {
 
 absl::Status LoadServerShard(const std::vector<const StateReader*>& files, uint64_t begin,
                              uint64_t end, ServerShardState* s) {
+  return LoadServerArrays(files, begin, end, {}, s);
+}
+
+absl::Status LoadServerArrays(const std::vector<const StateReader*>& files, uint64_t begin,
+                              uint64_t end, const std::vector<std::string>& only,
+                              ServerShardState* s) {
+  auto wanted = [&only](const char* name) {
+    return only.empty() || std::find(only.begin(), only.end(), name) != only.end();
+  };
   if (files.empty()) return absl::NotFoundError("no server state files to restore a shard from");
   // The arrays a job keeps show in any file with elements (an empty shard
   // saves none).
@@ -85,7 +98,7 @@ absl::Status LoadServerShard(const std::vector<const StateReader*>& files, uint6
   out.step = *step;
   out.frozen = *frozen == "1";
   for (const auto& [name, field] : ShardArrays()) {
-    if (HasSection(first, name)) (out.*field).assign(n, 0.0f);
+    if (HasSection(first, name) && wanted(name)) (out.*field).assign(n, 0.0f);
   }
   uint64_t covered = 0;
   for (const StateReader* r : files) {
@@ -108,6 +121,7 @@ absl::Status LoadServerShard(const std::vector<const StateReader*>& files, uint6
     if (lo >= hi) continue;
     covered += hi - lo;
     for (const auto& [name, field] : ShardArrays()) {
+      if (!wanted(name)) continue;
       if ((out.*field).empty() != !HasSection(*r, name)) {
         return absl::DataLossError(absl::StrCat(
             "server ", h.rank(), "'s state file ", HasSection(*r, name) ? "has" : "lacks", " '",
@@ -169,6 +183,43 @@ absl::Status LoadWorkerState(const StateReader& file, uint64_t d, WorkerState* s
   }
   out.frozen = *frozen == "1";
   *s = std::move(out);
+  return absl::OkStatus();
+}
+
+WorkerFileOmits WorkerOmits(const OptimizerOptions& o, uint32_t rank) {
+  WorkerFileOmits omit;
+  // (A delta reply leaves each worker its own momentum; the naive variant
+  // keeps none.)
+  omit.mbar = rank != 0 && o.reply == ReplyMode::kMomentum && HasCompressionPhase(o.kind) &&
+              o.kind != OptimizerKind::kNaiveOnebitAdam;
+  omit.den = o.kind == OptimizerKind::kOnebitAdam;
+  return omit;
+}
+
+absl::Status RestoreDenominators(float eps, ServerShardState* s) {
+  if (!s->frozen || !s->den.empty() || s->v.empty()) return absl::OkStatus();
+  std::vector<float> den(s->v.size());
+  absl::Status st = HandOverDenominators(s->v.data(), s->v.size(), s->begin, eps, den.data());
+  if (!st.ok()) return st;
+  s->den = std::move(den);
+  return absl::OkStatus();
+}
+
+absl::Status CompleteWorkerState(const StateReader& worker0,
+                                 const std::vector<const StateReader*>& servers, uint64_t d,
+                                 float eps, WorkerState* s) {
+  if (s->mbar.empty() && HasSection(worker0, "mbar")) {
+    auto mbar = worker0.Floats("mbar", d);
+    if (!mbar.ok()) return mbar.status();
+    s->mbar = *std::move(mbar);
+  }
+  if (s->frozen && s->den.empty() && !servers.empty()) {
+    ServerShardState all;  // (den stays empty where the servers keep none)
+    absl::Status st = LoadServerArrays(servers, 0, d, {"den", "v"}, &all);
+    if (st.ok()) st = RestoreDenominators(eps, &all);
+    if (!st.ok()) return st;
+    s->den = std::move(all.den);
+  }
   return absl::OkStatus();
 }
 

@@ -9,6 +9,7 @@
 #define ONEBIT_CHECKPOINT_OPTIMIZER_STATE_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -18,8 +19,15 @@
 
 namespace onebit {
 
-// A snapshot of the shard (copied; the server may go on at once).
-StateWriter SaveServerShard(const ServerShardState& s);
+// A snapshot of the shard (copied; the server may go on at once). Without
+// `with_den`, den is left out: after onebit-adam's freeze it is a function
+// of the frozen v (RestoreDenominators makes it again, bit for bit).
+// `buffers` (may be null): where the copies come from and go back to.
+StateWriter SaveServerShard(const ServerShardState& s, bool with_den = true,
+                            std::shared_ptr<SnapshotBuffers> buffers = nullptr);
+// den = FrozenDenominator(v, eps) where a frozen shard has v and lacks den
+// (loaded from a file saved without it); an error names a negative v.
+absl::Status RestoreDenominators(float eps, ServerShardState* s);
 
 // Rebuilds the shard [begin, end) from the servers' files of one checkpoint
 // (any number, in any order): together they must cover [begin, end) and
@@ -28,6 +36,30 @@ StateWriter SaveServerShard(const ServerShardState& s);
 // holding the first element of each file's range. Errors name the file.
 absl::Status LoadServerShard(const std::vector<const StateReader*>& files, uint64_t begin,
                              uint64_t end, ServerShardState* s);
+// The same for the arrays named in `only` (e.g. {"den"}; empty: all), the
+// others left empty.
+absl::Status LoadServerArrays(const std::vector<const StateReader*>& files, uint64_t begin,
+                              uint64_t end, const std::vector<std::string>& only,
+                              ServerShardState* s);
+
+// What a worker's file leaves out because the checkpoint holds it
+// elsewhere, bit for bit: under a momentum reply every worker's mbar is the
+// servers' decoded reply, the same on all (worker 0's file holds it); the
+// frozen denominators of onebit-adam are the servers' (their files hold
+// them). x is never in a worker's file: the servers hold it.
+struct WorkerFileOmits {
+  bool mbar = false;
+  bool den = false;
+};
+WorkerFileOmits WorkerOmits(const OptimizerOptions& o, uint32_t rank);
+
+// Fills in what a worker's file left out (WorkerOmits): mbar from
+// `worker0` (worker 0's file) and den from `servers` (every server file of
+// the checkpoint: their den, or their frozen v and `eps`), where *s needs
+// them and lacks them. Errors name the file.
+absl::Status CompleteWorkerState(const StateReader& worker0,
+                                 const std::vector<const StateReader*>& servers, uint64_t d,
+                                 float eps, WorkerState* s);
 
 // A worker's state except x, which the servers hold (the master, or under
 // --server-reply delta the replica they keep): mbar, e, den, frozen; and

@@ -1,6 +1,7 @@
 #include "checkpoint/state_file.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -120,8 +121,78 @@ void StateWriter::AddBytes(absl::string_view name, absl::string_view bytes) {
   sections_.emplace_back(std::string(bytes));
 }
 
+namespace {
+
+// Capacity for n floats, not yet touched, advised into huge pages when
+// large (the aligned interior of the block; the rest keeps 4 KB pages).
+std::vector<float> Reserved(size_t n) {
+  std::vector<float> v;
+  v.reserve(n);
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  const uintptr_t p = reinterpret_cast<uintptr_t>(v.data());
+  const uintptr_t b = (p + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t e = (p + n * sizeof(float)) & ~(kHuge - 1);
+  if (e > b) (void)madvise(reinterpret_cast<void*>(b), e - b, MADV_HUGEPAGE);  // advice only
+  return v;
+}
+
+}  // namespace
+
+std::vector<float> SnapshotFloats(absl::Span<const float> values) {
+  std::vector<float> v = Reserved(values.size());
+  v.assign(values.begin(), values.end());
+  return v;
+}
+
+std::vector<float> SnapshotZeros(size_t n) {
+  std::vector<float> v = Reserved(n);
+  v.resize(n);
+  return v;
+}
+
+std::optional<std::vector<float>> SnapshotBuffers::Fitting(size_t n) {
+  absl::MutexLock l(&mu_);
+  // The smallest that fits (the arrays of one process are mostly of one size).
+  auto best = held_.end();
+  for (auto it = held_.begin(); it != held_.end(); ++it) {
+    if (it->capacity() >= n && (best == held_.end() || it->capacity() < best->capacity()))
+      best = it;
+  }
+  if (best == held_.end()) return std::nullopt;
+  std::vector<float> v = std::move(*best);
+  held_.erase(best);
+  return v;
+}
+
+std::vector<float> SnapshotBuffers::Copy(absl::Span<const float> values) {
+  std::optional<std::vector<float>> v = Fitting(values.size());
+  if (!v) return SnapshotFloats(values);
+  v->assign(values.begin(), values.end());  // within its capacity: no new pages
+  return *std::move(v);
+}
+
+std::vector<float> SnapshotBuffers::Take(size_t n) {
+  std::optional<std::vector<float>> v = Fitting(n);
+  if (!v) return SnapshotZeros(n);
+  v->resize(n);
+  return *std::move(v);
+}
+
+void SnapshotBuffers::Give(std::vector<float>&& v) {
+  if (v.capacity() == 0) return;
+  absl::MutexLock l(&mu_);
+  if (held_.size() < max_held_) held_.push_back(std::move(v));
+}
+
+StateWriter::~StateWriter() {
+  if (buffers_ == nullptr) return;
+  for (auto& s : sections_) {
+    if (auto* floats = std::get_if<std::vector<float>>(&s)) buffers_->Give(std::move(*floats));
+  }
+}
+
 void StateWriter::AddFloats(absl::string_view name, absl::Span<const float> values) {
-  AddFloats(name, std::vector<float>(values.begin(), values.end()));
+  AddFloats(name, SnapshotFloats(values));
 }
 
 void StateWriter::AddFloats(absl::string_view name, std::vector<float>&& values) {

@@ -207,6 +207,8 @@ absl::Status ServeIncarnation(const ServerOptions& o, const control::RegisterRep
     hb.ReportCheckpointPart(PartOf(step, written));
   });
   uint64_t checkpointed = 0;  // the last step written
+  // The last snapshot's arrays, for the next (a shard has at most 7).
+  auto buffers = std::make_shared<SnapshotBuffers>(7);
   auto checkpoint = [&](const ServerShardState& s) {
     if (s.step == 0 || s.step == checkpointed) return;
     checkpointed = s.step;
@@ -215,7 +217,11 @@ absl::Status ServeIncarnation(const ServerOptions& o, const control::RegisterRep
       hb.ReportCheckpointPart(PartOf(s.step, dir.status()));
       return;
     }
-    writer.Submit(s.step, SaveServerShard(s), *dir, absl::StrCat("server-", s.shard, ".state"));
+    // onebit-adam's den is made again from v on loading.
+    writer.Submit(
+        s.step,
+        SaveServerShard(s, /*with_den=*/po.optimizer.kind != OptimizerKind::kOnebitAdam, buffers),
+        *dir, absl::StrCat("server-", s.shard, ".state"));
   };
   const uint64_t every = cfg.checkpoint_every();
   if (every > 0) {
@@ -226,6 +232,9 @@ absl::Status ServeIncarnation(const ServerOptions& o, const control::RegisterRep
   if (reg->has_resume()) {
     auto restored = LoadShardFromCheckpoint(reg->resume(), map->shard(rank), rank);
     if (!restored.ok()) return fail(restored.status());
+    if (absl::Status st = RestoreDenominators(po.optimizer.eps, &*restored); !st.ok()) {
+      return fail(st);
+    }
     po.restored = *std::move(restored);
   }
   auto server = PsServer::Create(po, &socket);

@@ -168,8 +168,8 @@ TEST(Replica, SavedStateIsTheSameOnEveryDeviceAndRestoresMidRun) {
     // An odd number of compression steps: the device keeps the error in its
     // second buffer then.
     for (uint64_t t = 0; t < 5; ++t) f.Step(t, warmup && t == 1);
-    auto a = f.cpu->SaveState(true);
-    auto b = f.twin->SaveState(true);
+    auto a = f.cpu->SaveState({});
+    auto b = f.twin->SaveState({});
     ASSERT_TRUE(a.ok() && b.ok());
     ExpectSameState(*a, *b);
     EXPECT_TRUE(a->frozen);
@@ -189,7 +189,7 @@ TEST(Replica, SavedStateIsTheSameOnEveryDeviceAndRestoresMidRun) {
       ASSERT_EQ(f.X(f.cpu.get()), g.X(g.cpu.get())) << "x after step " << t;
       ASSERT_EQ(f.X(f.cpu.get()), g.X(g.twin.get())) << "x after step " << t;
     }
-    ExpectSameState(*f.twin->SaveState(true), *g.twin->SaveState(true));
+    ExpectSameState(*f.twin->SaveState({}), *g.twin->SaveState({}));
 
     // A state of another size is refused and changes nothing.
     WorkerState bad = *a;

@@ -6,6 +6,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "checkpoint/state_file.h"
 #include "shard/update_kernels.h"
 
 namespace onebit {
@@ -110,20 +111,20 @@ class DeviceReplica final : public Replica {
     return st;
   }
 
-  absl::StatusOr<WorkerState> SaveState(bool with_x) override {
+  absl::StatusOr<WorkerState> SaveState(const Parts& parts) override {
     WorkerState s;
     s.frozen = frozen_;
     absl::Status st = b_.synchronize(reply_);
     auto copy = [&](const Buffer& from, std::vector<float>* to) {
-      to->resize(d_);
+      *to = parts.buffers != nullptr ? parts.buffers->Take(d_) : SnapshotZeros(d_);
       if (st.ok()) st = b_.copy_to_host(to->data(), from.f(), 4 * d_, push_);
     };
-    if (with_x) copy(x_, &s.x);
+    if (parts.x) copy(x_, &s.x);
     if (HasCompressionPhase(o_.kind)) {
-      copy(mbar_, &s.mbar);
+      if (parts.mbar) copy(mbar_, &s.mbar);
       copy(e_[0], &s.e);  // chunks whose error is in e_[1] are copied over below
     }
-    const bool den = o_.kind == OptimizerKind::kOnebitAdam && frozen_;
+    const bool den = parts.den && o_.kind == OptimizerKind::kOnebitAdam && frozen_;
     if (den) copy(den_, &s.den);
     for (const auto& [b, side] : e_side_) {
       if (side == 1 && st.ok()) {

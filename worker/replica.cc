@@ -4,6 +4,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "checkpoint/state_file.h"
 
 namespace onebit {
 namespace {
@@ -55,12 +56,15 @@ class CpuReplica final : public Replica {
     std::copy(host, host + n, state_.x.begin() + b);
     return absl::OkStatus();
   }
-  absl::StatusOr<WorkerState> SaveState(bool with_x) override {
-    if (with_x) return state_;
+  absl::StatusOr<WorkerState> SaveState(const Parts& parts) override {
+    auto copy = [&parts](const std::vector<float>& v) {
+      return parts.buffers != nullptr ? parts.buffers->Copy(v) : SnapshotFloats(v);
+    };
     WorkerState s;
-    s.mbar = state_.mbar;
-    s.e = state_.e;
-    s.den = state_.den;
+    if (parts.x) s.x = copy(state_.x);
+    if (parts.mbar) s.mbar = copy(state_.mbar);
+    s.e = copy(state_.e);
+    if (parts.den) s.den = copy(state_.den);
     s.frozen = state_.frozen;
     return s;
   }

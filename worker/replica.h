@@ -16,6 +16,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "checkpoint/state_file.h"
 #include "models/evaluator.h"
 #include "models/model.h"
 #include "shard/optimizer.h"
@@ -62,10 +63,18 @@ class Replica {
   virtual absl::Status ReadX(float* x) = 0;
   // x[b, b + n) = host[0, n).
   virtual absl::Status WriteX(uint64_t b, size_t n, const float* host) = 0;
-  // A host copy of the whole state (x unless !with_x, mbar, e, den, the
-  // phase) between steps, for checkpoints; the same on every device for the
-  // same steps.
-  virtual absl::StatusOr<WorkerState> SaveState(bool with_x) = 0;
+  // Which arrays SaveState copies (e and the phase always).
+  struct Parts {
+    bool x = true;
+    bool mbar = true;
+    bool den = true;
+    // Where the copies come from (null: fresh memory).
+    SnapshotBuffers* buffers = nullptr;
+  };
+  // A host copy of the state (the arrays `parts` names, e, the phase)
+  // between steps, for checkpoints; the same on every device for the same
+  // steps.
+  virtual absl::StatusOr<WorkerState> SaveState(const Parts& parts) = 0;
   // Replaces the state with one SaveState gave (any device's, same d and
   // optimizer). An error, changing nothing, when the sizes do not fit.
   virtual absl::Status RestoreState(const WorkerState& s) = 0;

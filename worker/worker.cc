@@ -67,6 +67,8 @@ struct Worker::Impl {
   std::unique_ptr<Replica> replica;
   // Writes this worker's checkpoint files; reports through hb.
   std::unique_ptr<AsyncStateWriter> writer;
+  // The last snapshot's arrays, for the next (mbar, e, den at most).
+  std::shared_ptr<SnapshotBuffers> snapshot_buffers = std::make_shared<SnapshotBuffers>(3);
 
   bool broadcast = false;
   bool resumed = false;        // from a checkpoint: x comes from the servers
@@ -99,12 +101,21 @@ struct Worker::Impl {
       hb->ReportCheckpointPart(PartOf(step, dir.status()));
       return absl::OkStatus();  // the coordinator says the checkpoint failed
     }
-    auto state = replica->SaveState(/*with_x=*/false);  // the servers hold x
+    // Not what the checkpoint holds elsewhere: x and den are the servers',
+    // a momentum reply's mbar worker 0's (WorkerOmits).
+    const WorkerFileOmits omit = WorkerOmits(optimizer->options(), job.rank);
+    Replica::Parts parts;
+    parts.x = false;
+    parts.mbar = !omit.mbar;
+    parts.den = !omit.den;
+    parts.buffers = snapshot_buffers.get();
+    auto state = replica->SaveState(parts);
     if (!state.ok()) {
       return absl::Status(state.status().code(), absl::StrCat("checkpoint of step ", step, ": ",
                                                               state.status().message()));
     }
     StateWriter file = SaveWorkerState(*std::move(state), job.rank, step, job.num_params);
+    file.ReturnBuffersTo(snapshot_buffers);
     file.SetValue("wall_s", absl::StrCat(absl::ToDoubleSeconds(absl::Now() - *t0)));
     writer->Submit(step, std::move(file), *dir, absl::StrCat("worker-", job.rank, ".state"));
     return absl::OkStatus();
@@ -219,7 +230,38 @@ struct Worker::Impl {
   // This worker's state from the checkpoint the job resumes from (x comes
   // from the servers in BroadcastParameters).
   absl::Status Restore(const control::ResumePoint& resume);
+  // What the worker file `own` of the checkpoint left out (WorkerOmits),
+  // from worker 0's file and the servers'.
+  absl::Status CompleteFromCheckpoint(const control::ResumePoint& resume, uint32_t own,
+                                      const StateReader& file, WorkerState* s) const;
 };
+
+absl::Status Worker::Impl::CompleteFromCheckpoint(const control::ResumePoint& resume, uint32_t own,
+                                                  const StateReader& file, WorkerState* s) const {
+  const bool needs_den = s->frozen && optimizer->options().kind == OptimizerKind::kOnebitAdam;
+  if (!(s->mbar.empty() && HasCompressionPhase(optimizer->options().kind)) &&
+      !(needs_den && s->den.empty())) {
+    return absl::OkStatus();
+  }
+  std::optional<StateReader> worker0;
+  if (own != 0 || resume.workers() != job.workers) {
+    auto w0 = StateReader::Open(absl::StrCat(resume.dir(), "/worker-0.state"));
+    if (!w0.ok()) return w0.status();
+    worker0 = *std::move(w0);
+  }
+  std::vector<StateReader> servers;
+  if (needs_den && s->den.empty()) {
+    for (const std::string& name : resume.server_files()) {
+      auto f = StateReader::Open(absl::StrCat(resume.dir(), "/", name));
+      if (!f.ok()) return f.status();
+      servers.push_back(*std::move(f));
+    }
+  }
+  std::vector<const StateReader*> parts;
+  for (const StateReader& f : servers) parts.push_back(&f);
+  return CompleteWorkerState(worker0 ? *worker0 : file, parts, job.num_params,
+                             optimizer->options().eps, s);
+}
 
 absl::Status Worker::Impl::Restore(const control::ResumePoint& resume) {
   // (Under another number of workers: the file of rank mod N, for its step and time.)
@@ -244,6 +286,7 @@ absl::Status Worker::Impl::Restore(const control::ResumePoint& resume) {
   } else if (st.ok()) {
     st = LoadWorkerState(*file, job.num_params, &s);
   }
+  if (st.ok()) st = CompleteFromCheckpoint(resume, own, *file, &s);
   if (st.ok()) st = replica->RestoreState(s);
   if (!st.ok())
     return absl::Status(st.code(), absl::StrCat("resuming from ", path, ": ", st.message()));

@@ -150,6 +150,40 @@ std::string WriteCheckpoint(const std::string& root, uint64_t step) {
   return dir;
 }
 
+// A snapshot copies into the buffers of the one before (memory already
+// mapped), which a written StateWriter hands back; at most max_held wait.
+TEST(SnapshotBuffers, ASnapshotReusesTheLastOnesBuffersAndHoldsAtMostTheLimit) {
+  auto buffers = std::make_shared<SnapshotBuffers>(2);
+  const std::vector<float> a = Ramp(1000, 1.0f), b = Ramp(800, -5.0f);
+  const float* first = nullptr;
+  {
+    StateWriter w(checkpoint::StateHeader{});
+    std::vector<float> copy = buffers->Copy(a);
+    EXPECT_EQ(copy, a);
+    first = copy.data();
+    w.AddFloats("a", std::move(copy));
+    w.ReturnBuffersTo(buffers);
+  }  // written and gone: its array is the buffers' again
+  std::vector<float> again = buffers->Copy(b);
+  EXPECT_EQ(again, b);
+  EXPECT_EQ(again.data(), first);  // the same memory, not a new allocation
+  std::vector<float> bigger = buffers->Copy(Ramp(2000, 0.0f));
+  EXPECT_NE(bigger.data(), first);  // nothing kept fits: fresh
+  EXPECT_EQ(bigger, Ramp(2000, 0.0f));
+  // Three arrays given back while two may wait: one of them is freed.
+  std::vector<std::vector<float>> out;
+  for (int i = 0; i < 3; ++i) out.push_back(std::vector<float>(5, 1.0f));
+  const float* kept0 = out[0].data();
+  const float* kept1 = out[1].data();
+  auto fresh = std::make_shared<SnapshotBuffers>(2);
+  for (auto& v : out) fresh->Give(std::move(v));
+  std::vector<float> t0 = fresh->Take(5), t1 = fresh->Take(5), t2 = fresh->Take(5);
+  EXPECT_TRUE((t0.data() == kept0 || t0.data() == kept1) &&
+              (t1.data() == kept0 || t1.data() == kept1) && t0.data() != t1.data());
+  EXPECT_NE(t2.data(), kept0);
+  EXPECT_NE(t2.data(), kept1);
+}
+
 TEST(CheckpointDir, TheNewestCompleteOneIsFoundAndTheDamagedOnesNamed) {
   const std::string root = TempRoot("latest");
   EXPECT_EQ(LatestCheckpoint(root, nullptr).status().code(), absl::StatusCode::kNotFound);
