@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "cuda/cublas_loader.h"
 #include "cuda/cuda_status.h"
 
 namespace onebit::cuda {
@@ -19,13 +20,13 @@ namespace {
 
 constexpr size_t kMaxClasses = 256;  // as the CPU model's p[256]
 
-absl::Status BlasError(cublasStatus_t s, const char* what) {
+absl::Status BlasError(const CublasApi& api, cublasStatus_t s, const char* what) {
   if (s == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
   const absl::StatusCode code = s == CUBLAS_STATUS_ALLOC_FAILED
                                     ? absl::StatusCode::kResourceExhausted
                                     : absl::StatusCode::kFailedPrecondition;
-  return absl::Status(code, absl::StrCat(what, ": cuBLAS error ", cublasGetStatusName(s), ": ",
-                                         cublasGetStatusString(s)));
+  return absl::Status(
+      code, absl::StrCat(what, ": cuBLAS error ", api.status_name(s), ": ", api.status_string(s)));
 }
 
 }  // namespace
@@ -147,18 +148,26 @@ absl::StatusOr<std::unique_ptr<MlpDevice>> MlpDevice::Create(const std::vector<u
   m->host_loss_.resize(max_batch);
   m->host_flag_.resize(max_batch);
 
+  // Loaded here, at the first GPU mlp: CPU runs never need it.
+  absl::StatusOr<const CublasApi*> api = Cublas();
+  if (!api.ok()) return api.status();
+  m->blas_api_ = *api;
+  const CublasApi& blas = **api;
   cublasHandle_t h = nullptr;
-  if (absl::Status s = BlasError(cublasCreate(&h), "cublasCreate"); !s.ok()) return s;
+  if (absl::Status s = BlasError(blas, blas.create(&h), "cublasCreate"); !s.ok()) return s;
   m->blas_ = h;
-  if (absl::Status s = BlasError(cublasSetStream(h, stream), "cublasSetStream"); !s.ok()) return s;
+  if (absl::Status s = BlasError(blas, blas.set_stream(h, stream), "cublasSetStream"); !s.ok()) {
+    return s;
+  }
   // FP32 arithmetic (no TF32 tensor-core shortcut) and no atomics, so that
   // repeated calls give the same bits.
-  if (absl::Status s = BlasError(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
+  if (absl::Status s =
+          BlasError(blas, blas.set_math_mode(h, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
       !s.ok()) {
     return s;
   }
-  if (absl::Status s =
-          BlasError(cublasSetAtomicsMode(h, CUBLAS_ATOMICS_NOT_ALLOWED), "cublasSetAtomicsMode");
+  if (absl::Status s = BlasError(blas, blas.set_atomics_mode(h, CUBLAS_ATOMICS_NOT_ALLOWED),
+                                 "cublasSetAtomicsMode");
       !s.ok()) {
     return s;
   }
@@ -166,11 +175,12 @@ absl::StatusOr<std::unique_ptr<MlpDevice>> MlpDevice::Create(const std::vector<u
 }
 
 MlpDevice::~MlpDevice() {
-  if (blas_ != nullptr) cublasDestroy(static_cast<cublasHandle_t>(blas_));
+  if (blas_ != nullptr) blas_api_->destroy(static_cast<cublasHandle_t>(blas_));
 }
 
 absl::Status MlpDevice::ForwardInternal(const float* x, const float* images, size_t rows) {
   cublasHandle_t h = static_cast<cublasHandle_t>(blas_);
+  const CublasApi& blas = *blas_api_;
   const float one = 1.0f, zero = 0.0f;
   const size_t L = layers_.size() - 1;
   const float* in = images;
@@ -181,8 +191,9 @@ absl::Status MlpDevice::ForwardInternal(const float* x, const float* images, siz
     // Row-major out = in · W^T is column-major out^T = W^T(cm) ^T · in^T:
     // W row-major n_out x n_in is column-major n_in x n_out.
     absl::Status s =
-        BlasError(cublasSgemm(h, CUBLAS_OP_T, CUBLAS_OP_N, n_out, static_cast<int>(rows), n_in,
-                              &one, x + w_off_[l], n_in, in, n_in, &zero, out, n_out),
+        BlasError(blas,
+                  blas.sgemm(h, CUBLAS_OP_T, CUBLAS_OP_N, n_out, static_cast<int>(rows), n_in, &one,
+                             x + w_off_[l], n_in, in, n_in, &zero, out, n_out),
                   "cublasSgemm (forward)");
     if (s.ok()) s = BiasAct(out, x + b_off_[l], rows, layers_[l + 1], l + 1 < L, stream_);
     if (!s.ok()) return s;
@@ -209,6 +220,7 @@ absl::StatusOr<double> MlpDevice::Gradient(const float* x, const float* images,
         absl::StrCat("gpu mlp: batch ", batch, ", need 1 to ", max_batch_));
   }
   cublasHandle_t h = static_cast<cublasHandle_t>(blas_);
+  const CublasApi& blas = *blas_api_;
   const float one = 1.0f, zero = 0.0f;
   const size_t L = layers_.size() - 1;
   const size_t classes = layers_.back();
@@ -228,15 +240,17 @@ absl::StatusOr<double> MlpDevice::Gradient(const float* x, const float* images,
     const float* in = l == 0 ? images : act_[l - 1].as<float>();
     const float* dz = delta_[cur].as<float>();
     // dW = dZ^T · in (row-major n_out x n_in) = column-major in^T · dZ.
-    s = BlasError(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_T, n_in, n_out, m, &one, in, n_in, dz,
-                              n_out, &zero, g + w_off_[l], n_in),
+    s = BlasError(blas,
+                  blas.sgemm(h, CUBLAS_OP_N, CUBLAS_OP_T, n_in, n_out, m, &one, in, n_in, dz, n_out,
+                             &zero, g + w_off_[l], n_in),
                   "cublasSgemm (weight gradient)");
     if (s.ok()) s = BiasGrad(dz, batch, n_out, g + b_off_[l], stream_);
     if (!s.ok() || l == 0) break;
     // dA = dZ · W (row-major batch x n_in) = column-major W(cm) · dZ^T.
     float* da = delta_[1 - cur].as<float>();
-    s = BlasError(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, n_in, m, n_out, &one, x + w_off_[l],
-                              n_in, dz, n_out, &zero, da, n_in),
+    s = BlasError(blas,
+                  blas.sgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, n_in, m, n_out, &one, x + w_off_[l], n_in,
+                             dz, n_out, &zero, da, n_in),
                   "cublasSgemm (activation gradient)");
     if (s.ok()) s = ReluMask(da, act_[l - 1].as<float>(), batch * layers_[l], stream_);
     cur = 1 - cur;

@@ -34,6 +34,8 @@
 
 namespace onebit::cuda {
 
+struct CublasApi;  // cuda/cublas_loader.h
+
 // Not thread-safe: one workspace and one cuBLAS handle per object; use one
 // object per thread (or per stream). Every pointer argument is a device
 // pointer; calls enqueue on the object's stream and wait for it before they
@@ -81,7 +83,8 @@ class MlpDevice {
   std::vector<uint32_t> layers_;
   size_t max_batch_ = 0;
   Stream stream_ = nullptr;
-  void* blas_ = nullptr;  // cublasHandle_t
+  void* blas_ = nullptr;                 // cublasHandle_t
+  const CublasApi* blas_api_ = nullptr;  // cuda/cublas_loader.h
   std::vector<uint64_t> w_off_, b_off_;
   uint64_t num_params_ = 0;
   std::vector<DeviceBuffer> act_;  // act_[l]: max_batch x layers[l+1] (logits last)

@@ -119,5 +119,30 @@ TEST(Device, MixedClusterTrainsTheMlpWithEqualReplicas) {
   EXPECT_GT(acc, 0.5);  // chance is 0.1
 }
 
+// A CUDA build on a machine without the CUDA libraries: the binaries load
+// none of them at start (cuBLAS comes at the first GPU mlp, the runtime is
+// static), so a job of CPU and CPU-twin workers trains with cuBLAS made
+// unloadable.
+TEST(Device, ACudaBuildTrainsOnTheCpuWithoutTheCudaLibraries) {
+  if (!cuda::BuiltWithCuda()) GTEST_SKIP() << "built without CUDA: nothing to load lazily";
+  for (const char* bin : {"onebit-worker", "onebit-server", "onebit-coordinator"}) {
+    RunResult elf = RunCommand({"/usr/bin/readelf", "-d", Bin(bin)}, absl::Seconds(30));
+    ASSERT_EQ(elf.code, 0) << elf.output;
+    EXPECT_THAT(elf.output, HasSubstr("(NEEDED)")) << bin;
+    EXPECT_THAT(elf.output, Not(HasSubstr("libcublas"))) << bin;
+    EXPECT_THAT(elf.output, Not(HasSubstr("libcudart"))) << bin;
+  }
+  const std::string out = TempDir("no_cuda_libs");
+  RunResult r = RunCommand({"/usr/bin/env", "ONEBIT_CUBLAS_LIBRARY=/nonexistent/libcublas.so",
+                            "LD_LIBRARY_PATH=", Bin("onebit-launch"), "--workers=2", "--servers=1",
+                            "--model=mlp", "--layers=784-16-10", "--optimizer=onebit-adam",
+                            "--batch=32", "--max_train=640", "--max_test=200", "--epochs=1",
+                            "--freeze_step=4", "--worker_devices=cpu,cuda-twin", "--out=" + out},
+                           absl::Seconds(120));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(Field(ReadFile(out + "/summary.json"), "replicas_equal"), "true");
+  EXPECT_THAT(r.output, Not(HasSubstr("cuBLAS")));
+}
+
 }  // namespace
 }  // namespace onebit::testing
