@@ -47,12 +47,16 @@ int main(int argc, char** argv) {
     return std::fprintf(stderr, "%s\n", st.ToString().c_str()), 1;
   }
   if (w.job().steps > 0) steps = w.job().steps;  // the job may fix the length
-  for (uint64_t t = 0; t < steps; ++t) {
+  // From steps_done(): a job resumed from a checkpoint starts there, and a
+  // roll-back (a lost process came back) goes back there.
+  for (uint64_t t = w.steps_done(); t < steps; t = w.steps_done()) {
     onebit::StepOptions s;
     s.loss = softmax::Gradient(train, w.params(), (t * w.job().workers + w.rank()) * batch, batch,
                                w.grads());
     auto stats = w.Step(s);
-    if (!stats.ok()) return std::fprintf(stderr, "%s\n", stats.status().ToString().c_str()), 1;
+    if (!stats.ok() && !onebit::IsRolledBack(stats.status())) {
+      return std::fprintf(stderr, "%s\n", stats.status().ToString().c_str()), 1;
+    }
   }
   // --- end of onebit-ps ---
 

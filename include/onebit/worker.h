@@ -12,10 +12,10 @@
 //   auto w = onebit::Worker::Connect(o);          // check w.ok()
 //   InitMyModel((*w)->params());                  // any values: rank 0's win
 //   (*w)->BroadcastParameters();
-//   for (...) {
+//   while ((*w)->steps_done() < steps) {           // resumed or rolled back: there
 //     onebit::StepOptions s;
-//     s.loss = MyBackward((*w)->params(), (*w)->grads());
-//     auto stats = (*w)->Step(s);
+//     s.loss = MyBackward(MyBatch((*w)->steps_done()), (*w)->params(), (*w)->grads());
+//     auto stats = (*w)->Step(s);                  // IsRolledBack: go on
 //   }
 //   (*w)->Finish();
 //
