@@ -19,6 +19,7 @@
 #include "checkpoint/checkpoint_dir.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "net/control.h"
 #include "tests/runtime/test_util.h"
 
 namespace onebit::testing {
@@ -663,13 +664,15 @@ TEST(Recovery, ALostProcessIsWaitedForBoundedAndRejoinsWhenStartedAgain) {
     EXPECT_LT(absl::Now() - killed, absl::Seconds(20));
     EXPECT_NE(codes[0], 0);
     const std::string summary = ReadFile(dir + "/lost/summary.json");
+    // ("worker 1 (<its host>) sent no heartbeat ...")
+    const std::string lost = absl::StrCat("worker 1 (", Hostname(), ") sent no heartbeat for 1s");
     EXPECT_THAT(Field(summary, "status"),
-                ::testing::AllOf(HasSubstr("worker 1 (vm) sent no heartbeat for 1s"),
+                ::testing::AllOf(HasSubstr(lost),
                                  HasSubstr("but worker 1 did not register again within 4s")))
         << summary;
     EXPECT_THAT(ReadFile(dir + "/lost.worker0.log"),
-                HasSubstr("worker 0: worker 1 (vm) sent no heartbeat for 1s: presumed dead; "
-                          "rolling back to the checkpoint of step"));
+                HasSubstr(absl::StrCat("worker 0: ", lost,
+                                       ": presumed dead; rolling back to the checkpoint of step")));
     // Every row on disk before the kill is still there.
     EXPECT_GE(Rows(dir + "/lost").size(), 500u);
   }
