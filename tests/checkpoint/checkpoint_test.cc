@@ -2,6 +2,7 @@
 // bit; every kind of damage is refused naming the file (and the section),
 // and the newest complete checkpoint is the one found.
 #include <unistd.h>
+#include <zlib.h>
 
 #include <algorithm>
 #include <atomic>
@@ -68,6 +69,22 @@ WrittenFile WriteServerState(const std::string& dir, uint64_t step) {
   auto f = w.WriteTo(dir, "server-1.state");
   EXPECT_TRUE(f.ok()) << f.status();
   return f.value_or(WrittenFile{});
+}
+
+// The files' checksum is zlib's crc32 (the format says so), whatever computes it.
+TEST(StateFile, TheChecksumIsZlibsCrc32) {
+  std::string bytes(3 << 20, '\0');
+  uint32_t seed = 12345;
+  for (char& c : bytes) c = static_cast<char>((seed = seed * 1103515245u + 12345u) >> 24);
+  for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{64}, size_t{4097}, bytes.size()}) {
+    const auto* p = reinterpret_cast<const Bytef*>(bytes.data());
+    EXPECT_EQ(Crc32(absl::string_view(bytes.data(), n)), crc32(0, p, static_cast<uInt>(n))) << n;
+  }
+  // Continued from an earlier part's checksum, as zlib continues.
+  const uint32_t first = Crc32(absl::string_view(bytes).substr(0, 1000));
+  EXPECT_EQ(
+      Crc32(absl::string_view(bytes).substr(1000), first),
+      crc32(0, reinterpret_cast<const Bytef*>(bytes.data()), static_cast<uInt>(bytes.size())));
 }
 
 TEST(StateFile, ReadsBackBitForBit) {
