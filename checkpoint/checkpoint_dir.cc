@@ -118,6 +118,13 @@ absl::StatusOr<CompleteCheckpoint> LatestCheckpoint(const std::string& root,
   return absl::NotFoundError(absl::StrCat("no complete checkpoint under ", root));
 }
 
+bool HasCompleteCheckpoint(const std::string& root) {
+  for (const auto& [step, dir] : StepDirs(root)) {
+    if (Check(dir, /*checksums=*/false).ok()) return true;
+  }
+  return false;
+}
+
 absl::Status PruneCheckpoints(const std::string& root, int keep) {
   if (keep < 1) return absl::InvalidArgumentError("PruneCheckpoints: keep must be >= 1");
   int complete = 0;

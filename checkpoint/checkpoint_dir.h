@@ -45,6 +45,10 @@ struct CompleteCheckpoint {
 absl::StatusOr<CompleteCheckpoint> LatestCheckpoint(const std::string& root,
                                                     std::vector<std::string>* refused);
 
+// Whether root holds a complete checkpoint by the cheap test (the manifest
+// and every file's size, not the checksums): something to roll back to.
+bool HasCompleteCheckpoint(const std::string& root);
+
 // Keeps the newest `keep` complete checkpoints (keep >= 1; complete here:
 // the manifest and every file's size, not the checksums) and any folder
 // newer than the newest complete one (it may be in the making); removes

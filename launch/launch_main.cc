@@ -114,19 +114,6 @@ absl::Status Start(Child* c, const std::vector<std::string>& argv,
   return absl::OkStatus();
 }
 
-// Whether a checkpoint's manifest is under `root`: the job can roll back to
-// it (before the first one only a start from scratch can recover).
-bool HasCheckpoint(const std::string& root) {
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(root, ec)) {
-    if (e.path().filename().string().rfind("step-", 0) == 0 &&
-        std::filesystem::exists(e.path() / kManifestName, ec)) {
-      return true;
-    }
-  }
-  return false;
-}
-
 std::string SelfDir() {
   std::error_code ec;
   auto p = std::filesystem::read_symlink("/proc/self/exe", ec);
@@ -335,7 +322,7 @@ int Main(int argc, char** argv) {
         const bool coordinator_running = !coord.code;
         if (*c.code != 0 && live && *restarts_used < max_restarts &&
             (&c == &coord ? *c.code > 128 : coordinator_running) &&
-            HasCheckpoint(cfg.checkpoint_dir())) {
+            HasCompleteCheckpoint(cfg.checkpoint_dir())) {
           ++*restarts_used;
           Log(absl::StrCat(c.name, " failed (", DescribeExit(*c.code), "); restart ",
                            *restarts_used, " of ", max_restarts, ": starting it again",

@@ -65,6 +65,23 @@ std::vector<DecayRange> DecayRangesOf(
   return out;
 }
 
+absl::Duration RejoinWait(const control::TrainingConfig& cfg) {
+  if (cfg.checkpoint_dir().empty()) return absl::ZeroDuration();
+  return absl::Milliseconds(cfg.rejoin_timeout_ms());
+}
+
+std::unique_ptr<Heartbeater> MakeHeartbeater(control::Coordinator::Stub* stub,
+                                             const std::string& target, control::Role role,
+                                             const control::RegisterReply& reg) {
+  const absl::Duration timeout = absl::Milliseconds(reg.config().heartbeat_timeout_ms());
+  auto hb = std::make_unique<Heartbeater>(
+      stub, target, role, reg.rank(), reg.job_id(),
+      std::clamp(timeout / 10, absl::Milliseconds(20), absl::Seconds(1)), timeout);
+  hb->SetIncarnation(reg.incarnation());
+  hb->WaitForLostCoordinator(RejoinWait(reg.config()));
+  return hb;
+}
+
 Heartbeater::Heartbeater(control::Coordinator::Stub* stub, std::string target, control::Role role,
                          uint32_t rank, uint64_t job_id, absl::Duration interval,
                          absl::Duration coordinator_timeout)

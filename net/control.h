@@ -153,6 +153,19 @@ class Heartbeater {
   std::thread thread_;
 };
 
+// How long a process of `cfg`'s job waits for a lost coordinator, and for
+// the cluster to form again after a roll-back: --rejoin_timeout where the
+// job has a --checkpoint_dir (else zero: no roll-backs).
+absl::Duration RejoinWait(const control::TrainingConfig& cfg);
+
+// The heartbeat of a process registered as `reg` (role and reg.rank()):
+// every heartbeat_timeout / 10 (20 ms to 1 s), carrying reg.incarnation(),
+// waiting RejoinWait for a lost coordinator. Not started; `stub` must
+// outlive it.
+std::unique_ptr<Heartbeater> MakeHeartbeater(control::Coordinator::Stub* stub,
+                                             const std::string& target, control::Role role,
+                                             const control::RegisterReply& reg);
+
 }  // namespace onebit
 
 #endif  // ONEBIT_NET_CONTROL_H_

@@ -1,6 +1,7 @@
 #include "server/coordinator.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -17,17 +18,14 @@
 #include "shard/reference.h"
 
 namespace onebit {
-namespace {
 
-// A fresh incarnation: random, so that no earlier one (of this coordinator
-// or of one before a restart) can be taken for it.
-uint64_t NewIncarnation() {
+uint64_t NewRandomId() {
   std::random_device rd;
-  const uint64_t v = (uint64_t{rd()} << 32) ^ rd();
-  return v == 0 ? 1 : v;
+  const uint64_t id =
+      (uint64_t{rd()} << 32) ^ rd() ^
+      static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  return id == 0 ? 1 : id;
 }
-
-}  // namespace
 
 const char* StateName(CoordinatorService::State s) {
   switch (s) {
@@ -85,7 +83,7 @@ void CoordinatorService::ResumeFrom(CompleteCheckpoint checkpoint,
   resume_ = std::move(checkpoint);
   // Processes of the job that outlived its last coordinator must not pass
   // for this forming's.
-  incarnation_ = NewIncarnation();
+  incarnation_ = NewRandomId();
   rejoin_why_ = "the coordinator restarted";
   prior_rows_ = std::move(prior_rows);
   restarts_ = restarts;
@@ -148,7 +146,7 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx,
     // preempted, perhaps before its heartbeats stopped): the job rolls back.
     grpc::Status st;
     if (req->role() == control::WORKER) {
-      if (absl::Status c = CheckRejoiningWorkerLocked(rank, *req); !c.ok()) {
+      if (absl::Status c = CheckDeclaredLocked(rank, *req); !c.ok()) {
         st = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(c.message()));
       }
     }
@@ -185,15 +183,13 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx,
   if (req->role() == control::SERVER && req->data_endpoint().empty()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "a server must give its data_endpoint");
   }
-  if (req->role() == control::WORKER && formed_) {
-    // The job is set up; a worker that declares otherwise cannot join it.
-    if (absl::Status st = CheckRejoiningWorkerLocked(rank, *req); !st.ok()) {
+  if (req->role() == control::WORKER) {
+    absl::Status st = CheckDeclaredLocked(static_cast<uint32_t>(rank), *req);
+    // Once the job is set up, a worker that declares otherwise cannot join
+    // it, and the job goes on without it.
+    if (!st.ok() && formed_) {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(st.message()));
     }
-  } else if (req->role() == control::WORKER) {
-    absl::Status st = CheckDeclaredParamsLocked(static_cast<uint32_t>(rank), req->num_params());
-    if (st.ok()) st = CheckDeclaredDecayLocked(static_cast<uint32_t>(rank), *req);
-    if (st.ok()) st = CheckDeclaredSettingsLocked(static_cast<uint32_t>(rank), *req);
     if (!st.ok()) {
       // The job cannot run: tell everyone now rather than at the deadline.
       FailLocked(std::string(st.message()));
@@ -325,7 +321,8 @@ std::string SettingsText(const std::map<std::string, std::string>& settings) {
 absl::Status CoordinatorService::CheckDeclaredSettingsLocked(uint32_t rank,
                                                              const control::RegisterRequest& req) {
   std::map<std::string, std::string> mine(req.settings().begin(), req.settings().end());
-  if (decay_by_ && *decay_by_ != rank) {
+  // (After the job formed, the first worker too, registering again.)
+  if (decay_by_ && (*decay_by_ != rank || formed_)) {
     if (mine == declared_) return absl::OkStatus();
     return absl::InvalidArgumentError(absl::StrCat("worker ", rank, " declares the settings ",
                                                    SettingsText(mine), ", but worker ", *decay_by_,
@@ -397,27 +394,12 @@ void CoordinatorService::FormLocked() {
       config_.servers(), config_.workers(), static_cast<unsigned long long>(config_.dim()));
 }
 
-absl::Status CoordinatorService::CheckRejoiningWorkerLocked(
-    uint32_t rank, const control::RegisterRequest& req) const {
-  // (0: the job's built-in model decides.)
-  const bool external = config_.model() == kExternalModel;
-  if ((external || req.num_params() != 0) && req.num_params() != config_.dim()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "worker ", rank, " declares d = ", req.num_params(), "; the job has d = ", config_.dim()));
-  }
-  if (!SameDecay(decay_, DecayRangesOf(req.weight_decay_ranges()))) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("worker ", rank, " declares the weight-decay ranges ",
-                     DecayRangesText(DecayRangesOf(req.weight_decay_ranges())), "; the job's are ",
-                     DecayRangesText(decay_)));
-  }
-  std::map<std::string, std::string> mine(req.settings().begin(), req.settings().end());
-  if (mine != declared_) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("worker ", rank, " declares the settings ", SettingsText(mine),
-                     "; the job's workers declared ", SettingsText(declared_)));
-  }
-  return absl::OkStatus();
+absl::Status CoordinatorService::CheckDeclaredLocked(uint32_t rank,
+                                                     const control::RegisterRequest& req) {
+  absl::Status st = CheckDeclaredParamsLocked(rank, req.num_params());
+  if (st.ok()) st = CheckDeclaredDecayLocked(rank, req);
+  if (st.ok()) st = CheckDeclaredSettingsLocked(rank, req);
+  return st;
 }
 
 bool CoordinatorService::RollBackLocked(const std::string& why, std::string* why_not) {
@@ -445,7 +427,7 @@ bool CoordinatorService::RollBackLocked(const std::string& why, std::string* why
   ++restarts_;
   ++rollbacks_;
   resume_ = target;
-  incarnation_ = NewIncarnation();
+  incarnation_ = NewRandomId();
   rejoin_why_ = why;
   state_ = State::kRegistering;
   register_deadline_ = absl::Now() + rejoin_timeout_;

@@ -125,8 +125,8 @@ class CoordinatorService final : public control::Coordinator::Service {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Every process has registered again after a roll-back.
   void ReformLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A worker registering again must declare what it declared before.
-  absl::Status CheckRejoiningWorkerLocked(uint32_t rank, const control::RegisterRequest& req) const
+  // The three checks above, in order.
+  absl::Status CheckDeclaredLocked(uint32_t rank, const control::RegisterRequest& req)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A heartbeat of a process of another incarnation (or one the coordinator
   // has not registered, e.g. after the coordinator restarted).
@@ -209,6 +209,11 @@ class CoordinatorService final : public control::Coordinator::Service {
 };
 
 const char* StateName(CoordinatorService::State s);
+
+// A random 64-bit id, never 0: a job's id, and each incarnation's, so that
+// no earlier one (of this coordinator or of one before a restart) can be
+// taken for it. Thread-safe.
+uint64_t NewRandomId();
 
 // OK when the job `config` may continue from `checkpoint`; else
 // FAILED_PRECONDITION naming the checkpoint and every setting that differs

@@ -1,10 +1,8 @@
 // RunCoordinator (include/onebit/server.h): the coordinator's gRPC service
 // (server/coordinator.h), its watch loop, and the run folder.
-#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <optional>
-#include <random>
 #include <set>
 
 #include "absl/strings/numbers.h"
@@ -23,13 +21,6 @@
 
 namespace onebit {
 namespace {
-
-uint64_t NewJobId() {
-  std::random_device rd;
-  uint64_t id = (uint64_t{rd()} << 32) ^ rd() ^
-                static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
-  return id == 0 ? 1 : id;
-}
 
 // The newest complete checkpoint under --checkpoint_dir that this job may
 // continue from; none when there is none (an error under --resume). Ones
@@ -109,7 +100,7 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
   }
 
   // A resumed job is the same job: the same id.
-  uint64_t job_id = NewJobId();
+  uint64_t job_id = NewRandomId();
   if (*resume && !absl::SimpleHexAtoi((*resume)->manifest.job_id(), &job_id)) {
     return absl::DataLossError(absl::StrCat((*resume)->dir, "/", kManifestName, ": job id '",
                                             (*resume)->manifest.job_id(), "' is not hex"));

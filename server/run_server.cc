@@ -76,17 +76,9 @@ absl::StatusOr<ServerShardState> LoadShardFromCheckpoint(const control::ResumePo
   return s;
 }
 
-// How long a process of a job with live recovery waits for the coordinator
-// and the rest of the cluster to come back (the coordinator's
-// --rejoin_timeout); zero without it.
-absl::Duration RejoinWait(const control::TrainingConfig& cfg) {
-  if (cfg.checkpoint_dir().empty()) return absl::ZeroDuration();
-  return absl::Milliseconds(cfg.rejoin_timeout_ms());
-}
-
 // One forming of the cluster, from its RegisterReply to the end of the job
 // or to the coordinator's REJOIN (then *rejoin is set and this returns OK).
-absl::Status ServeIncarnation(const ServerOptions& o, const control::RegisterReply& registered,
+absl::Status ServeIncarnation(const ServerOptions& o, const control::RegisterReply& reg,
                               zmq::socket_t& socket, control::Coordinator::Stub* stub,
                               const std::string& advertise, int bound_port,
                               const std::vector<uint64_t>& earlier, bool* rejoin);
@@ -153,18 +145,15 @@ absl::Status RunServer(const ServerOptions& o) {
 
 namespace {
 
-absl::Status ServeIncarnation(const ServerOptions& o, const control::RegisterReply& registered,
+absl::Status ServeIncarnation(const ServerOptions& o, const control::RegisterReply& reg,
                               zmq::socket_t& socket, control::Coordinator::Stub* stub,
                               const std::string& advertise, int bound_port,
                               const std::vector<uint64_t>& earlier, bool* rejoin) {
-  const control::RegisterReply* reg = &registered;
-  const control::TrainingConfig& cfg = reg->config();
-  const uint32_t rank = reg->rank();
-  const absl::Duration hb_timeout = absl::Milliseconds(cfg.heartbeat_timeout_ms());
-  Heartbeater hb(stub, o.coordinator, control::SERVER, rank, reg->job_id(),
-                 std::clamp(hb_timeout / 10, absl::Milliseconds(20), absl::Seconds(1)), hb_timeout);
-  hb.SetIncarnation(reg->incarnation());
-  hb.WaitForLostCoordinator(RejoinWait(cfg));
+  const control::TrainingConfig& cfg = reg.config();
+  const uint32_t rank = reg.rank();
+  const std::unique_ptr<Heartbeater> heartbeat =
+      MakeHeartbeater(stub, o.coordinator, control::SERVER, reg);
+  Heartbeater& hb = *heartbeat;
   hb.WatchStopSignal(o.stop_signal);
   hb.Start();
   // From here on a failure is the job's: the coordinator hears why.
@@ -174,18 +163,18 @@ absl::Status ServeIncarnation(const ServerOptions& o, const control::RegisterRep
     return named;
   };
 
-  auto map = ShardMap::Deserialize(reg->shard_map());
+  auto map = ShardMap::Deserialize(reg.shard_map());
   if (!map.ok()) {
     return fail(absl::DataLossError(
         absl::StrCat("bad shard map from the coordinator: ", map.status().message())));
   }
   auto optimizer = OptimizerOptionsFromConfig(cfg);
   if (!optimizer.ok()) return fail(optimizer.status());
-  optimizer->weight_decay_ranges = DecayRangesOf(reg->weight_decay_ranges());
+  optimizer->weight_decay_ranges = DecayRangesOf(reg.weight_decay_ranges());
   auto freeze = FreezeOptionsFromConfig(cfg);
   if (!freeze.ok()) return fail(freeze.status());
   PsServerOptions po;
-  po.job.job_id = DataPlaneId(reg->job_id(), reg->incarnation());
+  po.job.job_id = DataPlaneId(reg.job_id(), reg.incarnation());
   po.earlier_job_ids = earlier;
   po.job.workers = cfg.workers();
   po.job.steps = cfg.steps();
@@ -229,8 +218,8 @@ absl::Status ServeIncarnation(const ServerOptions& o, const control::RegisterRep
       if (s.step % every == 0) checkpoint(s);
     };
   }
-  if (reg->has_resume()) {
-    auto restored = LoadShardFromCheckpoint(reg->resume(), map->shard(rank), rank);
+  if (reg.has_resume()) {
+    auto restored = LoadShardFromCheckpoint(reg.resume(), map->shard(rank), rank);
     if (!restored.ok()) return fail(restored.status());
     if (absl::Status st = RestoreDenominators(po.optimizer.eps, &*restored); !st.ok()) {
       return fail(st);
@@ -242,7 +231,7 @@ absl::Status ServeIncarnation(const ServerOptions& o, const control::RegisterRep
   const Range r = map->shard(rank);
   std::fprintf(stderr, "server %u: shard [%llu, %llu) on tcp://%s:%d, job %016llx\n", rank,
                static_cast<unsigned long long>(r.begin), static_cast<unsigned long long>(r.end),
-               advertise.c_str(), bound_port, static_cast<unsigned long long>(reg->job_id()));
+               advertise.c_str(), bound_port, static_cast<unsigned long long>(reg.job_id()));
 
   absl::Status done_status;
   PsServer& ps = **server;

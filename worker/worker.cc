@@ -243,8 +243,8 @@ absl::Status Worker::Impl::CompleteFromCheckpoint(const control::ResumePoint& re
       !(needs_den && s->den.empty())) {
     return absl::OkStatus();
   }
-  std::optional<StateReader> worker0;
-  if (own != 0 || resume.workers() != job.workers) {
+  std::optional<StateReader> worker0;  // `file` where it is worker 0's
+  if (own != 0) {
     auto w0 = StateReader::Open(absl::StrCat(resume.dir(), "/worker-0.state"));
     if (!w0.ok()) return w0.status();
     worker0 = *std::move(w0);
@@ -417,14 +417,7 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
 
 void Worker::Impl::StartHeartbeat(const control::RegisterReply& reg) {
   incarnation = reg.incarnation();
-  const absl::Duration hb_timeout = absl::Milliseconds(cfg.heartbeat_timeout_ms());
-  hb = std::make_unique<Heartbeater>(
-      stub.get(), options.coordinator, control::WORKER, job.rank, job.job_id,
-      std::clamp(hb_timeout / 10, absl::Milliseconds(20), absl::Seconds(1)), hb_timeout);
-  hb->SetIncarnation(incarnation);
-  if (!cfg.checkpoint_dir().empty()) {
-    hb->WaitForLostCoordinator(absl::Milliseconds(cfg.rejoin_timeout_ms()));
-  }
+  hb = MakeHeartbeater(stub.get(), options.coordinator, control::WORKER, reg);
   hb->WatchStopSignal(options.stop_signal);
   hb->SetStep(step);
   hb->Start();
@@ -463,8 +456,7 @@ absl::Status Worker::Impl::Rejoin() {
   control::RegisterRequest req = registration;
   req.set_requested_rank(static_cast<int>(job.rank));
   req.set_rejoin_from(incarnation);
-  const absl::Duration wait =
-      std::max(options.register_timeout, absl::Milliseconds(cfg.rejoin_timeout_ms()));
+  const absl::Duration wait = std::max(options.register_timeout, RejoinWait(cfg));
   auto reg = RegisterWithCoordinator(stub.get(), options.coordinator, req, wait);
   if (!reg.ok()) {
     return Fail(absl::Status(reg.status().code(),
