@@ -24,7 +24,9 @@
 #include "net/health.h"
 #include "net/job_config.h"
 #include "net/run_folder.h"
+#include "net/security_flags.h"
 #include "net/subprocess.h"
+#include "security/job_secret.h"
 
 ABSL_FLAG(std::string, out, "", "run folder (metrics.csv, summary.json, logs)");
 ABSL_FLAG(std::string, bin_dir, "", "where the onebit binaries are (default: next to this one)");
@@ -140,6 +142,11 @@ int Main(int argc, char** argv) {
   if (!worker_cmd.empty() && stall_worker >= 0) {
     ExitFlagError("stall_worker", "works with onebit-worker only, not --worker_cmd");
   }
+  // Secure by default: without --secret_file (or $ONEBIT_SECRET_FILE) or
+  // --insecure, each start of the job gets a fresh secret of its own.
+  const SecurityFlags security = LauncherSecurityFlagsOrExit();
+  if (security.insecure)
+    Log("INSECURE (--insecure): the job's planes are neither authenticated nor encrypted");
   std::string bin = absl::GetFlag(FLAGS_bin_dir);
   if (bin.empty()) bin = SelfDir();
   for (const char* b : {"onebit-coordinator", "onebit-server", "onebit-worker"}) {
@@ -162,6 +169,17 @@ int Main(int argc, char** argv) {
     if (mkdtemp(tmpl) == nullptr) ExitError(1, "cannot create a temporary folder");
     const std::string tmp = tmpl;
     const std::string port_file = tmp + "/coordinator.port";
+    std::string secret_file = security.secret_file;
+    if (!security.insecure && secret_file.empty()) {
+      secret_file = tmp + "/secret";  // the folder is the launcher's alone (0700)
+      if (absl::Status st = JobSecret::Generate().WriteFile(secret_file); !st.ok()) {
+        ExitError(1, st.message());
+      }
+    }
+    auto job_security = ResolveSecurity(secret_file, security.insecure, "--secret_file");
+    if (!job_security.ok()) ExitError(1, job_security.status().message());
+    const std::string security_arg =
+        security.insecure ? std::string("--insecure") : "--secret_file=" + secret_file;
     const std::string reg_timeout =
         absl::FormatDuration(absl::GetFlag(FLAGS_launch_register_timeout));
     const absl::Duration grace = absl::GetFlag(FLAGS_grace);
@@ -196,9 +214,9 @@ int Main(int argc, char** argv) {
     // The coordinator first: it picks its port and writes it to port_file.
     Child& coord = children[0];
     coord.name = "coordinator";
-    std::vector<std::string> args = {bin + "/onebit-coordinator", "--port=0",
-                                     "--port_file=" + port_file, "--bind_host=127.0.0.1",
-                                     "--register_timeout=" + reg_timeout};
+    std::vector<std::string> args = {bin + "/onebit-coordinator",         "--port=0",
+                                     "--port_file=" + port_file,          "--bind_host=127.0.0.1",
+                                     "--register_timeout=" + reg_timeout, security_arg};
     if (!out.empty()) args.push_back("--out=" + out);
     for (const std::string& a : ConfigFlagArgs()) args.push_back(a);
     coord.argv = args;
@@ -228,7 +246,7 @@ int Main(int argc, char** argv) {
     for (std::string& a : coord.argv) {
       if (a == "--port=0") a = absl::StrCat("--port=", port);
     }
-    if (absl::Status st = CheckHealth(target, absl::Seconds(10)); !st.ok()) {
+    if (absl::Status st = CheckHealth(target, absl::Seconds(10), &*job_security); !st.ok()) {
       Log(std::string(st.message()));
       return finish(1);
     }
@@ -240,9 +258,9 @@ int Main(int argc, char** argv) {
       Child& c = children[1 + k];
       c.name = absl::StrCat("server", k);
       std::vector<std::string> a = {
-          bin + "/onebit-server",  "--coordinator=" + target,          absl::StrCat("--shard=", k),
-          "--bind_host=127.0.0.1", "--advertise_host=127.0.0.1",       "--data_port=0",
-          "--health_port=0",       "--register_timeout=" + reg_timeout};
+          bin + "/onebit-server",  "--coordinator=" + target,           absl::StrCat("--shard=", k),
+          "--bind_host=127.0.0.1", "--advertise_host=127.0.0.1",        "--data_port=0",
+          "--health_port=0",       "--register_timeout=" + reg_timeout, security_arg};
       if (absl::GetFlag(FLAGS_dump_params)) {
         a.push_back(absl::StrCat("--dump_x=", out, "/master_s", k, ".f32"));
         a.push_back(absl::StrCat("--dump_error=", out, "/error_s", k, ".f32"));
@@ -265,7 +283,9 @@ int Main(int argc, char** argv) {
                                         absl::StrCat("RANK=", i),
                                         absl::StrCat("WORLD_SIZE=", cfg.workers()),
                                         absl::StrCat("LOCAL_RANK=", i),
-                                        "ONEBIT_ADVERTISE_HOST=127.0.0.1"};
+                                        "ONEBIT_ADVERTISE_HOST=127.0.0.1",
+                                        security.insecure ? std::string("ONEBIT_INSECURE=1")
+                                                          : "ONEBIT_SECRET_FILE=" + secret_file};
         if (!devices.empty()) {
           env.push_back("ONEBIT_DEVICE=" + devices[std::min<size_t>(i, devices.size() - 1)]);
         }
@@ -286,7 +306,8 @@ int Main(int argc, char** argv) {
                                     "--bind_host=127.0.0.1",
                                     "--advertise_host=127.0.0.1",
                                     "--health_port=0",
-                                    "--register_timeout=" + reg_timeout};
+                                    "--register_timeout=" + reg_timeout,
+                                    security_arg};
       if (absl::GetFlag(FLAGS_dump_params)) {
         a.push_back(absl::StrCat("--dump_x=", out, "/replica_w", i, ".f32"));
       }

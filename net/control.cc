@@ -8,16 +8,29 @@
 
 #include "absl/strings/str_cat.h"
 #include "net/stop_signal.h"
+#include "security/tls.h"
 
 namespace onebit {
 
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target) {
+namespace {
+
+grpc::ChannelArguments ChannelArgs() {
   grpc::ChannelArguments args;
   // Fail fast and retry ourselves; gRPC's reconnect back-off would otherwise
   // stretch to seconds while the coordinator is still starting.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
-  return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  return args;
+}
+
+}  // namespace
+
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, const Security& security) {
+  return ControlChannel(target, security, ChannelArgs());
+}
+
+std::shared_ptr<grpc::Channel> MakeHealthChannel(const std::string& target) {
+  return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), ChannelArgs());
 }
 
 absl::Status RpcError(absl::string_view what, const grpc::Status& s) {
@@ -78,6 +91,7 @@ std::unique_ptr<Heartbeater> MakeHeartbeater(control::Coordinator::Stub* stub,
       stub, target, role, reg.rank(), reg.job_id(),
       std::clamp(timeout / 10, absl::Milliseconds(20), absl::Seconds(1)), timeout);
   hb->SetIncarnation(reg.incarnation());
+  hb->SetCredential(reg.credential());
   hb->WaitForLostCoordinator(RejoinWait(reg.config()));
   return hb;
 }
@@ -95,6 +109,8 @@ Heartbeater::Heartbeater(control::Coordinator::Stub* stub, std::string target, c
       coordinator_wait_(coordinator_timeout) {}
 
 void Heartbeater::SetIncarnation(uint64_t incarnation) { incarnation_ = incarnation; }
+
+void Heartbeater::SetCredential(std::string credential) { credential_ = std::move(credential); }
 
 void Heartbeater::WaitForLostCoordinator(absl::Duration wait) {
   coordinator_wait_ = std::max(wait, coordinator_timeout_);
@@ -199,6 +215,7 @@ void Heartbeater::SendOnce() {
   req.set_rank(rank_);
   req.set_job_id(job_id_);
   req.set_incarnation(incarnation_);
+  req.set_credential(credential_);
   {
     absl::MutexLock l(&mu_);
     req.set_step(step_);
@@ -311,6 +328,7 @@ void Heartbeater::ReportError(const std::string& error) {
   req.set_rank(rank_);
   req.set_job_id(job_id_);
   req.set_incarnation(incarnation_);
+  req.set_credential(credential_);
   req.set_error(error);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
@@ -331,6 +349,7 @@ absl::Status Heartbeater::Done(const std::vector<control::ShardChecksum>& checks
   req.set_rank(rank_);
   req.set_job_id(job_id_);
   req.set_incarnation(incarnation_);
+  req.set_credential(credential_);
   req.set_steps(steps);
   for (const auto& c : checksums) *req.add_checksums() = c;
   {

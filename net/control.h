@@ -18,12 +18,16 @@
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/control.grpc.pb.h"
+#include "security/job_secret.h"
 #include "shard/optimizer.h"
 
 namespace onebit {
 
-// An insecure channel to "host:port" (the cluster runs on a trusted network).
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target);
+// A channel to the coordinator at "host:port": TLS with the job's credential
+// on every call, or plaintext under --insecure (security/tls.h).
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, const Security& security);
+// A plaintext channel, for grpc.health.v1 (which stays open to probes).
+std::shared_ptr<grpc::Channel> MakeHealthChannel(const std::string& target);
 
 // absl::Status from a failed RPC, naming what was called.
 absl::Status RpcError(absl::string_view what, const grpc::Status& status);
@@ -56,6 +60,9 @@ class Heartbeater {
   // Before Start(): the incarnation of the job this process registered in
   // (RegisterReply.incarnation), sent with every heartbeat and Done.
   void SetIncarnation(uint64_t incarnation);
+  // Before Start(): this process's credential (RegisterReply.credential),
+  // sent with every heartbeat and Done.
+  void SetCredential(std::string credential);
   // Before Start(): when the coordinator is lost, keep trying for this long
   // in all (saying so on stderr once), for a restarted one to answer,
   // rather than for `coordinator_timeout`.
@@ -128,6 +135,7 @@ class Heartbeater {
   const absl::Duration interval_;
   const absl::Duration coordinator_timeout_;
   uint64_t incarnation_ = 0;
+  std::string credential_;
   absl::Duration coordinator_wait_;
 
   mutable absl::Mutex mu_;
@@ -159,8 +167,8 @@ class Heartbeater {
 absl::Duration RejoinWait(const control::TrainingConfig& cfg);
 
 // The heartbeat of a process registered as `reg` (role and reg.rank()):
-// every heartbeat_timeout / 10 (20 ms to 1 s), carrying reg.incarnation(),
-// waiting RejoinWait for a lost coordinator. Not started; `stub` must
+// every heartbeat_timeout / 10 (20 ms to 1 s), carrying reg.incarnation()
+// and reg.credential(), waiting RejoinWait for a lost coordinator. Not started; `stub` must
 // outlive it.
 std::unique_ptr<Heartbeater> MakeHeartbeater(control::Coordinator::Stub* stub,
                                              const std::string& target, control::Role role,

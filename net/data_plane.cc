@@ -29,6 +29,8 @@ std::string WorkerIdentity(uint64_t job_id, uint32_t rank) {
   return absl::StrFormat("w%u-%016x", rank, job_id);
 }
 
+std::string WorkerPeerId(uint32_t rank) { return absl::StrCat("worker ", rank); }
+
 absl::StatusOr<data::Header> ParseHeader(const void* data, size_t size) {
   data::Header h;
   if (size == 0 || !h.ParseFromArray(data, static_cast<int>(size))) {
@@ -47,7 +49,8 @@ absl::Status ValidateRequest(const data::Header& h, const DataPlaneJob& job, uin
                kProtocolVersion, ")");
   }
   if (h.job_id() != job.job_id) {
-    return bad(absl::StrFormat("wrong job id %016x (this job is %016x)", h.job_id(), job.job_id));
+    // Not saying which id would be right.
+    return bad(absl::StrFormat("wrong job id %016x (not this job's)", h.job_id()));
   }
   if (h.kind() != data::PUSH && h.kind() != data::INIT && h.kind() != data::PULL) {
     return bad("unexpected message kind ", data::Kind_Name(h.kind()), " (want PUSH, INIT or PULL)");
@@ -124,9 +127,34 @@ int PollItems(zmq::pollitem_t* items, size_t n, std::chrono::milliseconds timeou
 void ConfigureDataSocket(zmq::socket_t* s) {
   s->set(zmq::sockopt::sndhwm, 0);
   s->set(zmq::sockopt::rcvhwm, 0);
+  s->set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(kMaxFrameBytes));
   s->set(zmq::sockopt::linger, 0);
   s->set(zmq::sockopt::sndbuf, 4 << 20);
   s->set(zmq::sockopt::rcvbuf, 4 << 20);
+}
+
+void ConfigureServerDataSocket(zmq::socket_t* s) {
+  ConfigureDataSocket(s);
+  s->set(zmq::sockopt::rcvhwm, kServerRcvHwm);
+  s->set(zmq::sockopt::sndhwm, kServerSndHwm);
+  // EHOSTUNREACH for a peer that is gone, rather than a silent drop.
+  s->set(zmq::sockopt::router_mandatory, 1);
+}
+
+bool SendOrDrop(zmq::socket_t* s, std::vector<zmq::message_t>& frames) {
+  try {
+    for (size_t i = 0; i < frames.size(); ++i) {
+      const auto flags = i + 1 < frames.size()
+                             ? zmq::send_flags::sndmore | zmq::send_flags::dontwait
+                             : zmq::send_flags::dontwait;
+      // Only the first frame can fail: ZeroMQ takes the rest of a message
+      // whose first frame it took.
+      if (!s->send(frames[i], flags)) return false;
+    }
+  } catch (const zmq::error_t&) {
+    return false;  // EHOSTUNREACH: the peer is gone
+  }
+  return true;
 }
 
 void KeepLargeBuffers() {

@@ -20,6 +20,12 @@ namespace onebit {
 
 constexpr uint32_t kProtocolVersion = data::VERSION_CURRENT;
 
+// The most elements a chunk may have (--chunk_elems), and so the largest
+// frame a data-plane peer may send (fp32): larger ones are refused by ZeroMQ
+// before they are buffered.
+constexpr uint64_t kMaxChunkElems = uint64_t{1} << 24;
+constexpr uint64_t kMaxFrameBytes = 4 * kMaxChunkElems;
+
 // What a server checks a request against. Plain values; the codecs are owned
 // by the caller and must outlive this.
 struct DataPlaneJob {
@@ -41,6 +47,10 @@ Range ChunkRange(const ShardMap& map, uint32_t shard, uint64_t chunk_elems, uint
 // incarnation, so a leftover process of an earlier job cannot pass for a
 // worker of this one.
 std::string WorkerIdentity(uint64_t job_id, uint32_t rank);
+
+// The User-Id a server's ZAP handler gives worker `rank`'s key
+// (security/curve.h): the rank a CURVE peer really is.
+std::string WorkerPeerId(uint32_t rank);
 
 // The job id data-plane messages carry in `incarnation` of job `job_id`
 // (control::RegisterReply): a roll-back or restart makes a new one, so a
@@ -66,11 +76,26 @@ using SharedBytes = std::shared_ptr<const std::vector<uint8_t>>;
 // ZeroMQ is done with it.
 zmq::message_t ShareFrame(const SharedBytes& buf, size_t offset, size_t size);
 
-// Options of every data-plane socket: no high-water mark (the protocol
-// bounds what is in flight: one step per shard), no linger, and 4 MB kernel
-// socket buffers (on loopback they took 1x1 push/pull of 10 M floats from
-// 1.5 to 2.4 GB/s: fewer wake-ups per chunk).
+// Options of a worker's data-plane sockets: no high-water mark (the protocol
+// bounds what is in flight: one step per shard, all of it this worker's own
+// or its servers' replies), frames of at most kMaxFrameBytes, no linger, and
+// 4 MB kernel socket buffers (on loopback they took 1x1 push/pull of 10 M
+// floats from 1.5 to 2.4 GB/s: fewer wake-ups per chunk).
 void ConfigureDataSocket(zmq::socket_t* socket);
+
+// A server's data socket (a ROUTER; before bind): as above, but what any
+// one peer can make it hold is bounded: kServerRcvHwm frames queued from
+// each connection (then TCP pushes back on the sender; nothing is lost), and
+// kServerSndHwm replies queued to each (a peer that does not read its
+// replies loses them: see SendOrDrop).
+constexpr int kServerRcvHwm = 8;
+constexpr int kServerSndHwm = 1024;
+void ConfigureServerDataSocket(zmq::socket_t* socket);
+
+// Sends a multipart message on a ROUTER without blocking. False when the
+// peer is gone or its queue is full (it does not read): the message is
+// dropped, and the caller counts it.
+bool SendOrDrop(zmq::socket_t* socket, std::vector<zmq::message_t>& frames);
 
 // zmq::poll, where a caught signal (net/stop_signal.h) interrupting the
 // wait counts as a timeout: the caller's loop looks at its flags next.

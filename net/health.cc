@@ -47,8 +47,10 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartHealthServer(const std::strin
   return server;
 }
 
-absl::Status CheckHealth(const std::string& target, absl::Duration timeout) {
-  auto stub = grpc::health::v1::Health::NewStub(MakeChannel(target));
+absl::Status CheckHealth(const std::string& target, absl::Duration timeout,
+                         const Security* security) {
+  auto stub = grpc::health::v1::Health::NewStub(security != nullptr ? MakeChannel(target, *security)
+                                                                    : MakeHealthChannel(target));
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   ctx.set_wait_for_ready(true);

@@ -9,6 +9,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
+#include "security/job_secret.h"
 
 namespace onebit {
 
@@ -24,8 +25,11 @@ void ConfigureExclusivePort(grpc::ServerBuilder* builder);
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartHealthServer(const std::string& bind_host,
                                                                 int port, int* selected_port);
 
-// SERVING within `timeout`, else an error naming the target.
-absl::Status CheckHealth(const std::string& target, absl::Duration timeout);
+// SERVING within `timeout`, else an error naming the target. `security`:
+// the target is a coordinator's main port (TLS unless --insecure); null: a
+// plaintext health port.
+absl::Status CheckHealth(const std::string& target, absl::Duration timeout,
+                         const Security* security = nullptr);
 
 }  // namespace onebit
 

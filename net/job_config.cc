@@ -3,6 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "models/registry.h"
+#include "net/data_plane.h"
 #include "shard/optimizer.h"
 
 namespace onebit {
@@ -169,8 +170,9 @@ absl::Status ValidateConfig(const control::TrainingConfig& c) {
   if (!options.ok()) return options.status();
   auto freeze = FreezeOptionsFromConfig(c);
   if (!freeze.ok()) return freeze.status();
-  if (c.chunk_elems() < c.block_size() || c.chunk_elems() % c.block_size() != 0) {
-    return bad("chunk_elems", "must be a positive multiple of --block_size");
+  if (c.chunk_elems() < c.block_size() || c.chunk_elems() % c.block_size() != 0 ||
+      c.chunk_elems() > kMaxChunkElems) {
+    return bad("chunk_elems", "must be a positive multiple of --block_size, at most 2^24");
   }
   if (c.step_timeout_ms() < 1) return bad("step_timeout", "must be >= 1ms");
   if (c.heartbeat_timeout_ms() < 100) return bad("heartbeat_timeout", "must be >= 100ms");

@@ -15,6 +15,7 @@
 #include "checkpoint/state_file.h"
 #include "net/control.h"
 #include "net/job_config.h"
+#include "security/tls.h"
 #include "shard/reference.h"
 
 namespace onebit {
@@ -44,10 +45,12 @@ const char* StateName(CoordinatorService::State s) {
 }
 
 CoordinatorService::CoordinatorService(control::TrainingConfig config, std::set<std::string> given,
-                                       uint64_t job_id, absl::Duration register_timeout)
+                                       uint64_t job_id, absl::Duration register_timeout,
+                                       Security security)
     : config_(std::move(config)),
       given_(std::move(given)),
       job_id_(job_id),
+      security_(std::move(security)),
       register_deadline_(absl::Now() + register_timeout),
       heartbeat_timeout_(absl::Milliseconds(config_.heartbeat_timeout_ms())),
       rejoin_timeout_(config_.checkpoint_dir().empty()
@@ -126,12 +129,40 @@ void CoordinatorService::FailLocked(const std::string& reason) {
   std::fprintf(stderr, "coordinator: job failed: %s\n", reason.c_str());
 }
 
+grpc::Status CoordinatorService::Authenticate(const grpc::ServerContext* ctx,
+                                              absl::string_view rpc) {
+  grpc::Status st = CheckCallCredential(*ctx, security_);
+  if (st.ok()) return st;
+  return Refuse(rpc, st);
+}
+
+grpc::Status CoordinatorService::Refuse(absl::string_view rpc, grpc::Status st) {
+  refusals_.Refused(absl::StrCat("a ", rpc, ": ", st.error_message()));
+  return st;
+}
+
+bool CoordinatorService::IsOwnerLocked(control::Role role, uint32_t rank,
+                                       const std::string& credential) const {
+  const std::vector<Process>& group = role == control::SERVER ? servers_ : workers_;
+  return (role == control::SERVER || role == control::WORKER) && rank < group.size() &&
+         group[rank].registered && SameBytes(credential, group[rank].credential);
+}
+
 grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx,
                                           const control::RegisterRequest* req,
                                           control::RegisterReply* reply) {
+  if (grpc::Status st = Authenticate(ctx, "Register"); !st.ok()) return st;
   absl::MutexLock l(&mu_);
   if (req->role() != control::SERVER && req->role() != control::WORKER) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "role must be SERVER or WORKER");
+    return Refuse("Register", grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                           "role must be SERVER or WORKER"));
+  }
+  if (!security_.insecure() && req->curve_public_key().size() != 32) {
+    return Refuse("Register",
+                  grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                               absl::StrCat("a process of a secured job must give its "
+                                            "32-byte CURVE public key (got ",
+                                            req->curve_public_key().size(), " bytes)")));
   }
   std::vector<Process>& group = Group(req->role());
   const char* what = req->role() == control::SERVER ? "server" : "worker";
@@ -200,6 +231,7 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx,
   p.registered = true;
   p.info = *req;
   p.last_seen = absl::Now();
+  p.credential = RandomBytes(16);
   std::fprintf(stderr, "coordinator: %s %d registered (%s)\n", what, rank,
                req->data_endpoint().empty() ? req->host().c_str() : req->data_endpoint().c_str());
   if (AllRegisteredLocked()) formed_ ? ReformLocked() : FormLocked();
@@ -218,6 +250,7 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx,
   reply->set_job_id(job_id_);
   reply->set_incarnation(incarnation_);
   reply->set_rank(static_cast<uint32_t>(rank));
+  reply->set_credential(group[rank].credential);
   *reply->mutable_config() = config_;
   reply->set_shard_map(map_.Serialize());
   for (const DecayRange& r : decay_) {
@@ -230,6 +263,10 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx,
     control::ServerInfo* s = reply->add_servers();
     s->set_rank(static_cast<uint32_t>(i));
     s->set_data_endpoint(servers_[i].info.data_endpoint());
+    s->set_curve_public_key(servers_[i].info.curve_public_key());
+  }
+  if (req->role() == control::SERVER) {
+    for (const Process& w : workers_) reply->add_worker_curve_keys(w.info.curve_public_key());
   }
   if (resume_) {
     control::ResumePoint* r = reply->mutable_resume();
@@ -499,32 +536,52 @@ grpc::Status CoordinatorService::CheckJob(control::Role role, uint32_t rank,
   return grpc::Status::OK;
 }
 
-void CoordinatorService::AddMetricsLocked(uint32_t rank, const control::StepMetrics& m) {
+void CoordinatorService::AddMetricsLocked(uint32_t rank, const control::StepMetrics& m,
+                                          uint64_t steps_done) {
   if (m.step() < rows_taken_) return;  // written already, before a roll-back
+  // Metrics come after their step completes (at most one step ahead of the
+  // step count they arrive with, which may be sampled just before); more is
+  // refused, so that what a worker can make the coordinator hold is bounded
+  // by the steps it has run.
+  if (m.step() > steps_done || (config_.steps() > 0 && m.step() >= config_.steps())) {
+    refusals_.Refused(absl::StrCat("a metrics row of worker ", rank, " for step ", m.step(),
+                                   " (it has run ", steps_done, ")"));
+    return;
+  }
   auto& row = metrics_[m.step()];
   row.resize(workers_.size());
   row[rank] = m;
 }
 
-grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext*,
+grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* ctx,
                                            const control::HeartbeatRequest* req,
                                            control::HeartbeatReply* reply) {
+  if (grpc::Status st = Authenticate(ctx, "Heartbeat"); !st.ok()) return st;
   absl::MutexLock l(&mu_);
   if (req->job_id() == job_id_ &&
       (req->role() == control::SERVER || req->role() == control::WORKER) &&
       req->rank() < Group(req->role()).size() &&
-      (!Group(req->role())[req->rank()].registered || req->incarnation() != incarnation_)) {
-    // Of this job, but not of this forming of it: nothing it says counts.
+      (!IsOwnerLocked(req->role(), req->rank(), req->credential()) ||
+       req->incarnation() != incarnation_)) {
+    // Of this job, but not of this forming of it (or not the process that
+    // holds the rank): nothing it says counts.
     ReplyToStrangerLocked(reply);
     return grpc::Status::OK;
   }
   grpc::Status st = CheckJob(req->role(), req->rank(), req->job_id());
-  if (!st.ok()) return st;
+  if (!st.ok()) return Refuse("Heartbeat", st);
+  if (config_.steps() > 0 && req->step() > config_.steps()) {
+    return Refuse("Heartbeat", grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                            absl::StrCat(Name(req->role(), req->rank()),
+                                                         " at step ", req->step(), " of a job of ",
+                                                         config_.steps(), " steps")));
+  }
   Process& p = Group(req->role())[req->rank()];
   p.last_seen = absl::Now();
   p.step = req->step();
   if (req->role() == control::WORKER) {
-    for (const auto& m : req->metrics()) AddMetricsLocked(req->rank(), m);
+    // A row for a step the worker has not run would be made up.
+    for (const auto& m : req->metrics()) AddMetricsLocked(req->rank(), m, req->step());
   } else {
     for (const auto& c : req->freeze_checks()) AddFreezeCheckLocked(req->rank(), c);
   }
@@ -592,11 +649,17 @@ void CoordinatorService::AddFreezeCheckLocked(uint32_t shard, const control::Fre
   }
 }
 
-grpc::Status CoordinatorService::Done(grpc::ServerContext*, const control::DoneRequest* req,
+grpc::Status CoordinatorService::Done(grpc::ServerContext* ctx, const control::DoneRequest* req,
                                       control::DoneReply*) {
+  if (grpc::Status st = Authenticate(ctx, "Done"); !st.ok()) return st;
   absl::MutexLock l(&mu_);
   grpc::Status st = CheckJob(req->role(), req->rank(), req->job_id());
-  if (!st.ok()) return st;
+  if (!st.ok()) return Refuse("Done", st);
+  if (!IsOwnerLocked(req->role(), req->rank(), req->credential())) {
+    return Refuse("Done", grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                                       absl::StrCat("Done for ", Name(req->role(), req->rank()),
+                                                    " without its credential")));
+  }
   if (req->incarnation() != incarnation_) {
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                         absl::StrCat("Done of an earlier incarnation of the job (", rejoin_why_,
@@ -606,13 +669,22 @@ grpc::Status CoordinatorService::Done(grpc::ServerContext*, const control::DoneR
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                         absl::StrCat("job is ", StateName(state_), ": ", reason_));
   }
+  if (absl::Status c = CheckCoverageLocked(*req); !c.ok()) {
+    return Refuse("Done",
+                  grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(c.message())));
+  }
+  if (config_.steps() > 0 && req->steps() > config_.steps()) {
+    return Refuse("Done", grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                       absl::StrCat("Done after ", req->steps(),
+                                                    " steps of a job of ", config_.steps())));
+  }
   Process& p = Group(req->role())[req->rank()];
   p.last_seen = absl::Now();
   p.done = true;
   p.checksums.assign(req->checksums().begin(), req->checksums().end());
   if (req->role() == control::WORKER) {
-    for (const auto& m : req->metrics()) AddMetricsLocked(req->rank(), m);
     p.step = req->steps() > 0 ? req->steps() : config_.steps();
+    for (const auto& m : req->metrics()) AddMetricsLocked(req->rank(), m, p.step);
     if (config_.steps() > 0 && p.step != config_.steps()) {
       FailLocked(absl::StrCat("worker ", req->rank(), " finished after ", p.step,
                               " steps; the job has ", config_.steps()));
@@ -623,6 +695,29 @@ grpc::Status CoordinatorService::Done(grpc::ServerContext*, const control::DoneR
     AddCheckpointPartLocked(req->role(), req->rank(), c);
   MaybeFinishLocked();
   return grpc::Status::OK;
+}
+
+absl::Status CoordinatorService::CheckCoverageLocked(const control::DoneRequest& req) const {
+  const uint32_t shards = map_.num_shards();
+  std::vector<int> seen(shards, 0);
+  for (const control::ShardChecksum& c : req.checksums()) {
+    const bool mine = req.role() == control::WORKER || c.shard() == req.rank();
+    if (c.shard() >= shards || !mine || c.begin() != map_.shard(c.shard()).begin ||
+        c.end() != map_.shard(c.shard()).end || ++seen[c.shard()] > 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("Done of ", Name(req.role(), req.rank()), ": a checksum of shard ",
+                       c.shard(), " [", c.begin(), ", ", c.end(), ") that is not ",
+                       req.role() == control::WORKER ? "a shard of the job's map, once"
+                                                     : "this server's own shard"));
+    }
+  }
+  for (uint32_t k = 0; k < shards; ++k) {
+    if ((req.role() == control::WORKER || k == req.rank()) && seen[k] == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("Done of ", Name(req.role(), req.rank()), ": no checksum of shard ", k));
+    }
+  }
+  return absl::OkStatus();
 }
 
 void CoordinatorService::MaybeFinishLocked() {
@@ -692,8 +787,9 @@ void CoordinatorService::MaybeFinishLocked() {
                equal ? "true" : "false");
 }
 
-grpc::Status CoordinatorService::Status(grpc::ServerContext*, const control::StatusRequest*,
+grpc::Status CoordinatorService::Status(grpc::ServerContext* ctx, const control::StatusRequest*,
                                         control::StatusReply* reply) {
+  if (grpc::Status st = Authenticate(ctx, "Status"); !st.ok()) return st;
   absl::MutexLock l(&mu_);
   reply->set_job_id(job_id_);
   reply->set_state(StateName(state_));

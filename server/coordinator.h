@@ -17,10 +17,12 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "checkpoint/checkpoint_dir.h"
+#include "net/refusal_log.h"
 #include "net/run_folder.h"
 #include "onebit/server.h"
 #include "proto/checkpoint.pb.h"
 #include "proto/control.grpc.pb.h"
+#include "security/job_secret.h"
 #include "shard/optimizer.h"
 #include "shard/shard_map.h"
 
@@ -36,8 +38,10 @@ class CoordinatorService final : public control::Coordinator::Service {
   // set explicitly (the workers may declare the others). The shard map is
   // built once the cluster has formed: from config.dim(), or for --model
   // external from the d every worker declared.
+  // `security`: every call must carry its job credential (CheckCallCredential),
+  // except under --insecure.
   CoordinatorService(control::TrainingConfig config, std::set<std::string> given, uint64_t job_id,
-                     absl::Duration register_timeout);
+                     absl::Duration register_timeout, Security security);
 
   // Before serving: the job continues from `checkpoint` (its config is
   // checked against the job's once the cluster forms); `prior_rows`:
@@ -95,6 +99,7 @@ class CoordinatorService final : public control::Coordinator::Service {
     bool told = false;                 // got SHUTDOWN/ABORT/STOP in a heartbeat reply
     std::optional<uint64_t> stop_ack;  // workers, while stopping: steps begun
     std::vector<control::ShardChecksum> checksums;
+    std::string credential;  // issued at its registration (RegisterReply.credential)
   };
 
   static std::string Name(control::Role role, uint32_t rank);
@@ -133,7 +138,8 @@ class CoordinatorService final : public control::Coordinator::Service {
   void ReplyToStrangerLocked(control::HeartbeatReply* reply) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string MissingLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void AddMetricsLocked(uint32_t rank, const control::StepMetrics& m)
+  // A worker's metrics row; refused beyond `steps_done`, the steps it has run.
+  void AddMetricsLocked(uint32_t rank, const control::StepMetrics& m, uint64_t steps_done)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RequestStopLocked(const std::string& who) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -148,6 +154,17 @@ class CoordinatorService final : public control::Coordinator::Service {
   std::optional<MetricsRow> RowLocked(uint64_t step) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   grpc::Status CheckJob(control::Role role, uint32_t rank, uint64_t job_id) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A registered process of this job whose request carries its credential.
+  bool IsOwnerLocked(control::Role role, uint32_t rank, const std::string& credential) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // OK when a Done's checksums cover the shard map exactly: a server's its
+  // own shard, a worker's every shard once.
+  absl::Status CheckCoverageLocked(const control::DoneRequest& req) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The job credential; a refusal is logged (rate-limited).
+  grpc::Status Authenticate(const grpc::ServerContext* ctx, absl::string_view rpc);
+  // An RPC refused for `st`, logged (rate-limited) and returned.
+  grpc::Status Refuse(absl::string_view rpc, grpc::Status st);
   // --freeze auto: records a server's check and decides every check that all
   // servers with a non-empty shard have reported.
   void AddFreezeCheckLocked(uint32_t shard, const control::FreezeCheck& c)
@@ -157,6 +174,8 @@ class CoordinatorService final : public control::Coordinator::Service {
   control::TrainingConfig config_;
   std::set<std::string> given_;  // settings the job set itself
   const uint64_t job_id_;
+  const Security security_;
+  RefusalLog refusals_{"coordinator"};
   ShardMap map_ ABSL_GUARDED_BY(mu_) = ShardMap::Create(0, 1, 32).value();
   absl::Time register_deadline_ ABSL_GUARDED_BY(mu_);
   const absl::Duration heartbeat_timeout_;

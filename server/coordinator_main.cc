@@ -9,6 +9,7 @@
 #include "net/flags.h"
 #include "net/job_config.h"
 #include "net/run_folder.h"
+#include "net/security_flags.h"
 #include "net/stop_signal.h"
 #include "onebit/server.h"
 #include "server/coordinator.h"
@@ -35,6 +36,9 @@ int Main(int argc, char** argv) {
       "Forms the cluster, hands out ranks and the shard map, watches it, writes --out.",
       &given);
   CoordinatorOptions o;
+  const SecurityFlags security = SecurityFlagsOrExit();
+  o.secret_file = security.secret_file;
+  o.insecure = security.insecure;
   o.bind_host = absl::GetFlag(FLAGS_bind_host);
   o.port = absl::GetFlag(FLAGS_port);
   if (o.port < 0 || o.port > 65535) ExitFlagError("port", "must be in [0, 65535]");

@@ -8,6 +8,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "security/curve.h"
 #include "zmq_addon.hpp"
 
 namespace onebit {
@@ -69,7 +70,9 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Create(PsServerOptions optio
 }
 
 PsServer::PsServer(PsServerOptions options, zmq::socket_t* socket)
-    : options_(std::move(options)), socket_(socket) {}
+    : options_(std::move(options)),
+      socket_(socket),
+      refusals_(absl::StrCat("server ", options_.shard)) {}
 
 absl::Status PsServer::SetEndStep(uint64_t steps) {
   if (end_step_) {
@@ -107,6 +110,7 @@ absl::Status PsServer::Serve(const std::function<bool()>& should_stop,
     }
     zmq::pollitem_t item{socket_->handle(), 0, ZMQ_POLLIN, 0};
     PollItems(&item, 1, std::chrono::milliseconds(50));
+    refusals_.Flush();
     // Drain what has arrived; bounded so timeouts and stop are still checked.
     for (int i = 0; i < 1024 && failure_.ok(); ++i) {
       std::vector<zmq::message_t> frames;
@@ -169,6 +173,15 @@ void PsServer::HandleMessage(std::vector<zmq::message_t>& frames) {
   }
   absl::Status st =
       ValidateRequest(*header, options_.job, options_.shard, routing_id, frames[2].size());
+  if (st.ok() && options_.authenticated) {
+    // The routing id is the sender's to choose; its key is not.
+    const std::string peer = PeerUserId(frames[1]);
+    if (peer != WorkerPeerId(header->rank())) {
+      st = absl::PermissionDeniedError(
+          absl::StrCat("rank ", header->rank(), " claimed by the key of ",
+                       peer.empty() ? std::string("no worker") : peer));
+    }
+  }
   if (st.ok()) st = HandleRequest(routing_id, *header, frames[2]);
   if (!st.ok()) SendError(routing_id, &*header, std::string(st.message()));
 }
@@ -463,25 +476,29 @@ void PsServer::SendError(const std::string& routing_id, const data::Header* requ
     h.set_count(request->count());
   }
   h.set_version(kProtocolVersion);
-  h.set_job_id(options_.job.job_id);
+  // The request's own id, not the job's: a stranger learns nothing.
+  h.set_job_id(request != nullptr ? request->job_id() : 0);
   h.set_kind(data::ERROR);
   h.set_error(error);
-  std::fprintf(stderr, "server %u: refused a request from '%s': %s\n", options_.shard,
-               absl::CHexEscape(routing_id).c_str(), error.c_str());
+  refusals_.Refused(absl::StrCat("a request from '", absl::CHexEscape(routing_id), "': ", error));
   zmq::message_t empty;
   Send(routing_id, h, &empty);
 }
 
 void PsServer::Send(const std::string& routing_id, const data::Header& h, zmq::message_t* payload) {
-  try {
-    socket_->send(CopyFrame(routing_id), zmq::send_flags::sndmore);
-    socket_->send(CopyFrame(h.SerializeAsString()), zmq::send_flags::sndmore);
-    socket_->send(*payload, zmq::send_flags::none);
-  } catch (const zmq::error_t& e) {
-    // ROUTER_MANDATORY: the peer is gone. Its rank's absence surfaces as a
-    // step timeout; nothing else to do here.
-    std::fprintf(stderr, "server %u: cannot reply to '%s': %s\n", options_.shard,
-                 absl::CHexEscape(routing_id).c_str(), e.what());
+  std::vector<zmq::message_t> frames;
+  frames.push_back(CopyFrame(routing_id));
+  frames.push_back(CopyFrame(h.SerializeAsString()));
+  frames.push_back(std::move(*payload));
+  if (SendOrDrop(socket_, frames)) return;
+  // The peer is gone, or does not read its replies (its queue is full):
+  // never block on it. A worker's missing reply surfaces as its timeout.
+  if (unsent_++ % 1000 == 0) {
+    std::fprintf(stderr,
+                 "server %u: cannot reply to '%s' (gone, or not reading its replies); %llu "
+                 "replies dropped so far\n",
+                 options_.shard, absl::CHexEscape(routing_id).c_str(),
+                 static_cast<unsigned long long>(unsent_));
   }
 }
 

@@ -22,6 +22,7 @@
 #include "absl/time/time.h"
 #include "compress/codec.h"
 #include "net/data_plane.h"
+#include "net/refusal_log.h"
 #include "shard/optimizer.h"
 #include "zmq.hpp"
 
@@ -47,6 +48,10 @@ struct PsServerOptions {
   // The data-plane ids of this job's earlier incarnations (before a
   // roll-back): their messages, sent before it, are dropped unanswered.
   std::vector<uint64_t> earlier_job_ids;
+  // The socket is a CURVE server whose ZAP handler tags each worker's
+  // messages with WorkerPeerId(rank) (security/curve.h): a request is
+  // accepted only from the key of the rank it names.
+  bool authenticated = false;
 };
 
 class PsServer {
@@ -123,6 +128,8 @@ class PsServer {
   std::optional<float> step_lr_;            // ...as this (nullopt: the schedule's)
   bool reported_finished_ = false;
   uint64_t dropped_ = 0;  // messages of an earlier incarnation
+  RefusalLog refusals_;
+  uint64_t unsent_ = 0;   // replies dropped: the peer was gone or did not read
   absl::Status failure_;  // first fatal error, e.g. a decode failure of the update
 };
 

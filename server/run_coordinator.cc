@@ -17,6 +17,7 @@
 #include "net/run_folder.h"
 #include "net/stop_signal.h"
 #include "onebit/server.h"
+#include "security/tls.h"
 #include "server/coordinator.h"
 
 namespace onebit {
@@ -55,6 +56,8 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
     return absl::InvalidArgumentError("CoordinatorOptions.port: must be in [0, 65535]");
   }
   if (absl::Status st = ValidateConfig(cfg); !st.ok()) return st;
+  auto security = ResolveSecurity(o.secret_file, o.insecure, "CoordinatorOptions.secret_file");
+  if (!security.ok()) return security.status();
   if (cfg.model() != kExternalModel) {
     auto map = ShardMap::Create(cfg.dim(), cfg.servers(), cfg.block_size());
     if (!map.ok()) return map.status();
@@ -105,7 +108,8 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
     return absl::DataLossError(absl::StrCat((*resume)->dir, "/", kManifestName, ": job id '",
                                             (*resume)->manifest.job_id(), "' is not hex"));
   }
-  CoordinatorService service(cfg, given, job_id, o.register_timeout);
+  std::fprintf(stderr, "%s\n", SecurityNotice(*security, "coordinator").c_str());
+  CoordinatorService service(cfg, given, job_id, o.register_timeout, *security);
   if (*resume) {
     service.ResumeFrom(**std::move(resume), std::move(prior_rows), restarts, rolled_back);
   }
@@ -114,7 +118,7 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
   ConfigureExclusivePort(&builder);
   const std::string addr = absl::StrCat(o.bind_host, ":", o.port);
   int bound = 0;
-  builder.AddListeningPort(addr, grpc::InsecureServerCredentials(), &bound);
+  builder.AddListeningPort(addr, ControlServerCredentials(*security), &bound);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || bound == 0) {

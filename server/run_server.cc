@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <map>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -16,6 +17,7 @@
 #include "net/job_config.h"
 #include "net/run_folder.h"
 #include "onebit/server.h"
+#include "security/curve.h"
 #include "server/ps_server.h"
 
 namespace onebit {
@@ -78,10 +80,11 @@ absl::StatusOr<ServerShardState> LoadShardFromCheckpoint(const control::ResumePo
 
 // One forming of the cluster, from its RegisterReply to the end of the job
 // or to the coordinator's REJOIN (then *rejoin is set and this returns OK).
+// `zap`: the data port's ZAP handler; null under --insecure.
 absl::Status ServeIncarnation(const ServerOptions& o, const control::RegisterReply& reg,
-                              zmq::socket_t& socket, control::Coordinator::Stub* stub,
-                              const std::string& advertise, int bound_port,
-                              const std::vector<uint64_t>& earlier, bool* rejoin);
+                              zmq::socket_t& socket, ZapHandler* zap,
+                              control::Coordinator::Stub* stub, const std::string& advertise,
+                              int bound_port, const std::vector<uint64_t>& earlier, bool* rejoin);
 
 }  // namespace
 
@@ -90,12 +93,24 @@ absl::Status RunServer(const ServerOptions& o) {
   for (auto [name, port] : {std::pair{"data_port", o.data_port}, {"health_port", o.health_port}}) {
     if (port < 0 || port > 65535) return Invalid(name, "must be in [0, 65535]");
   }
+  auto security = ResolveSecurity(o.secret_file, o.insecure, "ServerOptions.secret_file");
+  if (!security.ok()) return security.status();
+  std::fprintf(stderr, "%s\n", SecurityNotice(*security, "server").c_str());
   const std::string advertise = o.advertise_host.empty() ? Hostname() : o.advertise_host;
 
   zmq::context_t ctx(1);
+  // Admits no worker until the cluster has formed and their keys are known.
+  std::unique_ptr<ZapHandler> zap;
+  CurveKeys keys;
   zmq::socket_t socket(ctx, zmq::socket_type::router);
-  socket.set(zmq::sockopt::router_mandatory, 1);
-  ConfigureDataSocket(&socket);
+  ConfigureServerDataSocket(&socket);
+  if (!security->insecure()) {
+    auto started = ZapHandler::Start(&ctx, "server");
+    if (!started.ok()) return started.status();
+    zap = *std::move(started);
+    keys = NewCurveKeys();
+    MakeCurveServer(&socket, keys);
+  }
   const std::string bind_ep =
       absl::StrCat("tcp://", o.bind_host, ":", o.data_port == 0 ? "*" : absl::StrCat(o.data_port));
   try {
@@ -113,9 +128,10 @@ absl::Status RunServer(const ServerOptions& o) {
   auto health = StartHealthServer(o.bind_host, o.health_port, &health_bound);
   if (!health.ok()) return health.status();
 
-  auto stub = control::Coordinator::NewStub(MakeChannel(o.coordinator));
+  auto stub = control::Coordinator::NewStub(MakeChannel(o.coordinator, *security));
   control::RegisterRequest req;
   req.set_role(control::SERVER);
+  req.set_curve_public_key(keys.public_key);
   req.set_requested_rank(o.shard);
   req.set_data_endpoint(absl::StrCat("tcp://", advertise, ":", bound_port));
   req.set_health_endpoint(absl::StrCat(advertise, ":", health_bound));
@@ -133,8 +149,8 @@ absl::Status RunServer(const ServerOptions& o) {
                                        ": registering again: ", reg.status().message()));
     }
     bool rejoin = false;
-    absl::Status st =
-        ServeIncarnation(o, *reg, socket, stub.get(), advertise, bound_port, earlier, &rejoin);
+    absl::Status st = ServeIncarnation(o, *reg, socket, zap.get(), stub.get(), advertise,
+                                       bound_port, earlier, &rejoin);
     if (!rejoin) return st;
     earlier.push_back(DataPlaneId(reg->job_id(), reg->incarnation()));
     rejoin_from = reg->incarnation();
@@ -146,9 +162,9 @@ absl::Status RunServer(const ServerOptions& o) {
 namespace {
 
 absl::Status ServeIncarnation(const ServerOptions& o, const control::RegisterReply& reg,
-                              zmq::socket_t& socket, control::Coordinator::Stub* stub,
-                              const std::string& advertise, int bound_port,
-                              const std::vector<uint64_t>& earlier, bool* rejoin) {
+                              zmq::socket_t& socket, ZapHandler* zap,
+                              control::Coordinator::Stub* stub, const std::string& advertise,
+                              int bound_port, const std::vector<uint64_t>& earlier, bool* rejoin) {
   const control::TrainingConfig& cfg = reg.config();
   const uint32_t rank = reg.rank();
   const std::unique_ptr<Heartbeater> heartbeat =
@@ -174,6 +190,18 @@ absl::Status ServeIncarnation(const ServerOptions& o, const control::RegisterRep
   auto freeze = FreezeOptionsFromConfig(cfg);
   if (!freeze.ok()) return fail(freeze.status());
   PsServerOptions po;
+  if (zap != nullptr) {
+    if (reg.worker_curve_keys_size() != static_cast<int>(cfg.workers())) {
+      return fail(
+          absl::DataLossError(absl::StrCat("the coordinator sent ", reg.worker_curve_keys_size(),
+                                           " workers' keys for ", cfg.workers(), " workers")));
+    }
+    std::map<std::string, std::string> clients;
+    for (uint32_t w = 0; w < cfg.workers(); ++w)
+      clients[reg.worker_curve_keys(w)] = WorkerPeerId(w);
+    zap->Allow(std::move(clients));
+    po.authenticated = true;
+  }
   po.job.job_id = DataPlaneId(reg.job_id(), reg.incarnation());
   po.earlier_job_ids = earlier;
   po.job.workers = cfg.workers();

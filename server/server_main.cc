@@ -9,6 +9,7 @@
 #include "absl/time/time.h"
 #include "net/data_plane.h"
 #include "net/flags.h"
+#include "net/security_flags.h"
 #include "net/stop_signal.h"
 #include "onebit/server.h"
 
@@ -41,6 +42,9 @@ int Main(int argc, char** argv) {
   ServerOptions o;
   o.coordinator = absl::GetFlag(FLAGS_coordinator);
   if (o.coordinator.empty()) ExitFlagError("coordinator", "required");
+  const SecurityFlags security = SecurityFlagsOrExit();
+  o.secret_file = security.secret_file;
+  o.insecure = security.insecure;
   o.shard = absl::GetFlag(FLAGS_shard);
   o.bind_host = absl::GetFlag(FLAGS_bind_host);
   o.data_port = absl::GetFlag(FLAGS_data_port);

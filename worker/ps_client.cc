@@ -21,11 +21,17 @@ absl::StatusOr<std::unique_ptr<PsClient>> PsClient::Connect(PsClientOptions opti
   auto fp32 = NewCodec("fp32", o.optimizer->options().codec);
   if (!fp32.ok()) return fp32.status();
   c->fp32_ = std::move(*fp32);
+  if (o.keys && o.server_keys.size() != o.server_endpoints.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(o.server_keys.size(), " server keys for ",
+                                                   o.server_endpoints.size(), " servers"));
+  }
   const std::string identity = WorkerIdentity(o.job_id, o.rank);
-  for (const std::string& ep : o.server_endpoints) {
+  for (size_t k = 0; k < o.server_endpoints.size(); ++k) {
+    const std::string& ep = o.server_endpoints[k];
     zmq::socket_t s(*ctx, zmq::socket_type::dealer);
     s.set(zmq::sockopt::routing_id, identity);
     ConfigureDataSocket(&s);
+    if (o.keys) MakeCurveClient(&s, *o.keys, o.server_keys[k]);
     try {
       s.connect(ep);
     } catch (const zmq::error_t& e) {

@@ -19,6 +19,7 @@
 #include "absl/time/time.h"
 #include "compress/codec.h"
 #include "net/data_plane.h"
+#include "security/curve.h"
 #include "shard/optimizer.h"
 #include "shard/shard_map.h"
 #include "worker/replica.h"
@@ -33,6 +34,10 @@ struct PsClientOptions {
   uint64_t chunk_elems = 1 << 20;
   const WorkerOptimizer* optimizer = nullptr;  // must outlive the client
   std::vector<std::string> server_endpoints;   // index = shard
+  // CURVE (security/curve.h): this worker's keys and each server's public
+  // key (index = shard); none under --insecure.
+  std::optional<CurveKeys> keys;
+  std::vector<std::string> server_keys;
   // A server that sends nothing for this long while replies are due is dead.
   absl::Duration reply_timeout = absl::Seconds(60);
 };

@@ -56,6 +56,8 @@ struct Worker::Impl {
   bool on_device = false;
   ShardMap map = ShardMap::Create(0, 1, 32).value();  // the job's, from the coordinator
   std::unique_ptr<grpc::Server> health;
+  Security security;
+  std::optional<CurveKeys> keys;  // the data plane's, unless --insecure
   std::unique_ptr<control::Coordinator::Stub> stub;
   control::RegisterRequest registration;  // as sent, for registering again
   uint64_t incarnation = 0;               // RegisterReply.incarnation
@@ -335,9 +337,18 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
   health = std::move(*h);
   const std::string advertise = o.advertise_host.empty() ? Hostname() : o.advertise_host;
 
-  stub = control::Coordinator::NewStub(MakeChannel(o.coordinator));
+  auto sec = ResolveSecurity(o.secret_file, o.insecure, "WorkerOptions.secret_file");
+  if (!sec.ok()) return sec.status();
+  security = *std::move(sec);
+  if (security.insecure()) {
+    std::fprintf(stderr, "%s\n", SecurityNotice(security, "worker").c_str());
+  } else {
+    keys = NewCurveKeys();
+  }
+  stub = control::Coordinator::NewStub(MakeChannel(o.coordinator, security));
   control::RegisterRequest req;
   req.set_role(control::WORKER);
+  if (keys) req.set_curve_public_key(keys->public_key);
   req.set_requested_rank(o.rank);
   req.set_health_endpoint(absl::StrCat(advertise, ":", health_bound));
   req.set_host(Hostname());
@@ -434,7 +445,11 @@ absl::Status Worker::Impl::ConnectToServers(const control::RegisterReply& reg) {
   po.map = map;
   po.chunk_elems = cfg.chunk_elems();
   po.optimizer = optimizer.get();
-  for (const auto& s : reg.servers()) po.server_endpoints.push_back(s.data_endpoint());
+  for (const auto& s : reg.servers()) {
+    po.server_endpoints.push_back(s.data_endpoint());
+    po.server_keys.push_back(s.curve_public_key());
+  }
+  po.keys = keys;
   // The server gives up on a missing push after the step timeout and says
   // why; this is the backstop for a server that died.
   po.reply_timeout = 2 * absl::Milliseconds(cfg.step_timeout_ms());
@@ -518,6 +533,13 @@ absl::StatusOr<WorkerOptions> WorkerOptionsFromEnvironment(uint64_t num_params) 
   }
   if (auto device = get("ONEBIT_DEVICE")) o.device = *device;
   if (auto host = get("ONEBIT_ADVERTISE_HOST")) o.advertise_host = *host;
+  if (auto insecure = get("ONEBIT_INSECURE")) {
+    if (*insecure != "0" && *insecure != "1") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ONEBIT_INSECURE='", *insecure, "' is not 0 or 1"));
+    }
+    o.insecure = *insecure == "1";
+  }
   return o;
 }
 

@@ -11,6 +11,7 @@
 #include "net/data_plane.h"
 #include "net/flags.h"
 #include "net/run_folder.h"
+#include "net/security_flags.h"
 #include "onebit/worker.h"
 #include "worker/device.h"
 #include "worker/worker_internal.h"
@@ -49,6 +50,9 @@ int Main(int argc, char** argv) {
   WorkerOptions o;
   o.coordinator = absl::GetFlag(FLAGS_coordinator);
   if (o.coordinator.empty()) ExitFlagError("coordinator", "required");
+  const SecurityFlags security = SecurityFlagsOrExit();
+  o.secret_file = security.secret_file;
+  o.insecure = security.insecure;
   o.rank = absl::GetFlag(FLAGS_rank);
   o.health_port = absl::GetFlag(FLAGS_health_port);
   if (o.health_port < 0 || o.health_port > 65535) {

@@ -23,6 +23,14 @@ namespace onebit {
 struct ServerOptions {
   // "host:port" of the job's coordinator. Required.
   std::string coordinator;
+  // The job secret (a file of at least 32 bytes, e.g. 64 hex digits; every
+  // process of the job must have the same): both planes are authenticated
+  // and encrypted with keys made from it. Empty: $ONEBIT_SECRET_FILE. One
+  // of a secret and `insecure` is required.
+  std::string secret_file;
+  // No secret: neither plane is authenticated or encrypted (trusted
+  // networks and tests only).
+  bool insecure = false;
   // The shard (server rank) to serve; -1: any free one.
   int shard = -1;
   // Where the ZeroMQ data port and the grpc.health.v1 port listen; port 0:
@@ -54,6 +62,9 @@ struct CoordinatorOptions {
   // "onebit-adam"}); a DeepSpeed config's "optimizer" section works too.
   // Settings not given take their defaults.
   std::string config_json = "{}";
+  // As ServerOptions::secret_file and ::insecure.
+  std::string secret_file;
+  bool insecure = false;
   std::string bind_host = "0.0.0.0";
   int port = 7070;  // 0: any free port
   // Called once listening, with the port (useful with port 0).

@@ -53,6 +53,14 @@ struct WeightDecayRange {
 struct WorkerOptions {
   // "host:port" of the job's coordinator. Required.
   std::string coordinator;
+  // The job secret (a file of at least 32 bytes, e.g. 64 hex digits; every
+  // process of the job must have the same): both planes are authenticated
+  // and encrypted with keys made from it. Empty: $ONEBIT_SECRET_FILE. One
+  // of a secret and `insecure` is required.
+  std::string secret_file;
+  // No secret: neither plane is authenticated or encrypted (trusted
+  // networks and tests only).
+  bool insecure = false;
   // The rank to ask for; -1: any free one.
   int rank = -1;
   // d, the length of params() and grads(): the number of parameters of your
@@ -88,7 +96,8 @@ struct WorkerOptions {
 
 // Options from the environment onebit-launch --worker_cmd (or a Kubernetes
 // manifest) sets: ONEBIT_COORDINATOR (required), ONEBIT_RANK (else RANK;
-// else any), ONEBIT_DEVICE, ONEBIT_ADVERTISE_HOST; `num_params` as given.
+// else any), ONEBIT_DEVICE, ONEBIT_ADVERTISE_HOST, ONEBIT_SECRET_FILE (see
+// secret_file), ONEBIT_INSECURE=1 (insecure); `num_params` as given.
 // An error names a missing or malformed variable.
 absl::StatusOr<WorkerOptions> WorkerOptionsFromEnvironment(uint64_t num_params);
 

@@ -58,11 +58,13 @@ _settings = {}
 _optimizer = None
 
 
-def init(coordinator=None, rank=None, device=None):
+def init(coordinator=None, rank=None, device=None, secret_file=None, insecure=None):
     """Records where the job is; DistributedOptimizer joins it.
 
     Defaults come from the environment onebit-launch --worker_cmd sets
-    (ONEBIT_COORDINATOR, ONEBIT_RANK or RANK, ONEBIT_DEVICE)."""
+    (ONEBIT_COORDINATOR, ONEBIT_RANK or RANK, ONEBIT_DEVICE, ONEBIT_SECRET_FILE:
+    the file of the job secret, ONEBIT_INSECURE=1: none). A job needs a
+    secret unless it runs insecure."""
     coordinator = coordinator or os.environ.get("ONEBIT_COORDINATOR", "")
     if not coordinator:
         raise OnebitError(
@@ -74,8 +76,12 @@ def init(coordinator=None, rank=None, device=None):
             rank = int(text)
         except ValueError:
             raise OnebitError(f"ONEBIT_RANK/RANK='{text}' is not a rank") from None
+    if insecure is None:
+        insecure = os.environ.get("ONEBIT_INSECURE", "0") == "1"
     _settings.update(coordinator=coordinator, rank=rank,
-                     device=device or os.environ.get("ONEBIT_DEVICE", "cpu"))
+                     device=device or os.environ.get("ONEBIT_DEVICE", "cpu"),
+                     secret_file=secret_file or os.environ.get("ONEBIT_SECRET_FILE", ""),
+                     insecure=bool(insecure))
 
 
 def rank():
@@ -138,7 +144,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._worker = Worker.connect(_settings["coordinator"], _settings["rank"], total,
                                       _settings["device"], os.environ.get("ONEBIT_ADVERTISE_HOST", ""),
                                       ranges, {k: _text(v) for k, v in settings.items()
-                                               if v is not None})
+                                               if v is not None},
+                                      secret_file=_settings["secret_file"],
+                                      insecure=_settings["insecure"])
         job = self._worker.job
         self.job = job
         for g in groups:

@@ -86,7 +86,8 @@ py::capsule Dlpack(py::object owner, onebit::Worker& w, float* p) {
 std::unique_ptr<onebit::Worker> Connect(
     const std::string& coordinator, int rank, uint64_t num_params, const std::string& device,
     const std::string& advertise_host, const std::vector<std::tuple<uint64_t, uint64_t, float>>& wd,
-    const std::map<std::string, std::string>& settings, double register_timeout_s) {
+    const std::map<std::string, std::string>& settings, double register_timeout_s,
+    const std::string& secret_file, bool insecure) {
   onebit::WorkerOptions o;
   if (coordinator.empty()) {
     auto env = onebit::WorkerOptionsFromEnvironment(num_params);
@@ -97,6 +98,8 @@ std::unique_ptr<onebit::Worker> Connect(
     o.rank = rank;
     o.num_params = num_params;
   }
+  if (!secret_file.empty()) o.secret_file = secret_file;
+  if (insecure) o.insecure = true;
   if (!device.empty()) o.device = device;
   if (!advertise_host.empty()) o.advertise_host = advertise_host;
   o.register_timeout = absl::Seconds(register_timeout_s);
@@ -130,9 +133,11 @@ PYBIND11_MODULE(_onebit, m) {
                   py::arg("num_params") = 0, py::arg("device") = "", py::arg("advertise_host") = "",
                   py::arg("weight_decay") = std::vector<std::tuple<uint64_t, uint64_t, float>>{},
                   py::arg("settings") = std::map<std::string, std::string>{},
-                  py::arg("register_timeout_s") = 60.0,
+                  py::arg("register_timeout_s") = 60.0, py::arg("secret_file") = "",
+                  py::arg("insecure") = false,
                   "Registers with the coordinator ('' : from the environment) and waits for "
-                  "the job.")
+                  "the job. secret_file: the job secret ('': $ONEBIT_SECRET_FILE); insecure: "
+                  "none.")
       .def_property_readonly("rank", &onebit::Worker::rank)
       .def_property_readonly("num_params", &onebit::Worker::num_params)
       .def_property_readonly("device", &onebit::Worker::device)

@@ -27,6 +27,8 @@
 #include "net/control.h"
 #include "net/data_plane.h"
 #include "net/health.h"
+#include "security/curve.h"
+#include "security/job_secret.h"
 #include "tests/runtime/test_util.h"
 #include "zmq.hpp"
 #include "zmq_addon.hpp"
@@ -56,10 +58,13 @@ int WaitForPort(const std::string& port_file, Subprocess* coordinator, const std
 // A test double of a worker's data-plane socket.
 class FakeWorker {
  public:
-  FakeWorker(zmq::context_t* ctx, const std::string& identity, const std::string& endpoint)
+  // With `keys`: a CURVE client of the server of `server_key`.
+  FakeWorker(zmq::context_t* ctx, const std::string& identity, const std::string& endpoint,
+             const CurveKeys* keys = nullptr, const std::string& server_key = "")
       : socket_(*ctx, zmq::socket_type::dealer) {
     socket_.set(zmq::sockopt::routing_id, identity);
     socket_.set(zmq::sockopt::linger, 0);
+    if (keys != nullptr) MakeCurveClient(&socket_, *keys, server_key);
     socket_.connect(endpoint);
   }
 
@@ -103,14 +108,15 @@ std::string Fp32Bytes(const float* x, size_t n) {
 }
 
 // A job of 2 workers played by the test against a real coordinator and
-// server: every kind of bad request first, then the real steps; the result
-// must equal the reference exactly, so no bad request changed any state.
+// server (secured, as by default): every kind of bad request first, then the
+// real steps; the result must equal the reference exactly, so no bad request
+// changed any state.
 TEST(Faults, BadRequestsAreRefusedByNameAndChangeNothing) {
   const std::string dir = TempDir("badreq");
   control::TrainingConfig cfg = MakeConfig(2, 1, 1000, 2, "adam");
-  std::vector<std::string> cargv = {Bin("onebit-coordinator"), "--port=0",
+  std::vector<std::string> cargv = {Bin("onebit-coordinator"),      "--port=0",
                                     "--port_file=" + dir + "/port", "--bind_host=127.0.0.1",
-                                    "--out=" + dir + "/run"};
+                                    "--out=" + dir + "/run",        SecretFlag()};
   for (const std::string& a : ConfigArgs(cfg)) cargv.push_back(a);
   Subprocess coord = Start(cargv, dir + "/coordinator.log");
   const int port = WaitForPort(dir + "/port", &coord, dir + "/coordinator.log");
@@ -118,11 +124,14 @@ TEST(Faults, BadRequestsAreRefusedByNameAndChangeNothing) {
   const std::string target = absl::StrCat("127.0.0.1:", port);
   Subprocess server =
       Start({Bin("onebit-server"), "--coordinator=" + target, "--shard=0", "--bind_host=127.0.0.1",
-             "--advertise_host=127.0.0.1", "--dump_x=" + dir + "/master.f32"},
+             "--advertise_host=127.0.0.1", "--dump_x=" + dir + "/master.f32", SecretFlag()},
             dir + "/server.log");
 
-  auto stub = control::Coordinator::NewStub(MakeChannel(target));
+  auto security = ResolveSecurity(SecretFile(), false, "secret");
+  ASSERT_TRUE(security.ok()) << security.status();
+  auto stub = control::Coordinator::NewStub(MakeChannel(target, *security));
   std::vector<absl::StatusOr<control::RegisterReply>> regs(2, absl::UnknownError("unset"));
+  const CurveKeys keys[2] = {NewCurveKeys(), NewCurveKeys()};
   {
     std::vector<std::thread> threads;
     for (int r = 0; r < 2; ++r) {
@@ -130,6 +139,7 @@ TEST(Faults, BadRequestsAreRefusedByNameAndChangeNothing) {
         control::RegisterRequest req;
         req.set_role(control::WORKER);
         req.set_requested_rank(r);
+        req.set_curve_public_key(keys[r].public_key);
         regs[r] = RegisterWithCoordinator(stub.get(), target, req, absl::Seconds(20));
       });
     }
@@ -142,7 +152,7 @@ TEST(Faults, BadRequestsAreRefusedByNameAndChangeNothing) {
   const std::string endpoint = regs[0]->servers(0).data_endpoint();
 
   // Every process serves grpc.health.v1.
-  EXPECT_TRUE(CheckHealth(target, absl::Seconds(5)).ok());
+  EXPECT_TRUE(CheckHealth(target, absl::Seconds(5), &*security).ok());
   {
     grpc::ClientContext ctx;
     control::StatusRequest req;
@@ -157,9 +167,29 @@ TEST(Faults, BadRequestsAreRefusedByNameAndChangeNothing) {
   }
 
   zmq::context_t ctx(1);
-  FakeWorker w0(&ctx, WorkerIdentity(job, 0), endpoint);
-  FakeWorker w1(&ctx, WorkerIdentity(job, 1), endpoint);
-  FakeWorker intruder(&ctx, "intruder", endpoint);
+  const std::string server_key = regs[0]->servers(0).curve_public_key();
+  {
+    // Worker 1's key as worker 0, there before worker 0 (its routing id is
+    // the sender's to choose, its key is not).
+    FakeWorker squatter(&ctx, WorkerIdentity(job, 0), endpoint, &keys[1], server_key);
+    data::Header h;
+    h.set_version(kProtocolVersion);
+    h.set_job_id(job);
+    h.set_kind(data::PUSH);
+    h.set_rank(0);
+    h.set_shard(0);
+    h.set_count(cfg.chunk_elems());
+    h.set_codec("fp32");
+    h.set_block_size(cfg.block_size());
+    h.set_payload_bytes(cfg.chunk_elems() * 4);
+    squatter.Send(h, std::string(cfg.chunk_elems() * 4, '\0'));
+    squatter.ExpectError("rank 0 claimed by the key of worker 1");
+  }
+  absl::SleepFor(absl::Milliseconds(300));  // its disconnect frees the routing id
+  FakeWorker w0(&ctx, WorkerIdentity(job, 0), endpoint, &keys[0], server_key);
+  FakeWorker w1(&ctx, WorkerIdentity(job, 1), endpoint, &keys[1], server_key);
+  // Worker 1's key on another socket.
+  FakeWorker intruder(&ctx, "intruder", endpoint, &keys[1], server_key);
 
   auto model = NewModel(cfg);
   ASSERT_TRUE(model.ok());
@@ -221,6 +251,8 @@ TEST(Faults, BadRequestsAreRefusedByNameAndChangeNothing) {
     intruder.ExpectError("malformed header");
     intruder.Send(header(0, 0, 0, data::PUSH), good_payload);
     intruder.ExpectError("claimed by a socket");
+    intruder.Send(header(1, 0, 0, data::PUSH), good_payload);
+    intruder.ExpectError("claimed by a socket that is not that worker's");
   }
 
   // --- the real job, with out-of-order arrivals, a corrupt payload and a
@@ -329,6 +361,7 @@ TEST(Faults, BadRequestsAreRefusedByNameAndChangeNothing) {
     req.set_role(control::WORKER);
     req.set_rank(r);
     req.set_job_id(job);
+    req.set_credential(regs[r]->credential());
     control::ShardChecksum* s = req.add_checksums();
     s->set_shard(0);
     s->set_begin(0);
@@ -365,6 +398,7 @@ TEST(Faults, StalledWorkerFailsTheOthersNamingTheRank) {
 TEST(Faults, KilledServerStopsWorkerAndCoordinatorNamingIt) {
   const std::string dir = TempDir("killed");
   std::vector<std::string> cargv = {Bin("onebit-coordinator"),
+                                    SecretFlag(),
                                     "--port=0",
                                     "--port_file=" + dir + "/port",
                                     "--bind_host=127.0.0.1",
@@ -383,12 +417,12 @@ TEST(Faults, KilledServerStopsWorkerAndCoordinatorNamingIt) {
   std::vector<Subprocess> servers;
   for (int k = 0; k < 2; ++k) {
     servers.push_back(
-        Start({Bin("onebit-server"), "--coordinator=" + target, absl::StrCat("--shard=", k),
-               "--bind_host=127.0.0.1", "--advertise_host=127.0.0.1"},
+        Start({Bin("onebit-server"), SecretFlag(), "--coordinator=" + target,
+               absl::StrCat("--shard=", k), "--bind_host=127.0.0.1", "--advertise_host=127.0.0.1"},
               absl::StrCat(dir, "/server", k, ".log")));
   }
-  Subprocess worker = Start({Bin("onebit-worker"), "--coordinator=" + target, "--rank=0",
-                             "--bind_host=127.0.0.1", "--progress_interval=50ms"},
+  Subprocess worker = Start({Bin("onebit-worker"), SecretFlag(), "--coordinator=" + target,
+                             "--rank=0", "--bind_host=127.0.0.1", "--progress_interval=50ms"},
                             dir + "/worker.log");
   ASSERT_TRUE(WaitForText(dir + "/worker.log", "steps/s", absl::Seconds(20)))
       << ReadFile(dir + "/worker.log");
@@ -415,18 +449,18 @@ TEST(Faults, KilledServerStopsWorkerAndCoordinatorNamingIt) {
 TEST(Faults, KilledCoordinatorStopsEveryoneNamingIt) {
   const std::string dir = TempDir("nocoord");
   Subprocess coord =
-      Start({Bin("onebit-coordinator"), "--port=0", "--port_file=" + dir + "/port",
+      Start({Bin("onebit-coordinator"), SecretFlag(), "--port=0", "--port_file=" + dir + "/port",
              "--bind_host=127.0.0.1", "--workers=1", "--servers=1", "--dim=4000",
              "--steps=100000000", "--block_size=32", "--chunk_elems=512", "--heartbeat_timeout=1s"},
             dir + "/coordinator.log");
   const int port = WaitForPort(dir + "/port", &coord, dir + "/coordinator.log");
   ASSERT_GT(port, 0);
   const std::string target = absl::StrCat("127.0.0.1:", port);
-  Subprocess server = Start({Bin("onebit-server"), "--coordinator=" + target, "--shard=0",
-                             "--bind_host=127.0.0.1", "--advertise_host=127.0.0.1"},
+  Subprocess server = Start({Bin("onebit-server"), SecretFlag(), "--coordinator=" + target,
+                             "--shard=0", "--bind_host=127.0.0.1", "--advertise_host=127.0.0.1"},
                             dir + "/server.log");
-  Subprocess worker = Start({Bin("onebit-worker"), "--coordinator=" + target, "--rank=0",
-                             "--bind_host=127.0.0.1", "--progress_interval=50ms"},
+  Subprocess worker = Start({Bin("onebit-worker"), SecretFlag(), "--coordinator=" + target,
+                             "--rank=0", "--bind_host=127.0.0.1", "--progress_interval=50ms"},
                             dir + "/worker.log");
   ASSERT_TRUE(WaitForText(dir + "/worker.log", "steps/s", absl::Seconds(20)))
       << ReadFile(dir + "/worker.log");
@@ -562,19 +596,20 @@ class BusyPort {
 TEST(Faults, PortInUseIsAClearErrorAtStart) {
   BusyPort busy;
   const std::string p = absl::StrCat(busy.port());
-  RunResult s = RunCommand({Bin("onebit-server"), "--coordinator=127.0.0.1:1",
+  RunResult s = RunCommand({Bin("onebit-server"), SecretFlag(), "--coordinator=127.0.0.1:1",
                             "--bind_host=127.0.0.1", "--data_port=" + p},
                            absl::Seconds(10));
   EXPECT_EQ(s.code, 1) << s.output;
   EXPECT_THAT(s.output, HasSubstr("cannot bind the data port tcp://127.0.0.1:" + p));
   EXPECT_THAT(s.output, HasSubstr("Address already in use"));
 
-  RunResult c = RunCommand({Bin("onebit-coordinator"), "--bind_host=127.0.0.1", "--port=" + p},
-                           absl::Seconds(10));
+  RunResult c =
+      RunCommand({Bin("onebit-coordinator"), SecretFlag(), "--bind_host=127.0.0.1", "--port=" + p},
+                 absl::Seconds(10));
   EXPECT_EQ(c.code, 1) << c.output;
   EXPECT_THAT(c.output, HasSubstr("cannot listen on 127.0.0.1:" + p));
 
-  RunResult w = RunCommand({Bin("onebit-worker"), "--coordinator=127.0.0.1:1",
+  RunResult w = RunCommand({Bin("onebit-worker"), SecretFlag(), "--coordinator=127.0.0.1:1",
                             "--bind_host=127.0.0.1", "--health_port=" + p},
                            absl::Seconds(10));
   EXPECT_EQ(w.code, 1) << w.output;
@@ -582,15 +617,15 @@ TEST(Faults, PortInUseIsAClearErrorAtStart) {
 }
 
 TEST(Faults, RegistrationTimeoutNamesTheMissing) {
-  RunResult r = RunCommand({Bin("onebit-coordinator"), "--bind_host=127.0.0.1", "--port=0",
-                            "--workers=2", "--servers=1", "--register_timeout=500ms"},
+  RunResult r = RunCommand({Bin("onebit-coordinator"), SecretFlag(), "--bind_host=127.0.0.1",
+                            "--port=0", "--workers=2", "--servers=1", "--register_timeout=500ms"},
                            absl::Seconds(10));
   EXPECT_EQ(r.code, 1) << r.output;
   EXPECT_THAT(r.output, HasSubstr("still waiting for server 0, worker 0, worker 1"));
 }
 
 TEST(Faults, UnreachableCoordinatorIsNamed) {
-  RunResult r = RunCommand({Bin("onebit-worker"), "--coordinator=127.0.0.1:1",
+  RunResult r = RunCommand({Bin("onebit-worker"), SecretFlag(), "--coordinator=127.0.0.1:1",
                             "--bind_host=127.0.0.1", "--register_timeout=500ms"},
                            absl::Seconds(10));
   EXPECT_EQ(r.code, 1) << r.output;

@@ -21,6 +21,7 @@ TEST(Library, AWholeJobOnThreadsOfOneProcess) {
   const std::string dir = TempDir("library");
   std::atomic<int> port{0};
   CoordinatorOptions co;
+  co.secret_file = SecretFile();
   co.config_json =
       R"({"workers": 3, "servers": 2, "model": "external", "optimizer": "onebit-adam",
           "freeze_step": 2, "lr": 0.01, "block_size": 32, "chunk_elems": 64})";
@@ -40,6 +41,7 @@ TEST(Library, AWholeJobOnThreadsOfOneProcess) {
     servers.emplace_back([&, k] {
       ServerOptions so;
       so.coordinator = target;
+      so.secret_file = SecretFile();
       so.shard = k;
       so.bind_host = so.advertise_host = "127.0.0.1";
       so.register_timeout = absl::Seconds(20);
@@ -54,6 +56,7 @@ TEST(Library, AWholeJobOnThreadsOfOneProcess) {
     workers.emplace_back([&, r] {
       WorkerOptions wo;
       wo.coordinator = target;
+      wo.secret_file = SecretFile();
       wo.rank = r;
       wo.num_params = kD;
       wo.bind_host = wo.advertise_host = "127.0.0.1";
@@ -100,6 +103,18 @@ TEST(Library, BadOptionsAreErrorsNamingTheField) {
   EXPECT_THAT(std::string(RunCoordinator(co).message()), HasSubstr("not a JSON object"));
   EXPECT_THAT(std::string(Worker::Connect(WorkerOptions{}).status().message()),
               HasSubstr("WorkerOptions.coordinator"));
+  // Neither a secret nor insecure: refused before anything starts.
+  ServerOptions so;
+  so.coordinator = "127.0.0.1:1";
+  EXPECT_THAT(std::string(RunServer(so).message()),
+              HasSubstr("no job secret: give ServerOptions.secret_file"));
+  WorkerOptions wo;
+  wo.coordinator = "127.0.0.1:1";
+  EXPECT_THAT(std::string(Worker::Connect(wo).status().message()),
+              HasSubstr("no job secret: give WorkerOptions.secret_file"));
+  co.config_json = "{}";
+  EXPECT_THAT(std::string(RunCoordinator(co).message()),
+              HasSubstr("no job secret: give CoordinatorOptions.secret_file"));
 }
 
 }  // namespace

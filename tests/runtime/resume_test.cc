@@ -535,6 +535,7 @@ struct Pods {
 std::vector<std::string> WorkerPod(const std::string& target, int w, const std::string& dir,
                                    const std::vector<std::string>& process_flags) {
   std::vector<std::string> argv = {Bin("onebit-worker"),
+                                   SecretFlag(),
                                    target,
                                    absl::StrCat("--rank=", w),
                                    "--bind_host=127.0.0.1",
@@ -550,7 +551,7 @@ Pods StartPods(const std::string& dir, const std::string& name, const std::vecto
                const std::vector<std::string>& process_flags, int workers) {
   Pods pods;
   const std::string port_file = dir + "/" + name + ".port";
-  std::vector<std::string> coord = {Bin("onebit-coordinator"), "--port=0",
+  std::vector<std::string> coord = {Bin("onebit-coordinator"), SecretFlag(), "--port=0",
                                     "--port_file=" + port_file, "--bind_host=127.0.0.1"};
   coord.insert(coord.end(), job.begin(), job.end());
   coord.insert(coord.end(), coordinator_flags.begin(), coordinator_flags.end());
@@ -565,6 +566,7 @@ Pods StartPods(const std::string& dir, const std::string& name, const std::vecto
   EXPECT_GT(port, 0);
   pods.target = absl::StrCat("--coordinator=127.0.0.1:", port);
   std::vector<std::string> server = {Bin("onebit-server"),
+                                     SecretFlag(),
                                      pods.target,
                                      "--shard=0",
                                      "--bind_host=127.0.0.1",

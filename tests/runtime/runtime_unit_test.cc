@@ -321,8 +321,9 @@ TEST(RunFolder, MetricsLogHasEveryRowAppendedBeforeItIsClosed) {
 TEST(CoordinatorService, ReplicasEqualOnlyWhenEveryChecksumMatches) {
   for (bool corrupt : {false, true}) {
     control::TrainingConfig cfg = testing::MakeConfig(2, 1, 100, 1, "sgd");
-    CoordinatorService svc(cfg, {}, 42, absl::Seconds(10));
+    CoordinatorService svc(cfg, {}, 42, absl::Seconds(10), Security{});
     std::vector<std::thread> threads;
+    std::vector<control::RegisterReply> replies(3);
     for (int i = 0; i < 3; ++i) {
       threads.emplace_back([&, i] {
         grpc::ServerContext ctx;
@@ -330,9 +331,8 @@ TEST(CoordinatorService, ReplicasEqualOnlyWhenEveryChecksumMatches) {
         req.set_role(i == 0 ? control::SERVER : control::WORKER);
         req.set_requested_rank(i == 0 ? 0 : i - 1);
         req.set_data_endpoint("tcp://example:1");
-        control::RegisterReply reply;
-        EXPECT_TRUE(svc.Register(&ctx, &req, &reply).ok());
-        EXPECT_EQ(reply.job_id(), 42u);
+        EXPECT_TRUE(svc.Register(&ctx, &req, &replies[i]).ok());
+        EXPECT_EQ(replies[i].job_id(), 42u);
       });
     }
     for (auto& t : threads) t.join();
@@ -343,6 +343,7 @@ TEST(CoordinatorService, ReplicasEqualOnlyWhenEveryChecksumMatches) {
       req.set_role(i == 0 ? control::SERVER : control::WORKER);
       req.set_rank(i == 0 ? 0 : i - 1);
       req.set_job_id(42);
+      req.set_credential(replies[i].credential());
       auto* c = req.add_checksums();
       c->set_shard(0);
       c->set_end(100);
@@ -358,8 +359,9 @@ TEST(CoordinatorService, ReplicasEqualOnlyWhenEveryChecksumMatches) {
 TEST(CoordinatorService, SilentProcessIsDeclaredDeadByName) {
   control::TrainingConfig cfg = testing::MakeConfig(1, 1, 100, 1, "sgd");
   cfg.set_heartbeat_timeout_ms(100);
-  CoordinatorService svc(cfg, {}, 42, absl::Seconds(10));
+  CoordinatorService svc(cfg, {}, 42, absl::Seconds(10), Security{});
   std::vector<std::thread> threads;
+  std::vector<control::RegisterReply> replies(2);
   for (int i = 0; i < 2; ++i) {
     threads.emplace_back([&, i] {
       grpc::ServerContext ctx;
@@ -368,8 +370,7 @@ TEST(CoordinatorService, SilentProcessIsDeclaredDeadByName) {
       req.set_requested_rank(0);
       req.set_data_endpoint(i == 0 ? "tcp://s0:5" : "");
       req.set_host("w0host");
-      control::RegisterReply reply;
-      EXPECT_TRUE(svc.Register(&ctx, &req, &reply).ok());
+      EXPECT_TRUE(svc.Register(&ctx, &req, &replies[i]).ok());
     });
   }
   for (auto& t : threads) t.join();
@@ -379,6 +380,7 @@ TEST(CoordinatorService, SilentProcessIsDeclaredDeadByName) {
     control::HeartbeatRequest hb;
     hb.set_role(control::SERVER);
     hb.set_job_id(42);
+    hb.set_credential(replies[0].credential());
     control::HeartbeatReply reply;
     ASSERT_TRUE(svc.Heartbeat(&ctx, &hb, &reply).ok());
     absl::SleepFor(absl::Milliseconds(30));
@@ -390,6 +392,7 @@ TEST(CoordinatorService, SilentProcessIsDeclaredDeadByName) {
   control::HeartbeatRequest hb;
   hb.set_role(control::SERVER);
   hb.set_job_id(42);
+  hb.set_credential(replies[0].credential());
   control::HeartbeatReply reply;
   ASSERT_TRUE(svc.Heartbeat(&ctx, &hb, &reply).ok());
   EXPECT_EQ(reply.command(), control::ABORT);

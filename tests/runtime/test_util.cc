@@ -18,6 +18,7 @@
 #include "models/model.h"
 #include "net/data_plane.h"
 #include "net/job_config.h"
+#include "security/job_secret.h"
 #include "shard/reference.h"
 #include "shard/shard_map.h"
 
@@ -217,5 +218,16 @@ ReferenceResult Reference(const control::TrainingConfig& cfg) {
   out.reply_bytes = std::move(r->reply_bytes);
   return out;
 }
+
+std::string SecretFile() {
+  static const std::string path = [] {
+    const std::string p = TempDir("job-secret") + "/secret";
+    if (!JobSecret::Generate().WriteFile(p).ok()) std::abort();
+    return p;
+  }();
+  return path;
+}
+
+std::string SecretFlag() { return "--secret_file=" + SecretFile(); }
 
 }  // namespace onebit::testing

@@ -27,6 +27,12 @@ std::string Bin(const std::string& name);
 // A fresh empty folder under the test's temporary directory.
 std::string TempDir(const std::string& name);
 
+// "--secret_file=PATH" of a job secret made once per test process, for
+// processes a test starts by hand (onebit-launch makes its own).
+std::string SecretFlag();
+// That secret's file.
+std::string SecretFile();
+
 struct RunResult {
   int code = -1;       // -1: timed out (the process was killed)
   std::string output;  // stdout + stderr

@@ -1,0 +1,131 @@
+#include "security/tls.h"
+
+#include <openssl/evp.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
+#include <openssl/x509v3.h>
+
+#include <cstdlib>
+
+#include "absl/strings/escaping.h"
+
+namespace onebit {
+namespace {
+
+constexpr const char* kServerName = kControlServerName;
+constexpr char kCredentialKey[] = "onebit-job-credential";
+
+std::string JobCredential(const JobSecret& secret) {
+  return absl::BytesToHexString(secret.Derive("onebit-ps control call credential v1"));
+}
+
+std::string ToPem(int (*write)(BIO*, void*), void* what) {
+  BIO* bio = BIO_new(BIO_s_mem());
+  write(bio, what);
+  char* data = nullptr;
+  const long n = BIO_get_mem_data(bio, &data);
+  std::string out(data, static_cast<size_t>(n));
+  BIO_free(bio);
+  return out;
+}
+
+}  // namespace
+
+ControlCertificate ControlCertificateOf(const JobSecret& secret) {
+  // Ed25519 keys and signatures are deterministic: every process derives the
+  // same certificate, so the clients can pin it without being sent it.
+  const std::string seed = secret.Derive("onebit-ps control tls key v1");
+  EVP_PKEY* key = EVP_PKEY_new_raw_private_key(
+      EVP_PKEY_ED25519, nullptr, reinterpret_cast<const unsigned char*>(seed.data()), seed.size());
+  X509* x = X509_new();
+  if (key == nullptr || x == nullptr) std::abort();  // out of memory
+  X509_set_version(x, 2);
+  ASN1_INTEGER_set(X509_get_serialNumber(x), 1);
+  ASN1_TIME_set_string(X509_getm_notBefore(x), "20000101000000Z");
+  ASN1_TIME_set_string(X509_getm_notAfter(x), "99991231235959Z");
+  X509_set_pubkey(x, key);
+  X509_NAME* name = X509_get_subject_name(x);
+  X509_NAME_add_entry_by_txt(name, "CN", MBSTRING_ASC,
+                             reinterpret_cast<const unsigned char*>(kServerName), -1, -1, 0);
+  X509_set_issuer_name(x, name);
+  X509V3_CTX v3;
+  X509V3_set_ctx_nodb(&v3);
+  X509V3_set_ctx(&v3, x, x, nullptr, nullptr, 0);
+  const std::string san = std::string("DNS:") + kServerName;
+  for (auto [nid, value] : {std::pair{NID_subject_alt_name, san.c_str()},
+                            {NID_basic_constraints, "critical,CA:TRUE"},
+                            {NID_key_usage, "critical,digitalSignature,keyCertSign"}}) {
+    X509_EXTENSION* ext = X509V3_EXT_conf_nid(nullptr, &v3, nid, value);
+    X509_add_ext(x, ext, -1);
+    X509_EXTENSION_free(ext);
+  }
+  X509_sign(x, key, nullptr);  // Ed25519 hashes by itself
+  ControlCertificate out;
+  out.cert_pem =
+      ToPem([](BIO* b, void* c) { return PEM_write_bio_X509(b, static_cast<X509*>(c)); }, x);
+  out.key_pem = ToPem(
+      [](BIO* b, void* k) {
+        return PEM_write_bio_PrivateKey(b, static_cast<EVP_PKEY*>(k), nullptr, nullptr, 0, nullptr,
+                                        nullptr);
+      },
+      key);
+  X509_free(x);
+  EVP_PKEY_free(key);
+  return out;
+}
+
+namespace {
+
+// Adds the job credential to every call on a channel.
+class CredentialPlugin final : public grpc::MetadataCredentialsPlugin {
+ public:
+  explicit CredentialPlugin(std::string credential) : credential_(std::move(credential)) {}
+  bool IsBlocking() const override { return false; }
+  grpc::Status GetMetadata(grpc::string_ref, grpc::string_ref, const grpc::AuthContext&,
+                           std::multimap<std::string, std::string>* metadata) override {
+    metadata->emplace(kCredentialKey, credential_);
+    return grpc::Status::OK;
+  }
+
+ private:
+  const std::string credential_;
+};
+
+}  // namespace
+
+std::shared_ptr<grpc::ServerCredentials> ControlServerCredentials(const Security& security) {
+  if (security.insecure()) return grpc::InsecureServerCredentials();
+  const ControlCertificate cert = ControlCertificateOf(*security.secret);
+  grpc::SslServerCredentialsOptions o;
+  o.pem_key_cert_pairs.push_back({cert.key_pem, cert.cert_pem});
+  return grpc::SslServerCredentials(o);
+}
+
+std::shared_ptr<grpc::Channel> ControlChannel(const std::string& target, const Security& security,
+                                              grpc::ChannelArguments args) {
+  if (security.insecure()) {
+    return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  }
+  grpc::SslCredentialsOptions o;
+  o.pem_root_certs = ControlCertificateOf(*security.secret).cert_pem;
+  args.SetSslTargetNameOverride(kServerName);
+  auto creds = grpc::CompositeChannelCredentials(
+      grpc::SslCredentials(o),
+      grpc::MetadataCredentialsFromPlugin(
+          std::make_unique<CredentialPlugin>(JobCredential(*security.secret))));
+  return grpc::CreateCustomChannel(target, creds, args);
+}
+
+grpc::Status CheckCallCredential(const grpc::ServerContext& ctx, const Security& security) {
+  if (security.insecure()) return grpc::Status::OK;
+  const std::string want = JobCredential(*security.secret);
+  const auto& md = ctx.client_metadata();
+  auto it = md.find(kCredentialKey);
+  if (it != md.end() && SameBytes(absl::string_view(it->second.data(), it->second.size()), want)) {
+    return grpc::Status::OK;
+  }
+  return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                      "no valid job credential: this call needs the job's secret");
+}
+
+}  // namespace onebit

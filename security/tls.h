@@ -1,0 +1,44 @@
+// The control plane's protection, all made from the job secret
+// (security/job_secret.h): the coordinator serves TLS with a certificate
+// whose Ed25519 key is derived from the secret (only a holder of the secret
+// can pose as the coordinator; clients pin that certificate), and every call
+// carries a credential derived from the secret, which each handler checks
+// (CheckCallCredential). Under --insecure: plaintext, no checks.
+//
+// Thread-safe; the certificate is derived once per secret.
+#ifndef ONEBIT_SECURITY_TLS_H_
+#define ONEBIT_SECURITY_TLS_H_
+
+#include <memory>
+#include <string>
+
+#include "grpcpp/grpcpp.h"
+#include "security/job_secret.h"
+
+namespace onebit {
+
+// Credentials for the coordinator's listening port.
+std::shared_ptr<grpc::ServerCredentials> ControlServerCredentials(const Security& security);
+
+// A channel to the coordinator at `target` ("host:port"), with `args`.
+std::shared_ptr<grpc::Channel> ControlChannel(const std::string& target, const Security& security,
+                                              grpc::ChannelArguments args);
+
+// OK when the call carries this job's credential (always under
+// --insecure); else UNAUTHENTICATED, saying nothing about the job.
+grpc::Status CheckCallCredential(const grpc::ServerContext& ctx, const Security& security);
+
+// The name the coordinator's certificate is issued to, whatever address a
+// client dials.
+inline constexpr char kControlServerName[] = "coordinator.onebit-ps";
+
+// The certificate and key the coordinator serves (PEM), for tests.
+struct ControlCertificate {
+  std::string cert_pem;
+  std::string key_pem;
+};
+ControlCertificate ControlCertificateOf(const JobSecret& secret);
+
+}  // namespace onebit
+
+#endif  // ONEBIT_SECURITY_TLS_H_
