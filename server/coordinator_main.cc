@@ -15,6 +15,9 @@
 
 ABSL_FLAG(std::string, bind_host, "0.0.0.0", "address to listen on");
 ABSL_FLAG(int32_t, port, 7070, "gRPC port; 0: any free port (see --port_file)");
+ABSL_FLAG(int32_t, health_port, 0,
+          "plaintext grpc.health.v1 port (health only, for probes such as Kubernetes' gRPC "
+          "probes); 0: any free port");
 ABSL_FLAG(std::string, port_file, "", "write the bound port to this file once listening");
 ABSL_FLAG(std::string, out, "", "run folder: metrics.csv and summary.json");
 ABSL_FLAG(absl::Duration, register_timeout, absl::Seconds(60),
@@ -38,6 +41,10 @@ int Main(int argc, char** argv) {
   o.bind_host = absl::GetFlag(FLAGS_bind_host);
   o.port = absl::GetFlag(FLAGS_port);
   if (o.port < 0 || o.port > 65535) ExitFlagError("port", "must be in [0, 65535]");
+  o.health_port = absl::GetFlag(FLAGS_health_port);
+  if (o.health_port < 0 || o.health_port > 65535) {
+    ExitFlagError("health_port", "must be in [0, 65535]");
+  }
   o.out = absl::GetFlag(FLAGS_out);
   if (!o.out.empty()) {
     if (absl::Status st = MakeDirs(o.out); !st.ok()) ExitFlagError("out", st.message());

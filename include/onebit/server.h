@@ -56,6 +56,10 @@ struct CoordinatorOptions {
   std::string config_json = "{}";
   std::string bind_host = "0.0.0.0";
   int port = 7070;  // 0: any free port
+  // A second port, on bind_host, serving only grpc.health.v1 (always
+  // SERVING), in plaintext: for probes that cannot speak the main port's
+  // protocol (Kubernetes' gRPC probes). 0: any free port.
+  int health_port = 0;
   // Called once listening, with the port (useful with port 0).
   std::function<void(int port)> on_listening;
   // When not empty: the run folder. metrics.csv is appended as steps

@@ -100,6 +100,9 @@ TEST(Library, BadOptionsAreErrorsNamingTheField) {
   EXPECT_THAT(std::string(RunCoordinator(co).message()), HasSubstr("not a JSON object"));
   EXPECT_THAT(std::string(Worker::Connect(WorkerOptions{}).status().message()),
               HasSubstr("WorkerOptions.coordinator"));
+  co.config_json = "{}";
+  co.health_port = 70000;
+  EXPECT_EQ(RunCoordinator(co).message(), "CoordinatorOptions.health_port: must be in [0, 65535]");
 }
 
 }  // namespace
