@@ -17,6 +17,7 @@
 #include "net/run_folder.h"
 #include "onebit/server.h"
 #include "server/ps_server.h"
+#include "shard/memory.h"
 
 namespace onebit {
 namespace {
@@ -170,6 +171,16 @@ absl::Status ServeIncarnation(const ServerOptions& o, const control::RegisterRep
   }
   auto optimizer = OptimizerOptionsFromConfig(cfg);
   if (!optimizer.ok()) return fail(optimizer.status());
+  // Before the shard is allocated: too large for this machine is an error
+  // naming the bytes, not the OOM killer.
+  const Range shard_range = map->shard(rank);
+  const StateSize size = ServerShardSize(*optimizer, shard_range.size());
+  if (absl::Status st = CheckMemory(absl::StrCat("shard ", rank, " of ", shard_range.size(),
+                                                 " parameters (", size.arrays, ")"),
+                                    size.bytes);
+      !st.ok()) {
+    return fail(st);
+  }
   optimizer->weight_decay_ranges = DecayRangesOf(reg.weight_decay_ranges());
   auto freeze = FreezeOptionsFromConfig(cfg);
   if (!freeze.ok()) return fail(freeze.status());

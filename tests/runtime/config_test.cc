@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "gmock/gmock.h"
@@ -14,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "net/job_config.h"
 #include "net/job_settings.h"
+#include "shard/memory.h"
 #include "tests/runtime/test_util.h"
 
 namespace onebit::testing {
@@ -382,6 +384,86 @@ TEST(JobSettings, CommandLineSpellings) {
   EXPECT_THAT(ErrorOf({"--bogus=1"}), HasSubstr("--bogus: unknown flag"));
   EXPECT_THAT(ErrorOf({"--workers=0"}), HasSubstr("--workers: must be in [1, 4096]"));
   EXPECT_THAT(ErrorOf({"stray"}), HasSubstr("unexpected argument 'stray'"));
+}
+
+// argv under an address-space limit (ulimit -v) of `gib` GiB, which the
+// memory check counts (shard/memory.h): the same refusal on any machine.
+std::vector<std::string> WithAddressLimit(int gib, const std::vector<std::string>& argv) {
+  std::vector<std::string> sh = {"/bin/sh", "-c",
+                                 absl::StrCat("ulimit -v ", gib << 20, " && exec \"$0\" \"$@\"")};
+  sh.insert(sh.end(), argv.begin(), argv.end());
+  return sh;
+}
+
+bool UnderAddressSanitizer() {
+#if defined(__SANITIZE_ADDRESS__)
+  return true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+  return true;
+#endif
+#endif
+  return false;
+}
+
+constexpr uint64_t kHugeDim = uint64_t{1} << 34;  // 64 GiB an fp32 array
+
+// A job whose state cannot fit in memory: the reference, the server (its
+// shard) and the worker (its replica) each refuse before allocating it,
+// naming the bytes it needs and the limit, instead of dying of bad_alloc or
+// the OOM killer.
+TEST(Binaries, AJobTooLargeForMemoryIsRefusedNamingTheBytes) {
+  if (UnderAddressSanitizer())
+    GTEST_SKIP() << "ASan needs more address space than ulimit -v leaves";
+  // The limit the children see: 16 GiB of address space, or less memory.
+  const MemoryLimit here = ProcessMemoryLimit();
+  const std::string limit =
+      here.bytes > 0 && here.bytes < (uint64_t{16} << 30)
+          ? absl::StrCat(here.what, " is ", BytesText(here.bytes))
+          : "this process's address-space limit (ulimit -v) is 17179869184 bytes (16 GiB)";
+  // x0, 2 workers' x, g, mbar, e_w, 2 shards' x, accumulators, m, v: 13 arrays.
+  RunResult ref =
+      RunCommand(WithAddressLimit(16, {Bin("onebit-reference"), absl::StrCat("--dim=", kHugeDim),
+                                       "--workers=2", "--servers=2", "--optimizer=onebit-adam",
+                                       "--freeze_step=2", "--steps=3"}),
+                 absl::Seconds(20));
+  EXPECT_EQ(ref.code, 2) << ref.output;
+  EXPECT_THAT(ref.output, HasSubstr("onebit-reference: the reference of this job (d = 17179869184, "
+                                    "x0, 2 workers' x, g, mbar, e_w, 2 shards' x, the "
+                                    "accumulators, m, v) needs at least 893353197568 bytes (832 "
+                                    "GiB) of memory; " +
+                                    limit));
+
+  const std::string dir = TempDir("huge");
+  Subprocess coord = Start(
+      {Bin("onebit-coordinator"), "--bind_host=127.0.0.1", "--port=0",
+       "--port_file=" + dir + "/port", "--register_timeout=30s", absl::StrCat("--dim=", kHugeDim),
+       "--workers=1", "--servers=1", "--optimizer=adam", "--steps=3"},
+      dir + "/coordinator.log");
+  ASSERT_TRUE(WaitForText(dir + "/port", "\n", absl::Seconds(20)))
+      << ReadFile(dir + "/coordinator.log");
+  const std::string target =
+      absl::StrCat("127.0.0.1:", absl::StripAsciiWhitespace(ReadFile(dir + "/port")));
+  Subprocess server =
+      Start(WithAddressLimit(16, {Bin("onebit-server"), "--coordinator=" + target,
+                                  "--bind_host=127.0.0.1", "--advertise_host=127.0.0.1"}),
+            dir + "/server.log");
+  Subprocess worker = Start(WithAddressLimit(16, {Bin("onebit-worker"), "--coordinator=" + target,
+                                                  "--bind_host=127.0.0.1", "--device=cpu"}),
+                            dir + "/worker.log");
+  EXPECT_EQ(server.Wait(absl::Seconds(30)), std::optional<int>(1)) << ReadFile(dir + "/server.log");
+  EXPECT_EQ(worker.Wait(absl::Seconds(30)), std::optional<int>(1)) << ReadFile(dir + "/worker.log");
+  EXPECT_EQ(coord.Wait(absl::Seconds(30)), std::optional<int>(1));
+  // adam: the shard's x, accumulators, m, v; the replica's x and g.
+  EXPECT_THAT(ReadFile(dir + "/server.log"),
+              HasSubstr("server 0: shard 0 of 17179869184 parameters (x, the accumulators, m, v) "
+                        "needs at least 274877906944 bytes (256 GiB) of memory; " +
+                        limit));
+  EXPECT_THAT(ReadFile(dir + "/worker.log"),
+              HasSubstr("a replica of d = 17179869184 (x, g) needs at least 137438953472 bytes "
+                        "(128 GiB) of memory; " +
+                        limit));
+  EXPECT_THAT(ReadFile(dir + "/coordinator.log"), HasSubstr("needs at least"));
 }
 
 // The binaries: each --help lists its own flags, and the ones that do not

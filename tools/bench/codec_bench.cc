@@ -26,7 +26,9 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "compress/codec.h"
+#include "shard/memory.h"
 
 namespace {
 
@@ -101,7 +103,7 @@ int main(int argc, char** argv) {
     const char* value = i + 1 < argc ? argv[i + 1] : "";
     bool ok = true;
     if (arg == "--elements") {
-      ok = absl::SimpleAtoi(value, &n);
+      ok = absl::SimpleAtoi(value, &n) && n > 0 && n <= (size_t{1} << 40);
     } else if (arg == "--chunk") {
       ok = absl::SimpleAtoi(value, &chunk) && chunk > 0;
     } else if (arg == "--reps") {
@@ -137,6 +139,10 @@ int main(int argc, char** argv) {
   Check(onebit.status());
   Check(fp16.status());
 
+  // Five fp32 arrays and the two encodings: refused before allocating when
+  // they cannot fit.
+  Check(onebit::CheckMemory(absl::StrCat("--elements ", n),
+                            5 * 4 * n + (*onebit)->EncodedSize(n) + (*fp16)->EncodedSize(n)));
   std::vector<float> y(n), e(n), c(n), acc(n);
   std::mt19937 rng(1);
   std::normal_distribution<float> normal(0.0f, 1.0f);
