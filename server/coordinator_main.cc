@@ -6,6 +6,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "net/control.h"
 #include "net/flags.h"
 #include "net/job_config.h"
 #include "net/run_folder.h"
@@ -38,6 +39,9 @@ int Main(int argc, char** argv) {
       "Forms the cluster, hands out ranks and the shard map, watches it, writes --out.",
       &given);
   CoordinatorOptions o;
+  if (const int code = absl::GetFlag(FLAGS_exit_code_when_stopped); code < 0 || code > 255) {
+    ExitFlagError("exit_code_when_stopped", "must be in [0, 255] (an exit status)");
+  }
   o.bind_host = absl::GetFlag(FLAGS_bind_host);
   o.port = absl::GetFlag(FLAGS_port);
   if (o.port < 0 || o.port > 65535) ExitFlagError("port", "must be in [0, 65535]");
@@ -54,6 +58,9 @@ int Main(int argc, char** argv) {
     if (!map.ok()) ExitError(2, std::string(map.status().message()));
   }
   o.register_timeout = absl::GetFlag(FLAGS_register_timeout);
+  if (absl::Status st = CheckTimeout(o.register_timeout); !st.ok()) {
+    ExitFlagError("register_timeout", st.message());
+  }
   const std::string port_file = absl::GetFlag(FLAGS_port_file);
   bool port_written = true;
   if (!port_file.empty()) {

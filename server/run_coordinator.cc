@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "checkpoint/checkpoint_dir.h"
 #include "net/config_file.h"
+#include "net/control.h"
 #include "net/health.h"
 #include "net/job_config.h"
 #include "net/job_settings.h"
@@ -56,6 +57,10 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
       return absl::InvalidArgumentError(
           absl::StrCat("CoordinatorOptions.", name, ": must be in [0, 65535]"));
     }
+  }
+  if (absl::Status st = CheckTimeout(o.register_timeout); !st.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CoordinatorOptions.register_timeout: ", st.message()));
   }
   if (absl::Status st = ValidateConfig(cfg); !st.ok()) return st;
   if (cfg.model() != kExternalModel) {

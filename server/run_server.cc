@@ -88,8 +88,12 @@ absl::Status ServeIncarnation(const ServerOptions& o, const control::RegisterRep
 
 absl::Status RunServer(const ServerOptions& o) {
   if (o.coordinator.empty()) return Invalid("coordinator", "required (host:port)");
+  if (o.shard < -1) return Invalid("shard", "must be -1 (any) or a shard");
   for (auto [name, port] : {std::pair{"data_port", o.data_port}, {"health_port", o.health_port}}) {
     if (port < 0 || port > 65535) return Invalid(name, "must be in [0, 65535]");
+  }
+  if (absl::Status st = CheckTimeout(o.register_timeout); !st.ok()) {
+    return Invalid("register_timeout", st.message());
   }
   const std::string advertise = o.advertise_host.empty() ? Hostname() : o.advertise_host;
 

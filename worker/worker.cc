@@ -322,6 +322,9 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
     return Invalid("health_port", "must be in [0, 65535]");
   }
   if (o.rank < -1) return Invalid("rank", "must be -1 (any) or a rank");
+  if (absl::Status st = CheckTimeout(o.register_timeout); !st.ok()) {
+    return Invalid("register_timeout", st.message());
+  }
   // Before joining: a worker that cannot use its device must not hold up a job.
   auto choice = ChooseDevice(o.device);
   if (!choice.ok()) return choice.status();

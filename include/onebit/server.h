@@ -32,6 +32,7 @@ struct ServerOptions {
   int health_port = 0;
   // The address workers reach this server at; default: the hostname.
   std::string advertise_host;
+  // How long to wait for the coordinator and the whole cluster; > 0, finite.
   absl::Duration register_timeout = absl::Seconds(60);
   // When not empty: the final master shard and server error, raw fp32.
   std::string dump_x;
@@ -72,6 +73,7 @@ struct CoordinatorOptions {
   // CANCELLED; starting the job again resumes it), any other ends as failed
   // ("stopped by SIGTERM"); the run folder is written either way.
   const std::atomic<int>* stop_signal = nullptr;
+  // How long to wait for every server and worker to register; > 0, finite.
   absl::Duration register_timeout = absl::Seconds(60);
 };
 

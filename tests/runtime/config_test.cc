@@ -386,6 +386,95 @@ TEST(JobSettings, CommandLineSpellings) {
   EXPECT_THAT(ErrorOf({"stray"}), HasSubstr("unexpected argument 'stray'"));
 }
 
+// A duration setting is a uint32 of milliseconds: a negative one, or one
+// past 2^32 ms, is refused rather than wrapped (-5s would be 49.7 days, and
+// a stopped worker would hold up the job that long); zero only where it
+// means something (rejoin_timeout: fail at once).
+TEST(JobSettings, DurationsOutOfRangeAreRefusedNamingTheSetting) {
+  for (const std::string name : {"step_timeout", "heartbeat_timeout", "rejoin_timeout"}) {
+    for (const std::string value : {"-5s", "-1ms", "1194h", "100000h", "inf", "-inf"}) {
+      EXPECT_THAT(
+          ErrorOf({"--" + name + "=" + value}),
+          HasSubstr("--" + name + ": invalid value '" + value + "': out of range (0 to 49 days)"))
+          << value;
+      EXPECT_THAT(ConfigError(absl::StrCat(R"({")", name, R"(": ")", value, R"("})")),
+                  HasSubstr("--" + name + ": invalid value '" + value + "'"))
+          << value;
+    }
+    EXPECT_THAT(ConfigError(absl::StrCat(R"({")", name, R"(": -5})")), HasSubstr("--" + name))
+        << "a number without a unit";
+  }
+  // 1193 hours still fit in 2^32 ms; rejoin_timeout 0 means "fail at once".
+  auto ok = ConfigFromFlags({"--heartbeat_timeout=1193h", "--rejoin_timeout=0"});
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->heartbeat_timeout_ms(), 4294800000u);
+  EXPECT_EQ(ok->rejoin_timeout_ms(), 0u);
+  EXPECT_THAT(ErrorOf({"--step_timeout=0"}), HasSubstr("--step_timeout: must be >= 1ms"));
+  EXPECT_THAT(ErrorOf({"--heartbeat_timeout=0s"}),
+              HasSubstr("--heartbeat_timeout: must be >= 100ms"));
+}
+
+// Duration flags: a negative or endless one is a flag error (exit 2)
+// naming the flag, as is a zero timeout, which could bound no wait.
+TEST(Binaries, BadDurationsAndCountsAreFlagErrors) {
+  const std::string c = "--coordinator=127.0.0.1:1";
+  struct Case {
+    std::vector<std::string> argv;
+    std::string error;
+  };
+  const std::vector<Case> cases = {
+      {{"onebit-coordinator", "--register_timeout=-5s"},
+       "onebit-coordinator: --register_timeout: invalid value '-5s': must not be negative"},
+      {{"onebit-coordinator", "--register_timeout=0"},
+       "onebit-coordinator: --register_timeout: must be > 0"},
+      {{"onebit-coordinator", "--heartbeat_timeout", "-5s"},
+       "onebit-coordinator: --heartbeat_timeout: invalid value '-5s': out of range"},
+      {{"onebit-coordinator", "--rejoin_timeout=1200h"},
+       "onebit-coordinator: --rejoin_timeout: invalid value '1200h': out of range"},
+      {{"onebit-server", c, "--register-timeout=-1ms"},
+       "onebit-server: --register_timeout: invalid value '-1ms': must not be negative"},
+      {{"onebit-server", c, "--register_timeout=0s"},
+       "onebit-server: --register_timeout: must be > 0"},
+      {{"onebit-server", c, "--register_timeout=inf"},
+       "onebit-server: --register_timeout: invalid value 'inf': must be finite"},
+      {{"onebit-worker", c, "--register_timeout=-5s"},
+       "onebit-worker: --register_timeout: invalid value '-5s': must not be negative"},
+      {{"onebit-worker", c, "--register_timeout=0"},
+       "onebit-worker: --register_timeout: must be > 0"},
+      {{"onebit-worker", c, "--progress_interval=-1s"},
+       "onebit-worker: --progress_interval: invalid value '-1s': must not be negative"},
+      {{"onebit-launch", "--grace=-1s"},
+       "onebit-launch: --grace: invalid value '-1s': must not be negative"},
+      {{"onebit-launch", "--launch_register_timeout=-5s"},
+       "onebit-launch: --launch_register_timeout: invalid value '-5s': must not be negative"},
+      {{"onebit-launch", "--launch_register_timeout=0"},
+       "onebit-launch: --launch_register_timeout: must be > 0"},
+      {{"onebit-launch", "--heartbeat_timeout=-5s"},
+       "onebit-launch: --heartbeat_timeout: invalid value '-5s': out of range"},
+      {{"onebit-launch", "--step_timeout=0"}, "onebit-launch: --step_timeout: must be >= 1ms"},
+      {{"onebit-reference", "--step_timeout=-30s"},
+       "onebit-reference: --step_timeout: invalid value '-30s': out of range"},
+      // Not durations, but as wrong: an exit status wraps mod 256 (256 would
+      // be success), and a negative rank or restart count means nothing.
+      {{"onebit-coordinator", "--exit_code_when_stopped=256"},
+       "onebit-coordinator: --exit_code_when_stopped: must be in [0, 255]"},
+      {{"onebit-server", c, "--exit_code_when_stopped=-1"},
+       "onebit-server: --exit_code_when_stopped: must be in [0, 255]"},
+      {{"onebit-worker", c, "--exit_code_when_stopped=300"},
+       "onebit-worker: --exit_code_when_stopped: must be in [0, 255]"},
+      {{"onebit-server", c, "--shard=-2"}, "onebit-server: --shard: must be -1 (any) or a shard"},
+      {{"onebit-worker", c, "--rank=-2"}, "onebit-worker: --rank: must be -1 (any) or a rank"},
+      {{"onebit-launch", "--max_restarts=-1"}, "onebit-launch: --max_restarts: must be >= 0"},
+  };
+  for (const Case& k : cases) {
+    std::vector<std::string> argv = k.argv;
+    argv[0] = Bin(argv[0]);
+    RunResult r = RunCommand(argv, absl::Seconds(10));
+    EXPECT_EQ(r.code, 2) << absl::StrJoin(k.argv, " ") << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr(k.error)) << absl::StrJoin(k.argv, " ");
+  }
+}
+
 // argv under an address-space limit (ulimit -v) of `gib` GiB, which the
 // memory check counts (shard/memory.h): the same refusal on any machine.
 std::vector<std::string> WithAddressLimit(int gib, const std::vector<std::string>& argv) {
