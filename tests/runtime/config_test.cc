@@ -1,5 +1,7 @@
 // The job settings: the table, the command line, --config files (ours and
 // DeepSpeed's), and which binary takes which flags.
+#include <unistd.h>
+
 #include <fstream>
 #include <map>
 #include <set>
@@ -7,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "gmock/gmock.h"
@@ -412,6 +415,34 @@ TEST(JobSettings, DurationsOutOfRangeAreRefusedNamingTheSetting) {
   EXPECT_THAT(ErrorOf({"--step_timeout=0"}), HasSubstr("--step_timeout: must be >= 1ms"));
   EXPECT_THAT(ErrorOf({"--heartbeat_timeout=0s"}),
               HasSubstr("--heartbeat_timeout: must be >= 100ms"));
+}
+
+// Every binary the build ships answers --help (and --helpfull, or -h where
+// it has its own parser) with its usage and exit status 0 (the example's
+// softmax_train: example_test).
+TEST(Binaries, HelpExitsZeroOnEveryBinary) {
+  const std::vector<std::pair<std::string, std::string>> bins = {
+      {"onebit-coordinator", "onebit-coordinator --workers N"},
+      {"onebit-server", "onebit-server --coordinator HOST:PORT"},
+      {"onebit-worker", "onebit-worker --coordinator HOST:PORT"},
+      {"onebit-launch", "onebit-launch --workers N"},
+      {"onebit-reference", "onebit-reference --workers N"},
+      {"onebit-bench-pushpull", "onebit-bench-pushpull [--params"},
+      {"onebit-bench-codec", "usage: onebit-bench-codec [--elements N]"},
+      {"onebit-bench-gpu-codec", "usage: onebit-bench-gpu-codec [--elements N]"},
+  };
+  for (const auto& [bin, usage] : bins) {
+    const std::string path = Bin(bin);
+    if (bin == "onebit-bench-gpu-codec" && access(path.c_str(), X_OK) != 0) continue;  // CUDA only
+    // The codec benchmarks parse their own few flags; the rest are absl's.
+    const bool own_parser = absl::StartsWith(bin, "onebit-bench-") && absl::EndsWith(bin, "codec");
+    const std::vector<std::string> helps = {"--help", own_parser ? "-h" : "--helpfull"};
+    for (const std::string& help : helps) {
+      RunResult r = RunCommand({path, help}, absl::Seconds(10));
+      EXPECT_EQ(r.code, 0) << bin << " " << help << ": " << r.output;
+      EXPECT_THAT(r.output, HasSubstr(usage)) << bin << " " << help;
+    }
+  }
 }
 
 // Duration flags: a negative or endless one is a flag error (exit 2)

@@ -98,10 +98,17 @@ int main(int argc, char** argv) {
   size_t chunk = size_t{256} << 10;  // 1 MB of fp32, the data plane's default chunk
   int reps = 5;
   onebit::CodecOptions options;
+  constexpr char kUsage[] =
+      "usage: onebit-bench-codec [--elements N] [--chunk C] [--reps R] [--block B] "
+      "[--scale l1|l2]\n";
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     const char* value = i + 1 < argc ? argv[i + 1] : "";
     bool ok = true;
+    if (arg == "--help" || arg == "-h") {
+      std::printf("%s", kUsage);
+      return 0;
+    }
     if (arg == "--elements") {
       ok = absl::SimpleAtoi(value, &n) && n > 0 && n <= (size_t{1} << 40);
     } else if (arg == "--chunk") {
@@ -115,10 +122,7 @@ int main(int argc, char** argv) {
       ok = rule.ok();
       if (ok) options.scale = *rule;
     } else {
-      std::fprintf(stderr,
-                   "usage: onebit-bench-codec [--elements N] [--chunk C] [--reps R] "
-                   "[--block B] [--scale l1|l2]\nunknown flag: %s\n",
-                   arg.c_str());
+      std::fprintf(stderr, "%sunknown flag: %s\n", kUsage, arg.c_str());
       return 2;
     }
     if (!ok) {
