@@ -116,6 +116,9 @@ case $cmd in
     fi
     echo "ok: '$what' rejects $overlay with /$regex/"
     ;;
+  -h | --help)
+    sed -n '2,19p' "$0"
+    ;;
   *)
     sed -n '2,19p' "$0" >&2
     exit 2
