@@ -16,6 +16,7 @@
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "gtest/gtest.h"
+#include "net/control.h"
 #include "net/job_config.h"
 #include "net/job_settings.h"
 #include "shard/memory.h"
@@ -528,6 +529,38 @@ bool UnderAddressSanitizer() {
 
 constexpr uint64_t kHugeDim = uint64_t{1} << 34;  // 64 GiB an fp32 array
 
+// A job of d = kHugeDim, 1 server and 1 worker: the test registers as the
+// process of role `stand_in` and `argv` (with --coordinator, under ulimit -v
+// 16 GiB) is the other; it must exit 1 printing `error`, and the job fail
+// with it.
+void RunBesideAStandIn(control::Role stand_in, std::vector<std::string> argv,
+                       const std::string& error) {
+  const std::string dir = TempDir(stand_in == control::SERVER ? "huge-worker" : "huge-server");
+  Subprocess coord = Start(
+      {Bin("onebit-coordinator"), "--bind_host=127.0.0.1", "--port=0",
+       "--port_file=" + dir + "/port", "--register_timeout=30s", absl::StrCat("--dim=", kHugeDim),
+       "--workers=1", "--servers=1", "--optimizer=adam", "--steps=3", "--heartbeat_timeout=3s"},
+      dir + "/coordinator.log");
+  ASSERT_TRUE(WaitForText(dir + "/port", "\n", absl::Seconds(20)))
+      << ReadFile(dir + "/coordinator.log");
+  const std::string target =
+      absl::StrCat("127.0.0.1:", absl::StripAsciiWhitespace(ReadFile(dir + "/port")));
+  argv.push_back("--coordinator=" + target);
+  Subprocess process = Start(WithAddressLimit(16, argv), dir + "/process.log");
+  auto stub = control::Coordinator::NewStub(MakeChannel(target));
+  control::RegisterRequest req;
+  req.set_role(stand_in);
+  req.set_requested_rank(0);
+  req.set_data_endpoint("tcp://127.0.0.1:1");  // never reached: the job ends first
+  // Its reply: OK, or the job's failure when the other's refusal came first.
+  RegisterWithCoordinator(stub.get(), target, req, absl::Seconds(20)).status().IgnoreError();
+  EXPECT_EQ(process.Wait(absl::Seconds(30)), std::optional<int>(1))
+      << ReadFile(dir + "/process.log");
+  EXPECT_THAT(ReadFile(dir + "/process.log"), HasSubstr(error));
+  EXPECT_EQ(coord.Wait(absl::Seconds(30)), std::optional<int>(1));
+  EXPECT_THAT(ReadFile(dir + "/coordinator.log"), HasSubstr("needs at least"));
+}
+
 // A job whose state cannot fit in memory: the reference, the server (its
 // shard) and the worker (its replica) each refuse before allocating it,
 // naming the bytes it needs and the limit, instead of dying of bad_alloc or
@@ -554,36 +587,19 @@ TEST(Binaries, AJobTooLargeForMemoryIsRefusedNamingTheBytes) {
                                     "GiB) of memory; " +
                                     limit));
 
-  const std::string dir = TempDir("huge");
-  Subprocess coord = Start(
-      {Bin("onebit-coordinator"), "--bind_host=127.0.0.1", "--port=0",
-       "--port_file=" + dir + "/port", "--register_timeout=30s", absl::StrCat("--dim=", kHugeDim),
-       "--workers=1", "--servers=1", "--optimizer=adam", "--steps=3"},
-      dir + "/coordinator.log");
-  ASSERT_TRUE(WaitForText(dir + "/port", "\n", absl::Seconds(20)))
-      << ReadFile(dir + "/coordinator.log");
-  const std::string target =
-      absl::StrCat("127.0.0.1:", absl::StripAsciiWhitespace(ReadFile(dir + "/port")));
-  Subprocess server =
-      Start(WithAddressLimit(16, {Bin("onebit-server"), "--coordinator=" + target,
-                                  "--bind_host=127.0.0.1", "--advertise_host=127.0.0.1"}),
-            dir + "/server.log");
-  Subprocess worker = Start(WithAddressLimit(16, {Bin("onebit-worker"), "--coordinator=" + target,
-                                                  "--bind_host=127.0.0.1", "--device=cpu"}),
-                            dir + "/worker.log");
-  EXPECT_EQ(server.Wait(absl::Seconds(30)), std::optional<int>(1)) << ReadFile(dir + "/server.log");
-  EXPECT_EQ(worker.Wait(absl::Seconds(30)), std::optional<int>(1)) << ReadFile(dir + "/worker.log");
-  EXPECT_EQ(coord.Wait(absl::Seconds(30)), std::optional<int>(1));
-  // adam: the shard's x, accumulators, m, v; the replica's x and g.
-  EXPECT_THAT(ReadFile(dir + "/server.log"),
-              HasSubstr("server 0: shard 0 of 17179869184 parameters (x, the accumulators, m, v) "
-                        "needs at least 274877906944 bytes (256 GiB) of memory; " +
-                        limit));
-  EXPECT_THAT(ReadFile(dir + "/worker.log"),
-              HasSubstr("a replica of d = 17179869184 (x, g) needs at least 137438953472 bytes "
-                        "(128 GiB) of memory; " +
-                        limit));
-  EXPECT_THAT(ReadFile(dir + "/coordinator.log"), HasSubstr("needs at least"));
+  // The server and the worker, each in a job whose other process the test
+  // plays (registered, then silent), so that each one's own refusal is what
+  // ends the job. adam: the shard's x, accumulators, m, v; the replica's x, g.
+  RunBesideAStandIn(control::WORKER,
+                    {Bin("onebit-server"), "--bind_host=127.0.0.1", "--advertise_host=127.0.0.1"},
+                    "onebit-server: server 0: shard 0 of 17179869184 parameters (x, the "
+                    "accumulators, m, v) needs at least 274877906944 bytes (256 GiB) of memory; " +
+                        limit);
+  RunBesideAStandIn(control::SERVER,
+                    {Bin("onebit-worker"), "--bind_host=127.0.0.1", "--device=cpu"},
+                    "onebit-worker: a replica of d = 17179869184 (x, g) needs at least "
+                    "137438953472 bytes (128 GiB) of memory; " +
+                        limit);
 }
 
 // The binaries: each --help lists its own flags, and the ones that do not
