@@ -140,7 +140,8 @@ absl::Status ParseArgs(const std::vector<std::string>& args, bool use_absl, Extr
       if (!flag->ParseFrom(value, &error)) {
         return FlagError(name, absl::StrCat("invalid value '", value, "': ", error));
       }
-      // No flag of ours means a negative or an endless time ("-5s", "inf").
+      // No duration flag of ours has a meaning for a negative or an endless
+      // time ("-5s", "inf"): refused here, for every binary at once.
       if (auto d = flag->TryGet<absl::Duration>()) {
         if (*d < absl::ZeroDuration()) {
           return FlagError(name, absl::StrCat("invalid value '", value, "': must not be negative"));
