@@ -20,6 +20,7 @@
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "checkpoint/checkpoint_dir.h"
+#include "net/control.h"
 #include "net/flags.h"
 #include "net/health.h"
 #include "net/job_config.h"
@@ -45,7 +46,7 @@ ABSL_FLAG(int32_t, stall_worker, -1, "fault injection: this worker stops pushing
 ABSL_FLAG(int64_t, stall_at_step, -1, "... at this step");
 ABSL_FLAG(absl::Duration, grace, absl::Seconds(1),
           "after a child fails: how long the others get to exit on their own, then to "
-          "exit after SIGTERM before SIGKILL");
+          "exit after SIGTERM before SIGKILL (0: no wait)");
 ABSL_FLAG(int32_t, max_restarts, 0,
           "when a process fails mid-job, start it again, up to this many times in all: with "
           "--checkpoint_dir (and --rejoin_timeout > 0) that process alone, and the others roll "
@@ -128,6 +129,9 @@ int Main(int argc, char** argv) {
       "onebit-launch --workers N --servers S [--model synthetic --dim D --steps T] [--out DIR]\n"
       "Runs a whole job on this machine over loopback; takes every coordinator config flag.");
   const std::string out = absl::GetFlag(FLAGS_out);
+  if (absl::Status st = CheckTimeout(absl::GetFlag(FLAGS_launch_register_timeout)); !st.ok()) {
+    ExitFlagError("launch_register_timeout", st.message());
+  }
   if (absl::GetFlag(FLAGS_dump_params) && out.empty()) ExitFlagError("dump_params", "needs --out");
   const int stall_worker = absl::GetFlag(FLAGS_stall_worker);
   if (stall_worker >= static_cast<int>(cfg.workers())) {
@@ -160,6 +164,7 @@ int Main(int argc, char** argv) {
     if (!st.ok()) ExitFlagError("out", st.message());
   }
   const int max_restarts = absl::GetFlag(FLAGS_max_restarts);
+  if (max_restarts < 0) ExitFlagError("max_restarts", "must be >= 0");
   const bool live = !cfg.checkpoint_dir().empty() && cfg.rejoin_timeout_ms() > 0;
   // One start of the whole job; *running: it got as far as starting every
   // process (a job that fails before that is not worth restarting).

@@ -44,6 +44,12 @@ std::string Hostname() {
   return buf;
 }
 
+absl::Status CheckTimeout(absl::Duration timeout) {
+  if (timeout <= absl::ZeroDuration()) return absl::InvalidArgumentError("must be > 0");
+  if (timeout == absl::InfiniteDuration()) return absl::InvalidArgumentError("must be finite");
+  return absl::OkStatus();
+}
+
 absl::StatusOr<control::RegisterReply> RegisterWithCoordinator(
     control::Coordinator::Stub* stub, const std::string& target,
     const control::RegisterRequest& request, absl::Duration timeout) {

@@ -35,6 +35,11 @@ absl::Status RpcError(absl::string_view what, const grpc::Status& status);
 // This machine's hostname (the default address to advertise).
 std::string Hostname();
 
+// What a timeout of the options or flags must be: > 0 and finite. OK, or an
+// InvalidArgument whose message is the reason ("must be > 0"), for the
+// caller to prefix with the option's or flag's name.
+absl::Status CheckTimeout(absl::Duration timeout);
+
 // Registers and waits for the whole cluster (the coordinator replies once all
 // processes are in). Retries while the coordinator is not up yet; gives up
 // after `timeout` with an error naming the coordinator.

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/time.h"
 #include "net/job_settings.h"
 
 namespace onebit {
@@ -138,6 +139,16 @@ absl::Status ParseArgs(const std::vector<std::string>& args, bool use_absl, Extr
       std::string error;
       if (!flag->ParseFrom(value, &error)) {
         return FlagError(name, absl::StrCat("invalid value '", value, "': ", error));
+      }
+      // No duration flag of ours has a meaning for a negative or an endless
+      // time ("-5s", "inf"): refused here, for every binary at once.
+      if (auto d = flag->TryGet<absl::Duration>()) {
+        if (*d < absl::ZeroDuration()) {
+          return FlagError(name, absl::StrCat("invalid value '", value, "': must not be negative"));
+        }
+        if (*d == absl::InfiniteDuration()) {
+          return FlagError(name, absl::StrCat("invalid value '", value, "': must be finite"));
+        }
       }
       absl_args->push_back(absl::StrCat("--", name, "=", value));
     } else if (absl::Status st = extra->Set(name, value); !st.ok()) {

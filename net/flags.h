@@ -1,7 +1,8 @@
 // Command-line parsing shared by every binary: absl flags for each binary's
 // own process flags, plus the project's rules on top (docs/design.md §4): an
-// unknown flag or an invalid value exits with status 2 naming the flag; flag
-// names may be spelled with dashes (--step-timeout) or underscores
+// unknown flag or an invalid value (for a duration flag also a negative or
+// an infinite one) exits with status 2 naming the flag; flag names may be
+// spelled with dashes (--step-timeout) or underscores
 // (--step_timeout). The job settings (net/job_settings.h) are not absl flags:
 // the binaries that take them pass them in as ExtraFlags, and the others
 // refuse them naming the binaries that take them.

@@ -6,6 +6,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "net/control.h"
 #include "net/flags.h"
 #include "net/job_config.h"
 #include "net/run_folder.h"
@@ -16,6 +17,9 @@
 
 ABSL_FLAG(std::string, bind_host, "0.0.0.0", "address to listen on");
 ABSL_FLAG(int32_t, port, 7070, "gRPC port; 0: any free port (see --port_file)");
+ABSL_FLAG(int32_t, health_port, 0,
+          "plaintext grpc.health.v1 port (health only, for probes such as Kubernetes' gRPC "
+          "probes); 0: any free port");
 ABSL_FLAG(std::string, port_file, "", "write the bound port to this file once listening");
 ABSL_FLAG(std::string, out, "", "run folder: metrics.csv and summary.json");
 ABSL_FLAG(absl::Duration, register_timeout, absl::Seconds(60),
@@ -36,12 +40,16 @@ int Main(int argc, char** argv) {
       "Forms the cluster, hands out ranks and the shard map, watches it, writes --out.",
       &given);
   CoordinatorOptions o;
-  const SecurityFlags security = SecurityFlagsOrExit();
-  o.secret_file = security.secret_file;
-  o.insecure = security.insecure;
+  if (const int code = absl::GetFlag(FLAGS_exit_code_when_stopped); code < 0 || code > 255) {
+    ExitFlagError("exit_code_when_stopped", "must be in [0, 255] (an exit status)");
+  }
   o.bind_host = absl::GetFlag(FLAGS_bind_host);
   o.port = absl::GetFlag(FLAGS_port);
   if (o.port < 0 || o.port > 65535) ExitFlagError("port", "must be in [0, 65535]");
+  o.health_port = absl::GetFlag(FLAGS_health_port);
+  if (o.health_port < 0 || o.health_port > 65535) {
+    ExitFlagError("health_port", "must be in [0, 65535]");
+  }
   o.out = absl::GetFlag(FLAGS_out);
   if (!o.out.empty()) {
     if (absl::Status st = MakeDirs(o.out); !st.ok()) ExitFlagError("out", st.message());
@@ -51,6 +59,9 @@ int Main(int argc, char** argv) {
     if (!map.ok()) ExitError(2, std::string(map.status().message()));
   }
   o.register_timeout = absl::GetFlag(FLAGS_register_timeout);
+  if (absl::Status st = CheckTimeout(o.register_timeout); !st.ok()) {
+    ExitFlagError("register_timeout", st.message());
+  }
   const std::string port_file = absl::GetFlag(FLAGS_port_file);
   bool port_written = true;
   if (!port_file.empty()) {
@@ -60,6 +71,10 @@ int Main(int argc, char** argv) {
       port_written = std::rename(tmp.c_str(), port_file.c_str()) == 0;
     };
   }
+  // Last: every other flag is checked first.
+  const SecurityFlags security = SecurityFlagsOrExit();
+  o.secret_file = security.secret_file;
+  o.insecure = security.insecure;
   // SIGTERM (Kubernetes, onebit-launch) or SIGINT: stop the job after a
   // checkpoint, or end it writing the run folder, instead of dying with it
   // unwritten.

@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "checkpoint/checkpoint_dir.h"
 #include "net/config_file.h"
+#include "net/control.h"
 #include "net/health.h"
 #include "net/job_config.h"
 #include "net/job_settings.h"
@@ -52,8 +53,15 @@ absl::StatusOr<std::optional<CompleteCheckpoint>> FindResumePoint(
 
 absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
                                const std::set<std::string>& given, const CoordinatorOptions& o) {
-  if (o.port < 0 || o.port > 65535) {
-    return absl::InvalidArgumentError("CoordinatorOptions.port: must be in [0, 65535]");
+  for (auto [name, port] : {std::pair{"port", o.port}, {"health_port", o.health_port}}) {
+    if (port < 0 || port > 65535) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("CoordinatorOptions.", name, ": must be in [0, 65535]"));
+    }
+  }
+  if (absl::Status st = CheckTimeout(o.register_timeout); !st.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CoordinatorOptions.register_timeout: ", st.message()));
   }
   if (absl::Status st = ValidateConfig(cfg); !st.ok()) return st;
   auto security = ResolveSecurity(o.secret_file, o.insecure, "CoordinatorOptions.secret_file");
@@ -125,13 +133,18 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
     return absl::UnavailableError(
         absl::StrCat("cannot listen on ", addr, ": address in use or not available"));
   }
-  if (o.on_listening) o.on_listening(bound);
+  int health_bound = 0;
+  auto health = StartHealthServer(o.bind_host, o.health_port, &health_bound);
+  if (!health.ok()) return health.status();
   std::fprintf(stderr,
-               "coordinator: job %016llx on %s:%d, waiting for %u servers and %u workers "
-               "(%s, d=%llu, %llu steps)\n",
-               static_cast<unsigned long long>(job_id), o.bind_host.c_str(), bound, cfg.servers(),
-               cfg.workers(), cfg.optimizer().c_str(), static_cast<unsigned long long>(cfg.dim()),
+               "coordinator: job %016llx on %s:%d (health on port %d), waiting for %u servers and "
+               "%u workers (%s, d=%llu, %llu steps)\n",
+               static_cast<unsigned long long>(job_id), o.bind_host.c_str(), bound, health_bound,
+               cfg.servers(), cfg.workers(), cfg.optimizer().c_str(),
+               static_cast<unsigned long long>(cfg.dim()),
                static_cast<unsigned long long>(cfg.steps()));
+  // After that line, so that whoever reads --port_file finds it in the log.
+  if (o.on_listening) o.on_listening(bound);
 
   absl::Status metrics_status;
   auto append_rows = [&] {
@@ -209,6 +222,7 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
   while (!service.EveryoneTold() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
   server->Shutdown(
       absl::ToChronoTime(absl::Now() + (signalled ? absl::Milliseconds(200) : absl::Seconds(1))));
+  (*health)->Shutdown(absl::ToChronoTime(absl::Now()));
   std::fprintf(stderr, "coordinator: %s (%.3f s, final loss %s)\n", verdict.c_str(), wall,
                summary.final_loss ? absl::StrFormat("%.6g", *summary.final_loss).c_str() : "n/a");
   return result;

@@ -19,6 +19,7 @@
 #include "onebit/server.h"
 #include "security/curve.h"
 #include "server/ps_server.h"
+#include "shard/memory.h"
 
 namespace onebit {
 namespace {
@@ -90,8 +91,12 @@ absl::Status ServeIncarnation(const ServerOptions& o, const control::RegisterRep
 
 absl::Status RunServer(const ServerOptions& o) {
   if (o.coordinator.empty()) return Invalid("coordinator", "required (host:port)");
+  if (o.shard < -1) return Invalid("shard", "must be -1 (any) or a shard");
   for (auto [name, port] : {std::pair{"data_port", o.data_port}, {"health_port", o.health_port}}) {
     if (port < 0 || port > 65535) return Invalid(name, "must be in [0, 65535]");
+  }
+  if (absl::Status st = CheckTimeout(o.register_timeout); !st.ok()) {
+    return Invalid("register_timeout", st.message());
   }
   auto security = ResolveSecurity(o.secret_file, o.insecure, "ServerOptions.secret_file");
   if (!security.ok()) return security.status();
@@ -186,6 +191,16 @@ absl::Status ServeIncarnation(const ServerOptions& o, const control::RegisterRep
   }
   auto optimizer = OptimizerOptionsFromConfig(cfg);
   if (!optimizer.ok()) return fail(optimizer.status());
+  // Before the shard is allocated: too large for this machine is an error
+  // naming the bytes, not the OOM killer.
+  const Range shard_range = map->shard(rank);
+  const StateSize size = ServerShardSize(*optimizer, shard_range.size());
+  if (absl::Status st = CheckMemory(absl::StrCat("shard ", rank, " of ", shard_range.size(),
+                                                 " parameters (", size.arrays, ")"),
+                                    size.bytes);
+      !st.ok()) {
+    return fail(st);
+  }
   optimizer->weight_decay_ranges = DecayRangesOf(reg.weight_decay_ranges());
   auto freeze = FreezeOptionsFromConfig(cfg);
   if (!freeze.ok()) return fail(freeze.status());

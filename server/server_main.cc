@@ -7,6 +7,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/time/time.h"
+#include "net/control.h"
 #include "net/data_plane.h"
 #include "net/flags.h"
 #include "net/security_flags.h"
@@ -42,10 +43,11 @@ int Main(int argc, char** argv) {
   ServerOptions o;
   o.coordinator = absl::GetFlag(FLAGS_coordinator);
   if (o.coordinator.empty()) ExitFlagError("coordinator", "required");
-  const SecurityFlags security = SecurityFlagsOrExit();
-  o.secret_file = security.secret_file;
-  o.insecure = security.insecure;
   o.shard = absl::GetFlag(FLAGS_shard);
+  if (o.shard < -1) ExitFlagError("shard", "must be -1 (any) or a shard");
+  if (const int code = absl::GetFlag(FLAGS_exit_code_when_stopped); code < 0 || code > 255) {
+    ExitFlagError("exit_code_when_stopped", "must be in [0, 255] (an exit status)");
+  }
   o.bind_host = absl::GetFlag(FLAGS_bind_host);
   o.data_port = absl::GetFlag(FLAGS_data_port);
   if (o.data_port < 0 || o.data_port > 65535) ExitFlagError("data_port", "must be in [0, 65535]");
@@ -55,10 +57,17 @@ int Main(int argc, char** argv) {
   }
   o.advertise_host = absl::GetFlag(FLAGS_advertise_host);
   o.register_timeout = absl::GetFlag(FLAGS_register_timeout);
+  if (absl::Status st = CheckTimeout(o.register_timeout); !st.ok()) {
+    ExitFlagError("register_timeout", st.message());
+  }
   o.dump_x = absl::GetFlag(FLAGS_dump_x);
   o.dump_error = absl::GetFlag(FLAGS_dump_error);
   // SIGTERM (Kubernetes, onebit-launch): stop the job after a checkpoint.
   CatchStopSignals();
+  // Last: every other flag is checked first.
+  const SecurityFlags security = SecurityFlagsOrExit();
+  o.secret_file = security.secret_file;
+  o.insecure = security.insecure;
   o.stop_signal = StopSignalFlag();
   absl::Status st = RunServer(o);
   if (absl::IsCancelled(st)) {

@@ -141,6 +141,33 @@ bool HasCompressionPhase(OptimizerKind kind) {
 
 bool HasWarmup(OptimizerKind kind) { return kind != OptimizerKind::kEfSgd; }
 
+namespace {
+
+StateSize SizeOf(std::vector<const char*> arrays, uint64_t n) {
+  StateSize s;
+  s.bytes = arrays.size() * n * sizeof(float);  // n <= 2^34: no overflow
+  s.arrays = absl::StrJoin(arrays, ", ");
+  return s;
+}
+
+}  // namespace
+
+StateSize WorkerStateSize(const OptimizerOptions& o, uint64_t d) {
+  std::vector<const char*> arrays = {"x", "g"};
+  if (HasCompressionPhase(o.kind)) arrays.insert(arrays.end(), {"mbar", "e_w"});
+  return SizeOf(arrays, d);
+}
+
+StateSize ServerShardSize(const OptimizerOptions& o, uint64_t n) {
+  std::vector<const char*> arrays = {"x", "the accumulators"};
+  const bool adam = o.kind != OptimizerKind::kSgd && o.kind != OptimizerKind::kEfSgd;
+  if (adam) arrays.insert(arrays.end(), {"m", "v"});
+  // onebit-adam drops m when e_s arrives.
+  if (HasCompressionPhase(o.kind) && o.kind != OptimizerKind::kOnebitAdam) arrays.push_back("e_s");
+  if (o.reply == ReplyMode::kDelta) arrays.push_back("the replica");
+  return SizeOf(arrays, n);
+}
+
 absl::string_view DefaultCodec(OptimizerKind kind) {
   return HasCompressionPhase(kind) ? "onebit" : "fp32";
 }

@@ -93,6 +93,21 @@ bool HasCompressionPhase(OptimizerKind kind);
 bool HasWarmup(OptimizerKind kind);
 // The codec an optimizer uses when the user names none.
 absl::string_view DefaultCodec(OptimizerKind kind);
+
+// The fp32 arrays of n elements that a process holds for the whole job,
+// for the memory check before allocating them (shard/memory.h): at least
+// this much, since buffers, snapshots and the model's own come on top.
+struct StateSize {
+  uint64_t bytes = 0;
+  std::string arrays;  // which, e.g. "x, g, mbar, e_w"
+};
+// A worker's replica of d parameters: x, the gradient g, and m̄, e_w for
+// the compressing optimizers.
+StateSize WorkerStateSize(const OptimizerOptions& options, uint64_t d);
+// A server's shard of n parameters: x, the chunks' accumulators, m and v
+// for the Adam family, e_s (onebit-adam's takes m's place), and the
+// workers' replica under --server_reply delta.
+StateSize ServerShardSize(const OptimizerOptions& options, uint64_t n);
 // The reply mode an optimizer uses when the user names none.
 ReplyMode DefaultReplyMode(OptimizerKind kind);
 

@@ -1,6 +1,7 @@
 #include "shard/reference.h"
 
 #include "absl/strings/str_cat.h"
+#include "shard/memory.h"
 
 namespace onebit {
 
@@ -12,9 +13,27 @@ uint64_t AutoFreezeStep(const FreezeOptions& freeze, uint64_t completed,
   return completed + freeze.window;
 }
 
+StateSize ReferenceSize(const ReferenceOptions& o) {
+  const uint64_t d = o.map.num_params();
+  const StateSize worker = WorkerStateSize(o.optimizer, d);
+  const StateSize shards = ServerShardSize(o.optimizer, d);
+  StateSize s;
+  s.bytes = d * sizeof(float) + o.workers * worker.bytes + shards.bytes;
+  s.arrays = absl::StrCat("x0, ", o.workers, " workers' ", worker.arrays, ", ", o.map.num_shards(),
+                          " shards' ", shards.arrays);
+  return s;
+}
+
 absl::StatusOr<ReferenceResult> RunReference(const ReferenceOptions& o,
                                              const std::vector<float>& x0,
                                              const GradientFn& gradient) {
+  const StateSize size = ReferenceSize(o);
+  if (absl::Status st = CheckMemory(
+          absl::StrCat("the reference of d = ", o.map.num_params(), " (", size.arrays, ")"),
+          size.bytes);
+      !st.ok()) {
+    return st;
+  }
   auto server = ServerOptimizer::Create(o.optimizer);
   if (!server.ok()) return server.status();
   auto worker = WorkerOptimizer::Create(o.optimizer);

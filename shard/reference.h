@@ -35,7 +35,13 @@ struct ReferenceResult {
   std::vector<uint64_t> reply_bytes;      // per step, payload bytes, all workers
 };
 
-// Runs the job from the initial parameters x0. A shard is one vector here;
+// What RunReference holds (x0, and every worker's and every shard's state)
+// and its caller must allocate first: check it (shard/memory.h) before
+// building the model and x0.
+StateSize ReferenceSize(const ReferenceOptions& options);
+
+// Runs the job from the initial parameters x0; refuses, before allocating,
+// a job whose ReferenceSize does not fit in memory. A shard is one vector here;
 // the distributed run cuts it into block-aligned chunks, which encode to the
 // same blocks, so the arithmetic is the same.
 absl::StatusOr<ReferenceResult> RunReference(const ReferenceOptions& options,

@@ -11,6 +11,7 @@
 #include "net/flags.h"
 #include "net/job_config.h"
 #include "net/run_folder.h"
+#include "shard/memory.h"
 #include "shard/reference.h"
 
 ABSL_FLAG(std::string, out, "",
@@ -25,9 +26,9 @@ int Main(int argc, char** argv) {
       argc, argv,
       "onebit-reference --workers N --servers S [--optimizer ...] [--out DIR]\n"
       "Runs the job in one process: the oracle a distributed run must equal bit for bit.");
-  auto model = NewModel(cfg);
-  if (!model.ok()) ExitError(1, std::string(model.status().message()));
-  auto map = ShardMap::Create((*model)->num_params(), cfg.servers(), cfg.block_size());
+  // d is resolved (net/job_config.h), so the memory is checked before the
+  // model or anything else of d's size is built.
+  auto map = ShardMap::Create(cfg.dim(), cfg.servers(), cfg.block_size());
   if (!map.ok()) ExitError(1, std::string(map.status().message()));
   ReferenceOptions o;
   o.workers = cfg.workers();
@@ -35,6 +36,19 @@ int Main(int argc, char** argv) {
   o.steps = cfg.steps();
   o.optimizer = *OptimizerOptionsFromConfig(cfg);  // validated by ConfigFromFlags
   o.freeze = *FreezeOptionsFromConfig(cfg);
+  const StateSize size = ReferenceSize(o);
+  if (absl::Status st = CheckMemory(
+          absl::StrCat("the reference of this job (d = ", cfg.dim(), ", ", size.arrays, ")"),
+          size.bytes);
+      !st.ok()) {
+    ExitError(2, st.message());
+  }
+  auto model = NewModel(cfg);
+  if (!model.ok()) ExitError(1, std::string(model.status().message()));
+  if ((*model)->num_params() != cfg.dim()) {
+    ExitError(1, absl::StrCat("the model has ", (*model)->num_params(), " parameters, the job ",
+                              cfg.dim()));
+  }
   std::vector<float> x0((*model)->num_params());
   (*model)->Init(x0.data());
   auto r = RunReference(o, x0, [&](const float* x, uint32_t rank, uint64_t step, float* g) {

@@ -26,6 +26,7 @@
 #include "net/health.h"
 #include "net/job_config.h"
 #include "net/stop_signal.h"
+#include "shard/memory.h"
 #include "worker/device.h"
 #include "worker/ps_client.h"
 #include "worker/worker_internal.h"
@@ -323,6 +324,9 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
     return Invalid("health_port", "must be in [0, 65535]");
   }
   if (o.rank < -1) return Invalid("rank", "must be -1 (any) or a rank");
+  if (absl::Status st = CheckTimeout(o.register_timeout); !st.ok()) {
+    return Invalid("register_timeout", st.message());
+  }
   // Before joining: a worker that cannot use its device must not hold up a job.
   auto choice = ChooseDevice(o.device);
   if (!choice.ok()) return choice.status();
@@ -390,6 +394,19 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
     return Fail(absl::InternalError(absl::StrCat(
         "declared d = ", o.num_params, " but the job was sharded for d = ", job.num_params)));
   }
+  auto opt_options = OptimizerOptionsFromConfig(cfg);
+  if (!opt_options.ok()) return Fail(opt_options.status());
+  // Before the model and the replica exist: a job too large for this
+  // machine fails naming the bytes, not by the OOM killer. (On a GPU they
+  // live in its memory, whose allocation errors say so.)
+  if (choice->kind != DeviceChoice::Kind::kCuda) {
+    const StateSize size = WorkerStateSize(*opt_options, job.num_params);
+    if (absl::Status st = CheckMemory(
+            absl::StrCat("a replica of d = ", job.num_params, " (", size.arrays, ")"), size.bytes);
+        !st.ok()) {
+      return Fail(st);
+    }
+  }
   if (make_model) {
     auto m = make_model(cfg);
     if (!m.ok()) return Fail(m.status());
@@ -399,8 +416,6 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
                                                    " parameters; the job has ", job.num_params)));
     }
   }
-  auto opt_options = OptimizerOptionsFromConfig(cfg);
-  if (!opt_options.ok()) return Fail(opt_options.status());
   opt_options->weight_decay_ranges = DecayRangesOf(reg->weight_decay_ranges());
   auto opt = WorkerOptimizer::Create(*opt_options);
   if (!opt.ok()) return Fail(opt.status());

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "models/model.h"
+#include "net/control.h"
 #include "net/data_plane.h"
 #include "net/flags.h"
 #include "net/run_folder.h"
@@ -36,7 +37,7 @@ ABSL_FLAG(int32_t, exit_code_when_stopped, 0,
           "after a complete checkpoint; e.g. 75 so that a Kubernetes Job with restartPolicy "
           "OnFailure starts the pod again and the job resumes");
 ABSL_FLAG(absl::Duration, progress_interval, absl::Seconds(1),
-          "how often to print the progress line on stderr");
+          "how often to print the progress line on stderr (0: after every step)");
 
 namespace onebit {
 namespace {
@@ -50,10 +51,11 @@ int Main(int argc, char** argv) {
   WorkerOptions o;
   o.coordinator = absl::GetFlag(FLAGS_coordinator);
   if (o.coordinator.empty()) ExitFlagError("coordinator", "required");
-  const SecurityFlags security = SecurityFlagsOrExit();
-  o.secret_file = security.secret_file;
-  o.insecure = security.insecure;
   o.rank = absl::GetFlag(FLAGS_rank);
+  if (o.rank < -1) ExitFlagError("rank", "must be -1 (any) or a rank");
+  if (const int code = absl::GetFlag(FLAGS_exit_code_when_stopped); code < 0 || code > 255) {
+    ExitFlagError("exit_code_when_stopped", "must be in [0, 255] (an exit status)");
+  }
   o.health_port = absl::GetFlag(FLAGS_health_port);
   if (o.health_port < 0 || o.health_port > 65535) {
     ExitFlagError("health_port", "must be in [0, 65535]");
@@ -62,11 +64,18 @@ int Main(int argc, char** argv) {
   o.advertise_host = absl::GetFlag(FLAGS_advertise_host);
   o.device = absl::GetFlag(FLAGS_device);
   o.register_timeout = absl::GetFlag(FLAGS_register_timeout);
+  if (absl::Status st = CheckTimeout(o.register_timeout); !st.ok()) {
+    ExitFlagError("register_timeout", st.message());
+  }
   // A --device this machine cannot use is a usage error (exit 2), found
   // before joining so that it holds up no job; Connect chooses it again.
   if (auto choice = ChooseDevice(o.device); !choice.ok()) {
     ExitError(2, std::string(choice.status().message()));
   }
+  // Last: every other flag is checked first.
+  const SecurityFlags security = SecurityFlagsOrExit();
+  o.secret_file = security.secret_file;
+  o.insecure = security.insecure;
   // SIGTERM (Kubernetes, onebit-launch): stop the job after a checkpoint.
   o.stop_signal = StopOnSignals();
   auto connected = ConnectWithModel(o, NewModel);

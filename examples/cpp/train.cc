@@ -14,6 +14,14 @@ int main(int argc, char** argv) {
   std::string data = "/usr/share/datasets/fashion-mnist";
   uint64_t steps = 300;
   size_t batch = 32, max_train = 60000;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--help" || std::string(argv[i]) == "-h") {
+      std::printf(
+          "usage: softmax_train [--data DIR] [--steps N] [--batch B] [--max_train N]\n"
+          "A worker of a onebit-ps job (onebit-launch --worker-cmd sets ONEBIT_COORDINATOR).\n");
+      return 0;
+    }
+  }
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
     if (k == "--data")

@@ -40,6 +40,7 @@ struct ServerOptions {
   int health_port = 0;
   // The address workers reach this server at; default: the hostname.
   std::string advertise_host;
+  // How long to wait for the coordinator and the whole cluster; > 0, finite.
   absl::Duration register_timeout = absl::Seconds(60);
   // When not empty: the final master shard and server error, raw fp32.
   std::string dump_x;
@@ -67,6 +68,10 @@ struct CoordinatorOptions {
   bool insecure = false;
   std::string bind_host = "0.0.0.0";
   int port = 7070;  // 0: any free port
+  // A second port, on bind_host, serving only grpc.health.v1 (always
+  // SERVING), in plaintext: for probes that cannot speak the main port's
+  // protocol (Kubernetes' gRPC probes). 0: any free port.
+  int health_port = 0;
   // Called once listening, with the port (useful with port 0).
   std::function<void(int port)> on_listening;
   // When not empty: the run folder. metrics.csv is appended as steps
@@ -79,6 +84,7 @@ struct CoordinatorOptions {
   // CANCELLED; starting the job again resumes it), any other ends as failed
   // ("stopped by SIGTERM"); the run folder is written either way.
   const std::atomic<int>* stop_signal = nullptr;
+  // How long to wait for every server and worker to register; > 0, finite.
   absl::Duration register_timeout = absl::Seconds(60);
 };
 

@@ -86,7 +86,8 @@ struct WorkerOptions {
   // Where its grpc.health.v1 service listens; port 0: any free port.
   std::string bind_host = "0.0.0.0";
   int health_port = 0;
-  // How long to wait for the coordinator and the rest of the cluster.
+  // How long to wait for the coordinator and the rest of the cluster; > 0,
+  // finite.
   absl::Duration register_timeout = absl::Seconds(60);
   // When set and it becomes non-zero (a signal number, e.g. from a SIGTERM
   // handler), the job stops after a checkpoint at the next step boundary:

@@ -6,8 +6,14 @@
 #   check.sh flags    OVERLAY BIN_DIR    flag drift (tools/k8s-flags.js)
 #   check.sh durable  OVERLAY            restarts and the shared checkpoints claim
 #                                        (tests/deploy/durable.js)
+#   check.sh secure   OVERLAY            the job secret in every pod, the
+#                                        NetworkPolicy, nothing bound wider
+#                                        (tests/deploy/secure.js, against
+#                                        deploy/k8s/make-secret --dry-run)
+#   check.sh make-secret                 make-secret draws a new 64-hex-digit
+#                                        secret each time
 #   check.sh yamllint                    yamllint --strict on deploy/
-#   check.sh expect-fail validate|flags|durable OVERLAY [BIN_DIR] REGEX
+#   check.sh expect-fail validate|flags|durable|secure OVERLAY [BIN_DIR] REGEX
 #                                        that check exits 1 and prints REGEX
 # Exit 77 (ctest: skipped) with a printed reason where kubectl is absent.
 set -euo pipefail
@@ -26,7 +32,12 @@ render() {
   kubectl kustomize "$1"
 }
 
-# run_check validate|flags|durable OVERLAY [BIN_DIR]: prints the check's output, returns its status.
+# The value of key $2 (base64-decoded) of the Secret manifest $1.
+secret_value() {
+  sed -n "s/^  $2: //p" "$1" | base64 -d
+}
+
+# run_check validate|flags|durable|secure OVERLAY [BIN_DIR]: prints the check's output, returns its status.
 run_check() {
   local what=$1 overlay=$2 rendered status=0
   rendered=$(kubectl kustomize "$overlay") || return 2
@@ -35,6 +46,13 @@ run_check() {
     flags) node tools/k8s-flags.js --bin-dir "$3" --dockerfile deploy/docker/Dockerfile \
              <<<"$rendered" || status=$? ;;
     durable) node tests/deploy/durable.js <<<"$rendered" || status=$? ;;
+    secure)
+      local secret
+      secret=$(mktemp)
+      deploy/k8s/make-secret --dry-run >"$secret" || { rm -f "$secret"; return 2; }
+      node tests/deploy/secure.js --secret "$secret" <<<"$rendered" || status=$?
+      rm -f "$secret"
+      ;;
     *) echo "unknown check $what" >&2; return 2 ;;
   esac
   return $status
@@ -50,9 +68,32 @@ case $cmd in
     echo "$1: $n objects"
     ((n > 0))
     ;;
-  validate | flags | durable)
+  validate | flags | durable | secure)
     need_kubectl
     run_check "$cmd" "$@"
+    ;;
+  make-secret)
+    need_kubectl
+    tmp=$(mktemp -d)
+    trap 'rm -rf "$tmp"' EXIT
+    deploy/k8s/make-secret --dry-run >"$tmp/a.yaml"
+    deploy/k8s/make-secret --dry-run >"$tmp/b.yaml"
+    a=$(secret_value "$tmp/a.yaml" job-secret)
+    b=$(secret_value "$tmp/b.yaml" job-secret)
+    if ! grep -Eqx '[0-9a-f]{64}' <<<"$a"; then
+      echo "FAIL: make-secret's job-secret is not 64 hex digits: '$a'"
+      exit 1
+    fi
+    if [ "$a" = "$b" ]; then
+      echo "FAIL: make-secret drew the same secret twice"
+      exit 1
+    fi
+    if ! grep -q '^  name: onebit-job-secret$' "$tmp/a.yaml"; then
+      echo "FAIL: make-secret's Secret is not onebit-job-secret:"
+      cat "$tmp/a.yaml"
+      exit 1
+    fi
+    echo "make-secret: a new 64-hex-digit secret each time, in Secret onebit-job-secret"
     ;;
   yamllint)
     yamllint --strict -c deploy/.yamllint deploy
@@ -75,8 +116,11 @@ case $cmd in
     fi
     echo "ok: '$what' rejects $overlay with /$regex/"
     ;;
+  -h | --help)
+    sed -n '2,19p' "$0"
+    ;;
   *)
-    sed -n '2,12p' "$0" >&2
+    sed -n '2,19p' "$0" >&2
     exit 2
     ;;
 esac

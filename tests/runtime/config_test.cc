@@ -1,19 +1,27 @@
 // The job settings: the table, the command line, --config files (ours and
 // DeepSpeed's), and which binary takes which flags.
+#include <unistd.h>
+
 #include <fstream>
 #include <map>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "gtest/gtest.h"
+#include "net/control.h"
 #include "net/job_config.h"
 #include "net/job_settings.h"
+#include "security/curve.h"
+#include "security/job_secret.h"
+#include "shard/memory.h"
 #include "tests/runtime/test_util.h"
 
 namespace onebit::testing {
@@ -382,6 +390,222 @@ TEST(JobSettings, CommandLineSpellings) {
   EXPECT_THAT(ErrorOf({"--bogus=1"}), HasSubstr("--bogus: unknown flag"));
   EXPECT_THAT(ErrorOf({"--workers=0"}), HasSubstr("--workers: must be in [1, 4096]"));
   EXPECT_THAT(ErrorOf({"stray"}), HasSubstr("unexpected argument 'stray'"));
+}
+
+// A duration setting is a uint32 of milliseconds: a negative one, or one
+// past 2^32 ms, is refused rather than wrapped (-5s would be 49.7 days, and
+// a stopped worker would hold up the job that long); zero only where it
+// means something (rejoin_timeout: fail at once).
+TEST(JobSettings, DurationsOutOfRangeAreRefusedNamingTheSetting) {
+  for (const std::string name : {"step_timeout", "heartbeat_timeout", "rejoin_timeout"}) {
+    for (const std::string value : {"-5s", "-1ms", "1194h", "100000h", "inf", "-inf"}) {
+      EXPECT_THAT(
+          ErrorOf({"--" + name + "=" + value}),
+          HasSubstr("--" + name + ": invalid value '" + value + "': out of range (0 to 49 days)"))
+          << value;
+      EXPECT_THAT(ConfigError(absl::StrCat(R"({")", name, R"(": ")", value, R"("})")),
+                  HasSubstr("--" + name + ": invalid value '" + value + "'"))
+          << value;
+    }
+    EXPECT_THAT(ConfigError(absl::StrCat(R"({")", name, R"(": -5})")), HasSubstr("--" + name))
+        << "a number without a unit";
+  }
+  // 1193 hours still fit in 2^32 ms; rejoin_timeout 0 means "fail at once".
+  auto ok = ConfigFromFlags({"--heartbeat_timeout=1193h", "--rejoin_timeout=0"});
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->heartbeat_timeout_ms(), 4294800000u);
+  EXPECT_EQ(ok->rejoin_timeout_ms(), 0u);
+  EXPECT_THAT(ErrorOf({"--step_timeout=0"}), HasSubstr("--step_timeout: must be >= 1ms"));
+  EXPECT_THAT(ErrorOf({"--heartbeat_timeout=0s"}),
+              HasSubstr("--heartbeat_timeout: must be >= 100ms"));
+}
+
+// Every binary the build ships answers --help (and --helpfull, or -h where
+// it has its own parser) with its usage and exit status 0 (the example's
+// softmax_train: example_test).
+TEST(Binaries, HelpExitsZeroOnEveryBinary) {
+  const std::vector<std::pair<std::string, std::string>> bins = {
+      {"onebit-coordinator", "onebit-coordinator --workers N"},
+      {"onebit-server", "onebit-server --coordinator HOST:PORT"},
+      {"onebit-worker", "onebit-worker --coordinator HOST:PORT"},
+      {"onebit-launch", "onebit-launch --workers N"},
+      {"onebit-reference", "onebit-reference --workers N"},
+      {"onebit-bench-pushpull", "onebit-bench-pushpull [--params"},
+      {"onebit-bench-codec", "usage: onebit-bench-codec [--elements N]"},
+      {"onebit-bench-gpu-codec", "usage: onebit-bench-gpu-codec [--elements N]"},
+  };
+  for (const auto& [bin, usage] : bins) {
+    const std::string path = Bin(bin);
+    if (bin == "onebit-bench-gpu-codec" && access(path.c_str(), X_OK) != 0) continue;  // CUDA only
+    // The codec benchmarks parse their own few flags; the rest are absl's.
+    const bool own_parser = absl::StartsWith(bin, "onebit-bench-") && absl::EndsWith(bin, "codec");
+    const std::vector<std::string> helps = {"--help", own_parser ? "-h" : "--helpfull"};
+    for (const std::string& help : helps) {
+      RunResult r = RunCommand({path, help}, absl::Seconds(10));
+      EXPECT_EQ(r.code, 0) << bin << " " << help << ": " << r.output;
+      EXPECT_THAT(r.output, HasSubstr(usage)) << bin << " " << help;
+    }
+  }
+}
+
+// Duration flags: a negative or endless one is a flag error (exit 2)
+// naming the flag, as is a zero timeout, which could bound no wait.
+TEST(Binaries, BadDurationsAndCountsAreFlagErrors) {
+  const std::string c = "--coordinator=127.0.0.1:1";
+  struct Case {
+    std::vector<std::string> argv;
+    std::string error;
+  };
+  const std::vector<Case> cases = {
+      {{"onebit-coordinator", "--register_timeout=-5s"},
+       "onebit-coordinator: --register_timeout: invalid value '-5s': must not be negative"},
+      {{"onebit-coordinator", "--register_timeout=0"},
+       "onebit-coordinator: --register_timeout: must be > 0"},
+      {{"onebit-coordinator", "--heartbeat_timeout", "-5s"},
+       "onebit-coordinator: --heartbeat_timeout: invalid value '-5s': out of range"},
+      {{"onebit-coordinator", "--rejoin_timeout=1200h"},
+       "onebit-coordinator: --rejoin_timeout: invalid value '1200h': out of range"},
+      {{"onebit-server", c, "--register-timeout=-1ms"},
+       "onebit-server: --register_timeout: invalid value '-1ms': must not be negative"},
+      {{"onebit-server", c, "--register_timeout=0s"},
+       "onebit-server: --register_timeout: must be > 0"},
+      {{"onebit-server", c, "--register_timeout=inf"},
+       "onebit-server: --register_timeout: invalid value 'inf': must be finite"},
+      {{"onebit-worker", c, "--register_timeout=-5s"},
+       "onebit-worker: --register_timeout: invalid value '-5s': must not be negative"},
+      {{"onebit-worker", c, "--register_timeout=0"},
+       "onebit-worker: --register_timeout: must be > 0"},
+      {{"onebit-worker", c, "--progress_interval=-1s"},
+       "onebit-worker: --progress_interval: invalid value '-1s': must not be negative"},
+      {{"onebit-launch", "--grace=-1s"},
+       "onebit-launch: --grace: invalid value '-1s': must not be negative"},
+      {{"onebit-launch", "--launch_register_timeout=-5s"},
+       "onebit-launch: --launch_register_timeout: invalid value '-5s': must not be negative"},
+      {{"onebit-launch", "--launch_register_timeout=0"},
+       "onebit-launch: --launch_register_timeout: must be > 0"},
+      {{"onebit-launch", "--heartbeat_timeout=-5s"},
+       "onebit-launch: --heartbeat_timeout: invalid value '-5s': out of range"},
+      {{"onebit-launch", "--step_timeout=0"}, "onebit-launch: --step_timeout: must be >= 1ms"},
+      {{"onebit-reference", "--step_timeout=-30s"},
+       "onebit-reference: --step_timeout: invalid value '-30s': out of range"},
+      // Not durations, but as wrong: an exit status wraps mod 256 (256 would
+      // be success), and a negative rank or restart count means nothing.
+      {{"onebit-coordinator", "--exit_code_when_stopped=256"},
+       "onebit-coordinator: --exit_code_when_stopped: must be in [0, 255]"},
+      {{"onebit-server", c, "--exit_code_when_stopped=-1"},
+       "onebit-server: --exit_code_when_stopped: must be in [0, 255]"},
+      {{"onebit-worker", c, "--exit_code_when_stopped=300"},
+       "onebit-worker: --exit_code_when_stopped: must be in [0, 255]"},
+      {{"onebit-server", c, "--shard=-2"}, "onebit-server: --shard: must be -1 (any) or a shard"},
+      {{"onebit-worker", c, "--rank=-2"}, "onebit-worker: --rank: must be -1 (any) or a rank"},
+      {{"onebit-launch", "--max_restarts=-1"}, "onebit-launch: --max_restarts: must be >= 0"},
+  };
+  for (const Case& k : cases) {
+    std::vector<std::string> argv = k.argv;
+    argv[0] = Bin(argv[0]);
+    RunResult r = RunCommand(argv, absl::Seconds(10));
+    EXPECT_EQ(r.code, 2) << absl::StrJoin(k.argv, " ") << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr(k.error)) << absl::StrJoin(k.argv, " ");
+  }
+}
+
+// argv under an address-space limit (ulimit -v) of `gib` GiB, which the
+// memory check counts (shard/memory.h): the same refusal on any machine.
+std::vector<std::string> WithAddressLimit(int gib, const std::vector<std::string>& argv) {
+  std::vector<std::string> sh = {"/bin/sh", "-c",
+                                 absl::StrCat("ulimit -v ", gib << 20, " && exec \"$0\" \"$@\"")};
+  sh.insert(sh.end(), argv.begin(), argv.end());
+  return sh;
+}
+
+bool UnderAddressSanitizer() {
+#if defined(__SANITIZE_ADDRESS__)
+  return true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+  return true;
+#endif
+#endif
+  return false;
+}
+
+constexpr uint64_t kHugeDim = uint64_t{1} << 34;  // 64 GiB an fp32 array
+
+// A job of d = kHugeDim, 1 server and 1 worker: the test registers as the
+// process of role `stand_in` and `argv` (with --coordinator, under ulimit -v
+// 16 GiB) is the other; it must exit 1 printing `error`, and the job fail
+// with it.
+void RunBesideAStandIn(control::Role stand_in, std::vector<std::string> argv,
+                       const std::string& error) {
+  const std::string dir = TempDir(stand_in == control::SERVER ? "huge-worker" : "huge-server");
+  Subprocess coord = Start(
+      {Bin("onebit-coordinator"), SecretFlag(), "--bind_host=127.0.0.1", "--port=0",
+       "--port_file=" + dir + "/port", "--register_timeout=30s", absl::StrCat("--dim=", kHugeDim),
+       "--workers=1", "--servers=1", "--optimizer=adam", "--steps=3", "--heartbeat_timeout=3s"},
+      dir + "/coordinator.log");
+  ASSERT_TRUE(WaitForText(dir + "/port", "\n", absl::Seconds(20)))
+      << ReadFile(dir + "/coordinator.log");
+  const std::string target =
+      absl::StrCat("127.0.0.1:", absl::StripAsciiWhitespace(ReadFile(dir + "/port")));
+  argv.push_back("--coordinator=" + target);
+  argv.push_back(SecretFlag());
+  Subprocess process = Start(WithAddressLimit(16, argv), dir + "/process.log");
+  auto security = ResolveSecurity(SecretFile(), false, "secret");
+  ASSERT_TRUE(security.ok()) << security.status();
+  auto stub = control::Coordinator::NewStub(MakeChannel(target, *security));
+  control::RegisterRequest req;
+  req.set_role(stand_in);
+  req.set_curve_public_key(NewCurveKeys().public_key);
+  req.set_requested_rank(0);
+  req.set_data_endpoint("tcp://127.0.0.1:1");  // never reached: the job ends first
+  // Its reply: OK, or the job's failure when the other's refusal came first.
+  RegisterWithCoordinator(stub.get(), target, req, absl::Seconds(20)).status().IgnoreError();
+  EXPECT_EQ(process.Wait(absl::Seconds(30)), std::optional<int>(1))
+      << ReadFile(dir + "/process.log");
+  EXPECT_THAT(ReadFile(dir + "/process.log"), HasSubstr(error));
+  EXPECT_EQ(coord.Wait(absl::Seconds(30)), std::optional<int>(1));
+  EXPECT_THAT(ReadFile(dir + "/coordinator.log"), HasSubstr("needs at least"));
+}
+
+// A job whose state cannot fit in memory: the reference, the server (its
+// shard) and the worker (its replica) each refuse before allocating it,
+// naming the bytes it needs and the limit, instead of dying of bad_alloc or
+// the OOM killer.
+TEST(Binaries, AJobTooLargeForMemoryIsRefusedNamingTheBytes) {
+  if (UnderAddressSanitizer())
+    GTEST_SKIP() << "ASan needs more address space than ulimit -v leaves";
+  // The limit the children see: 16 GiB of address space, or less memory.
+  const MemoryLimit here = ProcessMemoryLimit();
+  const std::string limit =
+      here.bytes > 0 && here.bytes < (uint64_t{16} << 30)
+          ? absl::StrCat(here.what, " is ", BytesText(here.bytes))
+          : "this process's address-space limit (ulimit -v) is 17179869184 bytes (16 GiB)";
+  // x0, 2 workers' x, g, mbar, e_w, 2 shards' x, accumulators, m, v: 13 arrays.
+  RunResult ref =
+      RunCommand(WithAddressLimit(16, {Bin("onebit-reference"), absl::StrCat("--dim=", kHugeDim),
+                                       "--workers=2", "--servers=2", "--optimizer=onebit-adam",
+                                       "--freeze_step=2", "--steps=3"}),
+                 absl::Seconds(20));
+  EXPECT_EQ(ref.code, 2) << ref.output;
+  EXPECT_THAT(ref.output, HasSubstr("onebit-reference: the reference of this job (d = 17179869184, "
+                                    "x0, 2 workers' x, g, mbar, e_w, 2 shards' x, the "
+                                    "accumulators, m, v) needs at least 893353197568 bytes (832 "
+                                    "GiB) of memory; " +
+                                    limit));
+
+  // The server and the worker, each in a job whose other process the test
+  // plays (registered, then silent), so that each one's own refusal is what
+  // ends the job. adam: the shard's x, accumulators, m, v; the replica's x, g.
+  RunBesideAStandIn(control::WORKER,
+                    {Bin("onebit-server"), "--bind_host=127.0.0.1", "--advertise_host=127.0.0.1"},
+                    "onebit-server: server 0: shard 0 of 17179869184 parameters (x, the "
+                    "accumulators, m, v) needs at least 274877906944 bytes (256 GiB) of memory; " +
+                        limit);
+  RunBesideAStandIn(control::SERVER,
+                    {Bin("onebit-worker"), "--bind_host=127.0.0.1", "--device=cpu"},
+                    "onebit-worker: a replica of d = 17179869184 (x, g) needs at least "
+                    "137438953472 bytes (128 GiB) of memory; " +
+                        limit);
 }
 
 // The binaries: each --help lists its own flags, and the ones that do not

@@ -16,6 +16,14 @@ namespace {
 
 constexpr uint32_t kWorkers = 4, kServers = 2, kSteps = 12, kBatch = 16, kTrain = 1000;
 
+TEST(CppExample, HelpExitsZero) {
+  for (const std::string help : {"--help", "-h"}) {
+    RunResult r = RunCommand({ONEBIT_SOFTMAX_TRAIN, help}, absl::Seconds(10));
+    EXPECT_EQ(r.code, 0) << help << ": " << r.output;
+    EXPECT_THAT(r.output, ::testing::HasSubstr("usage: softmax_train [--data DIR]")) << help;
+  }
+}
+
 TEST(CppExample, SoftmaxOnAFourByTwoClusterEqualsTheReference) {
   const std::string dir = TempDir("softmax");
   const std::string data = "/usr/share/datasets/fashion-mnist";

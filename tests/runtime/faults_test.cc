@@ -151,8 +151,19 @@ TEST(Faults, BadRequestsAreRefusedByNameAndChangeNothing) {
   ASSERT_EQ(regs[0]->servers_size(), 1);
   const std::string endpoint = regs[0]->servers(0).data_endpoint();
 
-  // Every process serves grpc.health.v1.
+  // Every process serves grpc.health.v1; the coordinator also on its
+  // plaintext --health_port (any free one here), named in its first line.
   EXPECT_TRUE(CheckHealth(target, absl::Seconds(5), &*security).ok());
+  {
+    const std::string log = ReadFile(dir + "/coordinator.log");
+    const size_t at = log.find("(health on port ");
+    ASSERT_NE(at, std::string::npos) << log;
+    int health_port = 0;
+    ASSERT_TRUE(absl::SimpleAtoi(log.substr(at + 16, log.find(')', at) - at - 16), &health_port))
+        << log;
+    EXPECT_NE(health_port, port);
+    EXPECT_TRUE(CheckHealth(absl::StrCat("127.0.0.1:", health_port), absl::Seconds(5)).ok());
+  }
   {
     grpc::ClientContext ctx;
     control::StatusRequest req;
@@ -608,6 +619,11 @@ TEST(Faults, PortInUseIsAClearErrorAtStart) {
                  absl::Seconds(10));
   EXPECT_EQ(c.code, 1) << c.output;
   EXPECT_THAT(c.output, HasSubstr("cannot listen on 127.0.0.1:" + p));
+  RunResult ch = RunCommand({Bin("onebit-coordinator"), SecretFlag(), "--bind_host=127.0.0.1",
+                             "--port=0", "--health_port=" + p},
+                            absl::Seconds(10));
+  EXPECT_EQ(ch.code, 1) << ch.output;
+  EXPECT_THAT(ch.output, HasSubstr("cannot listen for health checks on 127.0.0.1:" + p));
 
   RunResult w = RunCommand({Bin("onebit-worker"), SecretFlag(), "--coordinator=127.0.0.1:1",
                             "--bind_host=127.0.0.1", "--health_port=" + p},

@@ -104,17 +104,58 @@ TEST(Library, BadOptionsAreErrorsNamingTheField) {
   EXPECT_THAT(std::string(Worker::Connect(WorkerOptions{}).status().message()),
               HasSubstr("WorkerOptions.coordinator"));
   // Neither a secret nor insecure: refused before anything starts.
-  ServerOptions so;
-  so.coordinator = "127.0.0.1:1";
-  EXPECT_THAT(std::string(RunServer(so).message()),
+  ServerOptions no_secret;
+  no_secret.coordinator = "127.0.0.1:1";
+  EXPECT_THAT(std::string(RunServer(no_secret).message()),
               HasSubstr("no job secret: give ServerOptions.secret_file"));
   WorkerOptions wo;
   wo.coordinator = "127.0.0.1:1";
   EXPECT_THAT(std::string(Worker::Connect(wo).status().message()),
               HasSubstr("no job secret: give WorkerOptions.secret_file"));
   co.config_json = "{}";
+  co.port = 0;
   EXPECT_THAT(std::string(RunCoordinator(co).message()),
               HasSubstr("no job secret: give CoordinatorOptions.secret_file"));
+  ServerOptions so;
+  so.coordinator = "127.0.0.1:1";
+  so.shard = -2;
+  EXPECT_EQ(RunServer(so).message(), "ServerOptions.shard: must be -1 (any) or a shard");
+  co.config_json = "{}";
+  co.health_port = 70000;
+  EXPECT_EQ(RunCoordinator(co).message(), "CoordinatorOptions.health_port: must be in [0, 65535]");
+}
+
+// A timeout that cannot bound a wait (negative, zero, endless) is refused up
+// front, naming the option, instead of failing at once or waiting forever.
+TEST(Library, TimeoutsMustBePositiveAndFinite) {
+  for (const auto& [timeout, why] : std::vector<std::pair<absl::Duration, std::string>>{
+           {absl::Seconds(-5), "must be > 0"},
+           {absl::ZeroDuration(), "must be > 0"},
+           {absl::InfiniteDuration(), "must be finite"}}) {
+    ServerOptions so;
+    so.coordinator = "127.0.0.1:1";
+    so.bind_host = "127.0.0.1";
+    so.register_timeout = timeout;
+    absl::Status s = RunServer(so);
+    EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+    EXPECT_EQ(s.message(), "ServerOptions.register_timeout: " + why);
+
+    CoordinatorOptions co;
+    co.bind_host = "127.0.0.1";
+    co.port = 0;
+    co.register_timeout = timeout;
+    absl::Status c = RunCoordinator(co);
+    EXPECT_TRUE(absl::IsInvalidArgument(c)) << c;
+    EXPECT_EQ(c.message(), "CoordinatorOptions.register_timeout: " + why);
+
+    WorkerOptions wo;
+    wo.coordinator = "127.0.0.1:1";
+    wo.bind_host = "127.0.0.1";
+    wo.register_timeout = timeout;
+    absl::Status w = Worker::Connect(wo).status();
+    EXPECT_TRUE(absl::IsInvalidArgument(w)) << w;
+    EXPECT_EQ(w.message(), "WorkerOptions.register_timeout: " + why);
+  }
 }
 
 }  // namespace

@@ -382,15 +382,19 @@ TEST(Security, FloodsStayBoundedUnderInsecureToo) { FloodAndRun("flood-insecure"
 
 TEST(Security, RunningWithoutASecretMustBeAskedFor) {
   for (const std::string bin : {"onebit-coordinator", "onebit-server", "onebit-worker"}) {
-    RunResult r = RunCommand({Bin(bin), "--coordinator=127.0.0.1:1", "--workers=1", "--servers=1"},
-                             absl::Seconds(10));
-    if (bin == "onebit-coordinator") {
-      r = RunCommand({Bin(bin), "--workers=1", "--servers=1", "--port=0"}, absl::Seconds(10));
-    }
+    // The rest of a valid command line for each.
+    const std::vector<std::string> rest =
+        bin == "onebit-coordinator"
+            ? std::vector<std::string>{"--workers=1", "--servers=1", "--port=0"}
+            : std::vector<std::string>{"--coordinator=127.0.0.1:1"};
+    std::vector<std::string> argv = {"/usr/bin/env", "-u", "ONEBIT_SECRET_FILE", Bin(bin)};
+    argv.insert(argv.end(), rest.begin(), rest.end());
+    RunResult r = RunCommand(argv, absl::Seconds(10));
     EXPECT_EQ(r.code, 2) << bin << ": " << r.output;
-    EXPECT_THAT(r.output, HasSubstr("no job secret: give --secret_file")) << bin;
-    RunResult both =
-        RunCommand({Bin(bin), "--insecure", SecretFlag(), "--port=0"}, absl::Seconds(10));
+    EXPECT_THAT(r.output, HasSubstr("--secret_file: no job secret: give --secret_file")) << bin;
+    argv.push_back("--insecure");
+    argv.push_back(SecretFlag());
+    RunResult both = RunCommand(argv, absl::Seconds(10));
     EXPECT_EQ(both.code, 2) << bin << ": " << both.output;
     EXPECT_THAT(both.output, HasSubstr("both given")) << bin;
   }

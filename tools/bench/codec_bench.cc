@@ -26,7 +26,9 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "compress/codec.h"
+#include "shard/memory.h"
 
 namespace {
 
@@ -96,12 +98,19 @@ int main(int argc, char** argv) {
   size_t chunk = size_t{256} << 10;  // 1 MB of fp32, the data plane's default chunk
   int reps = 5;
   onebit::CodecOptions options;
+  constexpr char kUsage[] =
+      "usage: onebit-bench-codec [--elements N] [--chunk C] [--reps R] [--block B] "
+      "[--scale l1|l2]\n";
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     const char* value = i + 1 < argc ? argv[i + 1] : "";
     bool ok = true;
+    if (arg == "--help" || arg == "-h") {
+      std::printf("%s", kUsage);
+      return 0;
+    }
     if (arg == "--elements") {
-      ok = absl::SimpleAtoi(value, &n);
+      ok = absl::SimpleAtoi(value, &n) && n > 0 && n <= (size_t{1} << 40);
     } else if (arg == "--chunk") {
       ok = absl::SimpleAtoi(value, &chunk) && chunk > 0;
     } else if (arg == "--reps") {
@@ -113,10 +122,7 @@ int main(int argc, char** argv) {
       ok = rule.ok();
       if (ok) options.scale = *rule;
     } else {
-      std::fprintf(stderr,
-                   "usage: onebit-bench-codec [--elements N] [--chunk C] [--reps R] "
-                   "[--block B] [--scale l1|l2]\nunknown flag: %s\n",
-                   arg.c_str());
+      std::fprintf(stderr, "%sunknown flag: %s\n", kUsage, arg.c_str());
       return 2;
     }
     if (!ok) {
@@ -137,6 +143,10 @@ int main(int argc, char** argv) {
   Check(onebit.status());
   Check(fp16.status());
 
+  // Five fp32 arrays and the two encodings: refused before allocating when
+  // they cannot fit.
+  Check(onebit::CheckMemory(absl::StrCat("--elements ", n),
+                            5 * 4 * n + (*onebit)->EncodedSize(n) + (*fp16)->EncodedSize(n)));
   std::vector<float> y(n), e(n), c(n), acc(n);
   std::mt19937 rng(1);
   std::normal_distribution<float> normal(0.0f, 1.0f);

@@ -78,10 +78,16 @@ int main(int argc, char** argv) {
   int reps = 20;
   uint32_t block = 2048;
   onebit::ScaleRule rule = onebit::ScaleRule::kL1;
+  constexpr char kUsage[] =
+      "usage: onebit-bench-gpu-codec [--elements N] [--reps R] [--block B] [--scale l1|l2]\n";
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     const char* value = i + 1 < argc ? argv[i + 1] : "";
     bool ok = true;
+    if (arg == "--help" || arg == "-h") {
+      std::printf("%s", kUsage);
+      return 0;
+    }
     if (arg == "--elements") {
       ok = absl::SimpleAtoi(value, &n) && n > 0;
     } else if (arg == "--reps") {
@@ -93,10 +99,7 @@ int main(int argc, char** argv) {
       ok = r.ok();
       if (ok) rule = *r;
     } else {
-      std::fprintf(stderr,
-                   "usage: onebit-bench-gpu-codec [--elements N] [--reps R] [--block B] "
-                   "[--scale l1|l2]\nunknown flag: %s\n",
-                   arg.c_str());
+      std::fprintf(stderr, "%sunknown flag: %s\n", kUsage, arg.c_str());
       return 2;
     }
     if (!ok) {

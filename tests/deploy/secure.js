@@ -1,0 +1,273 @@
+#!/usr/bin/env node
+// Security wiring of rendered manifests (tests/deploy/check.sh secure OVERLAY):
+//   kubectl kustomize deploy/k8s/overlays/gpu |
+//     node tests/deploy/secure.js [--secret SECRET.yaml] [-]
+// Asserts what deploy/README.md ("Securing a job") promises:
+// - every coordinator, server and worker container gets the job secret: its
+//   env sets ONEBIT_SECRET_FILE (or its args --secret_file) to a file of a
+//   Secret volume that it mounts read-only, with no permission bits for
+//   other users and not optional, the same Secret in every pod; none runs
+//   --insecure;
+// - that Secret is not in the manifests (it would be committed): with
+//   --secret (deploy/k8s/make-secret --dry-run's output), it is that Secret
+//   and has the key the file names;
+// - a NetworkPolicy selects the pods of each role, and every ingress rule
+//   of one admits only the job's own pods (podSelector peers that select
+//   the job's pod templates: no ipBlock, no namespaceSelector, no empty
+//   selector, no rule without `from` or `ports`; a rule for the health port
+//   alone may admit an ipBlock other than everything, the nodes' addresses
+//   for the kubelet's probes where the CNI filters them); the coordinator's gRPC
+//   port (--port) is admitted from the servers and the workers, the
+//   servers' data port (--data_port) from the workers;
+// - no pod uses hostNetwork or a hostPort, and no Service is a NodePort or
+//   LoadBalancer or has externalIPs.
+// Exit 0: all fine; 1: a problem, printed as "<Kind>/<name> <container>:
+// <what>"; 2: usage or input errors.
+'use strict';
+
+const path = require('path');
+const {start, readDocuments, isObject} = require('../../tools/k8s-common');
+
+const die = start('secure');
+const args = process.argv.slice(2);
+const files = [];
+let secretFile = null;
+for (let i = 0; i < args.length; i++) {
+  if (args[i] === '--secret') secretFile = args[++i];
+  else if (args[i] === '-' || !args[i].startsWith('--')) files.push(args[i]);
+  else die(`unknown option ${args[i]}`);
+}
+if (files.length === 0) files.push('-');
+const docs = readDocuments(files, die).map((d) => d.doc).filter(isObject);
+let generated = null;
+if (secretFile) {
+  generated = readDocuments([secretFile], die).map((d) => d.doc).find((d) => isObject(d) && d.kind === 'Secret');
+  if (!generated) die(`${secretFile}: no Secret`);
+}
+
+const problems = [];
+const nameOf = (obj) => `${obj.kind}/${obj.metadata && obj.metadata.name}`;
+const ROLES = ['onebit-coordinator', 'onebit-server', 'onebit-worker'];
+
+function podSpecOf(obj) {
+  const s = obj.spec || {};
+  if (obj.kind === 'Pod') return {spec: s, labels: (obj.metadata || {}).labels || {}};
+  if (s.template && s.template.spec) {
+    return {spec: s.template.spec, labels: (s.template.metadata || {}).labels || {}};
+  }
+  return null;
+}
+
+// The value of --name=V / --name V (dash or underscore spelling) in argv, or undefined.
+function flagValue(argv, name) {
+  for (let i = 0; i < argv.length; i++) {
+    const m = argv[i].match(/^--?([A-Za-z0-9_-]+)(?:=(.*))?$/);
+    if (!m || m[1].replace(/-/g, '_') !== name) continue;
+    return m[2] !== undefined ? m[2] : argv[i + 1];
+  }
+  return undefined;
+}
+const hasFlag = (argv, name) => argv.some((a) => {
+  const m = a.match(/^--?([A-Za-z0-9_-]+)(?:=(.*))?$/);
+  return m && m[1].replace(/-/g, '_') === name && m[2] !== 'false';
+});
+
+// Every container that runs an onebit role: {obj, pod, labels, container, role, argv, where}.
+const containers = [];
+for (const obj of docs) {
+  const p = podSpecOf(obj);
+  if (!p) continue;
+  for (const c of [...(p.spec.initContainers || []), ...(p.spec.containers || [])]) {
+    const cmd = (c.command || []).map(String);
+    const role = cmd.length ? path.posix.basename(cmd[0]) : '';
+    if (!ROLES.includes(role)) continue;
+    containers.push({obj, pod: p.spec, labels: p.labels, container: c, role,
+                     argv: [...cmd.slice(1), ...(c.args || []).map(String)],
+                     where: `${nameOf(obj)} ${c.name}`});
+  }
+}
+for (const role of ROLES) {
+  if (!containers.some((c) => c.role === role)) problems.push(`no container runs ${role}`);
+}
+
+// --- The job secret -------------------------------------------------------
+const OCTAL = (mode) => `0${mode.toString(8)}`;
+let secretName = null;
+let secretWhere = '';
+const secretKeys = new Set();
+for (const c of containers) {
+  if (hasFlag(c.argv, 'insecure')) {
+    problems.push(`${c.where}: runs --insecure: anyone who reaches the job may join it`);
+  }
+  const env = (c.container.env || []).find((e) => e.name === 'ONEBIT_SECRET_FILE');
+  const flag = flagValue(c.argv, 'secret_file');
+  const file = flag !== undefined ? flag : env && env.value;
+  if (!file) {
+    problems.push(`${c.where}: no ONEBIT_SECRET_FILE in its env (nor --secret_file): it gets no job secret (deploy/README.md)`);
+    continue;
+  }
+  const shown = flag !== undefined ? `--secret_file=${file}` : `ONEBIT_SECRET_FILE=${file}`;
+  // The deepest mount holding the file.
+  let vm = null;
+  for (const m of c.container.volumeMounts || []) {
+    const p = path.posix.normalize(m.mountPath).replace(/(.)\/$/, '$1');
+    if (file.startsWith(p === '/' ? '/' : `${p}/`) && (!vm || p.length > vm.p.length)) vm = {m, p};
+  }
+  const vol = vm && (c.pod.volumes || []).find((v) => v.name === vm.m.name);
+  if (!vol || !vol.secret) {
+    problems.push(`${c.where}: ${shown} is not a file of a mounted Secret volume`);
+    continue;
+  }
+  if (!vm.m.readOnly) problems.push(`${c.where}: mounts the Secret ${vol.secret.secretName} at ${vm.p} without readOnly: true`);
+  if (vm.m.subPath) problems.push(`${c.where}: mounts the Secret with a subPath (not updated, and not needed)`);
+  if (vol.secret.optional) problems.push(`${c.where}: the Secret volume ${vol.name} is optional: the pod would start without the secret`);
+  // The key the file is: an item's path, or the key itself.
+  const rel = file.slice(vm.p === '/' ? 1 : vm.p.length + 1);
+  let key = rel;
+  let mode = vol.secret.defaultMode === undefined ? 0o644 : vol.secret.defaultMode;
+  if (vol.secret.items) {
+    const item = vol.secret.items.find((i) => i.path === rel);
+    if (!item) {
+      problems.push(`${c.where}: ${shown}: the Secret volume ${vol.name} has no item at ${rel}`);
+      continue;
+    }
+    key = item.key;
+    if (item.mode !== undefined) mode = item.mode;
+  }
+  secretKeys.add(key);
+  if (mode & 0o007) {
+    problems.push(`${c.where}: the Secret volume ${vol.name} has mode ${OCTAL(mode)}: every user in the container may read the job secret (use 0400)`);
+  }
+  if (!(c.pod.securityContext || {}).fsGroup && !(mode & 0o040) && (c.pod.securityContext || {}).runAsUser !== 0) {
+    problems.push(`${c.where}: mode ${OCTAL(mode)} without a pod fsGroup: the file is root's alone, and the job's user cannot read it`);
+  }
+  if (secretName === null) {
+    secretName = vol.secret.secretName;
+    secretWhere = c.where;
+  } else if (vol.secret.secretName !== secretName) {
+    problems.push(`${c.where}: mounts the Secret ${vol.secret.secretName}, but ${secretWhere} mounts ${secretName}: a job has one secret`);
+  }
+}
+if (secretName !== null) {
+  const committed = docs.find((d) => d.kind === 'Secret' && d.metadata && d.metadata.name === secretName);
+  if (committed) {
+    problems.push(`Secret/${secretName}: in the manifests: the job secret would be committed and the same in every deployment; create it with deploy/k8s/make-secret`);
+  }
+  if (generated) {
+    const data = {...(generated.data || {}), ...(generated.stringData || {})};
+    if (generated.metadata.name !== secretName) {
+      problems.push(`${secretWhere}: mounts the Secret ${secretName}, but make-secret creates ${generated.metadata.name}`);
+    }
+    for (const key of secretKeys) {
+      if (!(key in data)) problems.push(`${secretWhere}: reads key ${key} of the Secret ${secretName}, which make-secret does not create`);
+    }
+  }
+}
+
+// --- NetworkPolicy --------------------------------------------------------
+// Whether a LabelSelector selects these labels (an empty one selects all).
+function selects(sel, labels) {
+  if (!isObject(sel)) return false;
+  for (const [k, v] of Object.entries(sel.matchLabels || {})) if (labels[k] !== v) return false;
+  for (const e of sel.matchExpressions || []) {
+    const has = Object.prototype.hasOwnProperty.call(labels, e.key);
+    const values = e.values || [];
+    if (e.operator === 'In' && !(has && values.includes(labels[e.key]))) return false;
+    if (e.operator === 'NotIn' && has && values.includes(labels[e.key])) return false;
+    if (e.operator === 'Exists' && !has) return false;
+    if (e.operator === 'DoesNotExist' && has) return false;
+  }
+  return true;
+}
+const isEmptySelector = (sel) => !Object.keys(sel.matchLabels || {}).length && !(sel.matchExpressions || []).length;
+const policies = docs.filter((d) => d.kind === 'NetworkPolicy');
+const ingressPolicy = (np) => (np.spec.policyTypes || ['Ingress']).includes('Ingress');
+const jobPods = [...new Map(containers.map((c) => [c.obj, c])).values()];
+
+// Does rule port `p` (number or name) admit container port `port` of pod c?
+function portAdmits(p, c, port) {
+  if (p.protocol && p.protocol !== 'TCP') return false;
+  if (p.port === undefined) return true;
+  if (typeof p.port === 'number') return p.endPort !== undefined ? p.port <= port && port <= p.endPort : p.port === port;
+  for (const k of c.pod.containers || []) {
+    for (const cp of k.ports || []) if (cp.name === p.port && cp.containerPort === port) return true;
+  }
+  return false;
+}
+
+for (const c of jobPods) {
+  const where = `${nameOf(c.obj)} ${c.container.name}`;
+  const mine = policies.filter((np) => ingressPolicy(np) && selects((np.spec || {}).podSelector, c.labels));
+  if (!mine.length) {
+    problems.push(`${where}: no NetworkPolicy selects its pods: anyone who reaches the cluster network reaches them`);
+    continue;
+  }
+  for (const np of mine) {
+    (np.spec.ingress || []).forEach((rule, i) => {
+      const at = `NetworkPolicy/${np.metadata.name}: ingress[${i}]`;
+      if (!rule.from || !rule.from.length) {
+        problems.push(`${at}: no "from": admits every source`);
+        return;
+      }
+      if (!rule.ports || !rule.ports.length) problems.push(`${at}: no "ports": admits every port`);
+      // A rule for the health port alone may admit the nodes' addresses (the
+      // kubelet's probes, where the CNI filters them), not the world.
+      const healthOnly = (rule.ports || []).length > 0 &&
+          rule.ports.every((p) => portAdmits(p, c, Number(flagValue(c.argv, 'health_port') || -1)) ||
+                                  p.port === 'health');
+      for (const peer of rule.from) {
+        if (peer.ipBlock && healthOnly && !['0.0.0.0/0', '::/0'].includes(peer.ipBlock.cidr)) continue;
+        if (peer.ipBlock || peer.namespaceSelector || !peer.podSelector) {
+          problems.push(`${at}: admits ${peer.ipBlock ? `ipBlock ${peer.ipBlock.cidr}` : 'other namespaces'}, not only the job's pods`);
+        } else if (isEmptySelector(peer.podSelector)) {
+          problems.push(`${at}: an empty podSelector admits every pod of the namespace, not only the job's`);
+        } else if (!jobPods.some((j) => selects(peer.podSelector, j.labels))) {
+          problems.push(`${at}: podSelector ${JSON.stringify(peer.podSelector)} selects none of the job's pods`);
+        }
+      }
+    });
+  }
+  // What the job itself needs admitted: [port flag, default, client roles].
+  const needs = {
+    'onebit-coordinator': ['port', 7070, ['onebit-server', 'onebit-worker']],
+    'onebit-server': ['data_port', 5555, ['onebit-worker']],
+  }[c.role];
+  if (!needs) continue;
+  const [flag, dflt, clients] = needs;
+  const port = Number(flagValue(c.argv, flag) || dflt);
+  for (const client of clients) {
+    const from = jobPods.filter((j) => j.role === client);
+    for (const f of from) {
+      const ok = mine.some((np) => (np.spec.ingress || []).some((rule) =>
+        (!(rule.from || []).length ||  // every source: reported above
+         rule.from.some((peer) => peer.podSelector && selects(peer.podSelector, f.labels))) &&
+        (!rule.ports || rule.ports.some((p) => portAdmits(p, c, port)))));
+      if (!ok) {
+        problems.push(`${where}: no NetworkPolicy admits ${client} (${nameOf(f.obj)}) to its --${flag} ${port}: the job could not run`);
+      }
+    }
+  }
+}
+
+// --- Nothing bound wider than the pod network ------------------------------
+for (const c of jobPods) {
+  if (c.pod.hostNetwork) problems.push(`${nameOf(c.obj)}: hostNetwork: its ports would listen on the node's addresses`);
+  for (const k of [...(c.pod.initContainers || []), ...(c.pod.containers || [])]) {
+    for (const p of k.ports || []) {
+      if (p.hostPort) problems.push(`${nameOf(c.obj)} ${k.name}: hostPort ${p.hostPort}: reachable on the node's address, past the NetworkPolicy`);
+    }
+  }
+}
+for (const s of docs.filter((d) => d.kind === 'Service')) {
+  const type = (s.spec || {}).type || 'ClusterIP';
+  if (type !== 'ClusterIP') problems.push(`Service/${s.metadata.name}: type ${type}: reachable from outside the cluster`);
+  if (((s.spec || {}).externalIPs || []).length) problems.push(`Service/${s.metadata.name}: externalIPs: reachable from outside the cluster`);
+}
+
+for (const p of problems) process.stdout.write(`${p}\n`);
+if (problems.length) {
+  process.stdout.write(`secure: ${problems.length} problem(s)\n`);
+  process.exit(1);
+}
+process.stdout.write(`secure: ${containers.length} containers read the job secret from Secret ${secretName}; ` +
+                     `${policies.length} NetworkPolicies admit only the job's pods\n`);
