@@ -1,8 +1,10 @@
 #include "security/curve.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <iterator>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -42,12 +44,12 @@ std::string PeerUserId(const zmq::message_t& msg) {
   return v == nullptr ? std::string() : std::string(v);
 }
 
-ZapHandler::ZapHandler(zmq::context_t* ctx, std::string who)
-    : socket_(*ctx, zmq::socket_type::rep), who_(std::move(who)) {}
+ZapHandler::ZapHandler(zmq::context_t* ctx, std::string who, absl::Duration wait)
+    : socket_(*ctx, zmq::socket_type::router), who_(std::move(who)), wait_(wait) {}
 
-absl::StatusOr<std::unique_ptr<ZapHandler>> ZapHandler::Start(zmq::context_t* ctx,
-                                                              std::string who) {
-  std::unique_ptr<ZapHandler> h(new ZapHandler(ctx, std::move(who)));
+absl::StatusOr<std::unique_ptr<ZapHandler>> ZapHandler::Start(zmq::context_t* ctx, std::string who,
+                                                              absl::Duration wait) {
+  std::unique_ptr<ZapHandler> h(new ZapHandler(ctx, std::move(who), wait));
   h->socket_.set(zmq::sockopt::linger, 0);
   try {
     h->socket_.bind("inproc://zeromq.zap.01");
@@ -68,6 +70,41 @@ void ZapHandler::Allow(std::map<std::string, std::string> clients) {
   clients_ = std::move(clients);
 }
 
+void ZapHandler::Answer(Pending& p, const std::string* user_id) {
+  if (user_id == nullptr) refused_.fetch_add(1);
+  std::vector<zmq::message_t> reply;
+  for (zmq::message_t& m : p.envelope) reply.push_back(std::move(m));
+  reply.emplace_back(std::string(user_id != nullptr ? "200" : "400"));
+  reply.emplace_back(std::string(user_id != nullptr ? "OK" : "not a key of this job"));
+  reply.emplace_back(user_id != nullptr ? *user_id : std::string());
+  reply.emplace_back();  // no metadata
+  try {
+    zmq::send_multipart(socket_, reply, zmq::send_flags::dontwait);
+  } catch (const zmq::error_t&) {
+    // The context is closing.
+  }
+}
+
+void ZapHandler::AnswerPending(absl::Time now) {
+  std::vector<Pending> waiting;
+  for (Pending& p : pending_) {
+    std::optional<std::string> user_id;
+    {
+      absl::MutexLock l(&mu_);
+      auto it = clients_.find(p.key);
+      if (it != clients_.end()) user_id = it->second;
+    }
+    if (user_id) {
+      Answer(p, &*user_id);
+    } else if (now >= p.until) {
+      Answer(p, nullptr);
+    } else {
+      waiting.push_back(std::move(p));
+    }
+  }
+  pending_ = std::move(waiting);
+}
+
 void ZapHandler::Loop() {
   // Refusals are counted and said every few seconds, not once each: a
   // flood of handshakes must not become a flood of log lines.
@@ -76,49 +113,42 @@ void ZapHandler::Loop() {
   while (!stop_) {
     zmq::pollitem_t item{socket_.handle(), 0, ZMQ_POLLIN, 0};
     try {
-      zmq::poll(&item, 1, std::chrono::milliseconds(100));
+      zmq::poll(&item, 1, std::chrono::milliseconds(pending_.empty() ? 100 : 20));
     } catch (const zmq::error_t&) {
       continue;  // EINTR
     }
+    const absl::Time now = absl::Now();
     const uint64_t refused = refused_.load();
-    if (refused > said && absl::Now() - last_said > absl::Seconds(5)) {
+    if (refused > said && now - last_said > absl::Seconds(5)) {
       std::fprintf(stderr,
                    "%s: refused %llu data-plane connection(s) without a key of this job%s\n",
                    who_.c_str(), static_cast<unsigned long long>(refused - said),
                    said == 0 ? "" : " since the last report");
       said = refused;
-      last_said = absl::Now();
+      last_said = now;
     }
-    if (!(item.revents & ZMQ_POLLIN)) continue;
-    std::vector<zmq::message_t> req;
-    if (!zmq::recv_multipart(socket_, std::back_inserter(req), zmq::recv_flags::dontwait)) {
-      continue;
-    }
-    // version, request id, domain, address, routing id, mechanism, credentials...
-    std::string user_id;
-    bool ok = false;
-    if (req.size() >= 7 && req[0].to_string() == "1.0" && req[5].to_string() == "CURVE") {
-      absl::MutexLock l(&mu_);
-      auto it = clients_.find(req[6].to_string());
-      if (it != clients_.end()) {
-        ok = true;
-        user_id = it->second;
+    if (item.revents & ZMQ_POLLIN) {
+      std::vector<zmq::message_t> req;
+      if (zmq::recv_multipart(socket_, std::back_inserter(req), zmq::recv_flags::dontwait)) {
+        // routing id, "", version, request id, domain, address, identity,
+        // mechanism, credentials...
+        Pending p;
+        const bool curve =
+            req.size() >= 9 && req[2].to_string() == "1.0" && req[7].to_string() == "CURVE";
+        for (size_t i = 0; i < std::min<size_t>(req.size(), 4); ++i) {
+          p.envelope.push_back(std::move(req[i]));
+        }
+        while (p.envelope.size() < 4) p.envelope.emplace_back();
+        if (curve) p.key = req[8].to_string();
+        p.until = now + wait_;
+        if (!curve || pending_.size() >= kZapPending) {
+          Answer(p, nullptr);
+        } else {
+          pending_.push_back(std::move(p));
+        }
       }
     }
-    if (!ok) refused_.fetch_add(1);
-    std::vector<zmq::message_t> reply;
-    reply.emplace_back(std::string("1.0"));
-    reply.push_back(req.size() >= 2 ? zmq::message_t(req[1].data(), req[1].size())
-                                    : zmq::message_t());
-    reply.emplace_back(std::string(ok ? "200" : "400"));
-    reply.emplace_back(std::string(ok ? "OK" : "not a key of this job"));
-    reply.emplace_back(user_id);
-    reply.emplace_back();  // no metadata
-    try {
-      zmq::send_multipart(socket_, reply);
-    } catch (const zmq::error_t&) {
-      // The context is closing.
-    }
+    AnswerPending(now);
   }
 }
 

@@ -15,10 +15,12 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "zmq.hpp"
 
 namespace onebit {
@@ -44,13 +46,21 @@ void MakeCurveClient(zmq::socket_t* socket, const CurveKeys& keys,
 std::string PeerUserId(const zmq::message_t& msg);
 
 // Answers the ZAP requests (RFC 27) of every socket in one context, from its
-// own thread, until destroyed. Thread-safe.
+// own thread, until destroyed. A key it does not know yet is not refused at
+// once: its handshake waits (up to kZapWait, at most kZapPending at a time)
+// for the next Allow(), because a worker may connect before its server has
+// heard the cluster's keys. Thread-safe.
+inline constexpr absl::Duration kZapWait = absl::Seconds(20);  // < ZMQ_HANDSHAKE_IVL (30 s)
+inline constexpr size_t kZapPending = 256;
+
 class ZapHandler {
  public:
   // Binds inproc://zeromq.zap.01 in `ctx` (one handler per context; must
   // outlive the sockets that use it, and `ctx` must outlive this). `who`
   // names the process in its log lines ("server 1").
-  static absl::StatusOr<std::unique_ptr<ZapHandler>> Start(zmq::context_t* ctx, std::string who);
+  // `wait`: how long an unknown key's handshake waits for Allow().
+  static absl::StatusOr<std::unique_ptr<ZapHandler>> Start(zmq::context_t* ctx, std::string who,
+                                                           absl::Duration wait = kZapWait);
   ~ZapHandler();
 
   // The clients admitted from now on: public key -> their User-Id. Until
@@ -61,15 +71,27 @@ class ZapHandler {
   uint64_t refused() const { return refused_.load(); }
 
  private:
-  ZapHandler(zmq::context_t* ctx, std::string who);
+  struct Pending {
+    std::vector<zmq::message_t> envelope;  // the requester's routing id, "", version, request id
+    std::string key;
+    absl::Time until;
+  };
+
+  ZapHandler(zmq::context_t* ctx, std::string who, absl::Duration wait);
   void Loop();
+  // Answers `p`: admitted as `user_id`, or refused when it is null.
+  void Answer(Pending& p, const std::string* user_id);
+  // Answers the pending requests whose key is now known or whose wait is over.
+  void AnswerPending(absl::Time now);
 
   zmq::socket_t socket_;
   const std::string who_;
+  const absl::Duration wait_;
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> refused_{0};
   absl::Mutex mu_;
   std::map<std::string, std::string> clients_ ABSL_GUARDED_BY(mu_);
+  std::vector<Pending> pending_;  // the loop's own
   std::thread thread_;
 };
 

@@ -1,13 +1,19 @@
 #include "security/tls.h"
 
+#include <grpc/support/log.h>
 #include <openssl/evp.h>
 #include <openssl/pem.h>
 #include <openssl/x509.h>
 #include <openssl/x509v3.h>
 
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <mutex>
 
 #include "absl/strings/escaping.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 
 namespace onebit {
 namespace {
@@ -91,10 +97,45 @@ class CredentialPlugin final : public grpc::MetadataCredentialsPlugin {
   const std::string credential_;
 };
 
+// gRPC logs every failed TLS handshake (a client without the job's
+// certificate, a port scan, plaintext to the TLS port) as an error line: a
+// flood of connections would be a flood of lines. Those are counted and
+// said every few seconds; other lines pass as they were.
+void LogGrpc(gpr_log_func_args* a) {
+  const char* file = std::strrchr(a->file, '/');
+  file = file != nullptr ? file + 1 : a->file;
+  const bool handshake = std::strstr(a->message, "andshake") != nullptr ||
+                         std::strncmp(file, "ssl_transport_security", 22) == 0;
+  if (!handshake) {
+    std::fprintf(stderr, "grpc %s %s:%d] %s\n", gpr_log_severity_string(a->severity), file, a->line,
+                 a->message);
+    return;
+  }
+  static absl::Mutex mu(absl::kConstInit);
+  static uint64_t unsaid = 0;
+  static absl::Time said_at = absl::InfinitePast();
+  absl::MutexLock l(&mu);
+  const absl::Time now = absl::Now();
+  ++unsaid;
+  if (now - said_at < absl::Seconds(5)) return;
+  std::fprintf(stderr,
+               "grpc: %llu TLS handshake(s) failed (a peer without this job's secret?); the "
+               "last: %s\n",
+               static_cast<unsigned long long>(unsaid), a->message);
+  unsaid = 0;
+  said_at = now;
+}
+
+void QuietHandshakeLogs() {
+  static std::once_flag once;
+  std::call_once(once, [] { gpr_set_log_function(LogGrpc); });
+}
+
 }  // namespace
 
 std::shared_ptr<grpc::ServerCredentials> ControlServerCredentials(const Security& security) {
   if (security.insecure()) return grpc::InsecureServerCredentials();
+  QuietHandshakeLogs();
   const ControlCertificate cert = ControlCertificateOf(*security.secret);
   grpc::SslServerCredentialsOptions o;
   o.pem_key_cert_pairs.push_back({cert.key_pem, cert.cert_pem});
@@ -106,6 +147,7 @@ std::shared_ptr<grpc::Channel> ControlChannel(const std::string& target, const S
   if (security.insecure()) {
     return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
   }
+  QuietHandshakeLogs();
   grpc::SslCredentialsOptions o;
   o.pem_root_certs = ControlCertificateOf(*security.secret).cert_pem;
   args.SetSslTargetNameOverride(kServerName);
