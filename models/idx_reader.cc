@@ -144,16 +144,17 @@ absl::StatusOr<IdxImages> ReadIdxImages(const std::string& path, uint32_t max_co
   if (im.rows == 0 || im.cols == 0) {
     return Error(path, absl::StrCat("dimension mismatch: empty images ", im.rows, "x", im.cols));
   }
-  const uint64_t declared = uint64_t{dims[0]} * im.rows * im.cols;
-  if (declared > kMaxBytes) {
+  // Three uint32 factors can overflow 64 bits (and wrap to a small size);
+  // two cannot.
+  const uint64_t image = uint64_t{im.rows} * im.cols;
+  if (image > kMaxBytes || dims[0] > kMaxBytes / image) {
     return Error(path, absl::StrCat("dimension mismatch: ", dims[0], " images of ", im.rows, "x",
                                     im.cols, " exceed 4 GiB"));
   }
-  const uint64_t n = uint64_t{im.count} * im.rows * im.cols;
-  absl::Status s = ReadExactly(f->get(), path, &im.pixels, n, "image data");
+  absl::Status s = ReadExactly(f->get(), path, &im.pixels, im.count * image, "image data");
   if (!s.ok()) return s;
   if (im.count == dims[0]) {
-    s = ExpectEnd(f->get(), path, declared);
+    s = ExpectEnd(f->get(), path, dims[0] * image);
     if (!s.ok()) return s;
   }
   return im;

@@ -224,6 +224,17 @@ TEST_F(IdxReaderTest, ExtraBytesAreADimensionMismatch) {
   im = ReadIdxImages(WriteGz("huge.gz", IdxBytes(kIdxImagesMagic, {1u << 30, 1000, 1000}, {})));
   ASSERT_FALSE(im.ok());
   EXPECT_THAT(im.status().message(), HasSubstr("exceed"));
+  // So is one whose size overflows 64 bits, here to exactly 0 (found by
+  // fuzz/idx_fuzzer: it was read as 14155776 empty images of 469762048 x
+  // 14155776, and image(0) pointed past the end).
+  im = ReadIdxImages(
+      WriteGz("wrap.gz", IdxBytes(kIdxImagesMagic, {0x00d80000, 0x1c000000, 0x00d80000}, {})));
+  ASSERT_FALSE(im.ok());
+  EXPECT_THAT(im.status().message(), HasSubstr("exceed 4 GiB"));
+  im = ReadIdxImages(
+      WriteGz("wrap1.gz", IdxBytes(kIdxImagesMagic, {0x00d80000, 0x1c000000, 0x00d80000}, {})), 1);
+  ASSERT_FALSE(im.ok());
+  EXPECT_THAT(im.status().message(), HasSubstr("exceed 4 GiB"));
 }
 
 // Reads both files with 1 GiB of address space more than the process has:
