@@ -1,5 +1,7 @@
 #include "compress/codec.h"
 
+#include <cpuid.h>
+
 #include "absl/strings/str_cat.h"
 #include "compress/codec_impl.h"
 #include "compress/kernels.h"
@@ -7,7 +9,11 @@
 namespace onebit {
 
 bool CpuHasAvx2() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  // F16C from CPUID leaf 1 (ECX): clang has no __builtin_cpu_supports("f16c").
+  static const bool has = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return __builtin_cpu_supports("avx2") && __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+  }();
   return has;
 }
 

@@ -50,6 +50,7 @@ size_t OnebitScales(const float* y, const float* e, size_t n, uint32_t block, Sc
 
 void OnebitSigns(const float* y, float* e, size_t n, uint32_t block, const float* scales,
                  uint8_t* bits) {
+  if (n == 0) return;  // bits may be null then (an empty vector's data()): memset would be UB
   std::memset(bits, 0, (n + 7) / 8);
   for (size_t i = 0; i < n; ++i) {
     const float z = Z(y, e, i);

@@ -41,14 +41,21 @@ absl::StatusOr<GzFile> Open(const std::string& path) {
   return GzFile(f);
 }
 
-// Reads exactly n bytes into out; `what` says which part of the file for the
-// error message (a short read is truncation, a zlib error is corruption).
-absl::Status ReadExactly(gzFile f, const std::string& path, uint8_t* out, uint64_t n,
+// The most a read grows its buffer by before the data is there.
+constexpr uint64_t kGrowBytes = uint64_t{16} << 20;
+
+// Reads exactly n bytes into *out (resized to n); `what` says which part of
+// the file for the error message (a short read is truncation, a zlib error
+// is corruption). *out grows as the data arrives: the header may claim up
+// to 4 GiB, and a file that holds less must not cost that much memory.
+absl::Status ReadExactly(gzFile f, const std::string& path, std::vector<uint8_t>* out, uint64_t n,
                          absl::string_view what) {
+  out->clear();
   uint64_t done = 0;
   while (done < n) {
-    const unsigned chunk = static_cast<unsigned>(std::min<uint64_t>(n - done, 1u << 30));
-    const int got = gzread(f, out + done, chunk);
+    const unsigned chunk = static_cast<unsigned>(std::min<uint64_t>(n - done, kGrowBytes));
+    out->resize(done + chunk);
+    const int got = gzread(f, out->data() + done, chunk);
     int errnum = Z_OK;
     const char* msg = gzerror(f, &errnum);
     if (got < 0 || (errnum != Z_OK && errnum != Z_BUF_ERROR)) {
@@ -91,8 +98,8 @@ absl::StatusOr<GzFile> OpenIdx(const std::string& path, uint32_t magic, uint32_t
     std::snprintf(buf, sizeof(buf), "wrong magic number 0x%08x (expected 0x%08x)", m, magic);
     return Error(path, buf);
   }
-  std::array<uint8_t, 12> raw;
-  absl::Status s = ReadExactly(f->get(), path, raw.data(), 4u * ndims, "header");
+  std::vector<uint8_t> raw;
+  absl::Status s = ReadExactly(f->get(), path, &raw, 4u * ndims, "header");
   if (!s.ok()) return s;
   for (int i = 0; i < ndims; ++i) dims[i] = BigEndian32(raw.data() + 4 * i);
   return f;
@@ -137,17 +144,17 @@ absl::StatusOr<IdxImages> ReadIdxImages(const std::string& path, uint32_t max_co
   if (im.rows == 0 || im.cols == 0) {
     return Error(path, absl::StrCat("dimension mismatch: empty images ", im.rows, "x", im.cols));
   }
-  const uint64_t declared = uint64_t{dims[0]} * im.rows * im.cols;
-  if (declared > kMaxBytes) {
+  // Three uint32 factors can overflow 64 bits (and wrap to a small size);
+  // two cannot.
+  const uint64_t image = uint64_t{im.rows} * im.cols;
+  if (image > kMaxBytes || dims[0] > kMaxBytes / image) {
     return Error(path, absl::StrCat("dimension mismatch: ", dims[0], " images of ", im.rows, "x",
                                     im.cols, " exceed 4 GiB"));
   }
-  const uint64_t n = uint64_t{im.count} * im.rows * im.cols;
-  im.pixels.resize(n);
-  absl::Status s = ReadExactly(f->get(), path, im.pixels.data(), n, "image data");
+  absl::Status s = ReadExactly(f->get(), path, &im.pixels, im.count * image, "image data");
   if (!s.ok()) return s;
   if (im.count == dims[0]) {
-    s = ExpectEnd(f->get(), path, declared);
+    s = ExpectEnd(f->get(), path, dims[0] * image);
     if (!s.ok()) return s;
   }
   return im;
@@ -163,8 +170,8 @@ absl::StatusOr<std::vector<uint8_t>> ReadIdxLabels(const std::string& path, uint
   absl::StatusOr<GzFile> f = OpenIdx(path, kIdxLabelsMagic, dims, 1);
   if (!f.ok()) return f.status();
   const uint32_t count = max_count > 0 ? std::min(max_count, dims[0]) : dims[0];
-  std::vector<uint8_t> labels(count);
-  absl::Status s = ReadExactly(f->get(), path, labels.data(), count, "label data");
+  std::vector<uint8_t> labels;
+  absl::Status s = ReadExactly(f->get(), path, &labels, count, "label data");
   if (!s.ok()) return s;
   if (count == dims[0]) {
     s = ExpectEnd(f->get(), path, dims[0]);

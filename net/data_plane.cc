@@ -32,6 +32,13 @@ std::string WorkerIdentity(uint64_t job_id, uint32_t rank) {
 std::string WorkerPeerId(uint32_t rank) { return absl::StrCat("worker ", rank); }
 
 absl::StatusOr<data::Header> ParseHeader(const void* data, size_t size) {
+  // A header is some dozens of bytes. Protobuf takes an int size: a frame of
+  // 2 GiB or more would make it abort the process (one hostile message).
+  constexpr size_t kMaxHeaderBytes = 1 << 20;
+  if (size > kMaxHeaderBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "malformed header: ", size, " bytes (a header has at most ", kMaxHeaderBytes, ")"));
+  }
   data::Header h;
   if (size == 0 || !h.ParseFromArray(data, static_cast<int>(size))) {
     return absl::InvalidArgumentError(absl::StrCat("malformed header: ", size,

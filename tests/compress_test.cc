@@ -1443,5 +1443,22 @@ TEST(EmptyInput, ZeroElementsIsANoOp) {
   }
 }
 
+// What an empty std::vector's data() gives (found by fuzz/codec_fuzzer: the
+// scalar onebit encoder passed it to memset, undefined even for 0 bytes).
+TEST(EmptyInput, NullBuffersForZeroElements) {
+  for (const Config& cfg : AllConfigs()) {
+    for (SimdPath path : Paths()) {
+      SCOPED_TRACE(Label(cfg) + " " + PathLabel(path));
+      auto codec = Make(cfg, path);
+      ASSERT_NE(codec, nullptr);
+      EXPECT_TRUE(codec->Encode(nullptr, 0, nullptr).ok());
+      EXPECT_TRUE(codec->EncodeWithFeedback(nullptr, nullptr, 0, nullptr).ok());
+      EXPECT_TRUE(codec->CheckPayload(nullptr, 0).ok());
+      EXPECT_TRUE(codec->Decode(nullptr, 0, nullptr).ok());
+      EXPECT_TRUE(codec->DecodeAdd(nullptr, 0, 0.5f, nullptr).ok());
+    }
+  }
+}
+
 }  // namespace
 }  // namespace onebit

@@ -1,5 +1,6 @@
 #include "models/idx_reader.h"
 
+#include <sys/resource.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -223,6 +224,46 @@ TEST_F(IdxReaderTest, ExtraBytesAreADimensionMismatch) {
   im = ReadIdxImages(WriteGz("huge.gz", IdxBytes(kIdxImagesMagic, {1u << 30, 1000, 1000}, {})));
   ASSERT_FALSE(im.ok());
   EXPECT_THAT(im.status().message(), HasSubstr("exceed"));
+  // So is one whose size overflows 64 bits, here to exactly 0 (found by
+  // fuzz/idx_fuzzer: it was read as 14155776 empty images of 469762048 x
+  // 14155776, and image(0) pointed past the end).
+  im = ReadIdxImages(
+      WriteGz("wrap.gz", IdxBytes(kIdxImagesMagic, {0x00d80000, 0x1c000000, 0x00d80000}, {})));
+  ASSERT_FALSE(im.ok());
+  EXPECT_THAT(im.status().message(), HasSubstr("exceed 4 GiB"));
+  im = ReadIdxImages(
+      WriteGz("wrap1.gz", IdxBytes(kIdxImagesMagic, {0x00d80000, 0x1c000000, 0x00d80000}, {})), 1);
+  ASSERT_FALSE(im.ok());
+  EXPECT_THAT(im.status().message(), HasSubstr("exceed 4 GiB"));
+}
+
+// Reads both files with 1 GiB of address space more than the process has:
+// an allocation of what their headers claim throws. 0 when both are refused
+// as truncated.
+int ReadWithLittleMemory(const std::string& images, const std::string& labels) {
+  long pages = 0;
+  std::ifstream("/proc/self/statm") >> pages;
+  const rlim_t limit = static_cast<rlim_t>(pages) * sysconf(_SC_PAGESIZE) + (rlim_t{1} << 30);
+  const rlimit r = {limit, limit};
+  if (setrlimit(RLIMIT_AS, &r) != 0) return 2;
+  absl::StatusOr<IdxImages> im = ReadIdxImages(images);
+  absl::StatusOr<std::vector<uint8_t>> l = ReadIdxLabels(labels);
+  if (im.ok() || im.status().message().find("truncated image data") == std::string::npos) return 1;
+  if (l.ok() || l.status().message().find("truncated label data") == std::string::npos) return 1;
+  return 0;
+}
+
+// Found by fuzz/idx_fuzzer: a header that claims 4 GiB (within the limit)
+// over a file of a few bytes made the reader allocate all of it first.
+TEST_F(IdxReaderTest, AShortFileCostsNoMoreMemoryThanItHolds) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "ASan reserves more address space than the limit allows";
+#else
+  const std::string images =
+      WriteGz("im.gz", IdxBytes(kIdxImagesMagic, {65536, 256, 256}, Ramp(100)));
+  const std::string labels = WriteGz("l.gz", IdxBytes(kIdxLabelsMagic, {0xffffffff}, {1, 2, 3}));
+  EXPECT_EXIT(std::exit(ReadWithLittleMemory(images, labels)), ::testing::ExitedWithCode(0), "");
+#endif
 }
 
 TEST_F(IdxReaderTest, LabelOutOfRangeIsNamed) {

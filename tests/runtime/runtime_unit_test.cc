@@ -1,6 +1,8 @@
 // Units of the runtime: data-plane header validation (each refusal names its
 // problem), chunking, the update rules, the synthetic model, the config
 // checks, and the coordinator's replica comparison.
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -74,6 +76,21 @@ TEST_F(DataHeader, AcceptsGoodPushesIncludingTheShortLastChunk) {
   init.set_codec(fp32_->name());
   init.set_payload_bytes(512);
   EXPECT_TRUE(Check(init, 512).ok()) << Check(init, 512);
+}
+
+// Protobuf parses an int's worth of bytes: a frame of 2 GiB made it abort
+// the server (seen while writing fuzz/data_header_fuzzer, whose inputs stay
+// far smaller). The frame is mapped, not allocated: zero pages.
+TEST_F(DataHeader, AFrameTooLargeForProtobufIsMalformed) {
+  const size_t size = (size_t{1} << 31) + 16;
+  void* frame = mmap(nullptr, size, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  ASSERT_NE(frame, MAP_FAILED);
+  auto h = ParseHeader(frame, size);
+  munmap(frame, size);
+  ASSERT_FALSE(h.ok());
+  EXPECT_THAT(std::string(h.status().message()), HasSubstr("malformed header: 2147483664 bytes"));
+  const std::string good = Good().SerializeAsString();
+  EXPECT_TRUE(ParseHeader(good.data(), good.size()).ok());
 }
 
 TEST_F(DataHeader, EachProblemIsNamed) {
