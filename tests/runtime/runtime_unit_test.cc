@@ -8,6 +8,8 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <memory>
+#include <set>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -333,6 +335,89 @@ TEST(RunFolder, MetricsLogHasEveryRowAppendedBeforeItIsClosed) {
   EXPECT_EQ(text.substr(text.size() - 6), ",0.25\n");
   EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), 3);
   EXPECT_FALSE(log->Append({a}).ok());
+}
+
+// A job of 1 server and 1 worker on d = 100 (two shards' worth of checks
+// come from one server's map), registered; the replies by role.
+struct Formed {
+  std::unique_ptr<CoordinatorService> svc;
+  control::RegisterReply server, worker;
+};
+Formed FormOneByOne() {
+  Formed f;
+  f.svc = std::make_unique<CoordinatorService>(testing::MakeConfig(1, 1, 100, 10, "sgd"),
+                                               std::set<std::string>{}, 42, absl::Seconds(10),
+                                               Security{});
+  std::thread t([&] {
+    grpc::ServerContext ctx;
+    control::RegisterRequest req;
+    req.set_role(control::SERVER);
+    req.set_requested_rank(0);
+    req.set_data_endpoint("tcp://example:1");
+    EXPECT_TRUE(f.svc->Register(&ctx, &req, &f.server).ok());
+  });
+  grpc::ServerContext ctx;
+  control::RegisterRequest req;
+  req.set_role(control::WORKER);
+  req.set_requested_rank(0);
+  EXPECT_TRUE(f.svc->Register(&ctx, &req, &f.worker).ok());
+  t.join();
+  return f;
+}
+
+TEST(CoordinatorService, MetricsOfStepsNotRunAreRefused) {
+  Formed f = FormOneByOne();
+  grpc::ServerContext ctx;
+  control::HeartbeatRequest hb;
+  hb.set_role(control::WORKER);
+  hb.set_job_id(42);
+  hb.set_credential(f.worker.credential());
+  hb.set_step(2);  // steps 0 and 1 are done
+  for (uint64_t step : {0, 1, 2, 3, 9, 500000}) {
+    control::StepMetrics* m = hb.add_metrics();
+    m->set_step(step);
+    m->set_loss(1);
+  }
+  control::HeartbeatReply reply;
+  ASSERT_TRUE(f.svc->Heartbeat(&ctx, &hb, &reply).ok());
+  std::vector<uint64_t> steps;
+  for (const MetricsRow& r : f.svc->MetricsRows()) steps.push_back(r.step);
+  // Step 2's row may come with the count of 2 (sampled just before it); no later one.
+  EXPECT_EQ(steps, (std::vector<uint64_t>{0, 1, 2}));
+}
+
+TEST(CoordinatorService, DoneMustCoverTheShardMapAndCarryItsCredential) {
+  Formed f = FormOneByOne();
+  auto done = [&](control::Role role, const std::string& credential,
+                  const std::vector<std::pair<uint64_t, uint64_t>>& ranges) {
+    grpc::ServerContext ctx;
+    control::DoneRequest req;
+    req.set_role(role);
+    req.set_job_id(42);
+    req.set_credential(credential);
+    req.set_steps(10);
+    for (auto [b, e] : ranges) {
+      control::ShardChecksum* c = req.add_checksums();
+      c->set_begin(b);
+      c->set_end(e);
+    }
+    control::DoneReply reply;
+    return f.svc->Done(&ctx, &req, &reply);
+  };
+  EXPECT_EQ(done(control::WORKER, "", {{0, 100}}).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(done(control::WORKER, f.server.credential(), {{0, 100}}).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);  // the server's, not the worker's
+  for (const auto& ranges : std::vector<std::vector<std::pair<uint64_t, uint64_t>>>{
+           {}, {{0, 50}}, {{0, 100}, {0, 100}}, {{0, 101}}}) {
+    grpc::Status st = done(control::WORKER, f.worker.credential(), ranges);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << ranges.size();
+    EXPECT_THAT(st.error_message(), HasSubstr("Done of worker 0: ")) << st.error_message();
+  }
+  EXPECT_EQ(f.svc->state(), CoordinatorService::State::kRunning);  // nothing counted
+  EXPECT_TRUE(done(control::WORKER, f.worker.credential(), {{0, 100}}).ok());
+  EXPECT_TRUE(done(control::SERVER, f.server.credential(), {{0, 100}}).ok());
+  EXPECT_EQ(f.svc->state(), CoordinatorService::State::kFinished);
 }
 
 TEST(CoordinatorService, ReplicasEqualOnlyWhenEveryChecksumMatches) {
