@@ -201,6 +201,84 @@ __global__ void OnebitEncodeKernel(const float* y, const float* e_in, float* e_o
   }
 }
 
+// The fused encode with the block staged in shared memory, for blocks up to
+// kMaxStagedBlock: every warp of the CTA loads its share of z = y + e once
+// (kU loads in flight per thread); warp 0 forms the canonical sum from shared
+// memory (its order is lane-sequential, so one warp must do the adds); then
+// every warp writes its words' bits and e_out. The warp-per-block kernel
+// above reads each block twice, and at large blocks the second read misses
+// the cache; here global memory is read once. Same results, same reports.
+__global__ void OnebitEncodeStagedKernel(const float* y, const float* e_in, float* e_out, size_t n,
+                                         uint32_t block, bool l2, float* scales, uint8_t* bits,
+                                         unsigned long long* bad) {
+  extern __shared__ float zs[];
+  __shared__ float scale;
+  const unsigned lane = threadIdx.x & 31, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const size_t blocks = (n + block - 1) / block;
+  for (size_t b = blockIdx.x; b < blocks; b += gridDim.x) {
+    const size_t start = b * block;
+    const uint32_t len = static_cast<uint32_t>(min(static_cast<size_t>(block), n - start));
+    const float* yb = y + start;
+    const float* eb = e_in ? e_in + start : nullptr;
+    bool bad_z = false;
+    uint32_t i0 = 0;
+    for (; i0 + blockDim.x * kU <= len; i0 += blockDim.x * kU) {
+      float z[kU];
+#pragma unroll
+      for (int j = 0; j < kU; ++j) z[j] = Z(yb, eb, i0 + blockDim.x * j + threadIdx.x);
+#pragma unroll
+      for (int j = 0; j < kU; ++j) {
+        bad_z |= !Finite(z[j]);
+        zs[i0 + blockDim.x * j + threadIdx.x] = z[j];
+      }
+    }
+    for (uint32_t i = i0 + threadIdx.x; i < len; i += blockDim.x) {
+      const float z = Z(yb, eb, i);
+      bad_z |= !Finite(z);
+      zs[i] = z;
+    }
+    if (__syncthreads_or(bad_z)) {
+      if (warp == 0) {
+        unsigned long long first = kNone;
+        for (uint32_t i = lane; i < len; i += 32) {
+          if (!Finite(zs[i])) {
+            first = start + i;
+            break;
+          }
+        }
+        first = WarpMin(first);
+        if (lane == 0) atomicMin(&bad[0], first);
+      }
+      __syncthreads();  // zs is refilled by the next block
+      continue;
+    }
+    if (warp == 0) {
+      float t = 0.0f;
+      for (uint32_t i = lane; i < len; i += 32) t += Term(zs[i], l2);
+      for (int w = 16; w >= 1; w /= 2) t = t + __shfl_down_sync(kFull, t, w);
+      if (lane == 0) scale = ScaleOf(t, len, l2);
+    }
+    __syncthreads();
+    const float s = scale;
+    if (!Finite(s)) {
+      if (threadIdx.x == 0) atomicMin(&bad[1], static_cast<unsigned long long>(b));
+      __syncthreads();
+      continue;
+    }
+    if (threadIdx.x == 0) scales[b] = s;
+    // Every element was loaded before the barrier, so e_out == e_in is safe.
+    for (uint32_t w = warp; 32 * w < len; w += warps) {
+      const uint32_t i = 32 * w + lane;
+      const bool active = i < len;
+      const float z = active ? zs[i] : 0.0f;
+      const bool neg = active && signbit(z);
+      if (active && e_out) e_out[start + i] = z - (neg ? -s : s);
+      StoreWord(bits, start + 32 * w, n, __ballot_sync(kFull, neg));
+    }
+    __syncthreads();  // zs and scale are refilled by the next block
+  }
+}
+
 template <bool kAdd>
 __global__ void OnebitExpandKernel(const float* scales, const uint8_t* bits, size_t n,
                                    uint32_t block, float w, float* out) {
@@ -495,19 +573,45 @@ absl::Status OnebitDecodeAdd(const float* scales, const uint8_t* bits, size_t n,
 
 absl::Status OnebitEncode(const float* y, const float* e_in, float* e_out, size_t n, uint32_t block,
                           ScaleRule rule, uint8_t* out, Stream stream) {
+  return OnebitEncodeVia(EncodePath::kAuto, y, e_in, e_out, n, block, rule, out, stream);
+}
+
+absl::Status OnebitEncodeVia(EncodePath path, const float* y, const float* e_in, float* e_out,
+                             size_t n, uint32_t block, ScaleRule rule, uint8_t* out,
+                             Stream stream) {
   if (absl::Status st = CheckBlock(block); !st.ok()) return st;
   if (n == 0) return absl::OkStatus();
   if (reinterpret_cast<uintptr_t>(out) % 4 != 0) {
     return absl::InvalidArgumentError("onebit encode: the payload must be 4-byte aligned");
   }
+  if (path == EncodePath::kStaged && block > kMaxStagedBlock) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("onebit encode: the staged kernel takes blocks of at most ", kMaxStagedBlock,
+                     " elements, not ", block));
+  }
+  if (path == EncodePath::kAuto) {
+    path = block >= kStagedFromBlock && block <= kMaxStagedBlock ? EncodePath::kStaged
+                                                                 : EncodePath::kWarp;
+  }
   const size_t blocks = (n + block - 1) / block;
-  absl::StatusOr<unsigned> grid = GridFor(32 * blocks, kThreads);
-  if (!grid.ok()) return grid.status();
   BadFlags bad(stream);
   if (absl::Status st = bad.Init(); !st.ok()) return st;
-  OnebitEncodeKernel<<<*grid, kThreads, 0, stream>>>(
-      y, e_in, e_out, n, block, rule == ScaleRule::kL2, reinterpret_cast<float*>(out),
-      out + 4 * blocks, bad.dev());
+  float* scales = reinterpret_cast<float*>(out);
+  uint8_t* bits = out + 4 * blocks;
+  const bool l2 = rule == ScaleRule::kL2;
+  if (path == EncodePath::kStaged) {
+    // A CTA per codec block (as many threads as the block has, up to kThreads).
+    const unsigned threads = std::min<unsigned>(kThreads, block);
+    absl::StatusOr<unsigned> grid = GridFor(blocks * threads, threads);
+    if (!grid.ok()) return grid.status();
+    OnebitEncodeStagedKernel<<<*grid, threads, 4 * block, stream>>>(y, e_in, e_out, n, block, l2,
+                                                                    scales, bits, bad.dev());
+  } else {
+    absl::StatusOr<unsigned> grid = GridFor(32 * blocks, kThreads);
+    if (!grid.ok()) return grid.status();
+    OnebitEncodeKernel<<<*grid, kThreads, 0, stream>>>(y, e_in, e_out, n, block, l2, scales, bits,
+                                                       bad.dev());
+  }
   if (absl::Status st = Launched("onebit_encode"); !st.ok()) return st;
   if (absl::Status st = bad.Read(); !st.ok()) return st;
   // As the CPU codec: an overflowing scale before the first non-finite z

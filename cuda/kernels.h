@@ -61,6 +61,16 @@ absl::Status OnebitDecodeAdd(const float* scales, const uint8_t* bits, size_t n,
 // of compress/codec.h. e_out == e_in is allowed (then e is unspecified on error).
 absl::Status OnebitEncode(const float* y, const float* e_in, float* e_out, size_t n, uint32_t block,
                           ScaleRule rule, uint8_t* out, Stream stream);
+// Which kernel OnebitEncode runs; both give the same bits. kWarp: a warp
+// per block, reading the block twice (from cache the second time). kStaged:
+// a thread block per block, staged once in shared memory (blocks of at most
+// kMaxStagedBlock). kAuto: kStaged for blocks in [kStagedFromBlock,
+// kMaxStagedBlock], else kWarp.
+enum class EncodePath { kAuto, kWarp, kStaged };
+constexpr uint32_t kStagedFromBlock = 512;
+constexpr uint32_t kMaxStagedBlock = 8192;
+absl::Status OnebitEncodeVia(EncodePath path, const float* y, const float* e_in, float* e_out,
+                             size_t n, uint32_t block, ScaleRule rule, uint8_t* out, Stream stream);
 // Its CPU twin (host pointers), built from the scalar codec kernels.
 absl::Status OnebitEncodeCpu(const float* y, const float* e_in, float* e_out, size_t n,
                              uint32_t block, ScaleRule rule, uint8_t* out);

@@ -29,6 +29,12 @@ using testing::Upload;
 // a larger one.
 const uint32_t kBlocks[] = {32, 96, 2048, 4096};
 const ScaleRule kRules[] = {ScaleRule::kL1, ScaleRule::kL2};
+// Both fused-encode kernels, at every block above (all are staged-sized).
+const EncodePath kPaths[] = {EncodePath::kWarp, EncodePath::kStaged};
+
+const char* PathName(EncodePath path) {
+  return path == EncodePath::kStaged ? "staged kernel" : "warp kernel";
+}
 
 std::vector<size_t> Sizes(uint32_t block) {
   std::vector<size_t> s = {
@@ -164,22 +170,25 @@ TEST(CudaOnebit, FusedEncodeMatchesCpuTwinAndCodec) {
             EXPECT_TRUE(SameBits(cpu_e, codec_e)) << "twin vs codec errors";
           }
 
-          DeviceBuffer dy = Upload(y), de_in = Upload(e_in);
-          DeviceBuffer de_out = Upload(std::vector<float>(n, 7.0f));
-          DeviceBuffer dout = Upload(std::vector<uint8_t>(bytes, 0x22));
-          st = OnebitEncode(dy.as<float>(), with_e ? de_in.as<float>() : nullptr,
-                            de_out.as<float>(), n, block, rule, dout.as<uint8_t>(), nullptr);
-          ASSERT_TRUE(st.ok()) << st;
-          EXPECT_TRUE(SameBits(Download<uint8_t>(dout, bytes), cpu_out)) << "payload";
-          EXPECT_TRUE(SameBits(Download<float>(de_out, n), cpu_e)) << "e_out";
-          EXPECT_TRUE(SameBits(Download<float>(de_in, n), e_in)) << "e_in must stay as it was";
-
-          // In place (e_out == e_in), as a worker with one error buffer runs it.
-          if (with_e) {
-            st = OnebitEncode(dy.as<float>(), de_in.as<float>(), de_in.as<float>(), n, block, rule,
-                              dout.as<uint8_t>(), nullptr);
+          for (EncodePath path : kPaths) {
+            SCOPED_TRACE(PathName(path));
+            DeviceBuffer dy = Upload(y), de_in = Upload(e_in);
+            DeviceBuffer de_out = Upload(std::vector<float>(n, 7.0f));
+            DeviceBuffer dout = Upload(std::vector<uint8_t>(bytes, 0x22));
+            st = OnebitEncodeVia(path, dy.as<float>(), with_e ? de_in.as<float>() : nullptr,
+                                 de_out.as<float>(), n, block, rule, dout.as<uint8_t>(), nullptr);
             ASSERT_TRUE(st.ok()) << st;
-            EXPECT_TRUE(SameBits(Download<float>(de_in, n), cpu_e)) << "in-place e";
+            EXPECT_TRUE(SameBits(Download<uint8_t>(dout, bytes), cpu_out)) << "payload";
+            EXPECT_TRUE(SameBits(Download<float>(de_out, n), cpu_e)) << "e_out";
+            EXPECT_TRUE(SameBits(Download<float>(de_in, n), e_in)) << "e_in must stay as it was";
+
+            // In place (e_out == e_in), as a worker with one error buffer runs it.
+            if (with_e) {
+              st = OnebitEncodeVia(path, dy.as<float>(), de_in.as<float>(), de_in.as<float>(), n,
+                                   block, rule, dout.as<uint8_t>(), nullptr);
+              ASSERT_TRUE(st.ok()) << st;
+              EXPECT_TRUE(SameBits(Download<float>(de_in, n), cpu_e)) << "in-place e";
+            }
           }
         }
       }
@@ -266,15 +275,18 @@ void CheckFirstNonFinite(uint32_t block) {
     ASSERT_TRUE(nf.ok()) << nf.status();
     EXPECT_EQ(*nf, ScalarKernels().first_nonfinite(y.data(), e.data(), n));
 
-    DeviceBuffer dout = Upload(std::vector<uint8_t>(4 * scales.size() + (n + 7) / 8));
-    DeviceBuffer de_out = Upload(std::vector<float>(n));
-    absl::Status st = OnebitEncode(dy.as<float>(), de.as<float>(), de_out.as<float>(), n, block,
-                                   ScaleRule::kL1, dout.as<uint8_t>(), nullptr);
-    EXPECT_FALSE(st.ok());
-    EXPECT_NE(std::string(st.message()).find(absl::StrCat("index ", cpu_bad)), std::string::npos)
-        << st;
-    EXPECT_TRUE(SameBits(Download<float>(de, n), e)) << "e_in changed on error";
-    EXPECT_TRUE(SameBits(Download<float>(dy, n), y)) << "y changed on error";
+    for (EncodePath path : kPaths) {
+      SCOPED_TRACE(PathName(path));
+      DeviceBuffer dout = Upload(std::vector<uint8_t>(4 * scales.size() + (n + 7) / 8));
+      DeviceBuffer de_out = Upload(std::vector<float>(n));
+      absl::Status st = OnebitEncodeVia(path, dy.as<float>(), de.as<float>(), de_out.as<float>(), n,
+                                        block, ScaleRule::kL1, dout.as<uint8_t>(), nullptr);
+      EXPECT_FALSE(st.ok());
+      EXPECT_NE(std::string(st.message()).find(absl::StrCat("index ", cpu_bad)), std::string::npos)
+          << st;
+      EXPECT_TRUE(SameBits(Download<float>(de, n), e)) << "e_in changed on error";
+      EXPECT_TRUE(SameBits(Download<float>(dy, n), y)) << "y changed on error";
+    }
   }
 }
 
@@ -296,19 +308,41 @@ TEST(CudaOnebit, OverflowingScaleIsAnErrorOnBothSides) {
   std::vector<float> e(n);
   EXPECT_FALSE(
       OnebitEncodeCpu(y.data(), nullptr, e.data(), n, block, ScaleRule::kL2, out.data()).ok());
-  DeviceBuffer dy = Upload(y), dout = Upload(out), de = Upload(e);
-  absl::Status st = OnebitEncode(dy.as<float>(), nullptr, de.as<float>(), n, block, ScaleRule::kL2,
-                                 dout.as<uint8_t>(), nullptr);
-  EXPECT_FALSE(st.ok());
-  EXPECT_NE(std::string(st.message()).find("block 2"), std::string::npos) << st;
   // l1 of the same values is finite: both encode, identically.
   ASSERT_TRUE(
       OnebitEncodeCpu(y.data(), nullptr, e.data(), n, block, ScaleRule::kL1, out.data()).ok());
-  st = OnebitEncode(dy.as<float>(), nullptr, de.as<float>(), n, block, ScaleRule::kL1,
+  for (EncodePath path : kPaths) {
+    SCOPED_TRACE(PathName(path));
+    DeviceBuffer dy = Upload(y), dout = Upload(out), de = Upload(e);
+    absl::Status st = OnebitEncodeVia(path, dy.as<float>(), nullptr, de.as<float>(), n, block,
+                                      ScaleRule::kL2, dout.as<uint8_t>(), nullptr);
+    EXPECT_FALSE(st.ok());
+    EXPECT_NE(std::string(st.message()).find("block 2"), std::string::npos) << st;
+    st = OnebitEncodeVia(path, dy.as<float>(), nullptr, de.as<float>(), n, block, ScaleRule::kL1,
+                         dout.as<uint8_t>(), nullptr);
+    ASSERT_TRUE(st.ok()) << st;
+    EXPECT_TRUE(SameBits(Download<uint8_t>(dout, bytes), out));
+    EXPECT_TRUE(SameBits(Download<float>(de, n), e));
+  }
+}
+
+TEST(CudaOnebit, StagedEncodeRefusesBlocksOverItsLimit) {
+  ONEBIT_REQUIRE_GPU_OR_SKIP();
+  const uint32_t block = 2 * kMaxStagedBlock;
+  const std::vector<float> y = Values(block, 12);
+  DeviceBuffer dy = Upload(y), dout = Upload(std::vector<uint8_t>(4 + block / 8));
+  absl::Status st = OnebitEncodeVia(EncodePath::kStaged, dy.as<float>(), nullptr, nullptr, block,
+                                    block, ScaleRule::kL1, dout.as<uint8_t>(), nullptr);
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(std::string(st.message()).find("at most"), std::string::npos) << st;
+  // kAuto takes the warp kernel there, and agrees with the twin.
+  std::vector<uint8_t> out(4 + block / 8);
+  ASSERT_TRUE(
+      OnebitEncodeCpu(y.data(), nullptr, nullptr, block, block, ScaleRule::kL1, out.data()).ok());
+  st = OnebitEncode(dy.as<float>(), nullptr, nullptr, block, block, ScaleRule::kL1,
                     dout.as<uint8_t>(), nullptr);
   ASSERT_TRUE(st.ok()) << st;
-  EXPECT_TRUE(SameBits(Download<uint8_t>(dout, bytes), out));
-  EXPECT_TRUE(SameBits(Download<float>(de, n), e));
+  EXPECT_TRUE(SameBits(Download<uint8_t>(dout, out.size()), out));
 }
 
 TEST(CudaOnebit, BadBlockSizeIsRejected) {

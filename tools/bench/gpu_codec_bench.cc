@@ -157,6 +157,18 @@ int main(int argc, char** argv) {
           reps,
           [&] { return onebit::cuda::OnebitEncode(py, pe, pe2, n, block, rule, pout, nullptr); }),
       copy);
+  // Each kernel on its own (OnebitEncode picks one by the block size).
+  auto via = [&](onebit::cuda::EncodePath path) {
+    return MedianSeconds(reps, [&] {
+      return onebit::cuda::OnebitEncodeVia(path, py, pe, pe2, n, block, rule, pout, nullptr);
+    });
+  };
+  const double ef_warp =
+      Row("  via the warp kernel", 3 * f + bits + sc, via(onebit::cuda::EncodePath::kWarp), copy);
+  const double ef_staged = block <= onebit::cuda::kMaxStagedBlock
+                               ? Row("  via the staged kernel", 3 * f + bits + sc,
+                                     via(onebit::cuda::EncodePath::kStaged), copy)
+                               : 0.0;
   const double inplace_sec = MedianSeconds(reps, [&]() -> absl::Status {
     absl::StatusOr<size_t> bad =
         onebit::cuda::OnebitScales(py, pe2, n, block, rule, scales.as<float>(), nullptr);
@@ -237,6 +249,8 @@ int main(int argc, char** argv) {
   std::printf("gpu_copy_gbps=%.1f\n", copy);
   std::printf("gpu_ef_encode_gbps=%.1f\n", ef);
   std::printf("gpu_ef_encode_inplace_vs_copy_ratio=%.3f\n", inplace / copy);
+  std::printf("gpu_ef_encode_warp_vs_copy_ratio=%.3f\n", ef_warp / copy);
+  if (ef_staged > 0) std::printf("gpu_ef_encode_staged_vs_copy_ratio=%.3f\n", ef_staged / copy);
   std::printf("gpu_ef_encode_vs_copy_ratio=%.3f\n", ef / copy);
   return 0;
 }
