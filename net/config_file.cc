@@ -296,11 +296,13 @@ class Loader {
         Value ours;
         if (t == "onebitadam") {
           ours.set_string_value("onebit-adam");
+        } else if (t == "zerooneadam") {
+          ours.set_string_value("zero-one-adam");
         } else if (t == "adam" || t == "adamw") {
           ours.set_string_value("adam");  // our weight decay is decoupled, as AdamW's
         } else {
           return Bad(where, absl::StrCat("unknown optimizer type '", v.string_value(),
-                                         "' (want OneBitAdam, Adam or AdamW)"));
+                                         "' (want OneBitAdam, ZeroOneAdam, Adam or AdamW)"));
         }
         if (absl::Status s = Set("optimizer", ours, where); !s.ok()) return s;
       } else if (key == "params") {
@@ -324,7 +326,9 @@ class Loader {
       absl::Status s;
       bool on = false;
       double x = 0;
-      if (key == "lr" || key == "eps" || key == "freeze_step" || key == "bias_correction") {
+      if (key == "lr" || key == "eps" || key == "freeze_step" || key == "bias_correction" ||
+          key == "var_freeze_step" || key == "var_update_scaler" || key == "local_step_scaler" ||
+          key == "local_step_clipper") {
         s = Set(key.c_str(), v, where);
       } else if (key == "weight_decay") {
         s = Set(key.c_str(), v, where);
@@ -353,7 +357,8 @@ class Loader {
       } else {
         return Bad(where, absl::StrCat("unknown key '", key,
                                        "' (want lr, betas, eps, weight_decay, freeze_step, "
-                                       "bias_correction)"));
+                                       "bias_correction, var_freeze_step, var_update_scaler, "
+                                       "local_step_scaler, local_step_clipper)"));
       }
       if (!s.ok()) return s;
     }

@@ -37,8 +37,9 @@ absl::Status ResolveConfig(const std::set<std::string>& given, control::Training
     if (c.server_reply().empty()) {
       c.set_server_reply(std::string(ReplyModeName(DefaultReplyMode(*kind))));
     }
-    if (HasWarmup(*kind) && HasCompressionPhase(*kind) && c.freeze_step() == 0 &&
-        c.freeze().empty()) {
+    // zero-one-adam's freeze is --var_freeze_step.
+    if (HasWarmup(*kind) && HasCompressionPhase(*kind) && *kind != OptimizerKind::kZeroOneAdam &&
+        c.freeze_step() == 0 && c.freeze().empty()) {
       c.set_freeze("auto");
     }
   }
@@ -136,6 +137,11 @@ absl::StatusOr<OptimizerOptions> OptimizerOptionsFromConfig(const control::Train
   o.codec.block_size = c.block_size();
   o.worker_codec = c.worker_codec();
   o.server_codec = c.server_codec();
+  o.zero_one.var_freeze_step = c.var_freeze_step();
+  o.zero_one.var_update_scaler = c.var_update_scaler();
+  o.zero_one.local_step_scaler = c.local_step_scaler();
+  o.zero_one.local_step_clipper = c.local_step_clipper();
+  o.zero_one.steps = c.steps();
   if (absl::Status st = ValidateOptimizerOptions(o); !st.ok()) return st;
   return o;
 }
@@ -143,6 +149,16 @@ absl::StatusOr<OptimizerOptions> OptimizerOptionsFromConfig(const control::Train
 absl::StatusOr<FreezeOptions> FreezeOptionsFromConfig(const control::TrainingConfig& c) {
   if (c.freeze_step() > 0 && !c.freeze().empty()) {
     return absl::InvalidArgumentError("--freeze: give either --freeze_step N or --freeze auto");
+  }
+  if (c.optimizer() == "zero-one-adam") {
+    if (c.freeze_step() > 0 || !c.freeze().empty()) {
+      return absl::InvalidArgumentError(
+          "--freeze: zero-one-adam freezes v after --var_freeze_step; give that instead of "
+          "--freeze_step or --freeze");
+    }
+    FreezeOptions f;
+    f.step = c.var_freeze_step();  // the first step after it: counted from 0 here
+    return f;
   }
   if (!c.freeze().empty()) return ParseAutoFreeze(c.freeze());
   FreezeOptions f;
@@ -170,6 +186,16 @@ absl::Status ValidateConfig(const control::TrainingConfig& c) {
   if (!options.ok()) return options.status();
   auto freeze = FreezeOptionsFromConfig(c);
   if (!freeze.ok()) return freeze.status();
+  if (options->kind == OptimizerKind::kZeroOneAdam) {
+    if (c.steps() < 1) {
+      return bad("steps", "zero-one-adam needs the job's length: its last step synchronises");
+    }
+    if (!c.checkpoint_dir().empty()) {
+      return bad("checkpoint_dir",
+                 "checkpoints of zero-one-adam are not implemented yet (its workers' local "
+                 "models and moments are not saved)");
+    }
+  }
   if (c.chunk_elems() < c.block_size() || c.chunk_elems() % c.block_size() != 0 ||
       c.chunk_elems() > kMaxChunkElems) {
     return bad("chunk_elems", "must be a positive multiple of --block_size, at most 2^24");

@@ -58,7 +58,8 @@ constexpr JobSetting kSettings[] = {
     {"blas_threads", T::kUint32, "1", "model", "mlp: OpenBLAS threads per worker"},
 
     {"optimizer", T::kString, "sgd", "optimizer",
-     "sgd | adam | onebit-adam | naive-onebit-adam | ef-sgd (docs/design.md §1.4)"},
+     "sgd | adam | onebit-adam | naive-onebit-adam | ef-sgd | zero-one-adam (docs/design.md "
+     "§1.4, §1.6)"},
     {"lr", T::kFloat, "0.01", "optimizer", "learning rate"},
     {"lr_schedule", T::kString, "constant", "optimizer",
      "learning rate schedule: constant | warmup:N | cosine"},
@@ -75,6 +76,14 @@ constexpr JobSetting kSettings[] = {
      "checked every K steps (default auto:0.05:50 when --freeze_step is not given)"},
     {"v_floor", T::kFloat, "1e-8", "optimizer",
      "floor of the frozen variance: v = max(v, v_floor)"},
+    {"var_freeze_step", T::kUint64, "100000", "optimizer",
+     "zero-one-adam: the last step (counted from 1) that may refresh v; local steps after it"},
+    {"var_update_scaler", T::kUint32, "16", "optimizer",
+     "zero-one-adam: v is refreshed this many times at each interval before it doubles"},
+    {"local_step_scaler", T::kUint64, "32678", "optimizer",
+     "zero-one-adam: after the freeze the sync interval doubles every this many steps"},
+    {"local_step_clipper", T::kUint32, "16", "optimizer",
+     "zero-one-adam: the largest sync interval (H)"},
 
     {"worker_codec", T::kString, "", "compression",
      "compression-phase push codec: fp32 | fp16 | onebit (default: onebit for the compressing "

@@ -255,7 +255,7 @@ absl::Status WriteSummaryJson(const std::string& path, const Summary& s) {
       "  \"server_reply\": ", JsonQuote(s.server_reply), ",\n",
       "  \"freeze\": ", JsonQuote(s.freeze), ",\n", "  \"v_floor\": ", JsonNum(s.v_floor), ",\n",
       "  \"v_floored\": ", s.v_floored, ",\n", "  \"compress_steps\": ", s.compress_steps, ",\n",
-      "  \"bytes_up_warmup\": ", s.bytes_up_warmup, ",\n",
+      "  \"rounds\": ", s.rounds, ",\n", "  \"bytes_up_warmup\": ", s.bytes_up_warmup, ",\n",
       "  \"bytes_up_compress\": ", s.bytes_up_compress, ",\n",
       "  \"bytes_down_warmup\": ", s.bytes_down_warmup, ",\n",
       "  \"bytes_down_compress\": ", s.bytes_down_compress, ",\n",

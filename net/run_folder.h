@@ -55,6 +55,7 @@ struct Summary {
   double v_floor = 0;
   uint64_t v_floored = 0;  // coordinates the floor raised at the freeze
   uint64_t compress_steps = 0;
+  uint64_t rounds = 0;  // steps that communicated (zero-one-adam's local steps do not)
   uint64_t bytes_up_warmup = 0;
   uint64_t bytes_up_compress = 0;
   uint64_t bytes_down_warmup = 0;

@@ -1072,10 +1072,13 @@ Summary CoordinatorService::MakeSummary() const {
     (compress ? s.bytes_up_compress : s.bytes_up_warmup) += r.bytes_up;
     (compress ? s.bytes_down_compress : s.bytes_down_warmup) += r.bytes_down;
     s.compress_steps += compress;
+    s.rounds += r.bytes_up > 0;
     if (compress && !s.freeze_step) s.freeze_step = r.step;
   }
-  s.freeze =
-      config_.freeze().empty() ? absl::StrCat("step:", config_.freeze_step()) : config_.freeze();
+  s.freeze = config_.optimizer() == "zero-one-adam"
+                 ? absl::StrCat("var_freeze_step:", config_.var_freeze_step())
+             : config_.freeze().empty() ? absl::StrCat("step:", config_.freeze_step())
+                                        : config_.freeze();
   s.error_feedback = config_.error_feedback();
   s.server_reply = config_.server_reply();
   s.v_floor = config_.v_floor();

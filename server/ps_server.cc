@@ -47,7 +47,6 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Create(PsServerOptions optio
     s->state_.shard = o.shard;
     o.restored.reset();
   }
-  o.job.push_codec = &s->optimizer_->push_codec(PhaseOf(s->state_));
   o.job.init_codec = s->init_codec_.get();
   const uint64_t n = NumChunks(r.size(), o.job.chunk_elems);
   s->chunks_.resize(n);
@@ -66,6 +65,7 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Create(PsServerOptions optio
     // An empty shard has nothing to aggregate: it is done from the start.
     if (n == 0) s->state_.step = o.job.steps;
   }
+  s->SkipLocalSteps();
   return s;
 }
 
@@ -390,8 +390,8 @@ void PsServer::Complete(Chunk& c, uint64_t index) {
   const uint64_t pushed_ns = MonotonicNs();
   const uint64_t n = c.range.size();
   const bool last_warmup = LastWarmup().value_or(false);
-  const Phase phase = PhaseOf(state_);
-  const size_t bytes = optimizer_->ReplyBytes(phase, n, last_warmup);
+  const StepKind kind = optimizer_->KindOf(state_.step, PhaseOf(state_));
+  const size_t bytes = optimizer_->ReplyBytes(kind, n, last_warmup);
   if (c.reply == nullptr || c.reply.use_count() > 1 || c.reply->size() != bytes) {
     c.reply = std::make_shared<std::vector<uint8_t>>(bytes);
   }
@@ -413,7 +413,7 @@ void PsServer::Complete(Chunk& c, uint64_t index) {
   h.set_shard(options_.shard);
   h.set_begin(c.range.begin);
   h.set_count(n);
-  h.set_codec(optimizer_->reply_codec(phase).name());
+  h.set_codec(optimizer_->reply_codec(kind).name());
   h.set_block_size(options_.job.map.block_size());
   h.set_payload_bytes(shared->size());
   h.set_pushed_ns(pushed_ns);
@@ -445,7 +445,6 @@ void PsServer::EndStep() {
   }
   if (last_warmup) {
     optimizer_->EnterCompression(&state_);
-    options_.job.push_codec = &optimizer_->push_codec(PhaseOf(state_));
     std::fprintf(stderr,
                  "server %u: warm-up over after %llu steps; %llu coordinates of v "
                  "raised to the floor\n",
@@ -463,6 +462,20 @@ void PsServer::EndStep() {
     options_.report_freeze_check(state_.step, change);
   }
   if (options_.on_step_end) options_.on_step_end(state_);
+  SkipLocalSteps();
+}
+
+void PsServer::SkipLocalSteps() {
+  // Steps that send nothing (zero-one-adam's local steps) leave the shard
+  // as it is: they end as they begin. The schedule ends every job on a
+  // step that synchronises, so this stops at the job's end at the latest.
+  while (!chunks_.empty() && (!end_step_ || state_.step < *end_step_) &&
+         optimizer_->KindOf(state_.step, PhaseOf(state_)) == StepKind::kLocal) {
+    ++state_.step;
+    if (options_.on_step_end) options_.on_step_end(state_);
+  }
+  options_.job.push_codec =
+      &optimizer_->push_codec(optimizer_->KindOf(state_.step, PhaseOf(state_)));
 }
 
 void PsServer::SendError(const std::string& routing_id, const data::Header* request,

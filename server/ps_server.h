@@ -104,6 +104,9 @@ class PsServer {
   std::optional<bool> LastWarmup();
   void CompleteReady();
   void EndStep();
+  // Moves past the steps that send nothing, and sets the push codec of the
+  // step it stops at.
+  void SkipLocalSteps();
   // The pushes of a complete chunk agree on the step's learning rate, and
   // with the chunks before them; else the step fails and nothing applies.
   absl::Status AgreeOnLr(const Chunk& c, uint64_t chunk_index);

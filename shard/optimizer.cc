@@ -29,6 +29,20 @@ void DeltaFromMomentum(const float* m, const float* den, float lr, float wd, siz
   }
 }
 
+// Per-thread scratch of at least n floats (a chunk's decoded reply, a sync
+// push): the optimizers are shared and const, their callers' threads not.
+float* Scratch(size_t n) {
+  thread_local std::vector<float> scratch;
+  if (scratch.size() < n) scratch.resize(n);
+  return scratch.data();
+}
+
+// den = sqrt(max(v, floor)) + eps: zero-one-adam's preconditioner between
+// variance steps (the floor as at onebit-adam's freeze, docs/design.md §1.1).
+void RefreshDenominators(const float* v, size_t n, float floor, float eps, float* den) {
+  for (size_t i = 0; i < n; ++i) den[i] = FrozenDenominator(std::max(v[i], floor), eps);
+}
+
 absl::Status NotFinite(absl::string_view what, uint64_t step, uint64_t global_index, float value) {
   return absl::InternalError(absl::StrCat(what, " of step ", step, " is not finite at parameter ",
                                           global_index, " (", value,
@@ -51,8 +65,10 @@ absl::StatusOr<OptimizerKind> ParseOptimizerKind(absl::string_view name) {
   if (name == "onebit-adam") return OptimizerKind::kOnebitAdam;
   if (name == "naive-onebit-adam") return OptimizerKind::kNaiveOnebitAdam;
   if (name == "ef-sgd") return OptimizerKind::kEfSgd;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown optimizer '", name, "' (want sgd, adam, onebit-adam, naive-onebit-adam or ef-sgd)"));
+  if (name == "zero-one-adam") return OptimizerKind::kZeroOneAdam;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown optimizer '", name,
+                   "' (want sgd, adam, onebit-adam, naive-onebit-adam, ef-sgd or zero-one-adam)"));
 }
 
 absl::string_view OptimizerKindName(OptimizerKind kind) {
@@ -67,6 +83,8 @@ absl::string_view OptimizerKindName(OptimizerKind kind) {
       return "naive-onebit-adam";
     case OptimizerKind::kEfSgd:
       return "ef-sgd";
+    case OptimizerKind::kZeroOneAdam:
+      return "zero-one-adam";
   }
   return "unknown";
 }
@@ -136,7 +154,39 @@ absl::StatusOr<FreezeOptions> ParseAutoFreeze(absl::string_view text) {
 
 bool HasCompressionPhase(OptimizerKind kind) {
   return kind == OptimizerKind::kOnebitAdam || kind == OptimizerKind::kNaiveOnebitAdam ||
-         kind == OptimizerKind::kEfSgd;
+         kind == OptimizerKind::kEfSgd || kind == OptimizerKind::kZeroOneAdam;
+}
+
+bool IsVarianceStep(const ZeroOneOptions& z, uint64_t step) {
+  const uint64_t k = step + 1;
+  if (k > z.var_freeze_step || z.var_update_scaler == 0) return false;
+  // Stage j refreshes at var_update_scaler multiples of 2^j, from the first
+  // one after the previous stage's last refresh.
+  uint64_t prev = 0;
+  for (int j = 0; j < 63; ++j) {
+    const uint64_t w = uint64_t{1} << j;
+    const uint64_t first = (prev / w + 1) * w;
+    if (k < first) return false;
+    const uint64_t more = z.var_update_scaler - 1;
+    const uint64_t last =
+        more > (std::numeric_limits<uint64_t>::max() - first) / w ? kNever : first + more * w;
+    if (k <= last) return k % w == 0;
+    prev = last;
+  }
+  return false;
+}
+
+bool IsSyncStep(const ZeroOneOptions& z, uint64_t step) {
+  const uint64_t k = step + 1;
+  if (k <= z.var_freeze_step) return true;  // before the freeze every step communicates
+  if (z.steps > 0 && k == z.steps) return true;
+  if (z.local_step_scaler == 0 || z.local_step_clipper == 0) return true;
+  // The interval doubles every local_step_scaler steps after the freeze, up
+  // to the clipper.
+  const uint64_t doublings = (k - z.var_freeze_step - 1) / z.local_step_scaler;
+  uint64_t interval = z.local_step_clipper;
+  if (doublings < 32) interval = std::min<uint64_t>(interval, uint64_t{1} << doublings);
+  return k % interval == 0;
 }
 
 bool HasWarmup(OptimizerKind kind) { return kind != OptimizerKind::kEfSgd; }
@@ -155,6 +205,8 @@ StateSize SizeOf(std::vector<const char*> arrays, uint64_t n) {
 StateSize WorkerStateSize(const OptimizerOptions& o, uint64_t d) {
   std::vector<const char*> arrays = {"x", "g"};
   if (HasCompressionPhase(o.kind)) arrays.insert(arrays.end(), {"mbar", "e_w"});
+  // v before the freeze, x_sync after it; den throughout.
+  if (o.kind == OptimizerKind::kZeroOneAdam) arrays.insert(arrays.end(), {"v or x_sync", "den"});
   return SizeOf(arrays, d);
 }
 
@@ -164,6 +216,7 @@ StateSize ServerShardSize(const OptimizerOptions& o, uint64_t n) {
   if (adam) arrays.insert(arrays.end(), {"m", "v"});
   // onebit-adam drops m when e_s arrives.
   if (HasCompressionPhase(o.kind) && o.kind != OptimizerKind::kOnebitAdam) arrays.push_back("e_s");
+  if (o.kind == OptimizerKind::kZeroOneAdam) arrays.push_back("den");
   if (o.reply == ReplyMode::kDelta) arrays.push_back("the replica");
   return SizeOf(arrays, n);
 }
@@ -231,6 +284,21 @@ absl::Status ValidateOptimizerOptions(const OptimizerOptions& o) {
                "naive-onebit-adam replies deltas: its v changes every step, so workers cannot "
                "expand a momentum reply");
   }
+  if (o.kind == OptimizerKind::kZeroOneAdam) {
+    const ZeroOneOptions& z = o.zero_one;
+    if (z.var_freeze_step < 1) return Bad("var_freeze_step", "must be >= 1");
+    if (z.var_update_scaler < 1) return Bad("var_update_scaler", "must be >= 1");
+    if (z.local_step_scaler < 1) return Bad("local_step_scaler", "must be >= 1");
+    if (z.local_step_clipper < 1) return Bad("local_step_clipper", "must be >= 1");
+    if (o.reply != ReplyMode::kMomentum) {
+      return Bad("server_reply",
+                 "zero-one-adam replies the averaged gradient or momentum: every worker keeps "
+                 "its own m and v for its local steps, so there is no delta to reply");
+    }
+    if (o.bias_correction) {
+      return Bad("bias_correction", "zero-one-adam has none (as DeepSpeed's ZeroOneAdam)");
+    }
+  }
   if (o.schedule == LrScheduleKind::kWarmup && o.schedule_steps < 1) {
     return Bad("lr_schedule", "warmup:N needs N >= 1");
   }
@@ -279,17 +347,26 @@ absl::Status OptimizerCodecs::Init() {
   return absl::OkStatus();
 }
 
-const Codec& OptimizerCodecs::push_codec(Phase phase) const {
-  return phase == Phase::kCompress ? *worker_codec_ : *fp32_;
+StepKind OptimizerCodecs::KindOf(uint64_t step, Phase phase) const {
+  if (o_.kind != OptimizerKind::kZeroOneAdam) return KindOfPhase(phase);
+  if (phase == Phase::kWarmup) {
+    return IsVarianceStep(o_.zero_one, step) ? StepKind::kFull : StepKind::kCompressed;
+  }
+  return IsSyncStep(o_.zero_one, step) ? StepKind::kCompressed : StepKind::kLocal;
 }
 
-const Codec& OptimizerCodecs::reply_codec(Phase phase) const {
-  return phase == Phase::kCompress ? *server_codec_ : *fp32_;
+const Codec& OptimizerCodecs::push_codec(StepKind kind) const {
+  return kind == StepKind::kFull ? *fp32_ : *worker_codec_;
 }
 
-size_t OptimizerCodecs::ReplyBytes(Phase phase, size_t n, bool last_warmup) const {
-  size_t bytes = reply_codec(phase).EncodedSize(n);
-  if (phase == Phase::kWarmup && last_warmup && HandsOver()) bytes += 2 * fp32_->EncodedSize(n);
+const Codec& OptimizerCodecs::reply_codec(StepKind kind) const {
+  return kind == StepKind::kFull ? *fp32_ : *server_codec_;
+}
+
+size_t OptimizerCodecs::ReplyBytes(StepKind kind, size_t n, bool last_warmup) const {
+  if (kind == StepKind::kLocal) return 0;
+  size_t bytes = reply_codec(kind).EncodedSize(n);
+  if (kind == StepKind::kFull && last_warmup && HandsOver()) bytes += 2 * fp32_->EncodedSize(n);
   return bytes;
 }
 
@@ -312,6 +389,10 @@ void ServerOptimizer::InitState(uint32_t shard, uint64_t begin, uint64_t size,
     s->m.assign(size, 0.0f);
     s->v.assign(size, 0.0f);
   }
+  if (o_.kind == OptimizerKind::kZeroOneAdam) {
+    s->den.assign(size, 0.0f);
+    s->e.assign(size, 0.0f);
+  }
   if (!HasWarmup(o_.kind)) EnterCompression(s);
 }
 
@@ -320,9 +401,14 @@ void ServerOptimizer::EnterCompression(ServerShardState* s) const {
   s->e.assign(s->x.size(), 0.0f);
   s->v_check.clear();
   s->v_check.shrink_to_fit();
-  if (o_.kind == OptimizerKind::kOnebitAdam) {
-    s->m.clear();  // the server's momentum is now the synchronized one
+  if (o_.kind == OptimizerKind::kOnebitAdam || o_.kind == OptimizerKind::kZeroOneAdam) {
+    s->m.clear();  // the server's momentum is now the synchronized one (0/1: the workers')
     s->m.shrink_to_fit();
+  }
+  if (o_.kind == OptimizerKind::kZeroOneAdam) {
+    // (e was of gradients; from here on it is of the workers' summed
+    // updates, so it starts again from zero above, as DeepSpeed's does.)
+    for (float v : s->v) s->floored += v < o_.v_floor ? 1 : 0;
   }
 }
 
@@ -349,6 +435,7 @@ absl::Status ServerOptimizer::Step(uint64_t step, bool last_warmup, float* acc, 
 absl::Status ServerOptimizer::Step(uint64_t step, float lr, bool last_warmup, float* acc,
                                    uint64_t off, size_t n, ServerShardState* s,
                                    uint8_t* reply) const {
+  if (o_.kind == OptimizerKind::kZeroOneAdam) return ZeroOneStep(step, lr, acc, off, n, s, reply);
   float* x = s->x.data() + off;
   if (!s->frozen) {
     // Warm-up: full precision both ways; the reply is Δ itself. Update and
@@ -429,6 +516,47 @@ absl::Status ServerOptimizer::Step(uint64_t step, float lr, bool last_warmup, fl
   return absl::OkStatus();
 }
 
+// zero-one-adam's server (docs/design.md §1.6). Variance step: acc is the mean
+// gradient, replied as it is; every worker runs the same Adam step on its
+// own m, v and x. Other steps before the freeze: reply c_s = C(acc + e_s)
+// and step m and x with its decoding. Sync steps after it: acc is the mean
+// of the workers' updates u * den, x += D(c_s) / den.
+absl::Status ServerOptimizer::ZeroOneStep(uint64_t step, float lr, float* acc, uint64_t off,
+                                          size_t n, ServerShardState* s, uint8_t* reply) const {
+  float* x = s->x.data() + off;
+  float* den = s->den.data() + off;
+  const StepKind kind = KindOf(step, PhaseOf(*s));
+  if (kind == StepKind::kLocal) {
+    return absl::InternalError(absl::StrCat("step ", step, " is a local step: nothing to serve"));
+  }
+  if (kind == StepKind::kFull) {
+    absl::Status st = fp32_->Encode(acc, n, reply);
+    if (!st.ok()) return Diverged("the mean gradient", step, s->begin + off, st);
+    if (st = AdamStep(step, lr, acc, off, n, s); !st.ok()) return st;
+    RefreshDenominators(s->v.data() + off, n, o_.v_floor, o_.eps, den);
+    return absl::OkStatus();
+  }
+  const Codec& codec = *server_codec_;
+  absl::Status st = o_.server_error_feedback
+                        ? codec.EncodeWithFeedback(acc, s->e.data() + off, n, reply)
+                        : codec.Encode(acc, n, reply);
+  if (!st.ok()) return Diverged("the averaged update", step, s->begin + off, st);
+  if (st = codec.Decode(reply, n, acc); !st.ok()) return st;
+  if (!s->frozen) {
+    float* m = s->m.data() + off;
+    UpdateMomentum(acc, o_.beta1, 1.0f - o_.beta1, n, m);
+    ForEachWeightDecay(o_, s->begin + off, n, [&](size_t p, size_t c, float wd) {
+      ApplyMomentum(m + p, den + p, lr, wd, c, x + p);
+    });
+  } else {
+    for (size_t i = 0; i < n; ++i) x[i] += acc[i] / den[i];
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (!std::isfinite(x[i])) return NotFinite("the update", step, s->begin + off + i, x[i]);
+  }
+  return absl::OkStatus();
+}
+
 // ---------------------------------------------------------------------------
 
 absl::StatusOr<std::unique_ptr<WorkerOptimizer>> WorkerOptimizer::Create(
@@ -445,15 +573,83 @@ void WorkerOptimizer::InitState(uint64_t d, WorkerState* s) const {
     s->mbar.assign(d, 0.0f);
     s->e.assign(d, 0.0f);
   }
+  if (o_.kind == OptimizerKind::kZeroOneAdam) {
+    s->v.assign(d, 0.0f);
+    s->den.assign(d, 0.0f);
+  }
   if (!HasWarmup(o_.kind)) s->frozen = true;
 }
 
-void WorkerOptimizer::EnterCompression(WorkerState* s) const { s->frozen = true; }
+void WorkerOptimizer::EnterCompression(WorkerState* s) const {
+  s->frozen = true;
+  if (o_.kind != OptimizerKind::kZeroOneAdam) return;
+  // As the server's: the errors start again for the summed updates.
+  std::fill(s->e.begin(), s->e.end(), 0.0f);
+  s->x_sync = s->x;
+  s->lrs = 0.0f;
+  s->v.clear();  // frozen: den holds all that is needed of it
+  s->v.shrink_to_fit();
+}
 
-absl::Status WorkerOptimizer::Push(uint64_t step, const float* g, uint64_t b, size_t n,
-                                   WorkerState* s, uint8_t* out) const {
+void WorkerOptimizer::BeginStep(uint64_t step, float lr, WorkerState* s) const {
   (void)step;
-  if (!s->frozen) return fp32_->Encode(g + b, n, out);
+  if (o_.kind == OptimizerKind::kZeroOneAdam && s->frozen) s->lrs += lr;
+}
+
+void WorkerOptimizer::EndStep(uint64_t step, WorkerState* s) const {
+  if (o_.kind == OptimizerKind::kZeroOneAdam && s->frozen &&
+      KindOf(step, Phase::kCompress) == StepKind::kCompressed) {
+    s->lrs = 0.0f;
+  }
+}
+
+void WorkerOptimizer::LocalUpdate(float lr, const float* g, uint64_t b, size_t n,
+                                  WorkerState* s) const {
+  float* m = s->mbar.data() + b;
+  float* x = s->x.data() + b;
+  const float* den = s->den.data() + b;
+  UpdateMomentum(g, o_.beta1, 1.0f - o_.beta1, n, m);
+  ForEachWeightDecay(o_, b, n, [&](size_t p, size_t c, float wd) {
+    ApplyMomentum(m + p, den + p, lr, wd, c, x + p);
+  });
+}
+
+absl::Status WorkerOptimizer::LocalStep(uint64_t step, float lr, const float* g, uint64_t b,
+                                        size_t n, WorkerState* s) const {
+  if (KindOf(step, PhaseOf(*s)) != StepKind::kLocal) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", step, " synchronises: it is no local step"));
+  }
+  LocalUpdate(lr, g + b, b, n, s);
+  return absl::OkStatus();
+}
+
+absl::Status WorkerOptimizer::Push(uint64_t step, float lr, const float* g, uint64_t b, size_t n,
+                                   WorkerState* s, uint8_t* out) const {
+  const StepKind kind = KindOf(step, PhaseOf(*s));
+  if (kind == StepKind::kLocal) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", step, " is a local step: it sends nothing"));
+  }
+  if (kind == StepKind::kFull) return fp32_->Encode(g + b, n, out);
+  if (o_.kind == OptimizerKind::kZeroOneAdam) {
+    const Codec& codec = *worker_codec_;
+    float* e = s->e.data() + b;
+    const float* y = g + b;
+    if (s->frozen) {
+      // The sync step's own local step, then its update since the last
+      // sync, u = x - x_sync, in momentum units: u * den.
+      LocalUpdate(lr, g + b, b, n, s);
+      float* u = Scratch(n);
+      const float* x = s->x.data() + b;
+      const float* xs = s->x_sync.data() + b;
+      const float* den = s->den.data() + b;
+      for (size_t i = 0; i < n; ++i) u[i] = (x[i] - xs[i]) * den[i];
+      y = u;
+    }
+    return o_.worker_error_feedback ? codec.EncodeWithFeedback(y, e, n, out)
+                                    : codec.Encode(y, n, out);
+  }
   const Codec& codec = *worker_codec_;
   float* e = s->e.data() + b;
   const float* y = g + b;
@@ -486,7 +682,7 @@ absl::Status WorkerOptimizer::Apply(uint64_t step, bool last_warmup, const uint8
 
 absl::Status WorkerOptimizer::Apply(uint64_t step, float lr, bool last_warmup, const uint8_t* reply,
                                     uint64_t b, size_t n, WorkerState* s) const {
-  (void)step;
+  if (o_.kind == OptimizerKind::kZeroOneAdam) return ZeroOneApply(step, lr, reply, b, n, s);
   float* x = s->x.data() + b;
   if (!s->frozen) {
     // x += Δ: the same fp32 addition the server applied to its master.
@@ -518,6 +714,60 @@ absl::Status WorkerOptimizer::Apply(uint64_t step, float lr, bool last_warmup, c
   ForEachWeightDecay(o_, b, n, [&](size_t p, size_t m, float wd) {
     ApplyMomentum(mbar + p, den == nullptr ? nullptr : den + p, lr, wd, m, x + p);
   });
+  return absl::OkStatus();
+}
+
+}  // namespace onebit
+
+namespace onebit {
+
+// zero-one-adam's worker side of ServerOptimizer::ZeroOneStep, the same
+// arithmetic on the worker's own m, v and x.
+absl::Status WorkerOptimizer::ZeroOneApply(uint64_t step, float lr, const uint8_t* reply,
+                                           uint64_t b, size_t n, WorkerState* s) const {
+  const StepKind kind = KindOf(step, PhaseOf(*s));
+  if (kind == StepKind::kLocal) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", step, " is a local step: there is no reply to apply"));
+  }
+  float* x = s->x.data() + b;
+  float* m = s->mbar.data() + b;
+  float* den = s->den.data() + b;
+  float* a = Scratch(n);
+  const Codec& codec = reply_codec(kind);
+  if (absl::Status st = codec.Decode(reply, n, a); !st.ok()) return st;
+  if (kind == StepKind::kFull) {
+    // The variance step the server took, on the worker's own moments.
+    for (size_t i = 0; i < n; ++i) {
+      if (!std::isfinite(a[i])) {
+        return absl::DataLossError(absl::StrCat("the mean gradient of step ", step,
+                                                " is not finite at parameter ", b + i));
+      }
+    }
+    ForEachWeightDecay(o_, b, n, [&](size_t p, size_t c, float wd) {
+      const AdamCoefficients k =
+          MakeAdamCoefficients(o_.beta1, o_.beta2, o_.eps, wd, lr, o_.bias_correction, step);
+      AdamUpdate(k, c, a + p, m + p, s->v.data() + b + p, x + p);
+    });
+    RefreshDenominators(s->v.data() + b, n, o_.v_floor, o_.eps, den);
+    return absl::OkStatus();
+  }
+  if (!s->frozen) {
+    UpdateMomentum(a, o_.beta1, 1.0f - o_.beta1, n, m);
+    ForEachWeightDecay(o_, b, n, [&](size_t p, size_t c, float wd) {
+      ApplyMomentum(m + p, den + p, lr, wd, c, x + p);
+    });
+    return absl::OkStatus();
+  }
+  // A sync step: the replica moves as the master did; the local model
+  // starts again from it, with m the mean update per unit of learning rate.
+  float* xs = s->x_sync.data() + b;
+  const float lrs = s->lrs;
+  for (size_t i = 0; i < n; ++i) {
+    xs[i] += a[i] / den[i];
+    m[i] = lrs > 0.0f ? -(a[i] / lrs) : 0.0f;
+    x[i] = xs[i];
+  }
   return absl::OkStatus();
 }
 

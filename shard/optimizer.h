@@ -35,6 +35,7 @@ enum class OptimizerKind : uint8_t {
   kOnebitAdam,       // Adam warm-up, then frozen v and 1-bit momentum (§1.2)
   kNaiveOnebitAdam,  // Adam warm-up, then Adam on the average of 1-bit gradients
   kEfSgd,            // 1-bit error-feedback momentum SGD from step 0
+  kZeroOneAdam,      // 0/1 Adam: v refreshed at growing intervals, then local steps (§1.6)
 };
 
 // What the server replies in the compression phase (docs/design.md §1.4).
@@ -44,6 +45,14 @@ enum class ReplyMode : uint8_t {
 };
 
 enum class Phase : uint8_t { kWarmup, kCompress };
+
+// What one step sends. Every process derives it from the step number and the
+// phase alone, so no round trip is needed to agree on it.
+enum class StepKind : uint8_t {
+  kFull,        // fp32 both ways: the warm-up, 0/1 Adam's variance steps
+  kCompressed,  // the worker and server codecs, with error feedback
+  kLocal,       // nothing: 0/1 Adam's local steps
+};
 
 enum class LrScheduleKind : uint8_t { kConstant, kWarmup, kCosine };
 
@@ -55,6 +64,25 @@ struct DecayRange {
   uint64_t begin = 0;
   uint64_t end = 0;
   float weight_decay = 0.0f;
+};
+
+// 0/1 Adam's schedule (docs/design.md §1.6), in the terms of DeepSpeed's
+// ZeroOneAdam. Steps are counted from 1 here, as there: k = step + 1.
+struct ZeroOneOptions {
+  // The last k that may refresh v; steps k > var_freeze_step are local
+  // steps with v frozen.
+  uint64_t var_freeze_step = 100000;
+  // κ: v is refreshed at k = 1, ..., κ, then at κ multiples of 2, then of
+  // 4, ...: the interval doubles after every κ refreshes.
+  uint32_t var_update_scaler = 16;
+  // After the freeze, workers synchronise when k is a multiple of the local
+  // interval; it starts at 1 and doubles every local_step_scaler steps...
+  uint64_t local_step_scaler = 32678;
+  // ...up to local_step_clipper (H).
+  uint32_t local_step_clipper = 16;
+  // The job's length: its last step always synchronises, so the job ends
+  // with every replica equal to the master. 0: unknown.
+  uint64_t steps = 0;
 };
 
 struct OptimizerOptions {
@@ -76,6 +104,7 @@ struct OptimizerOptions {
   CodecOptions codec;                 // block size, scale rule, SIMD path
   std::string worker_codec = "fp32";  // compression-phase push codec
   std::string server_codec = "fp32";  // compression-phase reply codec
+  ZeroOneOptions zero_one;            // zero-one-adam only
 };
 
 absl::StatusOr<OptimizerKind> ParseOptimizerKind(absl::string_view name);
@@ -87,6 +116,12 @@ absl::Status ParseLrSchedule(absl::string_view text, uint64_t steps, OptimizerOp
 // "both", "worker", "server" or "none".
 absl::Status ParseErrorFeedback(absl::string_view text, OptimizerOptions* options);
 std::string ErrorFeedbackName(const OptimizerOptions& options);
+
+// 0/1 Adam's schedule, for step `step` (counted from 0): whether it
+// refreshes v (only steps before the freeze do), and, after the freeze,
+// whether it synchronises.
+bool IsVarianceStep(const ZeroOneOptions& z, uint64_t step);
+bool IsSyncStep(const ZeroOneOptions& z, uint64_t step);
 
 // Whether the optimizer ever leaves the warm-up, and whether it has one.
 bool HasCompressionPhase(OptimizerKind kind);
@@ -162,6 +197,9 @@ struct ServerShardState {
   // kept to report how far replicas trail the master.
   std::vector<float> replica;
 };
+// zero-one-adam's server keeps m and v (v frozen after the freeze, m
+// dropped then), den = sqrt(max(v, v_floor)) + eps refreshed with v, and e
+// from the start: its first phase compresses gradients too.
 
 // The replica a worker trains, and its state.
 struct WorkerState {
@@ -170,6 +208,14 @@ struct WorkerState {
   std::vector<float> e;     // worker error feedback
   std::vector<float> den;   // sqrt(frozen v) + eps, from the hand-over
   bool frozen = false;
+  // zero-one-adam: mbar is the worker's own m (equal on every worker before
+  // the freeze); v its own second moment until the freeze; den refreshed
+  // with v. After the freeze x is the local model the worker trains,
+  // x_sync the replica as of the last synchronisation (equal to the
+  // master), lrs the sum of the learning rates since then.
+  std::vector<float> v;
+  std::vector<float> x_sync;
+  float lrs = 0.0f;
 };
 
 inline Phase PhaseOf(const ServerShardState& s) {
@@ -192,17 +238,32 @@ absl::StatusOr<FreezeOptions> ParseAutoFreeze(absl::string_view text);
 class OptimizerCodecs {
  public:
   const OptimizerOptions& options() const { return o_; }
-  // fp32 in the warm-up; the worker / server codec in the compression phase.
-  const Codec& push_codec(Phase phase) const;
-  const Codec& reply_codec(Phase phase) const;
+  // What step `step` sends when the state is in `phase`: kFull in the
+  // warm-up and kCompressed after it, except for zero-one-adam, whose
+  // variance steps are kFull, its other steps before the freeze kCompressed,
+  // and after the freeze its sync steps kCompressed, the rest kLocal.
+  StepKind KindOf(uint64_t step, Phase phase) const;
+  // fp32 for kFull steps; the worker / server codec for kCompressed ones.
+  const Codec& push_codec(StepKind kind) const;
+  const Codec& reply_codec(StepKind kind) const;
   // Payload bytes of the reply of n elements; the last warm-up step's reply
   // also carries m and v in fp32 for onebit-adam (the hand-over).
-  size_t ReplyBytes(Phase phase, size_t n, bool last_warmup) const;
+  size_t ReplyBytes(StepKind kind, size_t n, bool last_warmup) const;
+  // The same for the optimizers whose kind follows the phase alone
+  // (kWarmup: kFull, kCompress: kCompressed).
+  const Codec& push_codec(Phase phase) const { return push_codec(KindOfPhase(phase)); }
+  const Codec& reply_codec(Phase phase) const { return reply_codec(KindOfPhase(phase)); }
+  size_t ReplyBytes(Phase phase, size_t n, bool last_warmup) const {
+    return ReplyBytes(KindOfPhase(phase), n, last_warmup);
+  }
 
  protected:
   explicit OptimizerCodecs(const OptimizerOptions& o) : o_(o) {}
   absl::Status Init();
   bool HandsOver() const { return o_.kind == OptimizerKind::kOnebitAdam; }
+  static StepKind KindOfPhase(Phase phase) {
+    return phase == Phase::kWarmup ? StepKind::kFull : StepKind::kCompressed;
+  }
 
   OptimizerOptions o_;
   std::unique_ptr<const Codec> fp32_, worker_codec_, server_codec_;
@@ -238,6 +299,8 @@ class ServerOptimizer : public OptimizerCodecs {
   using OptimizerCodecs::OptimizerCodecs;
   absl::Status AdamStep(uint64_t step, float lr, float* g, uint64_t off, size_t n,
                         ServerShardState* s) const;
+  absl::Status ZeroOneStep(uint64_t step, float lr, float* acc, uint64_t off, size_t n,
+                           ServerShardState* s, uint8_t* reply) const;
 };
 
 class WorkerOptimizer : public OptimizerCodecs {
@@ -247,10 +310,26 @@ class WorkerOptimizer : public OptimizerCodecs {
   // Sizes the state to d parameters, x zero (the model initialises it).
   void InitState(uint64_t d, WorkerState* s) const;
 
+  // Once per step, before its pushes (or its local step), with the step's
+  // learning rate; EndStep once after its last reply is applied (or after
+  // LocalStep). zero-one-adam keeps the sum of learning rates there.
+  void BeginStep(uint64_t step, float lr, WorkerState* s) const;
+  void EndStep(uint64_t step, WorkerState* s) const;
+
   // The push of global elements [b, b + n) for `step`, from the gradient
-  // g[b, b + n): push_codec(PhaseOf(*s)).EncodedSize(n) bytes into out.
-  absl::Status Push(uint64_t step, const float* g, uint64_t b, size_t n, WorkerState* s,
+  // g[b, b + n): push_codec(KindOf(step, PhaseOf(*s))).EncodedSize(n)
+  // bytes into out. `lr`: the step's learning rate (a zero-one-adam sync
+  // step takes its local step first).
+  absl::Status Push(uint64_t step, float lr, const float* g, uint64_t b, size_t n, WorkerState* s,
                     uint8_t* out) const;
+  absl::Status Push(uint64_t step, const float* g, uint64_t b, size_t n, WorkerState* s,
+                    uint8_t* out) const {
+    return Push(step, LearningRate(o_, step), g, b, n, s, out);
+  }
+  // A step that sends nothing (kLocal): the worker's own update of x[b, b +
+  // n) from g[b, b + n).
+  absl::Status LocalStep(uint64_t step, float lr, const float* g, uint64_t b, size_t n,
+                         WorkerState* s) const;
 
   // Applies the server's reply for [b, b + n), ReplyBytes(PhaseOf(*s), n,
   // last_warmup) bytes (see ServerOptimizer::Step).
@@ -265,6 +344,10 @@ class WorkerOptimizer : public OptimizerCodecs {
 
  private:
   using OptimizerCodecs::OptimizerCodecs;
+  absl::Status ZeroOneApply(uint64_t step, float lr, const uint8_t* reply, uint64_t b, size_t n,
+                            WorkerState* s) const;
+  // The local step's m and x update of [b, b + n).
+  void LocalUpdate(float lr, const float* g, uint64_t b, size_t n, WorkerState* s) const;
 };
 
 // A worker's side of the hand-over (docs/design.md §1.1): den[i] =

@@ -44,8 +44,10 @@ absl::StatusOr<ReferenceResult> RunReference(const ReferenceOptions& o,
   const bool warmup = HasWarmup(o.optimizer.kind) && HasCompressionPhase(o.optimizer.kind);
 
   ReferenceResult out;
+  const bool zero_one = o.optimizer.kind == OptimizerKind::kZeroOneAdam;
   out.freeze_step = !HasCompressionPhase(o.optimizer.kind) ? kNever
                     : !warmup                              ? 0
+                    : zero_one                             ? o.optimizer.zero_one.var_freeze_step
                     : o.freeze.automatic                   ? kNever
                                                            : o.freeze.step;
   out.workers.resize(N);
@@ -74,19 +76,32 @@ absl::StatusOr<ReferenceResult> RunReference(const ReferenceOptions& o,
     out.losses.push_back(loss / N);
     const bool last_warmup = warmup && out.freeze_step != kNever && t + 1 == out.freeze_step;
     const Phase phase = PhaseOf(out.workers[0]);
+    const StepKind kind = (*worker)->KindOf(t, phase);
+    const float lr = LearningRate(o.optimizer, t);
+    for (WorkerState& ws : out.workers) (*worker)->BeginStep(t, lr, &ws);
     uint64_t up = 0, down = 0;
-    for (uint32_t k = 0; k < S; ++k) {
+    if (kind == StepKind::kLocal) {
+      for (uint32_t i = 0; i < N; ++i) {
+        absl::Status st = (*worker)->LocalStep(t, lr, g[i].data(), 0, d, &out.workers[i]);
+        if (!st.ok()) return st;
+      }
+      for (ServerShardState& s : out.servers) ++s.step;
+    } else {
+      ++out.rounds;
+    }
+    for (uint32_t k = 0; k < S && kind != StepKind::kLocal; ++k) {
       const Range r = o.map.shard(k);
       const size_t n = r.size();
       acc.assign(n, 0.0f);  // +0.0f, then the ranks in order
-      push.resize((*worker)->push_codec(phase).EncodedSize(n));
+      push.resize((*worker)->push_codec(kind).EncodedSize(n));
       for (uint32_t i = 0; i < N; ++i) {
-        absl::Status st = (*worker)->Push(t, g[i].data(), r.begin, n, &out.workers[i], push.data());
-        if (st.ok()) st = (*server)->push_codec(phase).DecodeAdd(push.data(), n, w, acc.data());
+        absl::Status st =
+            (*worker)->Push(t, lr, g[i].data(), r.begin, n, &out.workers[i], push.data());
+        if (st.ok()) st = (*server)->push_codec(kind).DecodeAdd(push.data(), n, w, acc.data());
         if (!st.ok()) return st;
         up += push.size();
       }
-      reply.resize((*server)->ReplyBytes(phase, n, last_warmup));
+      reply.resize((*server)->ReplyBytes(kind, n, last_warmup));
       absl::Status st =
           (*server)->Step(t, last_warmup, acc.data(), 0, n, &out.servers[k], reply.data());
       if (!st.ok()) return st;
@@ -97,6 +112,7 @@ absl::StatusOr<ReferenceResult> RunReference(const ReferenceOptions& o,
       }
       ++out.servers[k].step;
     }
+    for (WorkerState& ws : out.workers) (*worker)->EndStep(t, &ws);
     out.push_bytes.push_back(up);
     out.reply_bytes.push_back(down);
     if (last_warmup) {

@@ -33,6 +33,7 @@ struct ReferenceResult {
   uint64_t freeze_step = kNever;          // first compression step
   std::vector<uint64_t> push_bytes;       // per step, payload bytes, all workers
   std::vector<uint64_t> reply_bytes;      // per step, payload bytes, all workers
+  uint64_t rounds = 0;                    // steps that communicated (zero-one-adam: fewer)
 };
 
 // What RunReference holds (x0, and every worker's and every shard's state)

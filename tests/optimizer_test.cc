@@ -465,5 +465,258 @@ TEST(AutoFreeze, ReferenceFreezesOnceVSettles) {
   EXPECT_EQ(r->freeze_step, 80u);
 }
 
+// --------------------------------------------------------------- zero-one-adam
+
+// DeepSpeed's ZeroOneAdam counters, run step by step (k from 1): which k
+// refresh v, and which synchronise after the freeze.
+struct ZeroOneCounters {
+  std::vector<bool> variance, sync;
+};
+ZeroOneCounters RunCounters(const ZeroOneOptions& z, uint64_t steps) {
+  ZeroOneCounters c;
+  uint64_t var_interval = 1, var_counter = 0, local_interval = 1, local_counter = 0;
+  for (uint64_t k = 1; k <= steps; ++k) {
+    if (k <= z.var_freeze_step) {
+      const bool var = k % var_interval == 0;
+      c.variance.push_back(var);
+      c.sync.push_back(true);
+      if (var && ++var_counter == z.var_update_scaler) {
+        var_counter = 0;
+        var_interval *= 2;
+      }
+    } else {
+      c.variance.push_back(false);
+      c.sync.push_back(k % local_interval == 0 || k == z.steps);
+      if (++local_counter == z.local_step_scaler) {
+        local_counter = 0;
+        local_interval = std::min<uint64_t>(z.local_step_clipper, local_interval * 2);
+      }
+    }
+  }
+  return c;
+}
+
+TEST(ZeroOneSchedule, VarianceStepsAtDoublingIntervals) {
+  ZeroOneOptions z;
+  z.var_update_scaler = 2;
+  z.var_freeze_step = 20;
+  // k = 1, 2; then two multiples of 2 after 2: 4, 6; of 4 after 6: 8, 12;
+  // of 8 after 12: 16 (24 is past the freeze).
+  std::vector<uint64_t> got;
+  for (uint64_t t = 0; t < 40; ++t) {
+    if (IsVarianceStep(z, t)) got.push_back(t + 1);
+  }
+  EXPECT_EQ(got, (std::vector<uint64_t>{1, 2, 4, 6, 8, 12, 16}));
+  for (uint32_t kappa : {1u, 3u, 16u}) {
+    z.var_update_scaler = kappa;
+    z.var_freeze_step = 5000;
+    const ZeroOneCounters c = RunCounters(z, 6000);
+    for (uint64_t t = 0; t < 6000; ++t) {
+      ASSERT_EQ(IsVarianceStep(z, t), c.variance[t]) << "kappa " << kappa << " k " << t + 1;
+    }
+  }
+}
+
+TEST(ZeroOneSchedule, LocalIntervalDoublesUpToTheClipperAndTheLastStepSyncs) {
+  ZeroOneOptions z;
+  z.var_freeze_step = 4;
+  z.local_step_scaler = 3;
+  z.local_step_clipper = 4;
+  z.steps = 15;
+  // Before the freeze every step; then interval 1 for k = 5..7, 2 for
+  // 8..10, 4 from 11 on; k = 15 is the job's last.
+  std::vector<uint64_t> local;
+  for (uint64_t t = 0; t < 17; ++t) {
+    if (!IsSyncStep(z, t)) local.push_back(t + 1);
+  }
+  EXPECT_EQ(local, (std::vector<uint64_t>{9, 11, 13, 14, 17}));
+  for (uint32_t clip : {1u, 5u, 16u}) {
+    z.var_freeze_step = 100;
+    z.local_step_scaler = 7;
+    z.local_step_clipper = clip;
+    z.steps = 2001;
+    const ZeroOneCounters c = RunCounters(z, 2001);
+    for (uint64_t t = 0; t < 2001; ++t) {
+      ASSERT_EQ(IsSyncStep(z, t), c.sync[t]) << "clipper " << clip << " k " << t + 1;
+    }
+  }
+}
+
+OptimizerOptions ZeroOneOptionsForTest() {
+  OptimizerOptions o = OnebitOptions(OptimizerKind::kZeroOneAdam);
+  o.lr = 0.01f;
+  o.weight_decay = 0.1f;
+  o.v_floor = 1e-4f;
+  o.zero_one.var_update_scaler = 1;
+  o.zero_one.var_freeze_step = 3;
+  o.zero_one.local_step_scaler = 2;
+  o.zero_one.local_step_clipper = 2;
+  o.zero_one.steps = 9;
+  return o;
+}
+
+// The gradient of worker r at x for step t: depends on x (so local steps
+// matter) and on the rank.
+float TestGradient(const float* x, uint32_t r, uint64_t t, size_t j) {
+  return 0.5f * x[j] + 0.01f * static_cast<float>((j * 7 + r * 3 + t * 5) % 11) - 0.05f;
+}
+
+// 0/1 Adam written out by hand for 2 workers and d = 64 (two 32-element
+// blocks, one per shard), then the reference: every step kind is in the
+// nine steps (k = 1, 2 refresh v; 3 compresses gradients; 4..9 are after the
+// freeze: 4, 5, 6 and 8 synchronise, 7 is local, 9 is the job's last).
+TEST(ZeroOneAdam, ReferenceMatchesHandComputationStepByStep) {
+  const OptimizerOptions o = ZeroOneOptionsForTest();
+  const size_t d = 64, N = 2;
+  const float b1 = o.beta1, c1 = 1.0f - o.beta1, b2 = o.beta2, c2 = 1.0f - o.beta2;
+  const float lr = o.lr, wd = o.weight_decay, eps = o.eps;
+  std::vector<float> x0(d);
+  for (size_t j = 0; j < d; ++j) x0[j] = 0.1f * static_cast<float>(static_cast<int>(j % 13) - 6);
+  auto onebit = [](const std::vector<float>& z) {  // per 32-block
+    std::vector<float> out;
+    for (size_t b = 0; b < z.size(); b += 32) {
+      const std::vector<float> d1 =
+          OneBit(std::vector<float>(z.begin() + b, z.begin() + std::min(z.size(), b + 32)));
+      out.insert(out.end(), d1.begin(), d1.end());
+    }
+    return out;
+  };
+
+  std::vector<float> x = x0, m(d, 0.0f), v(d, 0.0f), den(d, 0.0f), e_s(d, 0.0f);
+  std::vector<std::vector<float>> e_w(N, std::vector<float>(d, 0.0f)), xl(N), ml(N);
+  std::vector<float> xs;
+  float lrs = 0.0f;
+  std::vector<std::vector<float>> g(N, std::vector<float>(d));
+  for (uint64_t t = 0; t < 9; ++t) {
+    const uint64_t k = t + 1;
+    for (uint32_t r = 0; r < N; ++r) {
+      const float* at = k <= 3 ? x.data() : xl[r].data();
+      for (size_t j = 0; j < d; ++j) g[r][j] = TestGradient(at, r, t, j);
+    }
+    if (k == 1 || k == 2) {  // variance steps: Adam on the mean gradient
+      for (size_t j = 0; j < d; ++j) {
+        const float gb = 0.0f + 0.5f * g[0][j] + 0.5f * g[1][j];
+        m[j] = b1 * m[j] + c1 * gb;
+        v[j] = b2 * v[j] + c2 * gb * gb;
+        x[j] += -lr * (m[j] / (std::sqrt(v[j]) + eps) + wd * x[j]);
+        den[j] = std::sqrt(std::max(v[j], o.v_floor)) + eps;
+      }
+    } else if (k == 3) {  // compressed gradients, both errors
+      std::vector<float> a(d, 0.0f), zs(d);
+      for (uint32_t r = 0; r < N; ++r) {
+        std::vector<float> z(d);
+        for (size_t j = 0; j < d; ++j) z[j] = g[r][j] + e_w[r][j];
+        const std::vector<float> c = onebit(z);
+        for (size_t j = 0; j < d; ++j) {
+          e_w[r][j] = z[j] - c[j];
+          a[j] += 0.5f * c[j];
+        }
+      }
+      for (size_t j = 0; j < d; ++j) zs[j] = a[j] + e_s[j];
+      const std::vector<float> gh = onebit(zs);
+      for (size_t j = 0; j < d; ++j) {
+        e_s[j] = zs[j] - gh[j];
+        m[j] = b1 * m[j] + c1 * gh[j];
+        x[j] = x[j] - lr * (m[j] / den[j] + wd * x[j]);
+      }
+      // The freeze: errors start again, local models from the replica.
+      for (uint32_t r = 0; r < N; ++r) {
+        std::fill(e_w[r].begin(), e_w[r].end(), 0.0f);
+        xl[r] = x;
+        ml[r] = m;
+      }
+      std::fill(e_s.begin(), e_s.end(), 0.0f);
+      xs = x;
+    } else {  // after the freeze: a local step, then maybe a sync
+      lrs += lr;
+      for (uint32_t r = 0; r < N; ++r) {
+        for (size_t j = 0; j < d; ++j) {
+          ml[r][j] = b1 * ml[r][j] + c1 * g[r][j];
+          xl[r][j] = xl[r][j] - lr * (ml[r][j] / den[j] + wd * xl[r][j]);
+        }
+      }
+      if (k == 7) continue;
+      std::vector<float> a(d, 0.0f), zs(d);
+      for (uint32_t r = 0; r < N; ++r) {
+        std::vector<float> z(d);
+        for (size_t j = 0; j < d; ++j) z[j] = (xl[r][j] - xs[j]) * den[j] + e_w[r][j];
+        const std::vector<float> c = onebit(z);
+        for (size_t j = 0; j < d; ++j) {
+          e_w[r][j] = z[j] - c[j];
+          a[j] += 0.5f * c[j];
+        }
+      }
+      for (size_t j = 0; j < d; ++j) zs[j] = a[j] + e_s[j];
+      const std::vector<float> ub = onebit(zs);
+      for (size_t j = 0; j < d; ++j) {
+        e_s[j] = zs[j] - ub[j];
+        xs[j] += ub[j] / den[j];
+        x[j] += ub[j] / den[j];
+        for (uint32_t r = 0; r < N; ++r) {
+          ml[r][j] = -(ub[j] / lrs);
+          xl[r][j] = xs[j];
+        }
+      }
+      lrs = 0.0f;
+    }
+  }
+
+  ReferenceOptions ro;
+  ro.workers = N;
+  ro.map = *ShardMap::Create(d, 2, 32);
+  ro.steps = 9;
+  ro.optimizer = o;
+  auto r = RunReference(ro, x0, [&](const float* at, uint32_t rank, uint64_t t, float* out) {
+    for (size_t j = 0; j < d; ++j) out[j] = TestGradient(at, rank, t, j);
+    return 0.0;
+  });
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->freeze_step, 3u);
+  EXPECT_EQ(r->rounds, 8u);  // all but k = 7
+  EXPECT_EQ(r->push_bytes[6], 0u);
+  EXPECT_EQ(r->reply_bytes[6], 0u);
+  EXPECT_EQ(r->push_bytes[0], N * 4 * d);             // fp32
+  EXPECT_EQ(r->push_bytes[2], N * 2 * (4 + 32 / 8));  // a scale and 32 bits per shard
+  ASSERT_EQ(r->servers.size(), 2u);
+  for (size_t j = 0; j < d; ++j) {
+    const ServerShardState& s = r->servers[j / 32];
+    ASSERT_EQ(s.x[j % 32], x[j]) << j;
+    ASSERT_EQ(s.e[j % 32], e_s[j]) << j;
+    ASSERT_EQ(s.den[j % 32], den[j]) << j;
+    for (uint32_t w = 0; w < N; ++w) {
+      ASSERT_EQ(r->workers[w].x[j], x[j]) << "worker " << w << " " << j;
+      ASSERT_EQ(r->workers[w].x_sync[j], x[j]) << "worker " << w << " " << j;
+      ASSERT_EQ(r->workers[w].mbar[j], ml[w][j]) << "worker " << w << " " << j;
+      ASSERT_EQ(r->workers[w].e[j], e_w[w][j]) << "worker " << w << " " << j;
+    }
+  }
+  EXPECT_EQ(r->workers[0].lrs, 0.0f);
+  EXPECT_TRUE(r->workers[0].v.empty());  // frozen: den is all that is kept
+}
+
+TEST(ZeroOneAdam, CombinationsThatMakeNoSenseAreRefusedNamingTheFlag) {
+  OptimizerOptions o = ZeroOneOptionsForTest();
+  EXPECT_TRUE(ValidateOptimizerOptions(o).ok());
+  o.reply = ReplyMode::kDelta;
+  EXPECT_THAT(std::string(ValidateOptimizerOptions(o).message()), HasSubstr("--server_reply"));
+  o = ZeroOneOptionsForTest();
+  o.bias_correction = true;
+  EXPECT_THAT(std::string(ValidateOptimizerOptions(o).message()), HasSubstr("--bias_correction"));
+  o = ZeroOneOptionsForTest();
+  o.zero_one.var_update_scaler = 0;
+  EXPECT_THAT(std::string(ValidateOptimizerOptions(o).message()), HasSubstr("--var_update_scaler"));
+  o = ZeroOneOptionsForTest();
+  o.zero_one.local_step_clipper = 0;
+  EXPECT_THAT(std::string(ValidateOptimizerOptions(o).message()),
+              HasSubstr("--local_step_clipper"));
+  auto w = WorkerOptimizer::Create(ZeroOneOptionsForTest());
+  ASSERT_TRUE(w.ok());
+  WorkerState s;
+  (*w)->InitState(32, &s);
+  std::vector<float> g(32, 1.0f);
+  // Step 0 refreshes v: it is no local step.
+  EXPECT_FALSE((*w)->LocalStep(0, 0.01f, g.data(), 0, 32, &s).ok());
+}
+
 }  // namespace
 }  // namespace onebit

@@ -162,6 +162,13 @@ class DeviceReplica final : public Replica {
     return dmodel_->Gradient(x_.f(), rank, step, g_.f());
   }
 
+  // Every optimizer the device runs takes the learning rate from Apply.
+  absl::Status BeginStep(uint64_t, float) override { return absl::OkStatus(); }
+  absl::Status LocalStep(uint64_t step) override {
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", step, ": a GPU replica takes no local steps"));
+  }
+
   absl::Status Push(uint64_t step, uint64_t b, size_t n, uint8_t* out) override {
     (void)step;
     if (absl::Status st = CheckRange(b, n); !st.ok()) return st;
@@ -418,6 +425,11 @@ absl::StatusOr<std::unique_ptr<Replica>> NewDeviceReplica(const cuda::Backend* b
                                                           const Model* model,
                                                           const WorkerOptimizer* optimizer,
                                                           const DeviceModelFactory& make_model) {
+  if (optimizer->options().kind == OptimizerKind::kZeroOneAdam) {
+    return absl::UnimplementedError(
+        "zero-one-adam runs on CPU workers only so far (--device cpu): its local steps have no "
+        "GPU kernels yet");
+  }
   auto r = std::make_unique<DeviceReplica>(backend, std::move(device), d, model, optimizer);
   if (absl::Status st = r->Create(make_model); !st.ok()) return st;
   return std::unique_ptr<Replica>(std::move(r));

@@ -232,24 +232,23 @@ absl::Status PsClient::HandleReply(uint32_t server, std::vector<zmq::message_t>&
                                             options_.server_endpoints[server], "): ", parts...));
   };
   const WorkerOptimizer& opt = *options_.optimizer;
-  const Phase phase = replica->phase();
-  if (h.codec() != opt.reply_codec(phase).name()) {
-    return bad("codec '", h.codec(), "' (want ", opt.reply_codec(phase).name(), ")");
+  const StepKind kind = opt.KindOf(step_, replica->phase());
+  if (h.codec() != opt.reply_codec(kind).name()) {
+    return bad("codec '", h.codec(), "' (want ", opt.reply_codec(kind).name(), ")");
   }
   // Every server ends the warm-up at the same (coordinator-wide) step.
   if (*last_warmup >= 0 && *last_warmup != static_cast<int>(h.last_warmup())) {
     return bad("servers disagree on whether step ", step_, " ends the warm-up");
   }
   *last_warmup = h.last_warmup();
-  const size_t need = opt.ReplyBytes(phase, c.range.size(), h.last_warmup());
+  const size_t need = opt.ReplyBytes(kind, c.range.size(), h.last_warmup());
   if (frames.size() != 2 || h.payload_bytes() != need || frames[1].size() != need) {
     return bad("payload of ", frames.size() == 2 ? frames[1].size() : 0, " bytes, want ", need);
   }
   if ((*got)[*i]) return bad("duplicate reply for chunk ", c.index);
-  const float lr = lr_ ? *lr_ : LearningRate(opt.options(), step_);
   absl::Status st =
-      replica->Apply(step_, lr, h.last_warmup(), static_cast<const uint8_t*>(frames[1].data()),
-                     c.range.begin, c.range.size());
+      replica->Apply(step_, StepLr(), h.last_warmup(),
+                     static_cast<const uint8_t*>(frames[1].data()), c.range.begin, c.range.size());
   if (!st.ok()) return bad(st.message());
   (*got)[*i] = true;
   bytes_down_ += frames[0].size() + need;
@@ -267,6 +266,7 @@ absl::Status PsClient::BeginStep(uint64_t step, std::optional<float> lr) {
   in_step_ = true;
   step_ = step;
   lr_ = lr;
+  replica_begun_ = false;
   std::fill(pushed_.begin(), pushed_.end(), false);
   pushed_count_ = 0;
   ready_.clear();
@@ -286,11 +286,22 @@ absl::Status PsClient::SetStepLr(std::optional<float> lr) {
   return absl::OkStatus();
 }
 
+float PsClient::StepLr() const {
+  return lr_ ? *lr_ : LearningRate(options_.optimizer->options(), step_);
+}
+
+absl::Status PsClient::BeginReplicaStep(Replica* replica) {
+  if (replica_begun_) return absl::OkStatus();
+  replica_begun_ = true;
+  kind_ = options_.optimizer->KindOf(step_, replica->phase());
+  return replica->BeginStep(step_, StepLr());
+}
+
 absl::Status PsClient::PushChunk(size_t i, Replica* replica) {
   if (pushed_count_ == 0) start_ns_ = MonotonicNs();
   const WorkerOptimizer& opt = *options_.optimizer;
   absl::Status st = SendChunk(
-      i, step_, opt.push_codec(replica->phase()), data::PUSH,
+      i, step_, opt.push_codec(kind_), data::PUSH,
       [&](const Range& r, uint8_t* out) { return replica->Push(step_, r.begin, r.size(), out); });
   if (!st.ok()) return st;
   pushed_[i] = true;
@@ -306,6 +317,8 @@ absl::Status PsClient::PushReady(uint64_t b, uint64_t e, Replica* replica) {
         absl::StrCat("gradient range [", b, ", ", e, ") is not within [0, ", d, ")"));
   }
   if (b == e) return absl::OkStatus();
+  if (absl::Status st = BeginReplicaStep(replica); !st.ok()) return st;
+  if (kind_ == StepKind::kLocal) return absl::OkStatus();  // nothing goes out
   // Merge [b, e) into the released ranges.
   auto it = ready_.upper_bound(b);
   if (it != ready_.begin() && std::prev(it)->second >= b) {
@@ -330,6 +343,12 @@ absl::Status PsClient::PushReady(uint64_t b, uint64_t e, Replica* replica) {
 absl::Status PsClient::CompleteStep(Replica* replica, const Check& check) {
   if (!in_step_) return absl::FailedPreconditionError("no step has begun");
   in_step_ = false;  // a failed step is not retried: the job fails
+  if (absl::Status st = BeginReplicaStep(replica); !st.ok()) return st;
+  if (kind_ == StepKind::kLocal) {
+    push_s_ = reply_s_ = 0;
+    if (absl::Status st = replica->LocalStep(step_); !st.ok()) return st;
+    return replica->FinishStep(false);
+  }
   for (size_t i = 0; i < chunks_.size(); ++i) {
     if (pushed_[i]) continue;
     if (absl::Status st = PushChunk(i, replica); !st.ok()) return st;

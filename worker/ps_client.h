@@ -61,7 +61,9 @@ class PsClient {
   // A step in parts: BeginStep, then PushReady as gradient ranges become
   // final (each chunk is pushed once all of it is ready), then CompleteStep,
   // which pushes the rest, waits for every reply and has the replica apply
-  // them. The order of pushes does not change the result. `lr`: the step's
+  // them. The order of pushes does not change the result. A step the
+  // optimizer's schedule makes local (StepKind::kLocal) sends nothing:
+  // CompleteStep has the replica take it alone. `lr`: the step's
   // learning rate when the caller sets it (sent with every push; the servers
   // check that all workers agree); nullopt: the job's schedule.
   absl::Status BeginStep(uint64_t step, std::optional<float> lr);
@@ -98,6 +100,11 @@ class PsClient {
   absl::Status SendChunk(size_t i, uint64_t step, const Codec& codec, int kind,
                          const std::function<absl::Status(const Range&, uint8_t*)>& encode);
   absl::Status PushChunk(size_t i, Replica* replica);
+  // The step's learning rate: the caller's, else the job's schedule's.
+  float StepLr() const;
+  // Begins the replica's step (once, at the first push or the completion,
+  // so that SetStepLr still counts) and learns what the step sends.
+  absl::Status BeginReplicaStep(Replica* replica);
   // Receives until every chunk of every server has been answered; `handle`
   // takes one message of server k (and fails the wait with its error).
   absl::Status ReceiveAll(
@@ -122,7 +129,9 @@ class PsClient {
   bool in_step_ = false;
   uint64_t step_ = 0;
   std::optional<float> lr_;
-  std::vector<bool> pushed_;  // by chunks_ index
+  bool replica_begun_ = false;
+  StepKind kind_ = StepKind::kFull;  // what the step sends, once the replica has begun it
+  std::vector<bool> pushed_;         // by chunks_ index
   size_t pushed_count_ = 0;
   std::map<uint64_t, uint64_t> ready_;  // released ranges, merged: begin -> end
   uint64_t start_ns_ = 0;               // the step's first push

@@ -56,8 +56,9 @@ int Main(int argc, char** argv) {
   });
   if (!r.ok()) ExitError(1, absl::StrCat("reference: ", r.status().message()));
   const uint64_t freeze = r->freeze_step;
-  std::fprintf(stderr, "reference: %llu steps, final loss %.9g, freeze step %s\n",
-               static_cast<unsigned long long>(cfg.steps()), r->losses.back(),
+  std::fprintf(stderr, "reference: %llu steps (%llu rounds), final loss %.9g, freeze step %s\n",
+               static_cast<unsigned long long>(cfg.steps()),
+               static_cast<unsigned long long>(r->rounds), r->losses.back(),
                freeze == kNever ? "none" : absl::StrCat(freeze).c_str());
 
   const std::string out = absl::GetFlag(FLAGS_out);
@@ -75,6 +76,7 @@ int Main(int argc, char** argv) {
   s.error_feedback = cfg.error_feedback();
   s.server_reply = cfg.server_reply();
   s.v_floor = cfg.v_floor();
+  s.rounds = r->rounds;
   s.status = "ok";
   for (uint64_t t = 0; t < cfg.steps(); ++t) {
     MetricsRow row;

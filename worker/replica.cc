@@ -1,6 +1,7 @@
 #include "worker/replica.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -34,14 +35,26 @@ class CpuReplica final : public Replica {
     if (model_ == nullptr) return absl::FailedPreconditionError("the replica has no model");
     return model_->Gradient(state_.x.data(), rank, step, g_.data());
   }
+  absl::Status BeginStep(uint64_t step, float lr) override {
+    step_ = step;
+    lr_ = lr;
+    opt_->BeginStep(step, lr, &state_);
+    return absl::OkStatus();
+  }
   absl::Status Push(uint64_t step, uint64_t b, size_t n, uint8_t* out) override {
-    return opt_->Push(step, g_.data(), b, n, &state_, out);
+    return opt_->Push(step, StepLr(step), g_.data(), b, n, &state_, out);
+  }
+  absl::Status LocalStep(uint64_t step) override {
+    return opt_->LocalStep(step, StepLr(step), g_.data(), 0, g_.size(), &state_);
   }
   absl::Status Apply(uint64_t step, float lr, bool last_warmup, const uint8_t* reply, uint64_t b,
                      size_t n) override {
     return opt_->Apply(step, lr, last_warmup, reply, b, n, &state_);
   }
   absl::Status FinishStep(bool entered_compression) override {
+    if (step_) opt_->EndStep(*step_, &state_);
+    step_.reset();
+    lr_.reset();
     if (entered_compression) opt_->EnterCompression(&state_);
     return absl::OkStatus();
   }
@@ -84,8 +97,15 @@ class CpuReplica final : public Replica {
   const WorkerOptimizer* opt_;
   const Evaluator* evaluator_;
   const std::string device_ = "cpu";
+  float StepLr(uint64_t step) const {
+    return lr_ && step_ == step ? *lr_ : LearningRate(opt_->options(), step);
+  }
+
   WorkerState state_;
   std::vector<float> g_;
+  // The step BeginStep began, and its learning rate.
+  std::optional<uint64_t> step_;
+  std::optional<float> lr_;
 };
 
 }  // namespace

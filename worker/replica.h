@@ -45,10 +45,16 @@ class Replica {
   // Computes and keeps the gradient of worker `rank`'s loss at x for `step`;
   // returns the loss. FailedPrecondition without a model.
   virtual absl::StatusOr<double> ComputeGradient(uint32_t rank, uint64_t step) = 0;
+  // Once per step, before its first Push (or its LocalStep), with the
+  // step's learning rate (without it, the job's schedule's).
+  virtual absl::Status BeginStep(uint64_t step, float lr) = 0;
   // The push of elements [b, b + n) for `step` from the kept gradient:
-  // optimizer().push_codec(phase()).EncodedSize(n) bytes into host memory
-  // out, complete when this returns.
+  // optimizer().push_codec(optimizer().KindOf(step, phase())).EncodedSize(n)
+  // bytes into host memory out, complete when this returns.
   virtual absl::Status Push(uint64_t step, uint64_t b, size_t n, uint8_t* out) = 0;
+  // A step that sends nothing (StepKind::kLocal): the replica's own update
+  // from the kept gradient; FinishStep follows as after replies.
+  virtual absl::Status LocalStep(uint64_t step) = 0;
   // Applies the server's reply for [b, b + n) (host memory, ReplyBytes bytes;
   // see WorkerOptimizer::Apply). A device may still be working when this
   // returns, but `reply` is no longer needed.

@@ -3,6 +3,7 @@
 // worker and every server equal to the single-process reference, bit for bit;
 // the delta reply, the bytes of the compression phase, the automatic freeze,
 // and the config checks.
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
@@ -176,6 +177,86 @@ INSTANTIATE_TEST_SUITE_P(AllCombinations, MatrixTest, ::testing::ValuesIn(AllCom
                            for (char& ch : name) ch = ch == '-' ? '_' : ch;
                            return name;
                          });
+
+// zero-one-adam (CPU workers: it has no GPU kernels yet). 13 steps of 3
+// workers and 2 servers: k = 1, 2, 4 refresh v, k = 3 compresses gradients;
+// after the freeze at k = 4, k = 5, 6, 8 and 12 synchronise, 7, 9, 10 and 11
+// are local steps, and 13, the last, synchronises.
+struct ZeroOneCombo {
+  std::string worker_codec, server_codec, error_feedback;
+};
+void PrintTo(const ZeroOneCombo& c, std::ostream* os) {
+  *os << "zero-one-adam " << c.worker_codec << "/" << c.server_codec << " ef=" << c.error_feedback;
+}
+
+class ZeroOneTest : public ::testing::TestWithParam<ZeroOneCombo> {};
+
+TEST_P(ZeroOneTest, EveryWorkerAndServerEqualsTheReference) {
+  const ZeroOneCombo& c = GetParam();
+  control::TrainingConfig cfg = MakeConfig(3, 2, 1000, 13, "zero-one-adam");
+  cfg.set_lr(0.05f);
+  cfg.set_weight_decay(0.01f);
+  cfg.set_worker_codec(c.worker_codec);
+  cfg.set_server_codec(c.server_codec);
+  cfg.set_error_feedback(c.error_feedback);
+  cfg.set_var_freeze_step(4);
+  cfg.set_var_update_scaler(1);
+  cfg.set_local_step_scaler(2);
+  cfg.set_local_step_clipper(4);
+  cfg.set_heartbeat_timeout_ms(3000);
+  const std::string out = Launch(cfg, "zero_one", "cpu,cpu,cpu");
+  const ReferenceResult ref = Reference(cfg);
+  ASSERT_EQ(ref.workers.size(), 3u);
+  for (uint32_t w = 0; w < 3; ++w) {
+    EXPECT_EQ(
+        FirstDifference(ReadFloats(absl::StrCat(out, "/replica_w", w, ".f32")), ref.workers[w]), "")
+        << "worker " << w;
+  }
+  auto map = *ShardMap::Create(cfg.dim(), cfg.servers(), cfg.block_size());
+  for (uint32_t s = 0; s < 2; ++s) {
+    const uint64_t begin = map.shard(s).begin;
+    EXPECT_EQ(FirstDifference(ReadFloats(absl::StrCat(out, "/master_s", s, ".f32")),
+                              ref.masters[s].x, begin),
+              "")
+        << "server " << s;
+    EXPECT_EQ(FirstDifference(ReadFloats(absl::StrCat(out, "/error_s", s, ".f32")),
+                              ref.masters[s].e, begin),
+              "")
+        << "server error " << s;
+  }
+  const std::string summary = ReadFile(out + "/summary.json");
+  EXPECT_EQ(Field(summary, "replicas_equal"), "true") << summary;
+  EXPECT_EQ(Field(summary, "workers_agree"), "true") << summary;
+  EXPECT_EQ(Field(summary, "rounds"), "9") << summary;
+  EXPECT_EQ(Field(summary, "freeze_step"), "4") << summary;
+  EXPECT_EQ(Field(summary, "freeze"), "\"var_freeze_step:4\"") << summary;
+  // Local steps send nothing; the others do.
+  std::vector<std::string> lines =
+      absl::StrSplit(ReadFile(out + "/metrics.csv"), '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 14u);
+  const std::vector<std::string> header = absl::StrSplit(lines[0], ',');
+  const size_t up = std::find(header.begin(), header.end(), "bytes_up") - header.begin();
+  ASSERT_LT(up, header.size()) << lines[0];
+  for (uint64_t t = 0; t < 13; ++t) {
+    const std::vector<std::string> row = absl::StrSplit(lines[t + 1], ',');
+    const bool local = t == 6 || t == 8 || t == 9 || t == 10;
+    EXPECT_EQ(row[up] == "0", local) << "step " << t << ": " << lines[t + 1];
+    EXPECT_EQ(row[1], t >= 4 ? "compress" : "warmup") << "step " << t;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Combinations, ZeroOneTest,
+    ::testing::Values(ZeroOneCombo{"onebit", "onebit", "both"},
+                      ZeroOneCombo{"onebit", "onebit", "worker"},
+                      ZeroOneCombo{"onebit", "onebit", "server"},
+                      ZeroOneCombo{"onebit", "onebit", "none"},
+                      ZeroOneCombo{"fp16", "fp16", "both"}, ZeroOneCombo{"fp32", "onebit", "both"},
+                      ZeroOneCombo{"onebit", "fp16", "both"}, ZeroOneCombo{"fp16", "fp32", "both"}),
+    [](const ::testing::TestParamInfo<ZeroOneCombo>& info) {
+      return absl::StrCat(info.param.worker_codec, "_", info.param.server_codec, "_ef_",
+                          info.param.error_feedback);
+    });
 
 TEST(MatrixSize, CoversEveryValidCombination) {
   // onebit-adam and ef-sgd: 3 × 3 codecs × 4 feedback modes × 2 replies each;
