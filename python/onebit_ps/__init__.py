@@ -30,7 +30,7 @@ import torch.utils.dlpack
 
 from ._onebit import OnebitError, RolledBack, Stopped, Worker
 
-__all__ = ["init", "DistributedOptimizer", "OneBitAdam", "finish", "OnebitError", "JobStopped",
+__all__ = ["init", "DistributedOptimizer", "OneBitAdam", "ZeroOneAdam", "finish", "OnebitError", "JobStopped",
            "RolledBack", "rank", "world_size"]
 
 RolledBack.__doc__ = (
@@ -317,6 +317,24 @@ class OneBitAdam(DistributedOptimizer):
         super().__init__(params, lr=lr, overlap=overlap, betas=betas, optimizer="onebit-adam",
                          freeze_step=freeze_step, eps=eps, weight_decay=weight_decay,
                          bias_correction=bias_correction, **settings)
+
+
+class ZeroOneAdam(DistributedOptimizer):
+    """0/1 Adam over the servers (Lu et al., 2022; DeepSpeed's ZeroOneAdam):
+    DistributedOptimizer with optimizer="zero-one-adam". v is refreshed at
+    doubling intervals up to var_freeze_step, then workers take local steps
+    and synchronise at doubling intervals up to local_step_clipper (see the
+    design doc, section 1.6). Hyper-parameters left as None are the job's.
+    CPU workers only so far; the job needs a fixed number of steps."""
+
+    def __init__(self, params, lr=None, var_freeze_step=None, var_update_scaler=None,
+                 local_step_scaler=None, local_step_clipper=None, betas=None, eps=None,
+                 weight_decay=None, overlap=True, **settings):
+        super().__init__(params, lr=lr, overlap=overlap, betas=betas, optimizer="zero-one-adam",
+                         var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
+                         local_step_scaler=local_step_scaler,
+                         local_step_clipper=local_step_clipper, eps=eps,
+                         weight_decay=weight_decay, **settings)
 
 
 def _text(value):

@@ -164,6 +164,21 @@ def test_the_constructor_chooses_what_the_job_leaves_to_it(tmp_path):
     assert s["replicas_equal"] is True
 
 
+def test_zero_one_adam_from_the_constructor_skips_rounds_and_keeps_replicas_equal(tmp_path):
+    # 12 steps: v refreshed at k = 1, 2 (kappa 1: then k = 4 is past the
+    # freeze at 3); k = 3 compresses; after it the interval doubles every 2
+    # steps up to 4: k = 4, 5, 6, 8 and 12 synchronise, 7, 9, 10, 11 do not.
+    r, s = launch(tmp_path, 2, 1, ["--dump_params", "--steps=12"],
+                  "12 --ctor 'ZeroOneAdam(model, lr=0.01, var_freeze_step=3, "
+                  "var_update_scaler=1, local_step_scaler=2, local_step_clipper=4)'")
+    assert r.returncode == 0, r.stderr
+    assert s["optimizer"] == "zero-one-adam"
+    assert s["rounds"] == 8
+    assert s["replicas_equal"] is True and s["workers_agree"] is True
+    w0 = (tmp_path / "run" / "replica_w0.f32").read_bytes()
+    assert w0 == (tmp_path / "run" / "replica_w1.f32").read_bytes()
+
+
 def test_a_constructor_setting_that_contradicts_the_job_fails_it_naming_both(tmp_path):
     r, s = launch(tmp_path, 2, 1, ["--optimizer=adam", "--lr=0.01"],
                   "12 --ctor 'DistributedOptimizer(model, lr=0.001)'")
