@@ -148,7 +148,7 @@ put = lines.append
 put("# onebit-ps against PyTorch DDP on an emulated network")
 put("")
 quick = cfg["quick"] == "1"
-put(f"Made by `tools/netbench{' --quick' if quick else ''}` on {cfg['date']} (commit {cfg['commit']}).")
+put(f"Made by `{cfg['command']}` on {cfg['date']} (commit {cfg['commit']}).")
 put("")
 put(f"- **Machine:** {cfg['nproc']} CPU cores ({cfg['cpu']}), Linux {cfg['kernel']}. Every process "
     f"(the coordinator, {cfg['servers']} servers and {workers} workers, or {workers} DDP ranks) runs "
@@ -281,17 +281,31 @@ for model in models:
     common = ["set style data histograms", "set style histogram clustered gap 1",
               "set style fill solid 0.8 border -1", "set boxwidth 0.9", "set xtics rotate by -25",
               "set key outside top center horizontal", "set xlabel ''"]
-    script += common + [f"set output '{out}/step_time_{model}.png'",
-                        f"set title '{model}: step time per phase ({cfg['rate']}, median of {cfg['runs']})'",
-                        "set ylabel 'ms per step'", "unset logscale y",
-                        f"plot '{tab}' using 2:xtic(1) every ::1 title 'warm-up / fp32 step', "
-                        f"'' using 3 every ::1 title 'compression step'",
-                        f"set output '{out}/bytes_{model}.png'",
-                        f"set title '{model}: MB per step per worker, sent + received ({cfg['rate']})'",
-                        "set ylabel 'MB per step per worker (log)'", "set logscale y",
-                        f"plot '{tab}' using 4:xtic(1) every ::1 title 'warm-up / fp32 step', "
-                        f"'' using 5 every ::1 title 'compression step'",
-                        "unset logscale y", "set xtics norotate", "set key outside right",
-                        "set style data lines"]
+    def bars(warm, comp):
+        # A column with no value at all would only draw a warning.
+        parts = []
+        for col, key, title in ((warm[0], warm[1], "warm-up / fp32 step"),
+                                (comp[0], comp[1], "compression step")):
+            if any(data[(model, s)].get(key) is not None for s in systems):
+                parts.append((col, title))
+        if not parts:
+            return None
+        first = f"'{tab}' using {parts[0][0]}:xtic(1) every ::1 title '{parts[0][1]}'"
+        rest = [f"'' using {c} every ::1 title '{t}'" for c, t in parts[1:]]
+        return "plot " + ", ".join([first] + rest)
+
+    script += common
+    p = bars((2, "warm_step"), (3, "comp_step"))
+    if p:
+        script += [f"set output '{out}/step_time_{model}.png'",
+                   f"set title '{model}: step time per phase ({cfg['rate']}, median of {cfg['runs']})'",
+                   "set ylabel 'ms per step'", "unset logscale y", p]
+    p = bars((4, "warm_bytes"), (5, "comp_bytes"))
+    if p:
+        script += [f"set output '{out}/bytes_{model}.png'",
+                   f"set title '{model}: MB per step per worker, sent + received ({cfg['rate']})'",
+                   "set ylabel 'MB per step per worker (log)'", "set logscale y", p]
+    script += ["unset logscale y", "set xtics norotate", "set key inside bottom right",
+               "set style data lines"]
 subprocess.run(["gnuplot"], input="\n".join(script) + "\n", text=True, check=True)
 print(open(os.path.join(out, "report.md")).read())
