@@ -17,7 +17,8 @@ Models:
 
 Every rank writes DIR/rank<r>.csv (step, wall_s, its NIC's tx and rx bytes
 during the step: GLOO_SOCKET_IFNAME's counters under /sys/class/net, which
-`ip netns exec` mounts for the namespace); rank 0 also writes DIR/metrics.csv
+`ip netns exec` mounts for the namespace; the seconds of forward + backward
+with the allreduce, and of AdamW's step); rank 0 also writes DIR/metrics.csv
 in the columns of a onebit-ps run folder (docs/design.md §2; bytes are rank
 0's NIC times the world size) with its test score every --eval_every steps,
 and DIR/summary.json.
@@ -220,7 +221,7 @@ def evaluate():
 
 
 rank_csv = open(os.path.join(args.out, f"rank{rank}.csv"), "w")
-rank_csv.write("step,wall_s,tx_bytes,rx_bytes,compute_s\n")
+rank_csv.write("step,wall_s,tx_bytes,rx_bytes,fwd_bwd_s,opt_s\n")
 metrics = None
 if rank == 0:
     metrics = open(os.path.join(args.out, "metrics.csv"), "w")
@@ -246,10 +247,11 @@ for step in range(args.steps):
     else:
         loss = ddp()
     loss.backward()  # DDP's hooks allreduce the buckets during the backward
+    to = time.perf_counter()
     opt.step()
     end = time.perf_counter()
     tx, rx = nic_bytes()
-    rank_csv.write(f"{step},{end - t0:.6f},{tx - tx0},{rx - rx0},0\n")
+    rank_csv.write(f"{step},{end - t0:.6f},{tx - tx0},{rx - rx0},{to - tc:.6f},{end - to:.6f}\n")
     if metrics is not None:
         ev = ""
         if args.model == "mlp" and args.eval_every and (

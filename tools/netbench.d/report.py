@@ -101,6 +101,11 @@ def figures(d, onebit):
     acc = [(wall[i], float(r["test_accuracy"])) for i, r in enumerate(rows) if r.get("test_accuracy")]
     f["final_acc"] = acc[-1][1] if acc else None
     f["tta"] = next((w for w, a in acc if a >= target), None)
+    f["opt"] = None
+    r0 = os.path.join(d, "rank0.csv")
+    if os.path.exists(r0):  # DDP: the time of rank 0's AdamW step
+        with open(r0) as fr:
+            f["opt"] = median([float(r["opt_s"]) for r in csv.DictReader(fr)][2:])
     f["tta_step"] = next((i for i, r in enumerate(rows)
                           if r.get("test_accuracy") and float(r["test_accuracy"]) >= target), None)
     return f
@@ -153,7 +158,9 @@ put("")
 put(f"- **Machine:** {cfg['nproc']} CPU cores ({cfg['cpu']}), Linux {cfg['kernel']}. Every process "
     f"(the coordinator, {cfg['servers']} servers and {workers} workers, or {workers} DDP ranks) runs "
     f"on these same {cfg['nproc']} cores, each in its own network namespace, under nice {cfg['nice']}: "
-    "the hosts are emulated, the CPUs are shared.")
+    "the hosts are emulated, the CPUs are shared. Load average (1, 5, 15 min) at the start "
+    f"{cfg.get('load_start', '?')}, at the end {cfg.get('load_end', '?')}: anything else running "
+    "on the machine shows in the figures.")
 put(f"- **Links:** every host's NIC (a veth on one Linux bridge) shaped to **{cfg['rate']}** each way "
     f"with tc tbf (burst {cfg['burst']} B, 10 ms queue); the DDP ranks run on the worker hosts.")
 put(f"- **Runs:** every figure is the median over **{cfg['runs']} run(s)** of each configuration; in "
@@ -188,12 +195,13 @@ for model in models:
             "(the gradient is a copy of c). Both step times are the network's and the update's.")
         put("")
         put("| system | warm-up step | compression step | hand-over step | freeze step | total time | "
-            "MB/step/worker warm-up | MB/step/worker compression | wire MB/step/worker |")
-        put("|---|---|---|---|---|---|---|---|---|")
+            "MB/step/worker warm-up | MB/step/worker compression | wire MB/step/worker | "
+            "of the step: the worker's optimizer |")
+        put("|---|---|---|---|---|---|---|---|---|---|")
     for s in systems:
         d = data[(model, s)]
         name = LABEL[s]
-        cols = 12 if model == "mlp" else 9
+        cols = 12 if model == "mlp" else 10
         not_run = os.path.join(out, model, s, "NOT_RUN")
         if os.path.exists(not_run):
             with open(not_run) as f:
@@ -218,6 +226,8 @@ for model in models:
               with_ratio(mb(d["warm_bytes"]), d["warm_bytes"], base.get("warm_bytes")),
               with_ratio(mb(d["comp_bytes"]), d["comp_bytes"], base.get("warm_bytes")),
               with_ratio(mb(d["wire"]), d["wire"], base.get("wire"))]
+        if model != "mlp":
+            c.append("(on the servers)" if not s.startswith("ddp") else ms(d["opt"]))
         put("| " + " | ".join(c) + " |")
     put("")
     put(f"![step time per phase, {model}](step_time_{model}.png)")
