@@ -6,7 +6,7 @@ summary.json, nic_before.txt / nic_after.txt) and OUT/config.env.
 
 Per run: the step time of each phase is the median of the gaps between
 consecutive steps' ends (wall_s) within the phase, i.e. the whole step with
-the gradient, and without the first step, the hand-over step (onebit-ps's
+the gradient, and without step 0 (no gap before it), the hand-over step (onebit-ps's
 last warm-up step, which also carries m and v) and the first step of the
 compression phase; the time to the target is wall_s of the first test score
 at or above it (rank 0 scores the test set every --eval-every steps on both
@@ -43,7 +43,7 @@ SYSTEMS = [
 ]
 LABEL = dict(SYSTEMS)
 models = cfg["models"].split()
-systems = cfg["systems"].split()
+systems = [s for s, _ in SYSTEMS if s in cfg["systems"].split()]  # the table's order
 
 
 def median(xs):
@@ -83,7 +83,7 @@ def figures(d, onebit):
 
     def gaps(ph):
         out = []
-        for i in range(2, n):
+        for i in range(1, n):
             if phase[i] == ph and phase[i - 1] == ph and i != handover:
                 out.append(wall[i] - wall[i - 1])
         return out
@@ -279,9 +279,10 @@ if "mlp" in models:
                    "plot " + ", ".join(curves), "unset arrow 1"]
 for model in models:
     tab = os.path.join(out, f"bars_{model}.csv")
+    shown = [s for s in systems if data[(model, s)].get("_ok")]
     with open(tab, "w") as f:
         f.write("system,warm_ms,comp_ms,warm_mb,comp_mb\n")
-        for s in systems:
+        for s in shown:
             d = data[(model, s)]
 
             def v(k, scale):
@@ -296,7 +297,7 @@ for model in models:
         parts = []
         for col, key, title in ((warm[0], warm[1], "warm-up / fp32 step"),
                                 (comp[0], comp[1], "compression step")):
-            if any(data[(model, s)].get(key) is not None for s in systems):
+            if any(data[(model, s)].get(key) is not None for s in shown):
                 parts.append((col, title))
         if not parts:
             return None
@@ -309,13 +310,13 @@ for model in models:
     if p:
         script += [f"set output '{out}/step_time_{model}.png'",
                    f"set title '{model}: step time per phase ({cfg['rate']}, median of {cfg['runs']})'",
-                   "set ylabel 'ms per step'", "unset logscale y", p]
+                   "set ylabel 'ms per step'", "unset logscale y", "set yrange [0:*]", p]
     p = bars((4, "warm_bytes"), (5, "comp_bytes"))
     if p:
         script += [f"set output '{out}/bytes_{model}.png'",
                    f"set title '{model}: MB per step per worker, sent + received ({cfg['rate']})'",
-                   "set ylabel 'MB per step per worker (log)'", "set logscale y", p]
-    script += ["unset logscale y", "set xtics norotate", "set key inside bottom right",
+                   "set ylabel 'MB per step per worker (log)'", "set logscale y", "set yrange [*:*]", p]
+    script += ["unset logscale y", "set yrange [*:*]", "set xtics norotate", "set key inside bottom right",
                "set style data lines"]
 subprocess.run(["gnuplot"], input="\n".join(script) + "\n", text=True, check=True)
 print(open(os.path.join(out, "report.md")).read())
