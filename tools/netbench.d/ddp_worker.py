@@ -1,0 +1,283 @@
+"""One rank of PyTorch DistributedDataParallel over gloo with torch.optim.AdamW:
+the DDP side of tools/netbench, started once per emulated host.
+
+    RANK=r WORLD_SIZE=n MASTER_ADDR=a MASTER_PORT=p GLOO_SOCKET_IFNAME=nb0 \\
+        /usr/bin/python3 tools/netbench.d/ddp_worker.py --model mlp --steps 2340 \\
+        --hook none|fp16|powersgd --out DIR
+
+Models:
+  mlp        784-256-128-10 (ReLU, softmax cross-entropy) on Fashion-MNIST, as
+             onebit-ps's built-in mlp (models/mlp_model.cc): the same initial
+             weights (its SplitMix64 stream, U(±sqrt(6/fan_in)), zero biases), the
+             same data order (its EpochPermutation per epoch, rank r's local batch
+             at r * batch of each global batch), the same local batch, x / 255.
+  synthetic  --dim parameters as --matrices square-ish matrices (PowerSGD compresses
+             only matrices), loss sum(w * c) with a fixed random c per rank: the
+             gradient is c, a 25 M-float copy, so the step is communication.
+
+Every rank writes DIR/rank<r>.csv (step, wall_s, its NIC's tx and rx bytes
+during the step: GLOO_SOCKET_IFNAME's counters under /sys/class/net, which
+`ip netns exec` mounts for the namespace; the seconds of forward + backward
+with the allreduce, and of AdamW's step); rank 0 also writes DIR/metrics.csv
+in the columns of a onebit-ps run folder (docs/design.md §2; bytes are rank
+0's NIC times the world size) with its test score every --eval_every steps,
+and DIR/summary.json.
+"""
+import argparse
+import gzip
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+p = argparse.ArgumentParser()
+p.add_argument("--model", choices=["mlp", "synthetic"], default="mlp")
+p.add_argument("--steps", type=int, required=True)
+p.add_argument("--batch", type=int, default=64, help="per rank")
+p.add_argument("--lr", type=float, default=1e-3)
+p.add_argument("--seed", type=int, default=1)
+p.add_argument("--hook", choices=["none", "fp16", "powersgd"], default="none")
+p.add_argument("--powersgd_rank", type=int, default=2)
+p.add_argument("--powersgd_start", type=int, default=2,
+               help="PowerSGD's start_powerSGD_iter: vanilla allreduce before (>= 2)")
+p.add_argument("--eval_every", type=int, default=0, help="mlp: score the test set every N steps")
+p.add_argument("--max_train", type=int, default=0)
+p.add_argument("--max_test", type=int, default=0)
+p.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
+p.add_argument("--dim", type=int, default=25165824, help="synthetic: parameters")
+p.add_argument("--matrices", type=int, default=24, help="synthetic: as this many matrices")
+p.add_argument("--nic", default=os.environ.get("GLOO_SOCKET_IFNAME", ""))
+p.add_argument("--out", required=True)
+args = p.parse_args()
+
+torch.set_num_threads(1)
+rank = int(os.environ["RANK"])
+world = int(os.environ["WORLD_SIZE"])
+os.makedirs(args.out, exist_ok=True)
+
+M64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15
+
+
+def mix(z):
+    """models/rng.h SplitMix64Mix on a numpy uint64 array (wrapping arithmetic)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def mix1(z):
+    return int(mix(np.array([z & M64], dtype=np.uint64))[0])
+
+
+class Stream:
+    """models/rng.h SplitMix64: value k is Mix(state0 + (k + 1) * golden)."""
+
+    def __init__(self, state):
+        self.state = state & M64
+        self.used = 0
+
+    def next(self, n):
+        k = np.arange(self.used + 1, self.used + n + 1, dtype=np.uint64)
+        self.used += n
+        with np.errstate(over="ignore"):
+            return mix(np.uint64(self.state) + k * np.uint64(GOLDEN))
+
+
+def epoch_permutation(n, seed, epoch):
+    """models/dataset.cc EpochPermutation: Fisher-Yates, j = Uniform(i) for i = n .. 2."""
+    state = mix1(seed ^ 0x3C6EF372FE94F82B) ^ mix1(epoch + 0xA54FF53A5F1D36F1)
+    bounds = np.arange(n, 1, -1, dtype=np.uint64)
+    draws = Stream(state).next(len(bounds))
+    limits = np.uint64(M64) - np.uint64(M64) % bounds
+    p = list(range(n))
+    if bool((draws < limits).all()):
+        js = (draws % bounds).tolist()
+    else:  # a rejected draw (odds ~n / 2^64 each): redo it one draw at a time
+        rng, js = Stream(state), []
+        for i in range(n, 1, -1):
+            while True:
+                r = int(rng.next(1)[0])
+                if r < M64 - M64 % i:
+                    break
+            js.append(r % i)
+    for i, j in zip(range(n, 1, -1), js):
+        p[i - 1], p[j] = p[j], p[i - 1]
+    return np.array(p, dtype=np.int64)
+
+
+def nic_bytes():
+    if not args.nic:
+        return 0, 0
+    base = f"/sys/class/net/{args.nic}/statistics/"
+    with open(base + "tx_bytes") as f:
+        tx = int(f.read())
+    with open(base + "rx_bytes") as f:
+        rx = int(f.read())
+    return tx, rx
+
+
+def idx(name, offset):
+    with gzip.open(os.path.join(args.data, name)) as f:
+        return np.frombuffer(f.read(), dtype=np.uint8, offset=offset)
+
+
+if args.model == "mlp":
+    layers = [784, 256, 128, 10]
+    tx = idx("train-images-idx3-ubyte.gz", 16).reshape(-1, 784)
+    ty = idx("train-labels-idx1-ubyte.gz", 8)
+    if args.max_train:
+        tx, ty = tx[:args.max_train], ty[:args.max_train]
+    ex = idx("t10k-images-idx3-ubyte.gz", 16).reshape(-1, 784)
+    ey = idx("t10k-labels-idx1-ubyte.gz", 8)
+    if args.max_test:
+        ex, ey = ex[:args.max_test], ey[:args.max_test]
+    train_x = torch.from_numpy(tx.copy())  # uint8; scaled per batch (x / 255 in fp32)
+    train_y = torch.from_numpy(ty.astype(np.int64))
+    test_x = torch.from_numpy(ex.astype(np.float32)) / 255.0
+    test_y = torch.from_numpy(ey.astype(np.int64))
+    steps_per_epoch = len(tx) // (world * args.batch)
+    model = torch.nn.Sequential(torch.nn.Linear(784, 256), torch.nn.ReLU(),
+                                torch.nn.Linear(256, 128), torch.nn.ReLU(),
+                                torch.nn.Linear(128, 10))
+    # MlpModel::Init: one stream over the layers, W[l] row-major (out x in), as torch's.
+    rng = Stream(mix1(args.seed ^ 0x6A09E667F3BCC908))
+    with torch.no_grad():
+        for l, lin in enumerate([model[0], model[2], model[4]]):
+            bound = np.sqrt(6.0 / layers[l])
+            u = (rng.next(layers[l] * layers[l + 1]) >> np.uint64(11)).astype(np.float64)
+            u *= 1.0 / 9007199254740992.0
+            w = ((2.0 * u - 1.0) * bound).astype(np.float32).reshape(layers[l + 1], layers[l])
+            lin.weight.copy_(torch.from_numpy(w))
+            lin.bias.zero_()
+else:
+    steps_per_epoch = 0
+    rows = args.dim // args.matrices
+    side = int(np.sqrt(rows))
+    while rows % side:
+        side -= 1
+    shape = (side, rows // side)
+
+    class Synthetic(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            g = torch.Generator().manual_seed(args.seed)
+            self.w = torch.nn.ParameterList(
+                [torch.nn.Parameter(torch.rand(shape, generator=g) * 2 - 1)
+                 for _ in range(args.matrices)])
+            gc = torch.Generator().manual_seed(1000 + rank)
+            for i in range(args.matrices):
+                self.register_buffer(f"c{i}", torch.randn(shape, generator=gc) * 0.1)
+
+        def forward(self):
+            return sum((w * getattr(self, f"c{i}")).sum() for i, w in enumerate(self.w))
+
+    model = Synthetic()
+
+dist.init_process_group("gloo", rank=rank, world_size=world)
+bucket_mb = 25  # DDP's default
+if args.hook == "powersgd":
+    # One bucket: torch 1.13's PowerSGD hook issues a bucket's second allreduce
+    # (Q) from a future's callback, so with several buckets the ranks can issue
+    # gloo collectives in different orders (seen here: "op.preamble.length <=
+    # op.nbytes" aborts, and hangs). The first bucket's cap is DDP's knob for it.
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    dist._DEFAULT_FIRST_BUCKET_BYTES = whole + 1
+    bucket_mb = whole / 2**20 + 1
+ddp = DDP(model, broadcast_buffers=False, bucket_cap_mb=bucket_mb)  # rank 0's weights become everyone's
+if args.hook == "fp16":
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+elif args.hook == "powersgd":
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    state = powerSGD_hook.PowerSGDState(process_group=None,
+                                        matrix_approximation_rank=args.powersgd_rank,
+                                        start_powerSGD_iter=max(2, args.powersgd_start))
+    ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
+                        weight_decay=0.0)
+
+
+def phase(step):
+    """warmup: plain fp32 allreduce; compress: the hook compresses (fp16 from step 0)."""
+    if args.hook == "fp16" or (args.hook == "powersgd" and step >= max(2, args.powersgd_start)):
+        return "compress"
+    return "warmup"
+
+
+def evaluate():
+    model.eval()
+    with torch.no_grad():
+        out = torch.cat([model(x) for x in test_x.split(1000)])
+    model.train()
+    acc = (out.argmax(1) == test_y).double().mean().item()
+    return F.cross_entropy(out, test_y).item(), acc
+
+
+rank_csv = open(os.path.join(args.out, f"rank{rank}.csv"), "w")
+rank_csv.write("step,wall_s,tx_bytes,rx_bytes,fwd_bwd_s,opt_s\n")
+metrics = None
+if rank == 0:
+    metrics = open(os.path.join(args.out, "metrics.csv"), "w")
+    metrics.write("step,phase,loss,wall_s,bytes_up,bytes_down,step_s,push_s,reply_s,epoch,"
+                  "test_loss,test_accuracy\n")
+dist.barrier()
+t0 = time.perf_counter()
+last = t0
+tx0, rx0 = nic_bytes()
+accuracy = test_loss = None
+loss = torch.zeros(())
+for step in range(args.steps):
+    tc = time.perf_counter()
+    opt.zero_grad(set_to_none=False)
+    if args.model == "mlp":
+        epoch = step // steps_per_epoch
+        if step % steps_per_epoch == 0:
+            perm = torch.from_numpy(epoch_permutation(len(train_y), args.seed, epoch))
+        first = (step % steps_per_epoch) * world * args.batch + rank * args.batch
+        ids = perm[first:first + args.batch]
+        x = train_x[ids].to(torch.float32) / 255.0
+        loss = F.cross_entropy(ddp(x), train_y[ids])
+    else:
+        loss = ddp()
+    loss.backward()  # DDP's hooks allreduce the buckets during the backward
+    to = time.perf_counter()
+    opt.step()
+    end = time.perf_counter()
+    tx, rx = nic_bytes()
+    rank_csv.write(f"{step},{end - t0:.6f},{tx - tx0},{rx - rx0},{to - tc:.6f},{end - to:.6f}\n")
+    if metrics is not None:
+        ev = ""
+        if args.model == "mlp" and args.eval_every and (
+                (step + 1) % args.eval_every == 0 or step + 1 == args.steps):
+            test_loss, accuracy = evaluate()
+            ev = f"{test_loss:.6g},{accuracy:.6g}"
+        else:
+            ev = ","
+        ep = f"{(step + 1) / steps_per_epoch:.6g}" if steps_per_epoch else "0"
+        metrics.write(f"{step},{phase(step)},{loss.item():.6g},{end - t0:.6f},"
+                      f"{(tx - tx0) * world},{(rx - rx0) * world},{end - last:.6f},0,0,{ep},{ev}\n")
+    tx0, rx0 = tx, rx
+    last = end
+wall = time.perf_counter() - t0
+rank_csv.close()
+if metrics is not None:
+    metrics.close()
+    n_params = sum(p.numel() for p in model.parameters())
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump({"system": f"ddp-gloo-{args.hook}", "optimizer": "torch.optim.AdamW",
+                   "workers": world, "servers": 0, "params": n_params, "steps": args.steps,
+                   "wall_s": wall, "final_loss": loss.item(), "test_accuracy": accuracy,
+                   "test_loss": test_loss, "status": "ok"}, f, indent=2)
+dist.barrier()
+print(f"ddp rank {rank}: {args.steps} steps in {wall:.1f} s"
+      + (f", test accuracy {accuracy:.4f}" if accuracy is not None else ""), file=sys.stderr)
+sys.stderr.flush()
+# Every file is written: skip the interpreter's and gloo's teardown (seconds on a busy machine).
+os._exit(0)

@@ -1,0 +1,322 @@
+"""tools/netbench's report: OUT/report.md and its PNG plots (gnuplot) from the
+run folders OUT/<model>/<system>/run<k>/ (metrics.csv as docs/design.md §2,
+summary.json, nic_before.txt / nic_after.txt) and OUT/config.env.
+
+    python3 tools/netbench.d/report.py OUT
+
+Per run: the step time of each phase is the median of the gaps between
+consecutive steps' ends (wall_s) within the phase, i.e. the whole step with
+the gradient, and without step 0 (no gap before it), the hand-over step (onebit-ps's
+last warm-up step, which also carries m and v) and the first step of the
+compression phase; the time to the target is wall_s of the first test score
+at or above it (rank 0 scores the test set every --eval-every steps on both
+sides, inside the timed loop); bytes per step per worker are the systems'
+own count: onebit-ps's payload (metrics.csv bytes_up + bytes_down over the
+workers), DDP's as its rank 0's NIC counted them during the step (wire bytes:
+with the TCP/IP headers); "wire" is every worker NIC's tx + rx over the whole
+run (start-up included) per worker and step, the same measure for all.
+Figures are medians over the runs; the ratios divide by DDP fp32's median.
+"""
+import csv
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+
+out = sys.argv[1]
+cfg = {}
+with open(os.path.join(out, "config.env")) as f:
+    for line in f:
+        k, _, v = line.rstrip("\n").partition("=")
+        cfg[k] = v
+workers = int(cfg["workers"])
+target = float(cfg["target"])
+SYSTEMS = [
+    ("adam", "onebit-ps adam (fp32 PS)"),
+    ("onebit-adam", "onebit-ps onebit-adam, freeze at 15 %"),
+    ("onebit-adam-auto", "onebit-ps onebit-adam, auto freeze"),
+    ("ddp", "DDP gloo fp32"),
+    ("ddp-fp16", "DDP gloo fp16 hook"),
+    ("ddp-powersgd", "DDP gloo PowerSGD hook (rank 2)"),
+]
+LABEL = dict(SYSTEMS)
+models = cfg["models"].split()
+systems = [s for s, _ in SYSTEMS if s in cfg["systems"].split()]  # the table's order
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return statistics.median(xs) if xs else None
+
+
+def read_rows(d):
+    with open(os.path.join(d, "metrics.csv")) as f:
+        return list(csv.DictReader(f))
+
+
+def nic_total(d):
+    def read(name):
+        with open(os.path.join(d, name)) as f:
+            return [list(map(int, line.split())) for line in f if line.strip()]
+    before, after = read("nic_before.txt"), read("nic_after.txt")
+    return sum(a[0] - b[0] + a[1] - b[1] for a, b in zip(after, before))
+
+
+def figures(d, onebit):
+    """The figures of one run folder, or None when it failed."""
+    if os.path.exists(os.path.join(d, "FAILED")) or not os.path.exists(os.path.join(d, "metrics.csv")):
+        return None
+    rows = read_rows(d)
+    if not rows:
+        return None
+    n = len(rows)
+    wall = [float(r["wall_s"]) for r in rows]
+    phase = [r["phase"] for r in rows]
+    by = [(int(r["bytes_up"]) + int(r["bytes_down"])) / workers for r in rows]
+    last_warm = max((i for i in range(n) if phase[i] == "warmup"), default=None)
+    has_compress = any(p == "compress" for p in phase)
+    # onebit-ps's last warm-up step also carries m and v (PowerSGD has no hand-over).
+    handover = last_warm if (onebit and has_compress and last_warm is not None) else None
+    f = {"steps": n, "wall": wall[-1]}
+
+    def gaps(ph):
+        out = []
+        for i in range(1, n):
+            if phase[i] == ph and phase[i - 1] == ph and i != handover:
+                out.append(wall[i] - wall[i - 1])
+        return out
+
+    f["warm_step"] = median(gaps("warmup"))
+    f["comp_step"] = median(gaps("compress"))
+    f["handover_step"] = (wall[handover] - wall[handover - 1]) if handover else None
+    f["freeze"] = next((i for i in range(n) if phase[i] == "compress"), None)
+    warm_b = [by[i] for i in range(n) if phase[i] == "warmup" and i != handover]
+    comp_b = [by[i] for i in range(n) if phase[i] == "compress"]
+    f["warm_bytes"] = statistics.mean(warm_b) if warm_b else None
+    f["comp_bytes"] = statistics.mean(comp_b) if comp_b else None
+    f["bytes"] = statistics.mean(by)
+    f["wire"] = nic_total(d) / workers / n
+    acc = [(wall[i], float(r["test_accuracy"])) for i, r in enumerate(rows) if r.get("test_accuracy")]
+    f["final_acc"] = acc[-1][1] if acc else None
+    f["tta"] = next((w for w, a in acc if a >= target), None)
+    f["opt"] = None
+    r0 = os.path.join(d, "rank0.csv")
+    if os.path.exists(r0):  # DDP: the time of rank 0's AdamW step
+        with open(r0) as fr:
+            f["opt"] = median([float(r["opt_s"]) for r in csv.DictReader(fr)][2:])
+    f["tta_step"] = next((i for i, r in enumerate(rows)
+                          if r.get("test_accuracy") and float(r["test_accuracy"]) >= target), None)
+    return f
+
+
+data = {}  # (model, system) -> {figure: median}, plus "_runs": [per-run figures]
+for model in models:
+    for s in systems:
+        base = os.path.join(out, model, s)
+        runs = sorted(r for r in os.listdir(base) if r.startswith("run")) if os.path.isdir(base) else []
+        per = [figures(os.path.join(base, r), not s.startswith("ddp")) for r in runs]
+        ok = [p for p in per if p]
+        med = {}
+        if ok:
+            for k in ok[0]:
+                med[k] = median([p[k] for p in ok])
+        med["_ok"], med["_runs"] = len(ok), len(per)
+        data[(model, s)] = med
+
+
+def ms(x):
+    if x is None:
+        return "—"
+    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def secs(x):
+    return "—" if x is None else f"{x:.1f} s"
+
+
+def mb(x):
+    if x is None:
+        return "—"
+    return f"{x / 1e6:.3f} MB" if x < 1e7 else f"{x / 1e6:.0f} MB"
+
+
+def with_ratio(text, x, base):
+    if x is None or base is None or base == 0:
+        return text
+    return f"{text} ({x / base:.2f})"
+
+
+lines = []
+put = lines.append
+put("# onebit-ps against PyTorch DDP on an emulated network")
+put("")
+quick = cfg["quick"] == "1"
+put(f"Made by `{cfg['command']}` on {cfg['date']} (commit {cfg['commit']}).")
+put("")
+put(f"- **Machine:** {cfg['nproc']} CPU cores ({cfg['cpu']}), Linux {cfg['kernel']}. Every process "
+    f"(the coordinator, {cfg['servers']} servers and {workers} workers, or {workers} DDP ranks) runs "
+    f"on these same {cfg['nproc']} cores, each in its own network namespace, under nice {cfg['nice']}: "
+    "the hosts are emulated, the CPUs are shared. Load average (1, 5, 15 min) at the start "
+    f"{cfg.get('load_start', '?')}, at the end {cfg.get('load_end', '?')}: anything else running "
+    "on the machine shows in the figures.")
+put(f"- **Links:** every host's NIC (a veth on one Linux bridge) shaped to **{cfg['rate']}** each way "
+    f"with tc tbf (burst {cfg['burst']} B, 10 ms queue); the DDP ranks run on the worker hosts.")
+put(f"- **Runs:** every figure is the median over **{cfg['runs']} run(s)** of each configuration; in "
+    "parentheses, the figure divided by DDP fp32's of the same benchmark (below 1: less time or "
+    "fewer bytes than DDP fp32).")
+put(f"- onebit-ps's planes are {'secured with a job secret (TLS + CURVE)' if cfg['secure'] == '1' else 'plaintext (--insecure), like gloo'}; "
+    "its servers keep their shard's Adam state, so its workers run no optimizer; DDP's ranks each "
+    "run torch.optim.AdamW over the whole model.")
+put("")
+for model in models:
+    base = data.get((model, "ddp"), {})
+    b_step = base.get("warm_step")
+    if model == "mlp":
+        mt = f" (first {cfg['max_train']} training images)" if cfg["max_train"] != "0" else ""
+        put(f"## mlp 784-256-128-10 on Fashion-MNIST{mt}")
+        put("")
+        put(f"{workers} workers x local batch 64, {cfg['steps']} steps, lr 1e-3, Adam's betas (0.9, 0.999), "
+            "eps 1e-8, no weight decay, bias correction on both sides; the same initial weights and "
+            "the same data order on both sides; test set scored every "
+            f"{cfg['eval_every']} steps. Time to accuracy: to the first score ≥ {target}.")
+        put("")
+        put("| system | warm-up step | compression step | hand-over step | freeze step | "
+            f"time to {target} | steps to {target} | final test acc | total time | "
+            "MB/step/worker warm-up | MB/step/worker compression | wire MB/step/worker |")
+        put("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    else:
+        put(f"## synthetic, {int(cfg['dim']) / 1e6:.1f} M parameters")
+        put("")
+        put(f"{cfg['synthetic_steps']} steps. onebit-ps: the built-in synthetic model with "
+            "--skip_model (zero gradients, no arithmetic); DDP: the parameters as 24 matrices "
+            "(PowerSGD compresses matrices only) and loss sum(w * c) for a fixed random c per rank "
+            "(the gradient is a copy of c). Both step times are the network's and the update's.")
+        put("")
+        put("| system | warm-up step | compression step | hand-over step | freeze step | total time | "
+            "MB/step/worker warm-up | MB/step/worker compression | wire MB/step/worker | "
+            "of the step: the worker's optimizer |")
+        put("|---|---|---|---|---|---|---|---|---|---|")
+    for s in systems:
+        d = data[(model, s)]
+        name = LABEL[s]
+        cols = 12 if model == "mlp" else 10
+        not_run = os.path.join(out, model, s, "NOT_RUN")
+        if os.path.exists(not_run):
+            with open(not_run) as f:
+                put(f"| {name} | not run: {f.read().strip()} |" + " |" * (cols - 2))
+            continue
+        if not d.get("_ok"):
+            put(f"| {name} | failed ({d['_runs']} run(s); see {model}/{s}/) |" + " |" * (cols - 2))
+            continue
+        if d["_ok"] < d["_runs"]:
+            name += f" ({d['_ok']} of {d['_runs']} runs)"
+        ref_step = b_step
+        c = [name,
+             with_ratio(ms(d["warm_step"]), d["warm_step"], ref_step),
+             with_ratio(ms(d["comp_step"]), d["comp_step"], ref_step),
+             ms(d["handover_step"]),
+             "—" if d["freeze"] is None else str(int(d["freeze"]))]
+        if model == "mlp":
+            c += [with_ratio(secs(d["tta"]), d["tta"], base.get("tta")),
+                  "not reached" if d["tta_step"] is None else str(int(d["tta_step"]) + 1),
+                  "—" if d["final_acc"] is None else f"{d['final_acc']:.4f}"]
+        c += [with_ratio(secs(d["wall"]), d["wall"], base.get("wall")),
+              with_ratio(mb(d["warm_bytes"]), d["warm_bytes"], base.get("warm_bytes")),
+              with_ratio(mb(d["comp_bytes"]), d["comp_bytes"], base.get("warm_bytes")),
+              with_ratio(mb(d["wire"]), d["wire"], base.get("wire"))]
+        if model != "mlp":
+            c.append("(on the servers)" if not s.startswith("ddp") else ms(d["opt"]))
+        put("| " + " | ".join(c) + " |")
+    put("")
+    put(f"![step time per phase, {model}](step_time_{model}.png)")
+    put(f"![bytes per step per phase, {model}](bytes_{model}.png)")
+    if model == "mlp":
+        put("![test accuracy against wall time](accuracy.png)")
+    put("")
+
+put("## How to read it")
+put("")
+put("- *warm-up step*: onebit-ps's full-precision Adam steps (all of them for `adam`), DDP's fp32 "
+    "allreduce steps (all of them for `ddp`; PowerSGD's vanilla allreduce before it starts). "
+    "*compression step*: onebit-adam after the freeze, DDP with the fp16 hook (all steps) or "
+    "with PowerSGD after its start. Both ratios divide by DDP fp32's step.")
+put("- *hand-over step*: onebit-ps's last warm-up step, whose reply also carries m and v.")
+put("- *MB/step/worker*: what one worker sends plus receives per step, as the system counts it: "
+    "onebit-ps its payload, DDP its NIC (so DDP's include TCP/IP headers, some 3-5 %). "
+    "*wire*: every worker NIC's bytes over the whole run, start-up included, per worker and "
+    "step: the same measure for all systems (the ratio of the compression column divides by "
+    "DDP fp32's warm-up bytes).")
+put("- A DDP step ends when rank 0's optimizer step ends; a onebit-ps step when its replies are "
+    "applied. Both include computing the gradient; rank 0's test scores fall inside the timed loop "
+    "on both sides, so the step after a score is longer (the medians leave it out).")
+put("- Every run's folder is under `<model>/<system>/run<k>/` with the logs; its metrics.csv "
+    "has a row per step.")
+with open(os.path.join(out, "report.md"), "w") as f:
+    f.write("\n".join(lines) + "\n")
+
+
+# The plots.
+def gp_escape(s):
+    return s.replace("'", "''")
+
+
+script = ['set terminal pngcairo size 960,560 font ",11"', "set datafile separator comma",
+          "set datafile missing 'NaN'", "set grid", "set key inside bottom right"]
+if "mlp" in models:
+    curves = []
+    for s in systems:
+        d = os.path.join(out, "mlp", s, "run1")
+        if os.path.exists(os.path.join(d, "metrics.csv")) and not os.path.exists(os.path.join(d, "FAILED")):
+            curves.append(f"'{d}/metrics.csv' using 4:($12 > 0 ? $12 : 1/0) every ::1 with linespoints "
+                          f"pointtype 7 pointsize 0.6 title '{gp_escape(LABEL[s])}'")
+    if curves:
+        script += [f"set output '{out}/accuracy.png'",
+                   f"set title 'mlp: test accuracy against wall time ({cfg['rate']}, run 1)'",
+                   "set xlabel 'wall time (s)'", "set ylabel 'test accuracy'",
+                   f"set arrow 1 from graph 0, first {target} to graph 1, first {target} nohead dashtype 2",
+                   "plot " + ", ".join(curves), "unset arrow 1"]
+for model in models:
+    tab = os.path.join(out, f"bars_{model}.csv")
+    shown = [s for s in systems if data[(model, s)].get("_ok")]
+    with open(tab, "w") as f:
+        f.write("system,warm_ms,comp_ms,warm_mb,comp_mb\n")
+        for s in shown:
+            d = data[(model, s)]
+
+            def v(k, scale):
+                return "NaN" if d.get(k) is None else f"{d[k] * scale:.6g}"
+            f.write(f"\"{LABEL[s].replace('onebit-ps ', '').replace('DDP gloo ', 'DDP ')}\","
+                    f"{v('warm_step', 1e3)},{v('comp_step', 1e3)},{v('warm_bytes', 1e-6)},{v('comp_bytes', 1e-6)}\n")
+    common = ["set style data histograms", "set style histogram clustered gap 1",
+              "set style fill solid 0.8 border -1", "set boxwidth 0.9", "set xtics rotate by -25",
+              "set key outside top center horizontal", "set xlabel ''"]
+    def bars(warm, comp):
+        # A column with no value at all would only draw a warning.
+        parts = []
+        for col, key, title in ((warm[0], warm[1], "warm-up / fp32 step"),
+                                (comp[0], comp[1], "compression step")):
+            if any(data[(model, s)].get(key) is not None for s in shown):
+                parts.append((col, title))
+        if not parts:
+            return None
+        first = f"'{tab}' using {parts[0][0]}:xtic(1) every ::1 title '{parts[0][1]}'"
+        rest = [f"'' using {c} every ::1 title '{t}'" for c, t in parts[1:]]
+        return "plot " + ", ".join([first] + rest)
+
+    script += common
+    p = bars((2, "warm_step"), (3, "comp_step"))
+    if p:
+        script += [f"set output '{out}/step_time_{model}.png'",
+                   f"set title '{model}: step time per phase ({cfg['rate']}, median of {cfg['runs']})'",
+                   "set ylabel 'ms per step'", "unset logscale y", "set yrange [0:*]", p]
+    p = bars((4, "warm_bytes"), (5, "comp_bytes"))
+    if p:
+        script += [f"set output '{out}/bytes_{model}.png'",
+                   f"set title '{model}: MB per step per worker, sent + received ({cfg['rate']})'",
+                   "set ylabel 'MB per step per worker (log)'", "set logscale y", "set yrange [*:*]", p]
+    script += ["unset logscale y", "set yrange [*:*]", "set xtics norotate", "set key inside bottom right",
+               "set style data lines"]
+subprocess.run(["gnuplot"], input="\n".join(script) + "\n", text=True, check=True)
+print(open(os.path.join(out, "report.md")).read())
