@@ -137,6 +137,7 @@ absl::StatusOr<OptimizerOptions> OptimizerOptionsFromConfig(const control::Train
   o.codec.block_size = c.block_size();
   o.worker_codec = c.worker_codec();
   o.server_codec = c.server_codec();
+  o.warmup_codec = c.warmup_codec().empty() ? "fp32" : c.warmup_codec();
   o.zero_one.var_freeze_step = c.var_freeze_step();
   o.zero_one.var_update_scaler = c.var_update_scaler();
   o.zero_one.local_step_scaler = c.local_step_scaler();

@@ -90,6 +90,8 @@ constexpr JobSetting kSettings[] = {
      "optimizers, fp32 otherwise)"},
     {"server_codec", T::kString, "", "compression",
      "compression-phase reply codec (default as --worker_codec)"},
+    {"warmup_codec", T::kString, "fp32", "compression",
+     "warm-up pushes and replies: fp32 | fp16 (the servers still sum and update in fp32)"},
     {"error_feedback", T::kString, "both", "compression",
      "error feedback: both | worker | server | none"},
     {"server_reply", T::kString, "", "compression",

@@ -284,6 +284,15 @@ absl::Status ValidateOptimizerOptions(const OptimizerOptions& o) {
                "naive-onebit-adam replies deltas: its v changes every step, so workers cannot "
                "expand a momentum reply");
   }
+  if (o.warmup_codec != "fp32") {
+    if (o.warmup_codec != "fp16") {
+      return Bad("warmup_codec", absl::StrCat("'", o.warmup_codec, "': want fp32 or fp16"));
+    }
+    if (!HasWarmup(o.kind) || o.kind == OptimizerKind::kZeroOneAdam) {
+      return Bad("warmup_codec",
+                 absl::StrCat(OptimizerKindName(o.kind), " has no warm-up to send in fp16"));
+    }
+  }
   if (o.kind == OptimizerKind::kZeroOneAdam) {
     const ZeroOneOptions& z = o.zero_one;
     if (z.var_freeze_step < 1) return Bad("var_freeze_step", "must be >= 1");
@@ -336,12 +345,14 @@ double VarianceChange(const std::vector<float>& v, const std::vector<float>& v_b
 absl::Status OptimizerCodecs::Init() {
   if (absl::Status st = ValidateOptimizerOptions(o_); !st.ok()) return st;
   auto fp32 = NewCodec(CodecKind::kFp32, o_.codec);
+  auto warmup = NewCodec(o_.warmup_codec, o_.codec);
   auto w = NewCodec(o_.worker_codec, o_.codec);
   auto s = NewCodec(o_.server_codec, o_.codec);
-  for (const auto* c : {&fp32, &w, &s}) {
+  for (const auto* c : {&fp32, &warmup, &w, &s}) {
     if (!c->ok()) return c->status();
   }
   fp32_ = std::move(*fp32);
+  warmup_codec_ = std::move(*warmup);
   worker_codec_ = std::move(*w);
   server_codec_ = std::move(*s);
   return absl::OkStatus();
@@ -356,11 +367,11 @@ StepKind OptimizerCodecs::KindOf(uint64_t step, Phase phase) const {
 }
 
 const Codec& OptimizerCodecs::push_codec(StepKind kind) const {
-  return kind == StepKind::kFull ? *fp32_ : *worker_codec_;
+  return kind == StepKind::kFull ? *warmup_codec_ : *worker_codec_;
 }
 
 const Codec& OptimizerCodecs::reply_codec(StepKind kind) const {
-  return kind == StepKind::kFull ? *fp32_ : *server_codec_;
+  return kind == StepKind::kFull ? *warmup_codec_ : *server_codec_;
 }
 
 size_t OptimizerCodecs::ReplyBytes(StepKind kind, size_t n, bool last_warmup) const {
@@ -438,13 +449,18 @@ absl::Status ServerOptimizer::Step(uint64_t step, float lr, bool last_warmup, fl
   if (o_.kind == OptimizerKind::kZeroOneAdam) return ZeroOneStep(step, lr, acc, off, n, s, reply);
   float* x = s->x.data() + off;
   if (!s->frozen) {
-    // Warm-up: full precision both ways; the reply is Δ itself. Update and
-    // encode piece by piece, so Δ is still in L2 when it is copied out (fp32
-    // encodes element by element: the pieces' encodings concatenate).
+    // Warm-up: the reply is Δ itself. Update and encode piece by piece, so Δ
+    // is still in L2 when it is copied out (fp32 and fp16 encode element by
+    // element: the pieces' encodings concatenate).
+    const Codec& codec = *warmup_codec_;
+    const bool exact = codec.kind() == CodecKind::kFp32;
     constexpr size_t kPiece = 16384;
+    float* before = exact ? nullptr : Scratch(std::min(kPiece, n));
     for (size_t p = 0; p < n; p += kPiece) {
       const size_t m = std::min(kPiece, n - p);
       float* d = acc + p;
+      // fp16: the master takes the rounded Δ the workers take.
+      if (!exact) std::copy(x + p, x + p + m, before);
       if (o_.kind == OptimizerKind::kSgd) {
         for (size_t i = 0; i < m; ++i) {
           d[i] = -lr * d[i];
@@ -453,8 +469,13 @@ absl::Status ServerOptimizer::Step(uint64_t step, float lr, bool last_warmup, fl
       } else if (absl::Status st = AdamStep(step, lr, d, off + p, m, s); !st.ok()) {
         return st;
       }
-      absl::Status st = fp32_->Encode(d, m, reply + 4 * p);
+      uint8_t* out = reply + codec.EncodedSize(p);
+      absl::Status st = codec.Encode(d, m, out);
       if (!st.ok()) return Diverged("the update", step, s->begin + off + p, st);
+      if (!exact) {
+        std::copy(before, before + m, x + p);
+        if (st = codec.DecodeAdd(out, m, 1.0f, x + p); !st.ok()) return st;
+      }
     }
     if (!last_warmup || !HandsOver()) return absl::OkStatus();
     // The hand-over (docs/design.md §1.1): freeze v, floored, and send m and v.
@@ -473,7 +494,7 @@ absl::Status ServerOptimizer::Step(uint64_t step, float lr, bool last_warmup, fl
       }
       s->den[off + i] = FrozenDenominator(v[i], o_.eps);
     }
-    uint8_t* tail = reply + fp32_->EncodedSize(n);
+    uint8_t* tail = reply + codec.EncodedSize(n);
     std::memcpy(tail, s->m.data() + off, 4 * n);
     std::memcpy(tail + 4 * n, v, 4 * n);
     return absl::OkStatus();
@@ -631,7 +652,7 @@ absl::Status WorkerOptimizer::Push(uint64_t step, float lr, const float* g, uint
     return absl::FailedPreconditionError(
         absl::StrCat("step ", step, " is a local step: it sends nothing"));
   }
-  if (kind == StepKind::kFull) return fp32_->Encode(g + b, n, out);
+  if (kind == StepKind::kFull) return warmup_codec_->Encode(g + b, n, out);
   if (o_.kind == OptimizerKind::kZeroOneAdam) {
     const Codec& codec = *worker_codec_;
     float* e = s->e.data() + b;
@@ -686,18 +707,19 @@ absl::Status WorkerOptimizer::Apply(uint64_t step, float lr, bool last_warmup, c
   float* x = s->x.data() + b;
   if (!s->frozen) {
     // x += Δ: the same fp32 addition the server applied to its master.
-    if (!last_warmup || !HandsOver()) return fp32_->DecodeAdd(reply, n, 1.0f, x);
+    const Codec& codec = *warmup_codec_;
+    if (!last_warmup || !HandsOver()) return codec.DecodeAdd(reply, n, 1.0f, x);
     // The hand-over: Δ, then m and v. Everything is checked before anything
     // changes, so a bad reply leaves the state as it was.
-    const uint8_t* tail = reply + fp32_->EncodedSize(n);
-    absl::Status st = fp32_->CheckPayload(reply, n);
+    const uint8_t* tail = reply + codec.EncodedSize(n);
+    absl::Status st = codec.CheckPayload(reply, n);
     if (st.ok()) st = fp32_->CheckPayload(tail, n);
     std::vector<float> den(n);
     if (st.ok()) st = fp32_->Decode(tail + 4 * n, n, den.data());
     if (st.ok()) st = HandOverDenominators(den.data(), n, b, o_.eps, den.data());
     if (!st.ok()) return st;
     if (s->den.size() != s->x.size()) s->den.assign(s->x.size(), 0.0f);
-    st = fp32_->DecodeAdd(reply, n, 1.0f, x);
+    st = codec.DecodeAdd(reply, n, 1.0f, x);
     if (st.ok()) st = fp32_->Decode(tail, n, s->mbar.data() + b);
     if (!st.ok()) return st;  // not reached: both were checked
     std::copy(den.begin(), den.end(), s->den.begin() + b);

@@ -104,7 +104,11 @@ struct OptimizerOptions {
   CodecOptions codec;                 // block size, scale rule, SIMD path
   std::string worker_codec = "fp32";  // compression-phase push codec
   std::string server_codec = "fp32";  // compression-phase reply codec
-  ZeroOneOptions zero_one;            // zero-one-adam only
+  // Warm-up pushes and replies: fp32, or fp16 (the server still sums and
+  // updates in fp32, and its master takes the fp16-rounded Δ the workers
+  // take, so replicas stay equal to it).
+  std::string warmup_codec = "fp32";
+  ZeroOneOptions zero_one;  // zero-one-adam only
 };
 
 absl::StatusOr<OptimizerKind> ParseOptimizerKind(absl::string_view name);
@@ -243,7 +247,8 @@ class OptimizerCodecs {
   // variance steps are kFull, its other steps before the freeze kCompressed,
   // and after the freeze its sync steps kCompressed, the rest kLocal.
   StepKind KindOf(uint64_t step, Phase phase) const;
-  // fp32 for kFull steps; the worker / server codec for kCompressed ones.
+  // The warm-up codec for kFull steps; the worker / server codec for
+  // kCompressed ones.
   const Codec& push_codec(StepKind kind) const;
   const Codec& reply_codec(StepKind kind) const;
   // Payload bytes of the reply of n elements; the last warm-up step's reply
@@ -266,7 +271,7 @@ class OptimizerCodecs {
   }
 
   OptimizerOptions o_;
-  std::unique_ptr<const Codec> fp32_, worker_codec_, server_codec_;
+  std::unique_ptr<const Codec> fp32_, warmup_codec_, worker_codec_, server_codec_;
 };
 
 class ServerOptimizer : public OptimizerCodecs {

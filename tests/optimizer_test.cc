@@ -109,6 +109,67 @@ TEST(ServerOptimizer, AdamWarmupStepMatchesHandComputation) {
   EXPECT_EQ(s.x[0], 2.0f + delta);
 }
 
+// The IEEE half nearest to f (round to nearest even), back as a float, for
+// normal halves: what an fp16 payload carries.
+float Half(float f) {
+  const float mag = std::fabs(f);
+  const int e = std::ilogb(mag);               // 2^e <= mag < 2^(e+1)
+  const float ulp = std::ldexp(1.0f, e - 10);  // 10 mantissa bits
+  return std::copysign(std::nearbyint(mag / ulp) * ulp, f);
+}
+
+// --warmup_codec fp16: the pushes and the reply are halves; the server sums
+// and steps in fp32, and its master takes the same rounded Δ as the workers.
+TEST(Optimizer, Fp16WarmupMasterTakesTheRoundedDelta) {
+  OptimizerOptions o = OnebitOptions(OptimizerKind::kOnebitAdam);
+  o.warmup_codec = "fp16";
+  auto server = ServerOptimizer::Create(o);
+  auto worker = WorkerOptimizer::Create(o);
+  ASSERT_TRUE(server.ok() && worker.ok()) << server.status();
+  const size_t n = 3;
+  ServerShardState s;
+  (*server)->InitState(0, 0, n, &s);
+  s.x = {2.0f, -1.0f, 0.5f};
+  WorkerState w;
+  (*worker)->InitState(n, &w);
+  w.x = s.x;
+  const std::vector<float> g = {0.3f, -0.7f, 0.11f};
+  EXPECT_EQ((*worker)->push_codec(Phase::kWarmup).EncodedSize(n), 2 * n);
+  std::vector<uint8_t> push(2 * n);
+  ASSERT_TRUE((*worker)->Push(0, g.data(), 0, n, &w, push.data()).ok());
+  std::vector<float> acc(n, 0.0f);
+  ASSERT_TRUE(
+      (*server)->push_codec(Phase::kWarmup).DecodeAdd(push.data(), n, 1.0f, acc.data()).ok());
+  for (size_t i = 0; i < n; ++i) EXPECT_EQ(acc[i], Half(g[i])) << i;
+  // The last warm-up step: Δ in fp16, then m and v in fp32.
+  std::vector<uint8_t> reply((*server)->ReplyBytes(Phase::kWarmup, n, true));
+  ASSERT_EQ(reply.size(), 2 * n + 8 * n);
+  const std::vector<float> x0 = s.x;
+  ASSERT_TRUE((*server)->Step(0, true, acc.data(), 0, n, &s, reply.data()).ok());
+  ASSERT_TRUE((*worker)->Apply(0, true, reply.data(), 0, n, &w).ok());
+  for (size_t i = 0; i < n; ++i) {
+    // By hand: m = 0.1 g, v = 0.001 g², Δ = -lr (m / (sqrt(v) + eps) + wd x).
+    const float gi = Half(g[i]);
+    const float m = 0.9f * 0.0f + (1.0f - 0.9f) * gi;
+    const float v = 0.999f * 0.0f + (1.0f - 0.999f) * gi * gi;
+    const float d = -0.1f * (m / (std::sqrt(v) + 1e-8f) + 0.25f * x0[i]);
+    EXPECT_EQ(s.x[i], x0[i] + Half(d)) << i;
+    EXPECT_NE(s.x[i], x0[i] + d) << i << ": the master must take the rounded Δ";
+    EXPECT_EQ(w.x[i], s.x[i]) << i;
+    EXPECT_EQ(w.mbar[i], m) << i;  // m and v travel in fp32
+  }
+}
+
+TEST(Optimizer, Fp16WarmupNeedsAWarmup) {
+  OptimizerOptions o = OnebitOptions(OptimizerKind::kEfSgd);
+  o.warmup_codec = "fp16";
+  EXPECT_THAT(std::string(ValidateOptimizerOptions(o).message()), HasSubstr("--warmup_codec"));
+  o = OnebitOptions(OptimizerKind::kOnebitAdam);
+  o.warmup_codec = "onebit";
+  EXPECT_THAT(std::string(ValidateOptimizerOptions(o).message()),
+              HasSubstr("'onebit': want fp32 or fp16"));
+}
+
 TEST(ServerOptimizer, BiasCorrectionDividesTheMoments) {
   OptimizerOptions o = OnebitOptions(OptimizerKind::kAdam);
   o.worker_codec = o.server_codec = "fp32";

@@ -425,6 +425,11 @@ absl::StatusOr<std::unique_ptr<Replica>> NewDeviceReplica(const cuda::Backend* b
                                                           const Model* model,
                                                           const WorkerOptimizer* optimizer,
                                                           const DeviceModelFactory& make_model) {
+  if (optimizer->options().warmup_codec != "fp32") {
+    return absl::UnimplementedError(
+        "--warmup_codec fp16 runs on CPU workers only so far (--device cpu): the GPU worker "
+        "adds fp32 warm-up replies");
+  }
   if (optimizer->options().kind == OptimizerKind::kZeroOneAdam) {
     return absl::UnimplementedError(
         "zero-one-adam runs on CPU workers only so far (--device cpu): its local steps have no "

@@ -258,6 +258,66 @@ INSTANTIATE_TEST_SUITE_P(
                           info.param.error_feedback);
     });
 
+// --warmup_codec fp16: every replica and master equal the reference, and the
+// warm-up sends half of fp32's payload.
+class Fp16WarmupTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(Fp16WarmupTest, EqualsTheReferenceWithHalfTheWarmupBytes) {
+  control::TrainingConfig cfg = MakeConfig(3, 2, 1000, 6, GetParam());
+  cfg.set_lr(0.05f);
+  cfg.set_weight_decay(0.01f);
+  cfg.set_warmup_codec("fp16");
+  if (GetParam() == "onebit-adam") cfg.set_freeze_step(3);
+  cfg.set_heartbeat_timeout_ms(3000);
+  const std::string out = Launch(cfg, "fp16_warmup", "cpu,cpu,cpu");
+  const ReferenceResult ref = Reference(cfg);
+  for (uint32_t w = 0; w < 3; ++w) {
+    EXPECT_EQ(
+        FirstDifference(ReadFloats(absl::StrCat(out, "/replica_w", w, ".f32")), ref.workers[w]), "")
+        << "worker " << w;
+  }
+  auto map = *ShardMap::Create(cfg.dim(), cfg.servers(), cfg.block_size());
+  for (uint32_t s = 0; s < 2; ++s) {
+    EXPECT_EQ(FirstDifference(ReadFloats(absl::StrCat(out, "/master_s", s, ".f32")),
+                              ref.masters[s].x, map.shard(s).begin),
+              "")
+        << "server " << s;
+  }
+  // The reference's payloads: 2 bytes a parameter each way in the warm-up
+  // (the hand-over adds m and v in fp32).
+  EXPECT_EQ(ref.push_bytes[0], 3u * 2 * 1000);
+  EXPECT_EQ(ref.reply_bytes[0], 3u * 2 * 1000);
+  if (GetParam() == "onebit-adam") EXPECT_EQ(ref.reply_bytes[2], 3u * (2 + 8) * 1000);
+  // And the same run in fp32 differs: the rounding is real.
+  cfg.set_warmup_codec("fp32");
+  EXPECT_NE(FirstDifference(Reference(cfg).workers[0], ref.workers[0]), "");
+  EXPECT_EQ(Field(ReadFile(out + "/summary.json"), "replicas_equal"), "true");
+}
+
+INSTANTIATE_TEST_SUITE_P(Optimizers, Fp16WarmupTest, ::testing::Values("adam", "onebit-adam"),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           std::string name = info.param;
+                           for (char& ch : name) ch = ch == '-' ? '_' : ch;
+                           return name;
+                         });
+
+TEST(Fp16Warmup, GpuWorkersAndOptimizersWithoutAWarmupRefuseIt) {
+  control::TrainingConfig cfg = MakeConfig(1, 1, 100, 2, "ef-sgd");
+  cfg.set_warmup_codec("fp16");
+  std::vector<std::string> argv = {Bin("onebit-launch"), "--out=" + TempDir("fp16_refused")};
+  for (const std::string& a : ConfigArgs(cfg)) argv.push_back(a);
+  RunResult r = RunCommand(argv, absl::Seconds(60));
+  EXPECT_NE(r.code, 0);
+  EXPECT_THAT(r.output, HasSubstr("--warmup_codec: ef-sgd has no warm-up to send in fp16"));
+  cfg = MakeConfig(1, 1, 100, 2, "adam");
+  cfg.set_warmup_codec("fp16");
+  argv = {Bin("onebit-launch"), "--out=" + TempDir("fp16_gpu"), "--worker_devices=cuda-twin"};
+  for (const std::string& a : ConfigArgs(cfg)) argv.push_back(a);
+  r = RunCommand(argv, absl::Seconds(60));
+  EXPECT_NE(r.code, 0);
+  EXPECT_THAT(r.output, HasSubstr("--warmup_codec fp16 runs on CPU workers only"));
+}
+
 TEST(MatrixSize, CoversEveryValidCombination) {
   // onebit-adam and ef-sgd: 3 × 3 codecs × 4 feedback modes × 2 replies each;
   // naive-onebit-adam replies deltas only; sgd and adam are fp32 throughout.

@@ -148,6 +148,7 @@ std::vector<std::string> ConfigArgs(const control::TrainingConfig& c) {
           absl::StrFormat("--weight_decay=%.9g", c.weight_decay()),
           "--worker_codec=" + c.worker_codec(),
           "--server_codec=" + c.server_codec(),
+          "--warmup_codec=" + c.warmup_codec(),
           "--lr_schedule=" + c.lr_schedule(),
           absl::StrCat("--bias_correction=", c.bias_correction() ? "true" : "false"),
           absl::StrCat("--freeze_step=", c.freeze_step()),
