@@ -30,7 +30,8 @@ void DeltaFromMomentum(const float* m, const float* den, float lr, float wd, siz
 }
 
 // Per-thread scratch of at least n floats (a chunk's decoded reply, a sync
-// push): the optimizers are shared and const, their callers' threads not.
+// push, x before an fp16 warm-up step): the optimizers are shared and const,
+// their callers' threads not.
 float* Scratch(size_t n) {
   thread_local std::vector<float> scratch;
   if (scratch.size() < n) scratch.resize(n);
@@ -416,9 +417,9 @@ void ServerOptimizer::EnterCompression(ServerShardState* s) const {
     s->m.clear();  // the server's momentum is now the synchronized one (0/1: the workers')
     s->m.shrink_to_fit();
   }
+  // zero-one-adam: e, assigned zeros above, was of gradients; from here on
+  // it is of the workers' summed updates, so it starts again (as DeepSpeed's).
   if (o_.kind == OptimizerKind::kZeroOneAdam) {
-    // (e was of gradients; from here on it is of the workers' summed
-    // updates, so it starts again from zero above, as DeepSpeed's does.)
     for (float v : s->v) s->floored += v < o_.v_floor ? 1 : 0;
   }
 }
@@ -739,10 +740,6 @@ absl::Status WorkerOptimizer::Apply(uint64_t step, float lr, bool last_warmup, c
   return absl::OkStatus();
 }
 
-}  // namespace onebit
-
-namespace onebit {
-
 // zero-one-adam's worker side of ServerOptimizer::ZeroOneStep, the same
 // arithmetic on the worker's own m, v and x.
 absl::Status WorkerOptimizer::ZeroOneApply(uint64_t step, float lr, const uint8_t* reply,
@@ -759,13 +756,8 @@ absl::Status WorkerOptimizer::ZeroOneApply(uint64_t step, float lr, const uint8_
   const Codec& codec = reply_codec(kind);
   if (absl::Status st = codec.Decode(reply, n, a); !st.ok()) return st;
   if (kind == StepKind::kFull) {
-    // The variance step the server took, on the worker's own moments.
-    for (size_t i = 0; i < n; ++i) {
-      if (!std::isfinite(a[i])) {
-        return absl::DataLossError(absl::StrCat("the mean gradient of step ", step,
-                                                " is not finite at parameter ", b + i));
-      }
-    }
+    // The variance step the server took, on the worker's own moments (the
+    // fp32 Decode above refused a non-finite mean gradient).
     ForEachWeightDecay(o_, b, n, [&](size_t p, size_t c, float wd) {
       const AdamCoefficients k =
           MakeAdamCoefficients(o_.beta1, o_.beta2, o_.eps, wd, lr, o_.bias_correction, step);

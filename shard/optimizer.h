@@ -200,10 +200,10 @@ struct ServerShardState {
   // --server-reply delta: the workers' replica of this shard, x0 + sum D(c_s),
   // kept to report how far replicas trail the master.
   std::vector<float> replica;
+  // zero-one-adam keeps m and v (m dropped, v frozen after the freeze),
+  // den = sqrt(max(v, v_floor)) + eps refreshed with v, and e from the
+  // start: its first phase compresses gradients too.
 };
-// zero-one-adam's server keeps m and v (v frozen after the freeze, m
-// dropped then), den = sqrt(max(v, v_floor)) + eps refreshed with v, and e
-// from the start: its first phase compresses gradients too.
 
 // The replica a worker trains, and its state.
 struct WorkerState {
@@ -242,6 +242,8 @@ absl::StatusOr<FreezeOptions> ParseAutoFreeze(absl::string_view text);
 class OptimizerCodecs {
  public:
   const OptimizerOptions& options() const { return o_; }
+  // fp32, whatever the job's codecs: what the hand-over sends m and v in.
+  const Codec& fp32_codec() const { return *fp32_; }
   // What step `step` sends when the state is in `phase`: kFull in the
   // warm-up and kCompressed after it, except for zero-one-adam, whose
   // variance steps are kFull, its other steps before the freeze kCompressed,

@@ -201,7 +201,7 @@ class DeviceReplica final : public Replica {
     if (hand_over) {
       // Checked and computed here, as WorkerOptimizer::Apply does, before
       // anything changes.
-      const Codec& fp32 = opt_->push_codec(Phase::kWarmup);
+      const Codec& fp32 = opt_->fp32_codec();
       const uint8_t* tail = reply + 4 * n;
       absl::Status st = fp32.CheckPayload(tail, n);
       if (st.ok()) st = fp32.CheckPayload(tail + 4 * n, n);

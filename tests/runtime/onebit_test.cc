@@ -100,6 +100,30 @@ control::TrainingConfig ComboConfig(const Combo& c) {
   return cfg;
 }
 
+// Every worker's replica, every master and every server error of the run in
+// `out` (--dump_params) equal the reference's, bit for bit.
+void ExpectEqualsReference(const std::string& out, const control::TrainingConfig& cfg,
+                           const ReferenceResult& ref) {
+  ASSERT_EQ(ref.workers.size(), cfg.workers());
+  for (uint32_t w = 0; w < cfg.workers(); ++w) {
+    EXPECT_EQ(
+        FirstDifference(ReadFloats(absl::StrCat(out, "/replica_w", w, ".f32")), ref.workers[w]), "")
+        << "worker " << w;
+  }
+  auto map = *ShardMap::Create(cfg.dim(), cfg.servers(), cfg.block_size());
+  for (uint32_t s = 0; s < cfg.servers(); ++s) {
+    const uint64_t begin = map.shard(s).begin;
+    EXPECT_EQ(FirstDifference(ReadFloats(absl::StrCat(out, "/master_s", s, ".f32")),
+                              ref.masters[s].x, begin),
+              "")
+        << "server " << s;
+    EXPECT_EQ(FirstDifference(ReadFloats(absl::StrCat(out, "/error_s", s, ".f32")),
+                              ref.masters[s].e, begin),
+              "")
+        << "server error " << s;
+  }
+}
+
 class MatrixTest : public ::testing::TestWithParam<Combo> {};
 
 // Worker 0 runs the GPU worker's code on the CPU twins of its kernels,
@@ -126,23 +150,11 @@ TEST_P(MatrixTest, EveryWorkerAndServerEqualsTheReference) {
   const std::string out = Launch(cfg, "matrix", kMixedDevices);
   const ReferenceResult ref = Reference(cfg);
   ASSERT_EQ(ref.workers.size(), 3u);
-  for (uint32_t w = 0; w < 3; ++w) {
-    EXPECT_EQ(
-        FirstDifference(ReadFloats(absl::StrCat(out, "/replica_w", w, ".f32")), ref.workers[w]), "")
-        << "worker " << w;
-  }
+  ExpectEqualsReference(out, cfg, ref);
   auto map = *ShardMap::Create(cfg.dim(), cfg.servers(), cfg.block_size());
   bool masters_equal_replicas = true;
   for (uint32_t s = 0; s < 2; ++s) {
     const uint64_t begin = map.shard(s).begin;
-    EXPECT_EQ(FirstDifference(ReadFloats(absl::StrCat(out, "/master_s", s, ".f32")),
-                              ref.masters[s].x, begin),
-              "")
-        << "server " << s;
-    EXPECT_EQ(FirstDifference(ReadFloats(absl::StrCat(out, "/error_s", s, ".f32")),
-                              ref.masters[s].e, begin),
-              "")
-        << "server error " << s;
     for (size_t i = 0; i < ref.masters[s].x.size(); ++i) {
       masters_equal_replicas &= ref.masters[s].x[i] == ref.workers[0][begin + i];
     }
@@ -205,25 +217,7 @@ TEST_P(ZeroOneTest, EveryWorkerAndServerEqualsTheReference) {
   cfg.set_local_step_clipper(4);
   cfg.set_heartbeat_timeout_ms(3000);
   const std::string out = Launch(cfg, "zero_one", "cpu,cpu,cpu");
-  const ReferenceResult ref = Reference(cfg);
-  ASSERT_EQ(ref.workers.size(), 3u);
-  for (uint32_t w = 0; w < 3; ++w) {
-    EXPECT_EQ(
-        FirstDifference(ReadFloats(absl::StrCat(out, "/replica_w", w, ".f32")), ref.workers[w]), "")
-        << "worker " << w;
-  }
-  auto map = *ShardMap::Create(cfg.dim(), cfg.servers(), cfg.block_size());
-  for (uint32_t s = 0; s < 2; ++s) {
-    const uint64_t begin = map.shard(s).begin;
-    EXPECT_EQ(FirstDifference(ReadFloats(absl::StrCat(out, "/master_s", s, ".f32")),
-                              ref.masters[s].x, begin),
-              "")
-        << "server " << s;
-    EXPECT_EQ(FirstDifference(ReadFloats(absl::StrCat(out, "/error_s", s, ".f32")),
-                              ref.masters[s].e, begin),
-              "")
-        << "server error " << s;
-  }
+  ExpectEqualsReference(out, cfg, Reference(cfg));
   const std::string summary = ReadFile(out + "/summary.json");
   EXPECT_EQ(Field(summary, "replicas_equal"), "true") << summary;
   EXPECT_EQ(Field(summary, "workers_agree"), "true") << summary;
@@ -271,18 +265,7 @@ TEST_P(Fp16WarmupTest, EqualsTheReferenceWithHalfTheWarmupBytes) {
   cfg.set_heartbeat_timeout_ms(3000);
   const std::string out = Launch(cfg, "fp16_warmup", "cpu,cpu,cpu");
   const ReferenceResult ref = Reference(cfg);
-  for (uint32_t w = 0; w < 3; ++w) {
-    EXPECT_EQ(
-        FirstDifference(ReadFloats(absl::StrCat(out, "/replica_w", w, ".f32")), ref.workers[w]), "")
-        << "worker " << w;
-  }
-  auto map = *ShardMap::Create(cfg.dim(), cfg.servers(), cfg.block_size());
-  for (uint32_t s = 0; s < 2; ++s) {
-    EXPECT_EQ(FirstDifference(ReadFloats(absl::StrCat(out, "/master_s", s, ".f32")),
-                              ref.masters[s].x, map.shard(s).begin),
-              "")
-        << "server " << s;
-  }
+  ExpectEqualsReference(out, cfg, ref);
   // The reference's payloads: 2 bytes a parameter each way in the warm-up
   // (the hand-over adds m and v in fp32).
   EXPECT_EQ(ref.push_bytes[0], 3u * 2 * 1000);
