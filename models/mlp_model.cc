@@ -316,7 +316,7 @@ absl::StatusOr<std::unique_ptr<MlpModel>> NewMlpModel(const MlpOptions& o) {
   return MlpModel::Create(o, *std::move(data));
 }
 
-absl::StatusOr<uint64_t> MlpParamCount(absl::string_view layers) {
+absl::StatusOr<std::vector<uint64_t>> MlpLayerEnds(absl::string_view layers) {
   std::vector<uint64_t> widths;
   for (absl::string_view part : absl::StrSplit(layers, '-')) {
     uint64_t w = 0;
@@ -329,9 +329,22 @@ absl::StatusOr<uint64_t> MlpParamCount(absl::string_view layers) {
   if (widths.size() < 2) {
     return absl::InvalidArgumentError(absl::StrCat("--layers: '", layers, "' needs 2+ widths"));
   }
+  // W0, b0, W1, b1, ...: the layout MlpModel keeps x in.
+  std::vector<uint64_t> ends;
   uint64_t d = 0;
-  for (size_t l = 0; l + 1 < widths.size(); ++l) d += widths[l] * widths[l + 1] + widths[l + 1];
-  return d;
+  for (size_t l = 0; l + 1 < widths.size(); ++l) {
+    d += widths[l] * widths[l + 1];
+    ends.push_back(d);
+    d += widths[l + 1];
+    ends.push_back(d);
+  }
+  return ends;
+}
+
+absl::StatusOr<uint64_t> MlpParamCount(absl::string_view layers) {
+  absl::StatusOr<std::vector<uint64_t>> ends = MlpLayerEnds(layers);
+  if (!ends.ok()) return ends.status();
+  return ends->back();
 }
 
 namespace {
@@ -389,6 +402,7 @@ extern const ModelEntry kMlpModel = {
     ValidateMlp,
     MlpEpochSteps,
     MakeMlp,
+    [](const control::TrainingConfig& c) { return MlpLayerEnds(c.layers()); },
 };
 
 }  // namespace onebit

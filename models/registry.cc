@@ -59,6 +59,15 @@ absl::Status CheckDeclared(const control::TrainingConfig& c, const ModelEntry* m
 
 absl::Span<const ModelEntry* const> RegisteredModels() { return kModels; }
 
+absl::StatusOr<std::vector<uint64_t>> ModelLayerEnds(const control::TrainingConfig& c) {
+  const ModelEntry* m = FindModel(c.model());
+  if (m == nullptr) return std::vector<uint64_t>{};
+  if (m->layer_ends != nullptr) return m->layer_ends(c);
+  absl::StatusOr<uint64_t> d = m->num_params(c);
+  if (!d.ok()) return d.status();
+  return std::vector<uint64_t>{*d};
+}
+
 const ModelEntry* FindModel(absl::string_view name) {
   for (const ModelEntry* m : kModels) {
     if (name == m->name) return m;

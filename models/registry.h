@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -56,6 +57,10 @@ struct ModelEntry {
   absl::StatusOr<uint64_t> (*epoch_steps)(const control::TrainingConfig& config);
   // Builds the model from a resolved, valid config.
   absl::StatusOr<std::unique_ptr<Model>> (*make)(const control::TrainingConfig& config);
+  // The ends of its tensors in x, in order, the last one d (the layers of
+  // layer-wise optimizers such as onebit-lamb). nullptr: one tensor, all of x.
+  absl::StatusOr<std::vector<uint64_t>> (*layer_ends)(const control::TrainingConfig& config) =
+      nullptr;
 };
 
 // Every built-in model, in --help order.
@@ -71,6 +76,11 @@ absl::Status UnknownModelError(absl::string_view name);
 // the model does not declare, then fills in the defaults of the ones not
 // given. Other models are left alone (ValidateModelConfig names them).
 absl::Status ResolveModelOptions(control::TrainingConfig* config);
+
+// The ends of the tensors of a registered config.model() (ModelEntry::
+// layer_ends; one tensor where it declares none); empty for other models
+// (an external model's workers declare theirs).
+absl::StatusOr<std::vector<uint64_t>> ModelLayerEnds(const control::TrainingConfig& config);
 
 // The model's part of ValidateConfig: a registered name (or external, which
 // takes no options), only declared options, and the entry's own checks.

@@ -80,6 +80,11 @@ extern const ModelEntry kSoftmaxModel = {
     ValidateSoftmax,
     SoftmaxEpochSteps,
     MakeSoftmax,
+    // W, then b, as the one-layer MlpModel it builds keeps them.
+    [](const control::TrainingConfig&) -> absl::StatusOr<std::vector<uint64_t>> {
+      const uint64_t w = uint64_t{kPixels} * ImageDataset::kNumClasses;
+      return std::vector<uint64_t>{w, w + ImageDataset::kNumClasses};
+    },
 };
 
 }  // namespace onebit

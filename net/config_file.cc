@@ -298,11 +298,14 @@ class Loader {
           ours.set_string_value("onebit-adam");
         } else if (t == "zerooneadam") {
           ours.set_string_value("zero-one-adam");
+        } else if (t == "onebitlamb") {
+          ours.set_string_value("onebit-lamb");
         } else if (t == "adam" || t == "adamw") {
           ours.set_string_value("adam");  // our weight decay is decoupled, as AdamW's
         } else {
-          return Bad(where, absl::StrCat("unknown optimizer type '", v.string_value(),
-                                         "' (want OneBitAdam, ZeroOneAdam, Adam or AdamW)"));
+          return Bad(where,
+                     absl::StrCat("unknown optimizer type '", v.string_value(),
+                                  "' (want OneBitAdam, ZeroOneAdam, OneBitLamb, Adam or AdamW)"));
         }
         if (absl::Status s = Set("optimizer", ours, where); !s.ok()) return s;
       } else if (key == "params") {
@@ -328,7 +331,9 @@ class Loader {
       double x = 0;
       if (key == "lr" || key == "eps" || key == "freeze_step" || key == "bias_correction" ||
           key == "var_freeze_step" || key == "var_update_scaler" || key == "local_step_scaler" ||
-          key == "local_step_clipper") {
+          key == "local_step_clipper" || key == "max_coeff" || key == "min_coeff" ||
+          key == "coeff_beta" || key == "factor_max" || key == "factor_min" ||
+          key == "factor_threshold") {
         s = Set(key.c_str(), v, where);
       } else if (key == "weight_decay") {
         s = Set(key.c_str(), v, where);
@@ -358,7 +363,9 @@ class Loader {
         return Bad(where, absl::StrCat("unknown key '", key,
                                        "' (want lr, betas, eps, weight_decay, freeze_step, "
                                        "bias_correction, var_freeze_step, var_update_scaler, "
-                                       "local_step_scaler, local_step_clipper)"));
+                                       "local_step_scaler, local_step_clipper, max_coeff, "
+                                       "min_coeff, coeff_beta, factor_max, factor_min, "
+                                       "factor_threshold)"));
       }
       if (!s.ok()) return s;
     }

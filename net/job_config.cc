@@ -143,8 +143,30 @@ absl::StatusOr<OptimizerOptions> OptimizerOptionsFromConfig(const control::Train
   o.zero_one.local_step_scaler = c.local_step_scaler();
   o.zero_one.local_step_clipper = c.local_step_clipper();
   o.zero_one.steps = c.steps();
+  o.lamb.max_coeff = c.max_coeff();
+  o.lamb.min_coeff = c.min_coeff();
+  o.lamb.coeff_beta = c.coeff_beta();
+  o.lamb.factor_max = c.factor_max();
+  o.lamb.factor_min = c.factor_min();
+  o.lamb.factor_threshold = c.factor_threshold();
   if (absl::Status st = ValidateOptimizerOptions(o); !st.ok()) return st;
   return o;
+}
+
+absl::StatusOr<ShardMap> ShardMapForConfig(const control::TrainingConfig& c,
+                                           const std::vector<uint64_t>& layer_ends) {
+  auto kind = ParseOptimizerKind(c.optimizer());
+  if (!kind.ok() || !IsLayerwise(*kind)) {
+    return ShardMap::Create(c.dim(), c.servers(), c.block_size());
+  }
+  if (layer_ends.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--optimizer ", c.optimizer(),
+        ": its trust ratios are per layer, and the model declares no layers (an external "
+        "model's workers declare their tensors: WorkerOptions::layer_ends, which the PyTorch "
+        "front fills in)"));
+  }
+  return ShardMap::CreateAligned(c.dim(), c.servers(), c.block_size(), layer_ends);
 }
 
 absl::StatusOr<FreezeOptions> FreezeOptionsFromConfig(const control::TrainingConfig& c) {
@@ -196,6 +218,11 @@ absl::Status ValidateConfig(const control::TrainingConfig& c) {
                  "checkpoints of zero-one-adam are not implemented yet (its workers' local "
                  "models and moments are not saved)");
     }
+  }
+  if (options->kind == OptimizerKind::kOnebitLamb && !c.checkpoint_dir().empty()) {
+    return bad("checkpoint_dir",
+               "checkpoints of onebit-lamb are not implemented yet (its layers' ratios and "
+               "second variance are not saved)");
   }
   if (c.chunk_elems() < c.block_size() || c.chunk_elems() % c.block_size() != 0 ||
       c.chunk_elems() > kMaxChunkElems) {

@@ -20,6 +20,7 @@
 #include "net/job_settings.h"
 #include "proto/control.pb.h"
 #include "shard/optimizer.h"
+#include "shard/shard_map.h"
 
 namespace onebit {
 
@@ -85,6 +86,13 @@ absl::Status ValidateConfig(const control::TrainingConfig& config);
 // kExternalModel (--model external) is in models/registry.h.
 // The largest d a job may have.
 inline constexpr uint64_t kMaxParams = uint64_t{1} << 34;
+
+// The job's shard map (shard/shard_map.h): S shards of blocks, or for a
+// layer-wise optimizer (onebit-lamb) shards of whole layers, from
+// layer_ends (ModelLayerEnds, or what an external model's workers
+// declared); an error names a model without layers.
+absl::StatusOr<ShardMap> ShardMapForConfig(const control::TrainingConfig& config,
+                                           const std::vector<uint64_t>& layer_ends);
 
 // The optimizer and freeze settings of a (validated) config.
 absl::StatusOr<OptimizerOptions> OptimizerOptionsFromConfig(const control::TrainingConfig& config);

@@ -58,8 +58,8 @@ constexpr JobSetting kSettings[] = {
     {"blas_threads", T::kUint32, "1", "model", "mlp: OpenBLAS threads per worker"},
 
     {"optimizer", T::kString, "sgd", "optimizer",
-     "sgd | adam | onebit-adam | naive-onebit-adam | ef-sgd | zero-one-adam (docs/design.md "
-     "§1.4, §1.6)"},
+     "sgd | adam | onebit-adam | naive-onebit-adam | ef-sgd | zero-one-adam | onebit-lamb "
+     "(docs/design.md §1.4, §1.6, §1.7)"},
     {"lr", T::kFloat, "0.01", "optimizer", "learning rate"},
     {"lr_schedule", T::kString, "constant", "optimizer",
      "learning rate schedule: constant | warmup:N | cosine"},
@@ -84,6 +84,17 @@ constexpr JobSetting kSettings[] = {
      "zero-one-adam: after the freeze the sync interval doubles every this many steps"},
     {"local_step_clipper", T::kUint32, "16", "optimizer",
      "zero-one-adam: the largest sync interval (H)"},
+    {"max_coeff", T::kFloat, "10", "optimizer",
+     "onebit-lamb: the warm-up's trust ratio ||x|| / ||u|| is clipped to [min_coeff, max_coeff]"},
+    {"min_coeff", T::kFloat, "0.01", "optimizer", "onebit-lamb: see --max_coeff"},
+    {"coeff_beta", T::kFloat, "0.9", "optimizer",
+     "onebit-lamb: the trust ratios' running average, frozen with v"},
+    {"factor_max", T::kFloat, "4", "optimizer",
+     "onebit-lamb: after the freeze a layer steps by its frozen ratio times a factor in "
+     "[factor_min, factor_max]"},
+    {"factor_min", T::kFloat, "0.5", "optimizer", "onebit-lamb: see --factor_max"},
+    {"factor_threshold", T::kFloat, "0.1", "optimizer",
+     "onebit-lamb: the most the factor may change in one step (a fraction)"},
 
     {"worker_codec", T::kString, "", "compression",
      "compression-phase push codec: fp32 | fp16 | onebit (default: onebit for the compressing "

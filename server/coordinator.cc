@@ -253,6 +253,7 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx,
   reply->set_credential(group[rank].credential);
   *reply->mutable_config() = config_;
   reply->set_shard_map(map_.Serialize());
+  for (uint64_t e : layers_) reply->add_layer_ends(e);
   for (const DecayRange& r : decay_) {
     control::WeightDecayRange* p = reply->add_weight_decay_ranges();
     p->set_begin(r.begin);
@@ -344,6 +345,20 @@ absl::Status CoordinatorService::CheckDeclaredDecayLocked(uint32_t rank,
                    ", but worker ", *decay_by_, " declared ", DecayRangesText(decay_)));
 }
 
+absl::Status CoordinatorService::CheckDeclaredLayersLocked(uint32_t rank,
+                                                           const control::RegisterRequest& req) {
+  const std::vector<uint64_t> mine(req.layer_ends().begin(), req.layer_ends().end());
+  if (*decay_by_ == rank) {
+    layers_ = mine;
+    return absl::OkStatus();
+  }
+  if (mine == layers_) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("worker ", rank, " declares ", mine.size(), " tensors ending at [",
+                   absl::StrJoin(mine, ", "), "], but worker ", *decay_by_, " declared ",
+                   layers_.size(), " ending at [", absl::StrJoin(layers_, ", "), "]"));
+}
+
 namespace {
 
 std::string SettingsText(const std::map<std::string, std::string>& settings) {
@@ -385,7 +400,16 @@ void CoordinatorService::FormLocked() {
     std::fprintf(stderr, "coordinator: the workers set %s (optimizer %s, lr %g)\n",
                  SettingsText(declared_).c_str(), config_.optimizer().c_str(), config_.lr());
   }
-  auto map = ShardMap::Create(config_.dim(), config_.servers(), config_.block_size());
+  // An external model's tensors are the ones its workers declared.
+  if (config_.model() != kExternalModel) {
+    absl::StatusOr<std::vector<uint64_t>> ends = ModelLayerEnds(config_);
+    if (!ends.ok()) {
+      FailLocked(absl::StrCat("the model's tensors: ", ends.status().message()));
+      return;
+    }
+    layers_ = *ends;
+  }
+  auto map = ShardMapForConfig(config_, layers_);
   if (!map.ok()) {
     FailLocked(absl::StrCat("cannot shard d = ", config_.dim(), ": ", map.status().message()));
     return;
@@ -435,6 +459,7 @@ absl::Status CoordinatorService::CheckDeclaredLocked(uint32_t rank,
                                                      const control::RegisterRequest& req) {
   absl::Status st = CheckDeclaredParamsLocked(rank, req.num_params());
   if (st.ok()) st = CheckDeclaredDecayLocked(rank, req);
+  if (st.ok()) st = CheckDeclaredLayersLocked(rank, req);
   if (st.ok()) st = CheckDeclaredSettingsLocked(rank, req);
   return st;
 }

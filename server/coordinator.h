@@ -111,6 +111,8 @@ class CoordinatorService final : public control::Coordinator::Service {
   absl::Status CheckDeclaredParamsLocked(uint32_t rank, uint64_t d)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The same for the weight-decay ranges.
+  absl::Status CheckDeclaredLayersLocked(uint32_t rank, const control::RegisterRequest& req)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckDeclaredDecayLocked(uint32_t rank, const control::RegisterRequest& req)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The same for the job settings the workers' program declares; the
@@ -207,6 +209,8 @@ class CoordinatorService final : public control::Coordinator::Service {
   std::optional<uint32_t> declared_by_ ABSL_GUARDED_BY(mu_);  // first worker to declare d
   std::optional<uint32_t> decay_by_ ABSL_GUARDED_BY(mu_);     // first worker to register
   std::vector<DecayRange> decay_ ABSL_GUARDED_BY(mu_);        // its ranges
+  // Its layer ends (once formed: the job's, also a built-in model's).
+  std::vector<uint64_t> layers_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> declared_ ABSL_GUARDED_BY(mu_);  // and its settings
   // A job without a fixed length: the steps every worker finished after.
   std::optional<uint64_t> end_step_ ABSL_GUARDED_BY(mu_);

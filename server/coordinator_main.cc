@@ -55,7 +55,7 @@ int Main(int argc, char** argv) {
     if (absl::Status st = MakeDirs(o.out); !st.ok()) ExitFlagError("out", st.message());
   }
   if (cfg.model() != kExternalModel) {
-    auto map = ShardMap::Create(cfg.dim(), cfg.servers(), cfg.block_size());
+    auto map = ShardMapForConfig(cfg, ModelLayerEnds(cfg).value_or(std::vector<uint64_t>{}));
     if (!map.ok()) ExitError(2, std::string(map.status().message()));
   }
   o.register_timeout = absl::GetFlag(FLAGS_register_timeout);

@@ -381,9 +381,25 @@ void PsServer::CompleteReady() {
     return;
   }
   waiting_since_.reset();
+  if (IsLayerwise(options_.optimizer.kind)) {
+    CompleteShard();
+    return;
+  }
   for (uint64_t i = 0; i < chunks_.size() && failure_.ok(); ++i) {
     if (chunks_[i].ready) Complete(chunks_[i], i);
   }
+}
+
+void PsServer::PrepareReply(Chunk& c, StepKind kind, bool last_warmup) {
+  const size_t bytes = optimizer_->ReplyBytes(kind, c.range.size(), last_warmup);
+  if (c.reply == nullptr || c.reply.use_count() > 1 || c.reply->size() != bytes) {
+    c.reply = std::make_shared<std::vector<uint8_t>>(bytes);
+  }
+  c.ready = false;
+}
+
+float PsServer::StepLr() const {
+  return step_lr_ ? *step_lr_ : LearningRate(options_.optimizer, state_.step);
 }
 
 void PsServer::Complete(Chunk& c, uint64_t index) {
@@ -391,19 +407,43 @@ void PsServer::Complete(Chunk& c, uint64_t index) {
   const uint64_t n = c.range.size();
   const bool last_warmup = LastWarmup().value_or(false);
   const StepKind kind = optimizer_->KindOf(state_.step, PhaseOf(state_));
-  const size_t bytes = optimizer_->ReplyBytes(kind, n, last_warmup);
-  if (c.reply == nullptr || c.reply.use_count() > 1 || c.reply->size() != bytes) {
-    c.reply = std::make_shared<std::vector<uint8_t>>(bytes);
-  }
-  c.ready = false;
-  const float lr = step_lr_ ? *step_lr_ : LearningRate(options_.optimizer, state_.step);
-  absl::Status st = optimizer_->Step(state_.step, lr, last_warmup, c.acc.data(),
+  PrepareReply(c, kind, last_warmup);
+  absl::Status st = optimizer_->Step(state_.step, StepLr(), last_warmup, c.acc.data(),
                                      c.range.begin - state_.begin, n, &state_, c.reply->data());
   if (!st.ok()) {
     failure_ = absl::InternalError(
         absl::StrCat("shard ", options_.shard, " chunk ", index, ": ", st.message()));
     return;
   }
+  SendReply(c, kind, last_warmup, pushed_ns);
+  if (++chunks_done_ < chunks_.size()) return;
+  EndStep();
+}
+
+void PsServer::CompleteShard() {
+  for (const Chunk& c : chunks_) {
+    if (!c.ready) return;
+  }
+  const uint64_t pushed_ns = MonotonicNs();
+  const bool last_warmup = LastWarmup().value_or(false);
+  const StepKind kind = optimizer_->KindOf(state_.step, PhaseOf(state_));
+  std::vector<ServerOptimizer::ChunkSpan> spans;
+  for (Chunk& c : chunks_) {
+    PrepareReply(c, kind, last_warmup);
+    spans.push_back({c.range.begin - state_.begin, c.range.size(), c.acc.data(), c.reply->data()});
+  }
+  absl::Status st = optimizer_->StepShard(state_.step, StepLr(), last_warmup, spans, &state_);
+  if (!st.ok()) {
+    failure_ = absl::InternalError(absl::StrCat("shard ", options_.shard, ": ", st.message()));
+    return;
+  }
+  for (Chunk& c : chunks_) SendReply(c, kind, last_warmup, pushed_ns);
+  chunks_done_ = chunks_.size();
+  EndStep();
+}
+
+void PsServer::SendReply(Chunk& c, StepKind kind, bool last_warmup, uint64_t pushed_ns) {
+  const uint64_t n = c.range.size();
   const SharedBytes shared = c.reply;
   data::Header h;
   h.set_version(kProtocolVersion);
@@ -425,8 +465,6 @@ void PsServer::Complete(Chunk& c, uint64_t index) {
     Send(WorkerIdentity(options_.job.job_id, r), h, &payload);
   }
   c.done = true;
-  if (++chunks_done_ < chunks_.size()) return;
-  EndStep();
 }
 
 // Every chunk of the shard is done: the step is over.

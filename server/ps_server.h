@@ -99,6 +99,12 @@ class PsServer {
                              zmq::message_t& payload);
   absl::Status DrainInOrder(Chunk& c, uint64_t chunk_index);
   void Complete(Chunk& c, uint64_t chunk_index);
+  // Layer-wise optimizers: once every chunk is ready, the whole shard's step.
+  void CompleteShard();
+  // Sizes c's reply buffer for this step.
+  void PrepareReply(Chunk& c, StepKind kind, bool last_warmup);
+  void SendReply(Chunk& c, StepKind kind, bool last_warmup, uint64_t pushed_ns);
+  float StepLr() const;
   // Whether the current step is the last warm-up step; nullopt while the
   // coordinator has not yet decided (--freeze auto).
   std::optional<bool> LastWarmup();

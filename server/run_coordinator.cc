@@ -67,7 +67,7 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
   auto security = ResolveSecurity(o.secret_file, o.insecure, "CoordinatorOptions.secret_file");
   if (!security.ok()) return security.status();
   if (cfg.model() != kExternalModel) {
-    auto map = ShardMap::Create(cfg.dim(), cfg.servers(), cfg.block_size());
+    auto map = ShardMapForConfig(cfg, ModelLayerEnds(cfg).value_or(std::vector<uint64_t>{}));
     if (!map.ok()) return map.status();
   }
   auto resume = FindResumePoint(cfg);

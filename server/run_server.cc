@@ -202,6 +202,7 @@ absl::Status ServeIncarnation(const ServerOptions& o, const control::RegisterRep
     return fail(st);
   }
   optimizer->weight_decay_ranges = DecayRangesOf(reg.weight_decay_ranges());
+  optimizer->layer_ends.assign(reg.layer_ends().begin(), reg.layer_ends().end());
   auto freeze = FreezeOptionsFromConfig(cfg);
   if (!freeze.ok()) return fail(freeze.status());
   PsServerOptions po;

@@ -44,6 +44,34 @@ void RefreshDenominators(const float* v, size_t n, float floor, float eps, float
   for (size_t i = 0; i < n; ++i) den[i] = FrozenDenominator(std::max(v[i], floor), eps);
 }
 
+// The layers of the shard [begin, begin + n) (layer_ends as in
+// OptimizerOptions), as shard-local [first, second) ranges; an error when a
+// layer crosses either end of the shard (its map is not aligned to them).
+absl::StatusOr<std::vector<std::pair<uint64_t, uint64_t>>> ShardLayers(
+    const std::vector<uint64_t>& ends, uint64_t begin, uint64_t n) {
+  std::vector<std::pair<uint64_t, uint64_t>> out;
+  if (n == 0) return out;
+  const uint64_t end = begin + n;
+  if (ends.empty() || ends.back() < end) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the model's layers end at ", ends.empty() ? 0 : ends.back(), ", before the shard [", begin,
+        ", ", end, ") does: a layer-wise optimizer needs every layer declared"));
+  }
+  uint64_t start = 0;
+  for (uint64_t e : ends) {
+    if (e > begin && start < end) {
+      if (start < begin || e > end) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("layer [", start, ", ", e, ") crosses the shard [", begin, ", ", end,
+                         "): a layer-wise optimizer needs a shard map aligned to the layers"));
+      }
+      out.emplace_back(start - begin, e - begin);
+    }
+    start = e;
+  }
+  return out;
+}
+
 absl::Status NotFinite(absl::string_view what, uint64_t step, uint64_t global_index, float value) {
   return absl::InternalError(absl::StrCat(what, " of step ", step, " is not finite at parameter ",
                                           global_index, " (", value,
@@ -67,9 +95,10 @@ absl::StatusOr<OptimizerKind> ParseOptimizerKind(absl::string_view name) {
   if (name == "naive-onebit-adam") return OptimizerKind::kNaiveOnebitAdam;
   if (name == "ef-sgd") return OptimizerKind::kEfSgd;
   if (name == "zero-one-adam") return OptimizerKind::kZeroOneAdam;
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown optimizer '", name,
-                   "' (want sgd, adam, onebit-adam, naive-onebit-adam, ef-sgd or zero-one-adam)"));
+  if (name == "onebit-lamb") return OptimizerKind::kOnebitLamb;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown optimizer '", name,
+      "' (want sgd, adam, onebit-adam, naive-onebit-adam, ef-sgd, zero-one-adam or onebit-lamb)"));
 }
 
 absl::string_view OptimizerKindName(OptimizerKind kind) {
@@ -86,6 +115,8 @@ absl::string_view OptimizerKindName(OptimizerKind kind) {
       return "ef-sgd";
     case OptimizerKind::kZeroOneAdam:
       return "zero-one-adam";
+    case OptimizerKind::kOnebitLamb:
+      return "onebit-lamb";
   }
   return "unknown";
 }
@@ -155,8 +186,11 @@ absl::StatusOr<FreezeOptions> ParseAutoFreeze(absl::string_view text) {
 
 bool HasCompressionPhase(OptimizerKind kind) {
   return kind == OptimizerKind::kOnebitAdam || kind == OptimizerKind::kNaiveOnebitAdam ||
-         kind == OptimizerKind::kEfSgd || kind == OptimizerKind::kZeroOneAdam;
+         kind == OptimizerKind::kEfSgd || kind == OptimizerKind::kZeroOneAdam ||
+         kind == OptimizerKind::kOnebitLamb;
 }
+
+bool IsLayerwise(OptimizerKind kind) { return kind == OptimizerKind::kOnebitLamb; }
 
 bool IsVarianceStep(const ZeroOneOptions& z, uint64_t step) {
   const uint64_t k = step + 1;
@@ -217,7 +251,9 @@ StateSize ServerShardSize(const OptimizerOptions& o, uint64_t n) {
   if (adam) arrays.insert(arrays.end(), {"m", "v"});
   // onebit-adam drops m when e_s arrives.
   if (HasCompressionPhase(o.kind) && o.kind != OptimizerKind::kOnebitAdam) arrays.push_back("e_s");
-  if (o.kind == OptimizerKind::kZeroOneAdam) arrays.push_back("den");
+  if (o.kind == OptimizerKind::kZeroOneAdam || o.kind == OptimizerKind::kOnebitLamb) {
+    arrays.push_back("den");
+  }
   if (o.reply == ReplyMode::kDelta) arrays.push_back("the replica");
   return SizeOf(arrays, n);
 }
@@ -227,7 +263,9 @@ absl::string_view DefaultCodec(OptimizerKind kind) {
 }
 
 ReplyMode DefaultReplyMode(OptimizerKind kind) {
-  return kind == OptimizerKind::kNaiveOnebitAdam ? ReplyMode::kDelta : ReplyMode::kMomentum;
+  return kind == OptimizerKind::kNaiveOnebitAdam || kind == OptimizerKind::kOnebitLamb
+             ? ReplyMode::kDelta
+             : ReplyMode::kMomentum;
 }
 
 std::string DecayRangesText(const std::vector<DecayRange>& ranges) {
@@ -309,6 +347,34 @@ absl::Status ValidateOptimizerOptions(const OptimizerOptions& o) {
       return Bad("bias_correction", "zero-one-adam has none (as DeepSpeed's ZeroOneAdam)");
     }
   }
+  for (size_t i = 0; i < o.layer_ends.size(); ++i) {
+    if (o.layer_ends[i] == 0 || (i > 0 && o.layer_ends[i] <= o.layer_ends[i - 1])) {
+      return Bad("layer_ends", absl::StrCat("must be strictly increasing and > 0; end ", i, " is ",
+                                            o.layer_ends[i]));
+    }
+  }
+  if (o.kind == OptimizerKind::kOnebitLamb) {
+    const LambOptions& l = o.lamb;
+    if (!(l.min_coeff > 0) || !(l.max_coeff >= l.min_coeff) || !std::isfinite(l.max_coeff)) {
+      return Bad("min_coeff", "want 0 < --min_coeff <= --max_coeff, both finite");
+    }
+    if (!(l.coeff_beta >= 0 && l.coeff_beta < 1)) return Bad("coeff_beta", "must lie in [0, 1)");
+    if (!(l.factor_min > 0) || !(l.factor_max >= l.factor_min) || !std::isfinite(l.factor_max)) {
+      return Bad("factor_min", "want 0 < --factor_min <= --factor_max, both finite");
+    }
+    if (!(l.factor_threshold >= 0) || !std::isfinite(l.factor_threshold)) {
+      return Bad("factor_threshold", "must be finite and >= 0");
+    }
+    if (o.reply != ReplyMode::kDelta) {
+      return Bad("server_reply",
+                 "onebit-lamb replies deltas: its layer-wise factors are computed where the "
+                 "whole layer's state is, on the server (momentum replies would need the frozen "
+                 "ratios and a second variance on every worker; not built)");
+    }
+    if (o.bias_correction) {
+      return Bad("bias_correction", "onebit-lamb has none (as DeepSpeed's OnebitLamb)");
+    }
+  }
   if (o.schedule == LrScheduleKind::kWarmup && o.schedule_steps < 1) {
     return Bad("lr_schedule", "warmup:N needs N >= 1");
   }
@@ -379,6 +445,9 @@ size_t OptimizerCodecs::ReplyBytes(StepKind kind, size_t n, bool last_warmup) co
   if (kind == StepKind::kLocal) return 0;
   size_t bytes = reply_codec(kind).EncodedSize(n);
   if (kind == StepKind::kFull && last_warmup && HandsOver()) bytes += 2 * fp32_->EncodedSize(n);
+  if (kind == StepKind::kFull && last_warmup && HandsOverMomentum()) {
+    bytes += fp32_->EncodedSize(n);
+  }
   return bytes;
 }
 
@@ -404,6 +473,15 @@ void ServerOptimizer::InitState(uint32_t shard, uint64_t begin, uint64_t size,
   if (o_.kind == OptimizerKind::kZeroOneAdam) {
     s->den.assign(size, 0.0f);
     s->e.assign(size, 0.0f);
+  }
+  if (o_.kind == OptimizerKind::kOnebitLamb) {
+    // A map not aligned to the layers leaves these empty; Step names the
+    // layer that crosses the shard's end.
+    auto layers = ShardLayers(o_.layer_ends, begin, size);
+    if (layers.ok()) {
+      s->lamb_coeff.assign(layers->size(), 0.0f);
+      s->lamb_factor.assign(layers->size(), 1.0f);
+    }
   }
   if (!HasWarmup(o_.kind)) EnterCompression(s);
 }
@@ -448,6 +526,13 @@ absl::Status ServerOptimizer::Step(uint64_t step, float lr, bool last_warmup, fl
                                    uint64_t off, size_t n, ServerShardState* s,
                                    uint8_t* reply) const {
   if (o_.kind == OptimizerKind::kZeroOneAdam) return ZeroOneStep(step, lr, acc, off, n, s, reply);
+  if (IsLayerwise(o_.kind)) {
+    if (off != 0 || n != s->x.size()) {
+      return absl::InternalError(absl::StrCat(OptimizerKindName(o_.kind),
+                                              " steps whole shards: StepShard takes the chunks"));
+    }
+    return LambStep(step, lr, last_warmup, {ChunkSpan{0, n, acc, reply}}, s);
+  }
   float* x = s->x.data() + off;
   if (!s->frozen) {
     // Warm-up: the reply is Δ itself. Update and encode piece by piece, so Δ
@@ -534,6 +619,159 @@ absl::Status ServerOptimizer::Step(uint64_t step, float lr, bool last_warmup, fl
   });
   for (size_t i = 0; i < n; ++i) {
     if (!std::isfinite(x[i])) return NotFinite("the update", step, s->begin + off + i, x[i]);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ServerOptimizer::StepShard(uint64_t step, float lr, bool last_warmup,
+                                        const std::vector<ChunkSpan>& chunks,
+                                        ServerShardState* s) const {
+  if (IsLayerwise(o_.kind)) return LambStep(step, lr, last_warmup, chunks, s);
+  for (const ChunkSpan& c : chunks) {
+    if (absl::Status st = Step(step, lr, last_warmup, c.acc, c.off, c.n, s, c.reply); !st.ok()) {
+      return st;
+    }
+  }
+  return absl::OkStatus();
+}
+
+// onebit-lamb's server (docs/design.md §1.7): the whole shard, whose layers
+// it holds whole. Warm-up: LAMB on the mean gradient, each layer scaled by
+// its trust ratio, the reply Δ. After the freeze: the mean of the workers'
+// momenta m, with the frozen den, the frozen ratio times a factor measured
+// from the v of the gradients that m implies; the reply C(Δ + e_s).
+absl::Status ServerOptimizer::LambStep(uint64_t step, float lr, bool last_warmup,
+                                       const std::vector<ChunkSpan>& chunks,
+                                       ServerShardState* s) const {
+  const size_t n = s->x.size();
+  uint64_t covered = 0;
+  for (const ChunkSpan& c : chunks) {
+    if (c.off != covered) break;
+    covered += c.n;
+  }
+  if (covered != n) {
+    return absl::InternalError(absl::StrCat(OptimizerKindName(o_.kind),
+                                            " steps whole shards: the chunks must cover [0, ", n,
+                                            ") in order; they cover [0, ", covered, ")"));
+  }
+  auto layers = ShardLayers(o_.layer_ends, s->begin, n);
+  if (!layers.ok()) return layers.status();
+  if (s->lamb_coeff.size() != layers->size() || s->lamb_factor.size() != layers->size()) {
+    return absl::InternalError(absl::StrCat("shard state holds ", s->lamb_coeff.size(),
+                                            " layers' ratios, the shard has ", layers->size()));
+  }
+  float* a = Scratch(n);
+  for (const ChunkSpan& c : chunks) std::copy(c.acc, c.acc + c.n, a + c.off);
+  float* x = s->x.data();
+  float* m = s->m.data();
+  float* v = s->v.data();
+  const LambOptions& l = o_.lamb;
+  const float b1 = o_.beta1, c1 = 1.0f - o_.beta1, b2 = o_.beta2, c2 = 1.0f - o_.beta2;
+  if (!s->frozen) {
+    // No bias correction, as DeepSpeed's OnebitLamb; a becomes m / (sqrt(v) + eps).
+    for (size_t i = 0; i < n; ++i) {
+      const float g = a[i];
+      m[i] = b1 * m[i] + c1 * g;
+      v[i] = b2 * v[i] + c2 * g * g;
+      a[i] = m[i] / (std::sqrt(v[i]) + o_.eps);
+    }
+  } else {
+    // a is the new m; the gradient it implies moves v, den stays frozen.
+    const float* den = s->den.data();
+    for (size_t i = 0; i < n; ++i) {
+      const float g = (a[i] - b1 * m[i]) / c1;
+      v[i] = b2 * v[i] + c2 * g * g;
+      m[i] = a[i];
+      a[i] = m[i] / den[i];
+    }
+  }
+  // The norms of each layer, summed in double in index order; u = a + wd x.
+  std::vector<double> p2(layers->size(), 0.0), u2(layers->size(), 0.0);
+  for (size_t j = 0; j < layers->size(); ++j) {
+    for (uint64_t i = (*layers)[j].first; i < (*layers)[j].second; ++i) {
+      p2[j] += static_cast<double>(a[i]) * a[i];
+    }
+  }
+  ForEachWeightDecay(o_, s->begin, n, [&](size_t p, size_t c, float wd) {
+    if (wd == 0.0f) return;
+    for (size_t i = p; i < p + c; ++i) a[i] = a[i] + wd * x[i];
+  });
+  for (size_t j = 0; j < layers->size(); ++j) {
+    const auto [lb, le] = (*layers)[j];
+    double x2 = 0;
+    for (uint64_t i = lb; i < le; ++i) {
+      u2[j] += static_cast<double>(a[i]) * a[i];
+      x2 += static_cast<double>(x[i]) * x[i];
+    }
+    float ratio = 1.0f;
+    if (!s->frozen) {
+      // The trust ratio, where both norms are non-zero (else 1, and the
+      // average skips the step, as DeepSpeed's).
+      if (x2 > 0 && u2[j] > 0) {
+        ratio = static_cast<float>(std::sqrt(x2) / std::sqrt(u2[j]));
+        ratio = std::min(std::max(ratio, l.min_coeff), l.max_coeff);
+        s->lamb_coeff[j] = l.coeff_beta * s->lamb_coeff[j] + (1.0f - l.coeff_beta) * ratio;
+      }
+    } else {
+      // How much further v would let the layer step: max den / den_now,
+      // weighted by the part of u that is not weight decay.
+      const float* den = s->den.data();
+      float factor = 0.0f;
+      for (uint64_t i = lb; i < le; ++i) {
+        factor = std::max(factor, den[i] / (std::sqrt(v[i]) + o_.eps));
+      }
+      const float w =
+          u2[j] > 0 ? static_cast<float>(std::min(1.0, std::sqrt(p2[j]) / std::sqrt(u2[j]))) : 1.0f;
+      factor = factor * w + (1.0f - w);
+      factor = std::min(std::max(factor, l.factor_min), l.factor_max);
+      const float last = s->lamb_factor[j];
+      factor = std::min(std::max(factor, last * (1.0f - l.factor_threshold)),
+                        last * (1.0f + l.factor_threshold));
+      s->lamb_factor[j] = factor;
+      ratio = s->lamb_coeff[j] * factor;
+    }
+    const float k = -lr * ratio;
+    for (uint64_t i = lb; i < le; ++i) a[i] = k * a[i];
+  }
+  // a is Δ.
+  if (!s->frozen) {
+    // The master takes the Δ the workers decode (fp16: rounded).
+    const Codec& codec = *warmup_codec_;
+    for (const ChunkSpan& c : chunks) {
+      absl::Status st = codec.Encode(a + c.off, c.n, c.reply);
+      if (!st.ok()) return Diverged("the update", step, s->begin + c.off, st);
+      if (st = codec.DecodeAdd(c.reply, c.n, 1.0f, x + c.off); !st.ok()) return st;
+    }
+    if (last_warmup) {
+      // The freeze: den from the floored v, which the reconstructed
+      // gradients move from here on; the workers' momentum starts at m.
+      s->den.resize(n);
+      for (size_t i = 0; i < n; ++i) {
+        if (v[i] < o_.v_floor) {
+          v[i] = o_.v_floor;
+          ++s->floored;
+        }
+        s->den[i] = FrozenDenominator(v[i], o_.eps);
+      }
+      for (const ChunkSpan& c : chunks) {
+        std::memcpy(c.reply + codec.EncodedSize(c.n), m + c.off, 4 * c.n);
+      }
+    }
+  } else {
+    // The exact update on the master; the replicas take C(Δ + e_s).
+    if (s->replica.size() != n) s->replica = s->x;
+    for (size_t i = 0; i < n; ++i) x[i] += a[i];
+    const Codec& codec = *server_codec_;
+    for (const ChunkSpan& c : chunks) {
+      absl::Status st = o_.server_error_feedback
+                            ? codec.EncodeWithFeedback(a + c.off, s->e.data() + c.off, c.n, c.reply)
+                            : codec.Encode(a + c.off, c.n, c.reply);
+      if (!st.ok()) return Diverged("the update", step, s->begin + c.off, st);
+      if (st = codec.DecodeAdd(c.reply, c.n, 1.0f, s->replica.data() + c.off); !st.ok()) return st;
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (!std::isfinite(x[i])) return NotFinite("the update", step, s->begin + i, x[i]);
   }
   return absl::OkStatus();
 }
@@ -709,6 +947,15 @@ absl::Status WorkerOptimizer::Apply(uint64_t step, float lr, bool last_warmup, c
   if (!s->frozen) {
     // x += Δ: the same fp32 addition the server applied to its master.
     const Codec& codec = *warmup_codec_;
+    if (last_warmup && HandsOverMomentum()) {
+      // Δ, then the momentum the worker's own starts from.
+      const uint8_t* tail = reply + codec.EncodedSize(n);
+      absl::Status st = codec.CheckPayload(reply, n);
+      if (st.ok()) st = fp32_->CheckPayload(tail, n);
+      if (st.ok()) st = codec.DecodeAdd(reply, n, 1.0f, x);
+      if (st.ok()) st = fp32_->Decode(tail, n, s->mbar.data() + b);
+      return st;
+    }
     if (!last_warmup || !HandsOver()) return codec.DecodeAdd(reply, n, 1.0f, x);
     // The hand-over: Δ, then m and v. Everything is checked before anything
     // changes, so a bad reply leaves the state as it was.

@@ -36,6 +36,7 @@ enum class OptimizerKind : uint8_t {
   kNaiveOnebitAdam,  // Adam warm-up, then Adam on the average of 1-bit gradients
   kEfSgd,            // 1-bit error-feedback momentum SGD from step 0
   kZeroOneAdam,      // 0/1 Adam: v refreshed at growing intervals, then local steps (§1.6)
+  kOnebitLamb,       // 1-bit LAMB: LAMB warm-up, then frozen v and ratios, 1-bit momentum (§1.7)
 };
 
 // What the server replies in the compression phase (docs/design.md §1.4).
@@ -85,6 +86,24 @@ struct ZeroOneOptions {
   uint64_t steps = 0;
 };
 
+// 1-bit LAMB's coefficients (docs/design.md §1.7), named and defaulted as
+// in DeepSpeed's OnebitLamb.
+struct LambOptions {
+  // The warm-up's trust ratio ||x|| / ||u|| of a layer is clipped to
+  // [min_coeff, max_coeff]...
+  float max_coeff = 10.0f;
+  float min_coeff = 0.01f;
+  // ...and averaged, c = coeff_beta c + (1 - coeff_beta) ratio; c is frozen
+  // with v.
+  float coeff_beta = 0.9f;
+  // After the freeze a layer steps by c times a factor in [factor_min,
+  // factor_max] (how far v has moved since the freeze), which changes by at
+  // most factor_threshold (a fraction) per step.
+  float factor_max = 4.0f;
+  float factor_min = 0.5f;
+  float factor_threshold = 0.1f;
+};
+
 struct OptimizerOptions {
   OptimizerKind kind = OptimizerKind::kSgd;
   float lr = 0.01f;
@@ -109,6 +128,11 @@ struct OptimizerOptions {
   // take, so replicas stay equal to it).
   std::string warmup_codec = "fp32";
   ZeroOneOptions zero_one;  // zero-one-adam only
+  LambOptions lamb;         // onebit-lamb only
+  // The model's layers (its tensors), as their ends in x: strictly
+  // increasing, the last one d. onebit-lamb's trust ratios are per layer,
+  // and its shard map is aligned to them (ShardMap::CreateAligned).
+  std::vector<uint64_t> layer_ends;
 };
 
 absl::StatusOr<OptimizerKind> ParseOptimizerKind(absl::string_view name);
@@ -128,8 +152,10 @@ bool IsVarianceStep(const ZeroOneOptions& z, uint64_t step);
 bool IsSyncStep(const ZeroOneOptions& z, uint64_t step);
 
 // Whether the optimizer ever leaves the warm-up, and whether it has one.
+// Layer-wise optimizers (onebit-lamb) step a whole shard at once.
 bool HasCompressionPhase(OptimizerKind kind);
 bool HasWarmup(OptimizerKind kind);
+bool IsLayerwise(OptimizerKind kind);
 // The codec an optimizer uses when the user names none.
 absl::string_view DefaultCodec(OptimizerKind kind);
 
@@ -203,6 +229,14 @@ struct ServerShardState {
   // zero-one-adam keeps m and v (m dropped, v frozen after the freeze),
   // den = sqrt(max(v, v_floor)) + eps refreshed with v, and e from the
   // start: its first phase compresses gradients too.
+  //
+  // onebit-lamb keeps m (the averaged momentum of the previous step) and v
+  // after the freeze too: v is then the second moment of the gradients
+  // reconstructed from m, den the frozen one. Per layer of the shard, in
+  // order: the averaged trust ratio (frozen at the freeze) and the last
+  // step's factor on it.
+  std::vector<float> lamb_coeff;
+  std::vector<float> lamb_factor;
 };
 
 // The replica a worker trains, and its state.
@@ -254,7 +288,8 @@ class OptimizerCodecs {
   const Codec& push_codec(StepKind kind) const;
   const Codec& reply_codec(StepKind kind) const;
   // Payload bytes of the reply of n elements; the last warm-up step's reply
-  // also carries m and v in fp32 for onebit-adam (the hand-over).
+  // also carries m and v in fp32 for onebit-adam (the hand-over), m for
+  // onebit-lamb (the workers' momentum from then on).
   size_t ReplyBytes(StepKind kind, size_t n, bool last_warmup) const;
   // The same for the optimizers whose kind follows the phase alone
   // (kWarmup: kFull, kCompress: kCompressed).
@@ -268,6 +303,7 @@ class OptimizerCodecs {
   explicit OptimizerCodecs(const OptimizerOptions& o) : o_(o) {}
   absl::Status Init();
   bool HandsOver() const { return o_.kind == OptimizerKind::kOnebitAdam; }
+  bool HandsOverMomentum() const { return o_.kind == OptimizerKind::kOnebitLamb; }
   static StepKind KindOfPhase(Phase phase) {
     return phase == Phase::kWarmup ? StepKind::kFull : StepKind::kCompressed;
   }
@@ -298,6 +334,21 @@ class ServerOptimizer : public OptimizerCodecs {
   absl::Status Step(uint64_t step, float lr, bool last_warmup, float* acc, uint64_t off, size_t n,
                     ServerShardState* s, uint8_t* reply) const;
 
+  // Layer-wise optimizers (IsLayerwise) need every chunk of a step before
+  // any is done: StepShard takes them all, in order, covering the shard, and
+  // writes each chunk's reply (as Step would for it alone). The result does
+  // not depend on how the shard is cut. Step is StepShard with one chunk for
+  // them, so then it needs the whole shard (off 0, n its size). Other
+  // optimizers step chunk by chunk.
+  struct ChunkSpan {
+    uint64_t off = 0;  // shard-local
+    size_t n = 0;
+    float* acc = nullptr;  // the mean of the decoded pushes (clobbered)
+    uint8_t* reply = nullptr;
+  };
+  absl::Status StepShard(uint64_t step, float lr, bool last_warmup,
+                         const std::vector<ChunkSpan>& chunks, ServerShardState* s) const;
+
   // Called once every chunk of the last warm-up step is done: the shard is in
   // the compression phase from the next step on.
   void EnterCompression(ServerShardState* s) const;
@@ -308,6 +359,8 @@ class ServerOptimizer : public OptimizerCodecs {
                         ServerShardState* s) const;
   absl::Status ZeroOneStep(uint64_t step, float lr, float* acc, uint64_t off, size_t n,
                            ServerShardState* s, uint8_t* reply) const;
+  absl::Status LambStep(uint64_t step, float lr, bool last_warmup,
+                        const std::vector<ChunkSpan>& chunks, ServerShardState* s) const;
 };
 
 class WorkerOptimizer : public OptimizerCodecs {

@@ -779,5 +779,230 @@ TEST(ZeroOneAdam, CombinationsThatMakeNoSenseAreRefusedNamingTheFlag) {
   EXPECT_FALSE((*w)->LocalStep(0, 0.01f, g.data(), 0, 32, &s).ok());
 }
 
+OptimizerOptions LambOptionsForTest() {
+  OptimizerOptions o = OnebitOptions(OptimizerKind::kOnebitLamb);
+  o.lr = 0.01f;
+  o.weight_decay = 0.1f;
+  o.v_floor = 1e-4f;
+  // Four tensors: W0 (40), b0 (4), W1 (52), b1 (4); no decay on the biases.
+  o.layer_ends = {40, 44, 96, 100};
+  o.weight_decay_ranges = {{40, 44, 0.0f}, {96, 100, 0.0f}};
+  o.lamb.factor_threshold = 0.05f;
+  return o;
+}
+
+// 1-bit LAMB written out by hand for 2 workers and the four tensors above
+// on two shards of whole tensors ([0, 44) and [44, 100), each cut into
+// 32-element blocks from its start), then the reference: three LAMB
+// warm-up steps (the last hands m over), then four compressed steps whose
+// factors move from 1 within the threshold.
+TEST(OnebitLamb, ReferenceMatchesHandComputationStepByStep) {
+  const OptimizerOptions o = LambOptionsForTest();
+  const size_t d = 100, N = 2, T = 7, freeze = 3;
+  const std::vector<std::pair<size_t, size_t>> layers = {{0, 40}, {40, 44}, {44, 96}, {96, 100}};
+  const std::vector<std::pair<size_t, size_t>> shards = {{0, 44}, {44, 100}};
+  const float b1 = o.beta1, c1 = 1.0f - o.beta1, b2 = o.beta2, c2 = 1.0f - o.beta2;
+  const float lr = o.lr, eps = o.eps;
+  const LambOptions& l = o.lamb;
+  auto wd_of = [&](size_t j) { return (j >= 40 && j < 44) || j >= 96 ? 0.0f : o.weight_decay; };
+  auto onebit = [&](const std::vector<float>& z) {  // per shard, 32-blocks from its start
+    std::vector<float> out(z.size());
+    for (const auto& [sb, se] : shards) {
+      for (size_t b = sb; b < se; b += 32) {
+        const size_t e = std::min(se, b + 32);
+        const std::vector<float> d1 = OneBit(std::vector<float>(z.begin() + b, z.begin() + e));
+        std::copy(d1.begin(), d1.end(), out.begin() + b);
+      }
+    }
+    return out;
+  };
+  std::vector<float> x0(d);
+  for (size_t j = 0; j < d; ++j) x0[j] = 0.1f * static_cast<float>(static_cast<int>(j % 13) - 6);
+
+  std::vector<float> x = x0, xw = x0, m(d, 0.0f), v(d, 0.0f), den(d), e_s(d, 0.0f);
+  std::vector<float> coeff(layers.size(), 0.0f), factor(layers.size(), 1.0f);
+  std::vector<std::vector<float>> mw(N), e_w(N, std::vector<float>(d, 0.0f));
+  std::vector<std::vector<float>> g(N, std::vector<float>(d));
+  uint64_t floored = 0;
+  bool clipped = false;
+  for (uint64_t t = 0; t < T; ++t) {
+    for (uint32_t r = 0; r < N; ++r) {
+      for (size_t j = 0; j < d; ++j) g[r][j] = TestGradient(xw.data(), r, t, j);
+    }
+    std::vector<float> a(d, 0.0f), u(d), p(d);
+    const bool warm = t < freeze;
+    if (warm) {
+      for (size_t j = 0; j < d; ++j) {
+        const float gb = 0.0f + 0.5f * g[0][j] + 0.5f * g[1][j];
+        m[j] = b1 * m[j] + c1 * gb;
+        v[j] = b2 * v[j] + c2 * gb * gb;
+        p[j] = m[j] / (std::sqrt(v[j]) + eps);
+      }
+    } else {
+      for (uint32_t r = 0; r < N; ++r) {
+        std::vector<float> y(d);
+        for (size_t j = 0; j < d; ++j) {
+          mw[r][j] = b1 * mw[r][j] + c1 * g[r][j];
+          y[j] = mw[r][j] + e_w[r][j];
+        }
+        const std::vector<float> c = onebit(y);
+        for (size_t j = 0; j < d; ++j) {
+          e_w[r][j] = y[j] - c[j];
+          a[j] += 0.5f * c[j];
+        }
+      }
+      for (size_t j = 0; j < d; ++j) {
+        const float gr = (a[j] - b1 * m[j]) / c1;
+        v[j] = b2 * v[j] + c2 * gr * gr;
+        m[j] = a[j];
+        p[j] = m[j] / den[j];
+      }
+    }
+    for (size_t j = 0; j < d; ++j) u[j] = wd_of(j) == 0.0f ? p[j] : p[j] + wd_of(j) * x[j];
+    std::vector<float> delta(d);
+    for (size_t li = 0; li < layers.size(); ++li) {
+      const auto [lb, le] = layers[li];
+      double x2 = 0, u2 = 0, p2 = 0;
+      for (size_t j = lb; j < le; ++j) {
+        x2 += static_cast<double>(x[j]) * x[j];
+        u2 += static_cast<double>(u[j]) * u[j];
+        p2 += static_cast<double>(p[j]) * p[j];
+      }
+      float ratio = 1.0f;
+      if (warm) {
+        ratio = static_cast<float>(std::sqrt(x2) / std::sqrt(u2));
+        ratio = std::min(std::max(ratio, l.min_coeff), l.max_coeff);
+        coeff[li] = l.coeff_beta * coeff[li] + (1.0f - l.coeff_beta) * ratio;
+      } else {
+        float f = 0.0f;
+        for (size_t j = lb; j < le; ++j) f = std::max(f, den[j] / (std::sqrt(v[j]) + eps));
+        const float w = static_cast<float>(std::min(1.0, std::sqrt(p2) / std::sqrt(u2)));
+        f = f * w + (1.0f - w);
+        f = std::min(std::max(f, l.factor_min), l.factor_max);
+        const float lo = factor[li] * (1.0f - l.factor_threshold);
+        const float hi = factor[li] * (1.0f + l.factor_threshold);
+        clipped |= f < lo || f > hi;
+        f = std::min(std::max(f, lo), hi);
+        factor[li] = f;
+        ratio = coeff[li] * f;
+      }
+      for (size_t j = lb; j < le; ++j) delta[j] = (-lr * ratio) * u[j];
+    }
+    if (warm) {
+      for (size_t j = 0; j < d; ++j) {
+        x[j] += delta[j];
+        xw[j] += delta[j];
+      }
+      if (t + 1 == freeze) {  // the hand-over: v floored and frozen in den, m to the workers
+        for (size_t j = 0; j < d; ++j) {
+          if (v[j] < o.v_floor) {
+            v[j] = o.v_floor;
+            ++floored;
+          }
+          den[j] = std::sqrt(v[j]) + eps;
+        }
+        for (uint32_t r = 0; r < N; ++r) mw[r] = m;
+      }
+    } else {
+      std::vector<float> z(d);
+      for (size_t j = 0; j < d; ++j) {
+        x[j] += delta[j];
+        z[j] = delta[j] + e_s[j];
+      }
+      const std::vector<float> cs = onebit(z);
+      for (size_t j = 0; j < d; ++j) {
+        e_s[j] = z[j] - cs[j];
+        xw[j] += cs[j];
+      }
+    }
+  }
+  ASSERT_TRUE(clipped) << "the test should make the threshold bite";
+
+  ReferenceOptions ro;
+  ro.workers = N;
+  ro.map = *ShardMap::CreateAligned(d, 2, 32, o.layer_ends);
+  ASSERT_EQ(ro.map.shard(0), (Range{0, 44}));
+  ASSERT_EQ(ro.map.shard(1), (Range{44, 100}));
+  ro.steps = T;
+  ro.optimizer = o;
+  ro.freeze.step = freeze;
+  auto r = RunReference(ro, x0, [&](const float* at, uint32_t rank, uint64_t t, float* out) {
+    for (size_t j = 0; j < d; ++j) out[j] = TestGradient(at, rank, t, j);
+    return 0.0;
+  });
+  ASSERT_TRUE(r.ok()) << r.status();
+  // The hand-over reply carries m after Δ: 8 bytes per element.
+  EXPECT_EQ(r->reply_bytes[freeze - 1], N * 8 * d);
+  EXPECT_EQ(r->reply_bytes[freeze], N * (4 * 4 + (44 + 7) / 8 + (56 + 7) / 8));
+  uint64_t server_floored = 0;
+  for (size_t k = 0; k < shards.size(); ++k) {
+    const ServerShardState& s = r->servers[k];
+    const size_t sb = shards[k].first;
+    server_floored += s.floored;
+    for (size_t j = sb; j < shards[k].second; ++j) {
+      ASSERT_EQ(s.x[j - sb], x[j]) << j;
+      ASSERT_EQ(s.replica[j - sb], xw[j]) << j;
+      ASSERT_EQ(s.e[j - sb], e_s[j]) << j;
+      ASSERT_EQ(s.m[j - sb], m[j]) << j;
+      ASSERT_EQ(s.v[j - sb], v[j]) << j;
+      ASSERT_EQ(s.den[j - sb], den[j]) << j;
+    }
+  }
+  EXPECT_EQ(server_floored, floored);
+  ASSERT_EQ(r->servers[0].lamb_coeff.size(), 2u);
+  ASSERT_EQ(r->servers[1].lamb_coeff.size(), 2u);
+  for (size_t li = 0; li < layers.size(); ++li) {
+    const ServerShardState& s = r->servers[li / 2];
+    EXPECT_EQ(s.lamb_coeff[li % 2], coeff[li]) << "layer " << li;
+    EXPECT_EQ(s.lamb_factor[li % 2], factor[li]) << "layer " << li;
+  }
+  for (uint32_t w = 0; w < N; ++w) {
+    for (size_t j = 0; j < d; ++j) {
+      ASSERT_EQ(r->workers[w].x[j], xw[j]) << "worker " << w << " " << j;
+      ASSERT_EQ(r->workers[w].mbar[j], mw[w][j]) << "worker " << w << " " << j;
+      ASSERT_EQ(r->workers[w].e[j], e_w[w][j]) << "worker " << w << " " << j;
+    }
+  }
+}
+
+TEST(OnebitLamb, AShardThatCutsALayerIsRefusedNamingIt) {
+  const OptimizerOptions o = LambOptionsForTest();
+  auto s = ServerOptimizer::Create(o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  ServerShardState st;
+  (*s)->InitState(0, 0, 50, &st);  // [0, 50) cuts W1 = [44, 96)
+  std::vector<float> acc(50, 0.1f);
+  std::vector<uint8_t> reply((*s)->ReplyBytes(StepKind::kFull, 50, false));
+  absl::Status bad = (*s)->Step(0, false, acc.data(), 0, 50, &st, reply.data());
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("layer [44, 96) crosses the shard [0, 50)"));
+  // Steps of part of a shard are refused: the ratios need the whole of it.
+  ServerShardState whole;
+  (*s)->InitState(0, 0, 44, &whole);
+  bad = (*s)->Step(0, false, acc.data(), 0, 32, &whole, reply.data());
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("steps whole shards"));
+}
+
+TEST(OnebitLamb, CombinationsThatMakeNoSenseAreRefusedNamingTheFlag) {
+  OptimizerOptions o = LambOptionsForTest();
+  EXPECT_TRUE(ValidateOptimizerOptions(o).ok());
+  o.reply = ReplyMode::kMomentum;
+  EXPECT_THAT(std::string(ValidateOptimizerOptions(o).message()), HasSubstr("--server_reply"));
+  o = LambOptionsForTest();
+  o.bias_correction = true;
+  EXPECT_THAT(std::string(ValidateOptimizerOptions(o).message()), HasSubstr("--bias_correction"));
+  o = LambOptionsForTest();
+  o.lamb.min_coeff = 2 * o.lamb.max_coeff;
+  EXPECT_THAT(std::string(ValidateOptimizerOptions(o).message()), HasSubstr("--min_coeff"));
+  o = LambOptionsForTest();
+  o.lamb.factor_min = 0;
+  EXPECT_THAT(std::string(ValidateOptimizerOptions(o).message()), HasSubstr("--factor_min"));
+  o = LambOptionsForTest();
+  o.lamb.coeff_beta = 1;
+  EXPECT_THAT(std::string(ValidateOptimizerOptions(o).message()), HasSubstr("--coeff_beta"));
+  o = LambOptionsForTest();
+  o.layer_ends = {40, 40, 100};
+  EXPECT_THAT(std::string(ValidateOptimizerOptions(o).message()), HasSubstr("--layer_ends"));
+}
+
 }  // namespace
 }  // namespace onebit

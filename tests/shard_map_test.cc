@@ -279,5 +279,105 @@ TEST(ShardMapTest, CreateRejectsZeroShardsAndZeroBlock) {
   EXPECT_FALSE(ShardMap::Create(0, 0, 0).ok());
 }
 
+// The smallest largest shard over every way to cut `sizes` into at most S
+// contiguous runs, by trying them all (small inputs only).
+uint64_t BestLargestShard(const std::vector<uint64_t>& sizes, size_t from, uint32_t S) {
+  if (from == sizes.size()) return 0;
+  if (S == 0) return UINT64_MAX;
+  uint64_t best = UINT64_MAX, run = 0;
+  for (size_t to = from; to < sizes.size(); ++to) {
+    run += sizes[to];
+    best = std::min(best, std::max(run, BestLargestShard(sizes, to + 1, S - 1)));
+  }
+  return best;
+}
+
+void CheckAligned(const ShardMap& m, const std::vector<uint64_t>& ends, uint32_t S) {
+  const uint64_t d = ends.back();
+  SCOPED_TRACE(m.Serialize());
+  ASSERT_TRUE(m.aligned());
+  uint64_t next = 0, largest = 0;
+  bool seen_empty = false;
+  for (uint32_t k = 0; k < S; ++k) {
+    const Range r = m.shard(k);
+    ASSERT_EQ(r.begin, next) << "shard " << k;
+    ASSERT_LE(r.begin, r.end);
+    // Both ends are layer ends (or 0): no layer is cut.
+    if (r.size() > 0) {
+      EXPECT_TRUE(r.begin == 0 || std::count(ends.begin(), ends.end(), r.begin) == 1) << k;
+      EXPECT_EQ(std::count(ends.begin(), ends.end(), r.end), 1) << k;
+      EXPECT_FALSE(seen_empty) << "a non-empty shard follows an empty one";
+    } else {
+      seen_empty = true;
+    }
+    largest = std::max(largest, r.size());
+    next = r.end;
+  }
+  EXPECT_EQ(next, d);
+  std::vector<uint64_t> sizes;
+  for (size_t i = 0; i < ends.size(); ++i) sizes.push_back(ends[i] - (i ? ends[i - 1] : 0));
+  if (sizes.size() <= 9) EXPECT_EQ(largest, BestLargestShard(sizes, 0, S));
+  for (uint64_t g = 0; g < d; g += 1 + d / 500) CheckLocate(m, g);
+  CheckLocate(m, d - 1);
+}
+
+TEST(ShardMapTest, AlignedMapsHoldWholeLayersAndAreAsEvenAsThatAllows) {
+  // The mlp 784-256-128-10 (W0 b0 W1 b1 W2 b2): W0 alone is most of it.
+  const std::vector<uint64_t> mlp = {200704, 200960, 233728, 233856, 235136, 235146};
+  auto two = ShardMap::CreateAligned(235146, 2, 2048, mlp);
+  ASSERT_TRUE(two.ok()) << two.status();
+  EXPECT_EQ(two->shard(0), (Range{0, 200704}));
+  EXPECT_EQ(two->shard(1), (Range{200704, 235146}));
+  CheckAligned(*two, mlp, 2);
+  auto four = ShardMap::CreateAligned(235146, 4, 2048, mlp);
+  ASSERT_TRUE(four.ok()) << four.status();
+  CheckAligned(*four, mlp, 4);
+  EXPECT_EQ(four->shard(3).size(), 0u);
+  // Ten layers of 10 on 3 shards: runs of at most 40.
+  std::vector<uint64_t> tens;
+  for (uint64_t e = 10; e <= 100; e += 10) tens.push_back(e);
+  auto three = ShardMap::CreateAligned(100, 3, 32, tens);
+  ASSERT_TRUE(three.ok()) << three.status();
+  EXPECT_EQ(three->shard(0), (Range{0, 40}));
+  EXPECT_EQ(three->shard(1), (Range{40, 80}));
+  EXPECT_EQ(three->shard(2), (Range{80, 100}));
+
+  std::mt19937_64 rng(7);
+  for (int trial = 0; trial < 300; ++trial) {
+    std::vector<uint64_t> ends;
+    uint64_t at = 0;
+    const int layers = 1 + static_cast<int>(rng() % 9);
+    for (int i = 0; i < layers; ++i) ends.push_back(at += 1 + rng() % (rng() % 2 ? 5 : 300));
+    const uint32_t S = 1 + static_cast<uint32_t>(rng() % 6);
+    auto m = ShardMap::CreateAligned(at, S, 32, ends);
+    ASSERT_TRUE(m.ok()) << m.status();
+    CheckAligned(*m, ends, S);
+  }
+}
+
+TEST(ShardMapTest, AlignedMapsSerializeTheirEndsAndRefuseBadLayers) {
+  auto m = ShardMap::CreateAligned(100, 3, 32, {10, 20, 30, 40, 50, 60, 70, 80, 90, 100});
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->Serialize(), "shardmap/2 params=100 shards=3 block=32 ends=40,80,100");
+  auto back = ShardMap::Deserialize(m->Serialize());
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, *m);
+  EXPECT_EQ(back->shard(1), (Range{40, 80}));
+  EXPECT_FALSE(*back == *ShardMap::Create(100, 3, 32));
+  for (const char* text : {"shardmap/2 params=100 shards=3 block=32 ends=40,80",
+                           "shardmap/2 params=100 shards=3 block=32 ends=80,40,100",
+                           "shardmap/2 params=100 shards=3 block=32 ends=40,80,99",
+                           "shardmap/2 params=100 shards=3 block=32 ends=40,x,100",
+                           "shardmap/2 params=100 shards=3 block=32 40,80,100"}) {
+    EXPECT_FALSE(ShardMap::Deserialize(text).ok()) << text;
+  }
+  auto short_layers = ShardMap::CreateAligned(100, 2, 32, {10, 90});
+  ASSERT_FALSE(short_layers.ok());
+  EXPECT_THAT(std::string(short_layers.status().message()), HasSubstr("must end at d = 100"));
+  auto unsorted = ShardMap::CreateAligned(100, 2, 32, {50, 50, 100});
+  ASSERT_FALSE(unsorted.ok());
+  EXPECT_THAT(std::string(unsorted.status().message()), HasSubstr("strictly increasing"));
+}
+
 }  // namespace
 }  // namespace onebit

@@ -28,13 +28,16 @@ int Main(int argc, char** argv) {
       "Runs the job in one process: the oracle a distributed run must equal bit for bit.");
   // d is resolved (net/job_config.h), so the memory is checked before the
   // model or anything else of d's size is built.
-  auto map = ShardMap::Create(cfg.dim(), cfg.servers(), cfg.block_size());
+  auto layers = ModelLayerEnds(cfg);
+  if (!layers.ok()) ExitError(2, std::string(layers.status().message()));
+  auto map = ShardMapForConfig(cfg, *layers);
   if (!map.ok()) ExitError(1, std::string(map.status().message()));
   ReferenceOptions o;
   o.workers = cfg.workers();
   o.map = *map;
   o.steps = cfg.steps();
   o.optimizer = *OptimizerOptionsFromConfig(cfg);  // validated by ConfigFromFlags
+  o.optimizer.layer_ends = *layers;
   o.freeze = *FreezeOptionsFromConfig(cfg);
   const StateSize size = ReferenceSize(o);
   if (absl::Status st = CheckMemory(

@@ -364,6 +364,7 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
     p->set_end(r.end);
     p->set_weight_decay(r.weight_decay);
   }
+  for (uint64_t e : o.layer_ends) req.add_layer_ends(e);
   req.mutable_settings()->insert(o.settings.begin(), o.settings.end());
   registration = req;
   auto reg = RegisterWithCoordinator(stub.get(), o.coordinator, req, o.register_timeout);
@@ -417,6 +418,7 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
     }
   }
   opt_options->weight_decay_ranges = DecayRangesOf(reg->weight_decay_ranges());
+  opt_options->layer_ends.assign(reg->layer_ends().begin(), reg->layer_ends().end());
   auto opt = WorkerOptimizer::Create(*opt_options);
   if (!opt.ok()) return Fail(opt.status());
   optimizer = std::move(*opt);

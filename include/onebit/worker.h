@@ -70,6 +70,12 @@ struct WorkerOptions {
   // Ranges of x with their own weight decay: sorted, disjoint, within d.
   // Every worker must declare the same, else the job fails naming both.
   std::vector<WeightDecayRange> weight_decay;
+  // The ends of your model's tensors in x, in order, the last one d (for
+  // W0 of 784 x 256 then b0 of 256: {200704, 200960, ...}). onebit-lamb's
+  // trust ratios are per tensor, and a --model external job using it
+  // needs them; other optimizers ignore them. Every worker must declare
+  // the same, else the job fails naming both.
+  std::vector<uint64_t> layer_ends;
   // Job settings your program chooses, name -> value as onebit-coordinator's
   // flags take them (e.g. {"optimizer", "onebit-adam"}, {"beta2", "0.99"}):
   // optimizer and compression settings only. They apply where the job left

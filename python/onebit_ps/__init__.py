@@ -30,7 +30,7 @@ import torch.utils.dlpack
 
 from ._onebit import OnebitError, RolledBack, Stopped, Worker
 
-__all__ = ["init", "DistributedOptimizer", "OneBitAdam", "ZeroOneAdam", "finish", "OnebitError", "JobStopped",
+__all__ = ["init", "DistributedOptimizer", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "finish", "OnebitError", "JobStopped",
            "RolledBack", "rank", "world_size"]
 
 RolledBack.__doc__ = (
@@ -127,7 +127,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         total = sum(p.numel() for g in groups for p in g["params"])
         if total == 0:
             raise OnebitError("DistributedOptimizer: no parameters that require grad")
-        ranges, offset = [], 0
+        ranges, ends, offset = [], [], 0
         for g in groups:
             for p in g["params"]:
                 if p.dtype != torch.float32 or p.is_sparse:
@@ -136,6 +136,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if "weight_decay" in g:
                     ranges.append((offset, offset + p.numel(), float(g["weight_decay"])))
                 offset += p.numel()
+                ends.append(offset)  # every tensor is a layer of onebit-lamb
         ranges = _merge(ranges)
         if lr is not None:
             settings["lr"] = lr
@@ -146,7 +147,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                       ranges, {k: _text(v) for k, v in settings.items()
                                                if v is not None},
                                       secret_file=_settings["secret_file"],
-                                      insecure=_settings["insecure"])
+                                      insecure=_settings["insecure"], layer_ends=ends)
         job = self._worker.job
         self.job = job
         for g in groups:
@@ -335,6 +336,26 @@ class ZeroOneAdam(DistributedOptimizer):
                          local_step_scaler=local_step_scaler,
                          local_step_clipper=local_step_clipper, eps=eps,
                          weight_decay=weight_decay, **settings)
+
+
+class OneBitLamb(DistributedOptimizer):
+    """1-bit LAMB over the servers (Li et al., 2021; DeepSpeed's OnebitLamb):
+    DistributedOptimizer with optimizer="onebit-lamb". LAMB's trust ratio per
+    tensor (each parameter is a layer) for freeze_step steps, then the
+    ratios and v are frozen and workers send 1-bit momenta; the servers
+    adjust each layer's frozen ratio by how far v has moved (the design doc,
+    section 1.7). The servers hold whole tensors and reply deltas.
+    Hyper-parameters left as None are the job's. CPU workers only so far."""
+
+    def __init__(self, params, lr=None, freeze_step=None, betas=None, eps=None,
+                 weight_decay=None, max_coeff=None, min_coeff=None, coeff_beta=None,
+                 factor_max=None, factor_min=None, factor_threshold=None, overlap=True,
+                 **settings):
+        super().__init__(params, lr=lr, overlap=overlap, betas=betas, optimizer="onebit-lamb",
+                         freeze_step=freeze_step, eps=eps, weight_decay=weight_decay,
+                         max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,
+                         factor_max=factor_max, factor_min=factor_min,
+                         factor_threshold=factor_threshold, **settings)
 
 
 def _text(value):

@@ -87,7 +87,7 @@ std::unique_ptr<onebit::Worker> Connect(
     const std::string& coordinator, int rank, uint64_t num_params, const std::string& device,
     const std::string& advertise_host, const std::vector<std::tuple<uint64_t, uint64_t, float>>& wd,
     const std::map<std::string, std::string>& settings, double register_timeout_s,
-    const std::string& secret_file, bool insecure) {
+    const std::string& secret_file, bool insecure, const std::vector<uint64_t>& layer_ends) {
   onebit::WorkerOptions o;
   if (coordinator.empty()) {
     auto env = onebit::WorkerOptionsFromEnvironment(num_params);
@@ -104,6 +104,7 @@ std::unique_ptr<onebit::Worker> Connect(
   if (!advertise_host.empty()) o.advertise_host = advertise_host;
   o.register_timeout = absl::Seconds(register_timeout_s);
   for (const auto& [b, e, v] : wd) o.weight_decay.push_back({b, e, v});
+  o.layer_ends = layer_ends;
   o.settings = settings;
   // Preemption (SIGTERM) stops the job after a checkpoint. Python keeps its
   // own SIGINT handler (KeyboardInterrupt).
@@ -134,10 +135,10 @@ PYBIND11_MODULE(_onebit, m) {
                   py::arg("weight_decay") = std::vector<std::tuple<uint64_t, uint64_t, float>>{},
                   py::arg("settings") = std::map<std::string, std::string>{},
                   py::arg("register_timeout_s") = 60.0, py::arg("secret_file") = "",
-                  py::arg("insecure") = false,
+                  py::arg("insecure") = false, py::arg("layer_ends") = std::vector<uint64_t>{},
                   "Registers with the coordinator ('' : from the environment) and waits for "
                   "the job. secret_file: the job secret ('': $ONEBIT_SECRET_FILE); insecure: "
-                  "none.")
+                  "none; layer_ends: where each tensor ends in x.")
       .def_property_readonly("rank", &onebit::Worker::rank)
       .def_property_readonly("num_params", &onebit::Worker::num_params)
       .def_property_readonly("device", &onebit::Worker::device)

@@ -179,6 +179,22 @@ def test_zero_one_adam_from_the_constructor_skips_rounds_and_keeps_replicas_equa
     assert w0 == (tmp_path / "run" / "replica_w1.f32").read_bytes()
 
 
+def test_onebit_lamb_from_the_constructor_shards_whole_tensors(tmp_path):
+    # torch_worker's model: W0 (20 x 32 = 640), b0 (32), W1 (32 x 4 = 128),
+    # b1 (4); on 2 servers W0 alone, then the rest.
+    r, s = launch(tmp_path, 2, 2, ["--dump_params"],
+                  "12 --ctor 'OneBitLamb(model, lr=0.01, freeze_step=4, weight_decay=0.01)'")
+    assert r.returncode == 0, r.stderr
+    assert s["optimizer"] == "onebit-lamb" and s["server_reply"] == "delta"
+    assert s["compress_steps"] == 8
+    assert s["workers_agree"] is True
+    assert s["final_loss"] is not None and s["final_loss"] < 1.5
+    run = tmp_path / "run"
+    assert len((run / "master_s0.f32").read_bytes()) == 4 * 640
+    assert len((run / "master_s1.f32").read_bytes()) == 4 * (32 + 128 + 4)
+    assert (run / "replica_w0.f32").read_bytes() == (run / "replica_w1.f32").read_bytes()
+
+
 def test_a_constructor_setting_that_contradicts_the_job_fails_it_naming_both(tmp_path):
     r, s = launch(tmp_path, 2, 1, ["--optimizer=adam", "--lr=0.01"],
                   "12 --ctor 'DistributedOptimizer(model, lr=0.001)'")

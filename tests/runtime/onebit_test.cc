@@ -4,6 +4,7 @@
 // the delta reply, the bytes of the compression phase, the automatic freeze,
 // and the config checks.
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
@@ -110,7 +111,7 @@ void ExpectEqualsReference(const std::string& out, const control::TrainingConfig
         FirstDifference(ReadFloats(absl::StrCat(out, "/replica_w", w, ".f32")), ref.workers[w]), "")
         << "worker " << w;
   }
-  auto map = *ShardMap::Create(cfg.dim(), cfg.servers(), cfg.block_size());
+  auto map = *ShardMapForConfig(cfg, *ModelLayerEnds(cfg));
   for (uint32_t s = 0; s < cfg.servers(); ++s) {
     const uint64_t begin = map.shard(s).begin;
     EXPECT_EQ(FirstDifference(ReadFloats(absl::StrCat(out, "/master_s", s, ".f32")),
@@ -151,7 +152,7 @@ TEST_P(MatrixTest, EveryWorkerAndServerEqualsTheReference) {
   const ReferenceResult ref = Reference(cfg);
   ASSERT_EQ(ref.workers.size(), 3u);
   ExpectEqualsReference(out, cfg, ref);
-  auto map = *ShardMap::Create(cfg.dim(), cfg.servers(), cfg.block_size());
+  auto map = *ShardMapForConfig(cfg, *ModelLayerEnds(cfg));
   bool masters_equal_replicas = true;
   for (uint32_t s = 0; s < 2; ++s) {
     const uint64_t begin = map.shard(s).begin;
@@ -252,6 +253,127 @@ INSTANTIATE_TEST_SUITE_P(
                           info.param.error_feedback);
     });
 
+// onebit-lamb on the mlp (tensors W0 b0 W1 b1) through a real 3 x S
+// cluster: shards of whole tensors (W0 alone is cut into 13 chunks, which
+// the server steps together), and every replica, master and server error
+// equal to onebit-reference's, bit for bit.
+struct LambCombo {
+  std::string worker_codec, server_codec, error_feedback, extra;
+  uint32_t servers = 2;
+};
+void PrintTo(const LambCombo& c, std::ostream* os) {
+  *os << "onebit-lamb " << c.worker_codec << "/" << c.server_codec << " ef=" << c.error_feedback
+      << " " << c.extra << " S=" << c.servers;
+}
+
+class LambTest : public ::testing::TestWithParam<LambCombo> {};
+
+TEST_P(LambTest, EveryWorkerAndServerEqualsTheReference) {
+  const LambCombo& c = GetParam();
+  std::vector<std::string> job = {"--workers=3",
+                                  "--model=mlp",
+                                  "--layers=784-16-10",
+                                  "--optimizer=onebit-lamb",
+                                  "--lr=5e-3",
+                                  "--weight_decay=0.01",
+                                  "--batch=16",
+                                  "--max_train=480",
+                                  "--max_test=200",
+                                  "--steps=8",
+                                  "--block_size=256",
+                                  "--chunk_elems=1024",
+                                  "--factor_threshold=0.05",
+                                  absl::StrCat("--servers=", c.servers),
+                                  "--worker_codec=" + c.worker_codec,
+                                  "--server_codec=" + c.server_codec,
+                                  "--error_feedback=" + c.error_feedback};
+  if (c.extra.empty() || c.extra.rfind("--freeze=", 0) != 0) job.push_back("--freeze_step=3");
+  if (!c.extra.empty()) job.push_back(c.extra);
+  const std::string dir = TempDir("lamb");
+  std::vector<std::string> argv = {Bin("onebit-launch"), "--out=" + dir, "--dump_params",
+                                   "--heartbeat_timeout=3s"};
+  argv.insert(argv.end(), job.begin(), job.end());
+  RunResult r = RunCommand(argv, absl::Seconds(120));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string ref = TempDir("lamb-reference");
+  std::vector<std::string> rargv = {Bin("onebit-reference"), "--out=" + ref};
+  rargv.insert(rargv.end(), job.begin(), job.end());
+  RunResult rr = RunCommand(rargv, absl::Seconds(120));
+  ASSERT_EQ(rr.code, 0) << rr.output;
+  std::vector<std::string> files = {"/replica_w0.f32", "/replica_w1.f32", "/replica_w2.f32"};
+  for (uint32_t s = 0; s < c.servers; ++s) {
+    files.push_back(absl::StrCat("/master_s", s, ".f32"));
+    files.push_back(absl::StrCat("/error_s", s, ".f32"));
+  }
+  for (const std::string& f : files) {
+    const std::vector<float> a = ReadFloats(ref + f), b = ReadFloats(dir + f);
+    EXPECT_EQ(a.size(), b.size()) << f;
+    EXPECT_EQ(FirstDifference(a, b), "") << f;
+  }
+  // The shards hold whole tensors: W0 (784·16) alone, then the rest.
+  EXPECT_EQ(ReadFloats(dir + "/master_s0.f32").size(), 12544u);
+  EXPECT_EQ(ReadFloats(dir + "/master_s1.f32").size(), 186u);
+  if (c.servers > 2) EXPECT_EQ(ReadFloats(dir + "/master_s2.f32").size(), 0u);
+  const std::string summary = ReadFile(dir + "/summary.json");
+  EXPECT_EQ(Field(summary, "workers_agree"), "true") << summary;
+  EXPECT_EQ(Field(summary, "server_reply"), "\"delta\"") << summary;
+  // The automatic freeze fires too (v of the mlp settles within 8 steps at
+  // tau 0.5), at a check: a multiple of its window after the first.
+  const std::string freeze = Field(summary, "freeze_step");
+  if (c.extra == "--freeze=auto:0.5:2") {
+    EXPECT_TRUE(freeze == "4" || freeze == "6") << summary;
+  } else {
+    EXPECT_EQ(freeze, "3") << summary;
+  }
+  if (c.error_feedback == "both" || c.error_feedback == "server") {
+    // Delta replies: the replicas trail the masters by the server error.
+    EXPECT_EQ(Field(summary, "replicas_equal"), "false") << summary;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Combinations, LambTest,
+    ::testing::Values(
+        LambCombo{"onebit", "onebit", "both", ""}, LambCombo{"onebit", "onebit", "worker", ""},
+        LambCombo{"onebit", "onebit", "server", ""}, LambCombo{"onebit", "onebit", "none", ""},
+        LambCombo{"fp16", "fp16", "both", ""}, LambCombo{"fp32", "onebit", "both", ""},
+        LambCombo{"onebit", "onebit", "both", "--warmup_codec=fp16"},
+        LambCombo{"onebit", "onebit", "both", "--freeze=auto:0.5:2"},
+        LambCombo{"onebit", "onebit", "both", "", 3}),
+    [](const ::testing::TestParamInfo<LambCombo>& info) {
+      std::string extra = info.param.extra.empty() ? "" : "_" + info.param.extra.substr(2);
+      for (char& ch : extra) ch = std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
+      return absl::StrCat(info.param.worker_codec, "_", info.param.server_codec, "_ef_",
+                          info.param.error_feedback, extra, "_s", info.param.servers);
+    });
+
+// onebit-lamb needs layers, and cannot shard a job whose model declares
+// none; it refuses momentum replies and checkpoints, naming the flag.
+TEST(Lamb, RefusalsNameTheProblem) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--server_reply=momentum"}, "--server_reply: onebit-lamb replies deltas"},
+      {{"--checkpoint_dir=" + TempDir("lamb-ckpt")},
+       "--checkpoint_dir: checkpoints of onebit-lamb"},
+      {{"--bias_correction"}, "--bias_correction: onebit-lamb has none"},
+      {{"--factor_min=5"}, "--factor_min"},
+  };
+  for (const auto& [flags, want] : cases) {
+    std::vector<std::string> argv = {Bin("onebit-launch"),
+                                     "--out=" + TempDir("lamb-refused"),
+                                     "--workers=1",
+                                     "--servers=1",
+                                     "--model=mlp",
+                                     "--layers=784-16-10",
+                                     "--optimizer=onebit-lamb",
+                                     "--steps=2",
+                                     "--max_train=64"};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    RunResult r = RunCommand(argv, absl::Seconds(60));
+    EXPECT_NE(r.code, 0) << flags[0];
+    EXPECT_THAT(r.output, HasSubstr(want)) << flags[0];
+  }
+}
+
 // --warmup_codec fp16: every replica and master equal the reference, and the
 // warm-up sends half of fp32's payload.
 class Fp16WarmupTest : public ::testing::TestWithParam<std::string> {};
@@ -314,7 +436,7 @@ TEST(DeltaReply, WorkerPlusServerErrorEqualsMaster) {
   cfg.set_freeze_step(4);
   cfg.set_lr(0.02f);
   const std::string out = Launch(cfg, "delta");
-  auto map = *ShardMap::Create(cfg.dim(), cfg.servers(), cfg.block_size());
+  auto map = *ShardMapForConfig(cfg, *ModelLayerEnds(cfg));
   double largest = 0;
   for (uint32_t s = 0; s < 2; ++s) {
     const std::vector<float> master = ReadFloats(absl::StrCat(out, "/master_s", s, ".f32"));

@@ -194,7 +194,7 @@ ReferenceResult Reference(const control::TrainingConfig& cfg) {
   ReferenceResult out;
   auto model = NewModel(cfg);
   EXPECT_TRUE(model.ok()) << model.status();
-  auto map = ShardMap::Create(cfg.dim(), cfg.servers(), cfg.block_size());
+  auto map = ShardMapForConfig(cfg, ModelLayerEnds(cfg).value_or(std::vector<uint64_t>{}));
   EXPECT_TRUE(map.ok()) << map.status();
   ReferenceOptions o;
   o.workers = cfg.workers();
@@ -203,6 +203,7 @@ ReferenceResult Reference(const control::TrainingConfig& cfg) {
   auto optimizer = OptimizerOptionsFromConfig(cfg);
   EXPECT_TRUE(optimizer.ok()) << optimizer.status();
   o.optimizer = *optimizer;
+  o.optimizer.layer_ends = ModelLayerEnds(cfg).value_or(std::vector<uint64_t>{});
   auto freeze = FreezeOptionsFromConfig(cfg);
   EXPECT_TRUE(freeze.ok()) << freeze.status();
   o.freeze = *freeze;
