@@ -105,6 +105,42 @@ TEST(DeepSpeedConfig, AdamTypesAndBiasCorrectionMap) {
   }
 }
 
+// DeepSpeed's OnebitLamb section as its tutorial gives it (bias_correction
+// false: ours has none), on the mlp.
+TEST(DeepSpeedConfig, OneBitLambMapsItsParams) {
+  const std::string json = R"({"optimizer": {"type": "OneBitLamb", "params": {
+      "lr": 0.011, "weight_decay": 0.01, "bias_correction": false, "max_coeff": 0.3,
+      "min_coeff": 0.02, "freeze_step": 40, "cuda_aware": false, "comm_backend_name": "nccl",
+      "coeff_beta": 0.8, "factor_max": 3.0, "factor_min": 0.6, "factor_threshold": 0.2}},
+    "onebit": {"model": "mlp", "steps": 100}})";
+  auto c = ConfigFromFlags({"--config=" + WriteConfig("lamb", json)});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->optimizer(), "onebit-lamb");
+  EXPECT_EQ(c->lr(), 0.011f);
+  EXPECT_EQ(c->freeze_step(), 40u);
+  EXPECT_EQ(c->max_coeff(), 0.3f);
+  EXPECT_EQ(c->min_coeff(), 0.02f);
+  EXPECT_EQ(c->coeff_beta(), 0.8f);
+  EXPECT_EQ(c->factor_max(), 3.0f);
+  EXPECT_EQ(c->factor_min(), 0.6f);
+  EXPECT_EQ(c->factor_threshold(), 0.2f);
+  EXPECT_EQ(c->server_reply(), "delta");  // resolved for onebit-lamb
+  auto options = OptimizerOptionsFromConfig(*c);
+  ASSERT_TRUE(options.ok()) << options.status();
+  EXPECT_EQ(options->lamb.factor_threshold, 0.2f);
+  // The mlp's tensors, W0 b0 W1 b1 W2 b2, and the shard map cut at them.
+  auto ends = ModelLayerEnds(*c);
+  ASSERT_TRUE(ends.ok()) << ends.status();
+  EXPECT_EQ(*ends, (std::vector<uint64_t>{200704, 200960, 233728, 233856, 235136, 235146}));
+  c->set_servers(2);
+  auto map = ShardMapForConfig(*c, *ends);
+  ASSERT_TRUE(map.ok()) << map.status();
+  EXPECT_EQ(map->shard(0).end, 200704u);
+  auto none = ShardMapForConfig(*c, {});
+  ASSERT_FALSE(none.ok());
+  EXPECT_THAT(std::string(none.status().message()), HasSubstr("the model declares no layers"));
+}
+
 TEST(DeepSpeedConfig, WhatContradictsTheJobIsRefusedNamingTheKey) {
   struct Case {
     std::string json;
