@@ -14,6 +14,8 @@
 //   --wd_rank R      ... except on rank R, which declares no range
 //   --set NAME=VALUE a job setting this program chooses (repeatable)
 //   --set_rank R     ... on every rank but R, which declares none
+//   --layers E1,E2,..  the tensors' ends (WorkerOptions::layer_ends)
+//   --layers_rank R  ... except on rank R, which declares one tensor fewer
 // Writes its final x to $ONEBIT_DUMP_X when set. Exits 1 with the error.
 #include <cmath>
 #include <cstdio>
@@ -46,7 +48,8 @@ int main(int argc, char** argv) {
   uint64_t d = 1000, steps = 6;
   int bad_d_rank = -1, lr_rank = -1, release = 0;
   std::string init = "rank", wd;
-  int wd_rank = -1, set_rank = -1;
+  int wd_rank = -1, set_rank = -1, layers_rank = -1;
+  std::string layers;
   std::vector<std::string> settings;
   double lr = -1, lr_value = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -76,6 +79,10 @@ int main(int argc, char** argv) {
       settings.push_back(v);
     else if (k == "--set_rank")
       set_rank = std::atoi(v);
+    else if (k == "--layers")
+      layers = v;
+    else if (k == "--layers_rank")
+      layers_rank = std::atoi(v);
     else {
       std::fprintf(stderr, "api_worker: unknown argument %s\n", k.c_str());
       return 2;
@@ -92,6 +99,14 @@ int main(int argc, char** argv) {
     range.end = std::strtoull(end + 1, &end, 10);
     range.weight_decay = std::strtof(end + 1, nullptr);
     options->weight_decay.push_back(range);
+  }
+  for (const char* at = layers.c_str(); *at != '\0';) {
+    char* end = nullptr;
+    options->layer_ends.push_back(std::strtoull(at, &end, 10));
+    at = *end == ',' ? end + 1 : end;
+  }
+  if (my_rank == layers_rank && !options->layer_ends.empty()) {
+    options->layer_ends.erase(options->layer_ends.begin());
   }
   for (const std::string& kv : settings) {
     if (my_rank == set_rank) break;

@@ -164,6 +164,28 @@ TEST(WorkerApi, WorkersDeclaringOtherWeightDecayRangesAreRefused) {
   EXPECT_THAT(j.run.output, ::testing::ContainsRegex("worker 2 declare|but worker 2 declared"));
 }
 
+// onebit-lamb with the program's own tensors: the shards hold whole ones
+// (on 2 servers: [0, 600), then [600, 1000)); without them the job cannot
+// be sharded and says why; workers declaring other tensors are refused.
+TEST(WorkerApi, OnebitLambTakesTheTensorsTheWorkersDeclare) {
+  const std::vector<std::string> lamb = {"--optimizer=onebit-lamb", "--freeze_step=3", "--lr=0.01",
+                                         "--block_size=32", "--chunk_elems=64"};
+  Job j = RunApiJob("lamb_layers", 2, 2, lamb, "--steps 6 --layers 100,600,700,1000");
+  ASSERT_EQ(j.run.code, 0) << j.run.output;
+  ASSERT_EQ(j.masters.size(), 2u);
+  EXPECT_EQ(j.masters[0].size(), 600u);
+  EXPECT_EQ(j.masters[1].size(), 400u);
+  EXPECT_EQ(FirstDifference(j.replicas[0], j.replicas[1]), "");
+  Job none = RunApiJob("lamb_no_layers", 2, 2, lamb, "--steps 6");
+  EXPECT_NE(none.run.code, 0);
+  EXPECT_THAT(none.run.output, HasSubstr("its trust ratios are per layer, and the model "
+                                         "declares no layers"));
+  Job other = RunApiJob("lamb_other_layers", 2, 2, lamb,
+                        "--steps 6 --layers 100,600,700,1000 --layers_rank 1");
+  EXPECT_NE(other.run.code, 0);
+  EXPECT_THAT(other.run.output, ::testing::ContainsRegex("worker [01] declares [34] tensors"));
+}
+
 // The program's own settings: onebit-adam with a fixed freeze where the job
 // names no optimizer, bitwise the job that names them on the command line.
 TEST(WorkerApi, SettingsTheProgramDeclaresRunTheJobTheyName) {
