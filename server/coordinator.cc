@@ -253,7 +253,7 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx,
   reply->set_credential(group[rank].credential);
   *reply->mutable_config() = config_;
   reply->set_shard_map(map_.Serialize());
-  for (uint64_t e : layers_) reply->add_layer_ends(e);
+  for (uint64_t e : job_layers_) reply->add_layer_ends(e);
   for (const DecayRange& r : decay_) {
     control::WeightDecayRange* p = reply->add_weight_decay_ranges();
     p->set_begin(r.begin);
@@ -401,15 +401,16 @@ void CoordinatorService::FormLocked() {
                  SettingsText(declared_).c_str(), config_.optimizer().c_str(), config_.lr());
   }
   // An external model's tensors are the ones its workers declared.
+  job_layers_ = layers_;
   if (config_.model() != kExternalModel) {
     absl::StatusOr<std::vector<uint64_t>> ends = ModelLayerEnds(config_);
     if (!ends.ok()) {
       FailLocked(absl::StrCat("the model's tensors: ", ends.status().message()));
       return;
     }
-    layers_ = *ends;
+    job_layers_ = *ends;
   }
-  auto map = ShardMapForConfig(config_, layers_);
+  auto map = ShardMapForConfig(config_, job_layers_);
   if (!map.ok()) {
     FailLocked(absl::StrCat("cannot shard d = ", config_.dim(), ": ", map.status().message()));
     return;

@@ -209,8 +209,9 @@ class CoordinatorService final : public control::Coordinator::Service {
   std::optional<uint32_t> declared_by_ ABSL_GUARDED_BY(mu_);  // first worker to declare d
   std::optional<uint32_t> decay_by_ ABSL_GUARDED_BY(mu_);     // first worker to register
   std::vector<DecayRange> decay_ ABSL_GUARDED_BY(mu_);        // its ranges
-  // Its layer ends (once formed: the job's, also a built-in model's).
-  std::vector<uint64_t> layers_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> layers_ ABSL_GUARDED_BY(mu_);         // its tensors' ends
+  // The job's tensors once formed: the built-in model's, or layers_.
+  std::vector<uint64_t> job_layers_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> declared_ ABSL_GUARDED_BY(mu_);  // and its settings
   // A job without a fixed length: the steps every worker finished after.
   std::optional<uint64_t> end_step_ ABSL_GUARDED_BY(mu_);

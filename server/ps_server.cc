@@ -391,7 +391,7 @@ void PsServer::CompleteReady() {
 }
 
 void PsServer::PrepareReply(Chunk& c, StepKind kind, bool last_warmup) {
-  const size_t bytes = optimizer_->ReplyBytes(kind, c.range.size(), last_warmup);
+  const size_t bytes = optimizer_->ReplyBytes(kind, c.range.begin, c.range.size(), last_warmup);
   if (c.reply == nullptr || c.reply.use_count() > 1 || c.reply->size() != bytes) {
     c.reply = std::make_shared<std::vector<uint8_t>>(bytes);
   }

@@ -72,6 +72,27 @@ absl::StatusOr<std::vector<std::pair<uint64_t, uint64_t>>> ShardLayers(
   return out;
 }
 
+// The pieces of the layers that overlap the elements [b, b + n), as
+// [first, second) offsets from b, in order (a layer may start before b or
+// end after b + n).
+std::vector<std::pair<uint64_t, uint64_t>> LayerPieces(const std::vector<uint64_t>& ends,
+                                                       uint64_t b, uint64_t n) {
+  std::vector<std::pair<uint64_t, uint64_t>> out;
+  uint64_t start = 0;
+  for (uint64_t e : ends) {
+    if (e > b && start < b + n) out.emplace_back(std::max(start, b) - b, std::min(e, b + n) - b);
+    start = e;
+  }
+  return out;
+}
+
+// onebit-lamb's update of one element, -lr * ratio * (m / den + wd x) with
+// k = -lr * ratio: the server and the workers evaluate it alike.
+inline float LambDelta(float m, float den, float wd, float x, float k) {
+  const float p = m / den;
+  return k * (wd == 0.0f ? p : p + wd * x);
+}
+
 absl::Status NotFinite(absl::string_view what, uint64_t step, uint64_t global_index, float value) {
   return absl::InternalError(absl::StrCat(what, " of step ", step, " is not finite at parameter ",
                                           global_index, " (", value,
@@ -263,9 +284,7 @@ absl::string_view DefaultCodec(OptimizerKind kind) {
 }
 
 ReplyMode DefaultReplyMode(OptimizerKind kind) {
-  return kind == OptimizerKind::kNaiveOnebitAdam || kind == OptimizerKind::kOnebitLamb
-             ? ReplyMode::kDelta
-             : ReplyMode::kMomentum;
+  return kind == OptimizerKind::kNaiveOnebitAdam ? ReplyMode::kDelta : ReplyMode::kMomentum;
 }
 
 std::string DecayRangesText(const std::vector<DecayRange>& ranges) {
@@ -365,12 +384,6 @@ absl::Status ValidateOptimizerOptions(const OptimizerOptions& o) {
     if (!(l.factor_threshold >= 0) || !std::isfinite(l.factor_threshold)) {
       return Bad("factor_threshold", "must be finite and >= 0");
     }
-    if (o.reply != ReplyMode::kDelta) {
-      return Bad("server_reply",
-                 "onebit-lamb replies deltas: its layer-wise factors are computed where the "
-                 "whole layer's state is, on the server (momentum replies would need the frozen "
-                 "ratios and a second variance on every worker; not built)");
-    }
     if (o.bias_correction) {
       return Bad("bias_correction", "onebit-lamb has none (as DeepSpeed's OnebitLamb)");
     }
@@ -439,6 +452,14 @@ const Codec& OptimizerCodecs::push_codec(StepKind kind) const {
 
 const Codec& OptimizerCodecs::reply_codec(StepKind kind) const {
   return kind == StepKind::kFull ? *warmup_codec_ : *server_codec_;
+}
+
+size_t OptimizerCodecs::ReplyBytes(StepKind kind, uint64_t b, size_t n, bool last_warmup) const {
+  size_t bytes = ReplyBytes(kind, n, last_warmup);
+  if (kind == StepKind::kCompressed && RepliesRatios() && n > 0) {
+    bytes += 4 * LayerPieces(o_.layer_ends, b, n).size();
+  }
+  return bytes;
 }
 
 size_t OptimizerCodecs::ReplyBytes(StepKind kind, size_t n, bool last_warmup) const {
@@ -638,8 +659,10 @@ absl::Status ServerOptimizer::StepShard(uint64_t step, float lr, bool last_warmu
 // onebit-lamb's server (docs/design.md §1.7): the whole shard, whose layers
 // it holds whole. Warm-up: LAMB on the mean gradient, each layer scaled by
 // its trust ratio, the reply Δ. After the freeze: the mean of the workers'
-// momenta m, with the frozen den, the frozen ratio times a factor measured
-// from the v of the gradients that m implies; the reply C(Δ + e_s).
+// momenta (momentum replies: through the server codec) is m; each layer
+// steps with the frozen den and its frozen ratio times a factor measured
+// from the v of the gradients that m implies. The reply is C(a + e_s) and
+// the layers' ratios, or C(Δ + e_s).
 absl::Status ServerOptimizer::LambStep(uint64_t step, float lr, bool last_warmup,
                                        const std::vector<ChunkSpan>& chunks,
                                        ServerShardState* s) const {
@@ -662,6 +685,19 @@ absl::Status ServerOptimizer::LambStep(uint64_t step, float lr, bool last_warmup
   }
   float* a = Scratch(n);
   for (const ChunkSpan& c : chunks) std::copy(c.acc, c.acc + c.n, a + c.off);
+  const bool momentum_reply = s->frozen && RepliesRatios();
+  if (momentum_reply) {
+    // c_s = C(a + e_s), and everyone's momentum is D(c_s).
+    const Codec& codec = *server_codec_;
+    for (const ChunkSpan& c : chunks) {
+      absl::Status st = o_.server_error_feedback
+                            ? codec.EncodeWithFeedback(a + c.off, s->e.data() + c.off, c.n, c.reply)
+                            : codec.Encode(a + c.off, c.n, c.reply);
+      if (!st.ok()) return Diverged("the averaged momentum", step, s->begin + c.off, st);
+      if (st = codec.Decode(c.reply, c.n, a + c.off); !st.ok()) return st;
+    }
+  }
+  std::vector<float> ratios(layers->size(), 1.0f);
   float* x = s->x.data();
   float* m = s->m.data();
   float* v = s->v.data();
@@ -730,6 +766,7 @@ absl::Status ServerOptimizer::LambStep(uint64_t step, float lr, bool last_warmup
       s->lamb_factor[j] = factor;
       ratio = s->lamb_coeff[j] * factor;
     }
+    ratios[j] = ratio;
     const float k = -lr * ratio;
     for (uint64_t i = lb; i < le; ++i) a[i] = k * a[i];
   }
@@ -755,6 +792,20 @@ absl::Status ServerOptimizer::LambStep(uint64_t step, float lr, bool last_warmup
       }
       for (const ChunkSpan& c : chunks) {
         std::memcpy(c.reply + codec.EncodedSize(c.n), m + c.off, 4 * c.n);
+        if (HandsOver())
+          std::memcpy(c.reply + codec.EncodedSize(c.n) + 4 * c.n, v + c.off, 4 * c.n);
+      }
+    }
+  } else if (momentum_reply) {
+    // The master steps as the workers will, from the same m and ratios.
+    for (size_t i = 0; i < n; ++i) x[i] += a[i];
+    for (const ChunkSpan& c : chunks) {
+      uint8_t* tail = c.reply + server_codec_->EncodedSize(c.n);
+      size_t at = 0;
+      for (size_t j = 0; j < layers->size(); ++j) {
+        if ((*layers)[j].second > c.off && (*layers)[j].first < c.off + c.n) {
+          std::memcpy(tail + 4 * at++, &ratios[j], 4);
+        }
       }
     }
   } else {
@@ -978,6 +1029,33 @@ absl::Status WorkerOptimizer::Apply(uint64_t step, float lr, bool last_warmup, c
     return codec.DecodeAdd(reply, n, 1.0f, x);
   }
   float* mbar = s->mbar.data() + b;
+  if (RepliesRatios()) {
+    // onebit-lamb: m̄ = D(c_s), then every layer's piece of [b, b + n) steps
+    // by the ratio the server sent for it (ServerOptimizer::StepShard).
+    const auto pieces = LayerPieces(o_.layer_ends, b, n);
+    std::vector<float> ratios(pieces.size());
+    std::memcpy(ratios.data(), reply + codec.EncodedSize(n), 4 * ratios.size());
+    for (size_t j = 0; j < ratios.size(); ++j) {
+      if (!std::isfinite(ratios[j])) {
+        return absl::DataLossError(absl::StrCat("reply of step ", step,
+                                                ": the ratio of the layer at ", b + pieces[j].first,
+                                                " is not finite"));
+      }
+    }
+    if (absl::Status st = codec.Decode(reply, n, mbar); !st.ok()) return st;
+    const float* den = s->den.data() + b;
+    for (size_t j = 0; j < pieces.size(); ++j) {
+      const float k = -lr * ratios[j];
+      const uint64_t first = pieces[j].first;
+      ForEachWeightDecay(o_, b + first, pieces[j].second - first,
+                         [&](size_t p, size_t c, float wd) {
+                           for (size_t i = first + p; i < first + p + c; ++i) {
+                             x[i] += LambDelta(mbar[i], den[i], wd, x[i], k);
+                           }
+                         });
+    }
+    return absl::OkStatus();
+  }
   absl::Status st = codec.Decode(reply, n, mbar);
   if (!st.ok()) return st;
   const float* den = o_.kind == OptimizerKind::kOnebitAdam ? s->den.data() + b : nullptr;

@@ -288,9 +288,13 @@ class OptimizerCodecs {
   const Codec& push_codec(StepKind kind) const;
   const Codec& reply_codec(StepKind kind) const;
   // Payload bytes of the reply of n elements; the last warm-up step's reply
-  // also carries m and v in fp32 for onebit-adam (the hand-over), m for
-  // onebit-lamb (the workers' momentum from then on).
+  // also carries m and v in fp32 for onebit-adam (the hand-over), and for
+  // onebit-lamb m and v (momentum replies) or m alone (delta replies).
   size_t ReplyBytes(StepKind kind, size_t n, bool last_warmup) const;
+  // The same for the chunk of global elements [b, b + n): onebit-lamb's
+  // momentum replies after the freeze also carry, in fp32, the step's
+  // ratio (c f) of each layer the chunk overlaps, in order.
+  size_t ReplyBytes(StepKind kind, uint64_t b, size_t n, bool last_warmup) const;
   // The same for the optimizers whose kind follows the phase alone
   // (kWarmup: kFull, kCompress: kCompressed).
   const Codec& push_codec(Phase phase) const { return push_codec(KindOfPhase(phase)); }
@@ -302,8 +306,18 @@ class OptimizerCodecs {
  protected:
   explicit OptimizerCodecs(const OptimizerOptions& o) : o_(o) {}
   absl::Status Init();
-  bool HandsOver() const { return o_.kind == OptimizerKind::kOnebitAdam; }
-  bool HandsOverMomentum() const { return o_.kind == OptimizerKind::kOnebitLamb; }
+  // m and v at the hand-over; m alone (onebit-lamb's delta replies).
+  bool HandsOver() const {
+    return o_.kind == OptimizerKind::kOnebitAdam ||
+           (o_.kind == OptimizerKind::kOnebitLamb && o_.reply == ReplyMode::kMomentum);
+  }
+  bool HandsOverMomentum() const {
+    return o_.kind == OptimizerKind::kOnebitLamb && o_.reply == ReplyMode::kDelta;
+  }
+  // onebit-lamb's momentum replies after the freeze carry layer ratios.
+  bool RepliesRatios() const {
+    return o_.kind == OptimizerKind::kOnebitLamb && o_.reply == ReplyMode::kMomentum;
+  }
   static StepKind KindOfPhase(Phase phase) {
     return phase == Phase::kWarmup ? StepKind::kFull : StepKind::kCompressed;
   }

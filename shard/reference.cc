@@ -101,7 +101,7 @@ absl::StatusOr<ReferenceResult> RunReference(const ReferenceOptions& o,
         if (!st.ok()) return st;
         up += push.size();
       }
-      reply.resize((*server)->ReplyBytes(kind, n, last_warmup));
+      reply.resize((*server)->ReplyBytes(kind, r.begin, n, last_warmup));
       absl::Status st =
           (*server)->Step(t, last_warmup, acc.data(), 0, n, &out.servers[k], reply.data());
       if (!st.ok()) return st;

@@ -795,9 +795,13 @@ OptimizerOptions LambOptionsForTest() {
 // on two shards of whole tensors ([0, 44) and [44, 100), each cut into
 // 32-element blocks from its start), then the reference: three LAMB
 // warm-up steps (the last hands m over), then four compressed steps whose
-// factors move from 1 within the threshold.
-TEST(OnebitLamb, ReferenceMatchesHandComputationStepByStep) {
-  const OptimizerOptions o = LambOptionsForTest();
+// factors move from 1 within the threshold. Momentum replies: the server
+// replies C(a + e_s) and the layers' ratios, and every replica steps as the
+// master; delta replies: C(Δ + e_s), replicas trail.
+void CheckLambByHand(ReplyMode mode) {
+  OptimizerOptions o = LambOptionsForTest();
+  o.reply = mode;
+  const bool momentum = mode == ReplyMode::kMomentum;
   const size_t d = 100, N = 2, T = 7, freeze = 3;
   const std::vector<std::pair<size_t, size_t>> layers = {{0, 40}, {40, 44}, {44, 96}, {96, 100}};
   const std::vector<std::pair<size_t, size_t>> shards = {{0, 44}, {44, 100}};
@@ -851,6 +855,16 @@ TEST(OnebitLamb, ReferenceMatchesHandComputationStepByStep) {
           a[j] += 0.5f * c[j];
         }
       }
+      if (momentum) {  // everyone's momentum is D(C(a + e_s))
+        std::vector<float> z(d);
+        for (size_t j = 0; j < d; ++j) z[j] = a[j] + e_s[j];
+        const std::vector<float> cs = onebit(z);
+        for (size_t j = 0; j < d; ++j) {
+          e_s[j] = z[j] - cs[j];
+          a[j] = cs[j];
+        }
+        for (uint32_t r = 0; r < N; ++r) mw[r] = a;
+      }
       for (size_t j = 0; j < d; ++j) {
         const float gr = (a[j] - b1 * m[j]) / c1;
         v[j] = b2 * v[j] + c2 * gr * gr;
@@ -903,6 +917,11 @@ TEST(OnebitLamb, ReferenceMatchesHandComputationStepByStep) {
         }
         for (uint32_t r = 0; r < N; ++r) mw[r] = m;
       }
+    } else if (momentum) {
+      for (size_t j = 0; j < d; ++j) {
+        x[j] += delta[j];
+        xw[j] += delta[j];
+      }
     } else {
       std::vector<float> z(d);
       for (size_t j = 0; j < d; ++j) {
@@ -916,7 +935,7 @@ TEST(OnebitLamb, ReferenceMatchesHandComputationStepByStep) {
       }
     }
   }
-  ASSERT_TRUE(clipped) << "the test should make the threshold bite";
+  EXPECT_TRUE(clipped) << "the test should make the threshold bite";
 
   ReferenceOptions ro;
   ro.workers = N;
@@ -931,9 +950,11 @@ TEST(OnebitLamb, ReferenceMatchesHandComputationStepByStep) {
     return 0.0;
   });
   ASSERT_TRUE(r.ok()) << r.status();
-  // The hand-over reply carries m after Δ: 8 bytes per element.
-  EXPECT_EQ(r->reply_bytes[freeze - 1], N * 8 * d);
-  EXPECT_EQ(r->reply_bytes[freeze], N * (4 * 4 + (44 + 7) / 8 + (56 + 7) / 8));
+  // The hand-over reply carries m (and for momentum replies v) after Δ;
+  // momentum replies after it carry the two layers' ratios of each shard.
+  EXPECT_EQ(r->reply_bytes[freeze - 1], N * (momentum ? 12 : 8) * d);
+  EXPECT_EQ(r->reply_bytes[freeze],
+            N * (4 * 4 + (44 + 7) / 8 + (56 + 7) / 8 + (momentum ? 4 * 4 : 0)));
   uint64_t server_floored = 0;
   for (size_t k = 0; k < shards.size(); ++k) {
     const ServerShardState& s = r->servers[k];
@@ -941,7 +962,7 @@ TEST(OnebitLamb, ReferenceMatchesHandComputationStepByStep) {
     server_floored += s.floored;
     for (size_t j = sb; j < shards[k].second; ++j) {
       ASSERT_EQ(s.x[j - sb], x[j]) << j;
-      ASSERT_EQ(s.replica[j - sb], xw[j]) << j;
+      if (!momentum) ASSERT_EQ(s.replica[j - sb], xw[j]) << j;
       ASSERT_EQ(s.e[j - sb], e_s[j]) << j;
       ASSERT_EQ(s.m[j - sb], m[j]) << j;
       ASSERT_EQ(s.v[j - sb], v[j]) << j;
@@ -961,9 +982,17 @@ TEST(OnebitLamb, ReferenceMatchesHandComputationStepByStep) {
       ASSERT_EQ(r->workers[w].x[j], xw[j]) << "worker " << w << " " << j;
       ASSERT_EQ(r->workers[w].mbar[j], mw[w][j]) << "worker " << w << " " << j;
       ASSERT_EQ(r->workers[w].e[j], e_w[w][j]) << "worker " << w << " " << j;
+      if (momentum) ASSERT_EQ(r->workers[w].den[j], den[j]) << "worker " << w << " " << j;
     }
   }
+  if (momentum) EXPECT_EQ(xw, x);
 }
+
+TEST(OnebitLamb, MomentumRepliesMatchHandComputationStepByStep) {
+  CheckLambByHand(ReplyMode::kMomentum);
+}
+
+TEST(OnebitLamb, DeltaRepliesMatchHandComputationStepByStep) { CheckLambByHand(ReplyMode::kDelta); }
 
 TEST(OnebitLamb, AShardThatCutsALayerIsRefusedNamingIt) {
   const OptimizerOptions o = LambOptionsForTest();
@@ -985,9 +1014,6 @@ TEST(OnebitLamb, AShardThatCutsALayerIsRefusedNamingIt) {
 TEST(OnebitLamb, CombinationsThatMakeNoSenseAreRefusedNamingTheFlag) {
   OptimizerOptions o = LambOptionsForTest();
   EXPECT_TRUE(ValidateOptimizerOptions(o).ok());
-  o.reply = ReplyMode::kMomentum;
-  EXPECT_THAT(std::string(ValidateOptimizerOptions(o).message()), HasSubstr("--server_reply"));
-  o = LambOptionsForTest();
   o.bias_correction = true;
   EXPECT_THAT(std::string(ValidateOptimizerOptions(o).message()), HasSubstr("--bias_correction"));
   o = LambOptionsForTest();

@@ -437,8 +437,8 @@ absl::StatusOr<std::unique_ptr<Replica>> NewDeviceReplica(const cuda::Backend* b
   }
   if (optimizer->options().kind == OptimizerKind::kOnebitLamb) {
     return absl::UnimplementedError(
-        "onebit-lamb runs on CPU workers only so far (--device cpu): the GPU worker has no "
-        "delta-reply path with a momentum hand-over yet");
+        "onebit-lamb runs on CPU workers only so far (--device cpu): the GPU worker does not "
+        "apply its layers' ratios yet");
   }
   auto r = std::make_unique<DeviceReplica>(backend, std::move(device), d, model, optimizer);
   if (absl::Status st = r->Create(make_model); !st.ok()) return st;

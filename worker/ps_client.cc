@@ -241,7 +241,7 @@ absl::Status PsClient::HandleReply(uint32_t server, std::vector<zmq::message_t>&
     return bad("servers disagree on whether step ", step_, " ends the warm-up");
   }
   *last_warmup = h.last_warmup();
-  const size_t need = opt.ReplyBytes(kind, c.range.size(), h.last_warmup());
+  const size_t need = opt.ReplyBytes(kind, c.range.begin, c.range.size(), h.last_warmup());
   if (frames.size() != 2 || h.payload_bytes() != need || frames[1].size() != need) {
     return bad("payload of ", frames.size() == 2 ? frames[1].size() : 0, " bytes, want ", need);
   }

@@ -344,7 +344,7 @@ class OneBitLamb(DistributedOptimizer):
     tensor (each parameter is a layer) for freeze_step steps, then the
     ratios and v are frozen and workers send 1-bit momenta; the servers
     adjust each layer's frozen ratio by how far v has moved (the design doc,
-    section 1.7). The servers hold whole tensors and reply deltas.
+    section 1.7). The servers hold whole tensors.
     Hyper-parameters left as None are the job's. CPU workers only so far."""
 
     def __init__(self, params, lr=None, freeze_step=None, betas=None, eps=None,

@@ -124,7 +124,7 @@ TEST(DeepSpeedConfig, OneBitLambMapsItsParams) {
   EXPECT_EQ(c->factor_max(), 3.0f);
   EXPECT_EQ(c->factor_min(), 0.6f);
   EXPECT_EQ(c->factor_threshold(), 0.2f);
-  EXPECT_EQ(c->server_reply(), "delta");  // resolved for onebit-lamb
+  EXPECT_EQ(c->server_reply(), "momentum");  // resolved for onebit-lamb
   auto options = OptimizerOptionsFromConfig(*c);
   ASSERT_TRUE(options.ok()) << options.status();
   EXPECT_EQ(options->lamb.factor_threshold, 0.2f);

@@ -316,7 +316,8 @@ TEST_P(LambTest, EveryWorkerAndServerEqualsTheReference) {
   if (c.servers > 2) EXPECT_EQ(ReadFloats(dir + "/master_s2.f32").size(), 0u);
   const std::string summary = ReadFile(dir + "/summary.json");
   EXPECT_EQ(Field(summary, "workers_agree"), "true") << summary;
-  EXPECT_EQ(Field(summary, "server_reply"), "\"delta\"") << summary;
+  const bool delta = c.extra == "--server_reply=delta";
+  EXPECT_EQ(Field(summary, "server_reply"), delta ? "\"delta\"" : "\"momentum\"") << summary;
   // The automatic freeze fires too (v of the mlp settles within 8 steps at
   // tau 0.5), at a check: a multiple of its window after the first.
   const std::string freeze = Field(summary, "freeze_step");
@@ -325,10 +326,9 @@ TEST_P(LambTest, EveryWorkerAndServerEqualsTheReference) {
   } else {
     EXPECT_EQ(freeze, "3") << summary;
   }
-  if (c.error_feedback == "both" || c.error_feedback == "server") {
-    // Delta replies: the replicas trail the masters by the server error.
-    EXPECT_EQ(Field(summary, "replicas_equal"), "false") << summary;
-  }
+  // Momentum replies: every replica equals the master; delta replies trail
+  // it by the server error.
+  EXPECT_EQ(Field(summary, "replicas_equal"), delta ? "false" : "true") << summary;
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -339,6 +339,9 @@ INSTANTIATE_TEST_SUITE_P(
         LambCombo{"fp16", "fp16", "both", ""}, LambCombo{"fp32", "onebit", "both", ""},
         LambCombo{"onebit", "onebit", "both", "--warmup_codec=fp16"},
         LambCombo{"onebit", "onebit", "both", "--freeze=auto:0.5:2"},
+        LambCombo{"onebit", "onebit", "both", "--server_reply=delta"},
+        LambCombo{"onebit", "onebit", "worker", "--server_reply=delta"},
+        LambCombo{"fp16", "onebit", "none", "--server_reply=delta"},
         LambCombo{"onebit", "onebit", "both", "", 3}),
     [](const ::testing::TestParamInfo<LambCombo>& info) {
       std::string extra = info.param.extra.empty() ? "" : "_" + info.param.extra.substr(2);
@@ -347,11 +350,10 @@ INSTANTIATE_TEST_SUITE_P(
                           info.param.error_feedback, extra, "_s", info.param.servers);
     });
 
-// onebit-lamb needs layers, and cannot shard a job whose model declares
-// none; it refuses momentum replies and checkpoints, naming the flag.
+// onebit-lamb refuses checkpoints (not built), bias correction and bad
+// coefficients, naming the flag.
 TEST(Lamb, RefusalsNameTheProblem) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
-      {{"--server_reply=momentum"}, "--server_reply: onebit-lamb replies deltas"},
       {{"--checkpoint_dir=" + TempDir("lamb-ckpt")},
        "--checkpoint_dir: checkpoints of onebit-lamb"},
       {{"--bias_correction"}, "--bias_correction: onebit-lamb has none"},
