@@ -93,6 +93,13 @@ inline float LambDelta(float m, float den, float wd, float x, float k) {
   return k * (wd == 0.0f ? p : p + wd * x);
 }
 
+// c = C(y), with error feedback e when `feedback` (y + e is encoded, e
+// keeps the rest); without it e is left alone.
+absl::Status EncodeMaybeWithFeedback(const Codec& codec, bool feedback, const float* y, float* e,
+                                     size_t n, uint8_t* out) {
+  return feedback ? codec.EncodeWithFeedback(y, e, n, out) : codec.Encode(y, n, out);
+}
+
 absl::Status NotFinite(absl::string_view what, uint64_t step, uint64_t global_index, float value) {
   return absl::InternalError(absl::StrCat(what, " of step ", step, " is not finite at parameter ",
                                           global_index, " (", value,
@@ -624,14 +631,12 @@ absl::Status ServerOptimizer::Step(uint64_t step, float lr, bool last_warmup, fl
         DeltaFromMomentum(acc + p, den == nullptr ? nullptr : den + p, lr, wd, m, x + p, acc + p);
       });
     }
-    st = o_.server_error_feedback ? codec.EncodeWithFeedback(acc, s->e.data() + off, n, reply)
-                                  : codec.Encode(acc, n, reply);
+    st = EncodeMaybeWithFeedback(codec, o_.server_error_feedback, acc, s->e.data() + off, n, reply);
     if (!st.ok()) return Diverged("the update", step, s->begin + off, st);
     return codec.DecodeAdd(reply, n, 1.0f, s->replica.data() + off);
   }
   // Momentum reply: c_s = C(a + e_s); m̄ = D(c_s); x -= lr (m̄ / den + wd x).
-  st = o_.server_error_feedback ? codec.EncodeWithFeedback(acc, s->e.data() + off, n, reply)
-                                : codec.Encode(acc, n, reply);
+  st = EncodeMaybeWithFeedback(codec, o_.server_error_feedback, acc, s->e.data() + off, n, reply);
   if (!st.ok()) return Diverged("the averaged momentum", step, s->begin + off, st);
   st = codec.Decode(reply, n, acc);
   if (!st.ok()) return st;
@@ -690,9 +695,8 @@ absl::Status ServerOptimizer::LambStep(uint64_t step, float lr, bool last_warmup
     // c_s = C(a + e_s), and everyone's momentum is D(c_s).
     const Codec& codec = *server_codec_;
     for (const ChunkSpan& c : chunks) {
-      absl::Status st = o_.server_error_feedback
-                            ? codec.EncodeWithFeedback(a + c.off, s->e.data() + c.off, c.n, c.reply)
-                            : codec.Encode(a + c.off, c.n, c.reply);
+      absl::Status st = EncodeMaybeWithFeedback(codec, o_.server_error_feedback, a + c.off,
+                                                s->e.data() + c.off, c.n, c.reply);
       if (!st.ok()) return Diverged("the averaged momentum", step, s->begin + c.off, st);
       if (st = codec.Decode(c.reply, c.n, a + c.off); !st.ok()) return st;
     }
@@ -814,9 +818,8 @@ absl::Status ServerOptimizer::LambStep(uint64_t step, float lr, bool last_warmup
     for (size_t i = 0; i < n; ++i) x[i] += a[i];
     const Codec& codec = *server_codec_;
     for (const ChunkSpan& c : chunks) {
-      absl::Status st = o_.server_error_feedback
-                            ? codec.EncodeWithFeedback(a + c.off, s->e.data() + c.off, c.n, c.reply)
-                            : codec.Encode(a + c.off, c.n, c.reply);
+      absl::Status st = EncodeMaybeWithFeedback(codec, o_.server_error_feedback, a + c.off,
+                                                s->e.data() + c.off, c.n, c.reply);
       if (!st.ok()) return Diverged("the update", step, s->begin + c.off, st);
       if (st = codec.DecodeAdd(c.reply, c.n, 1.0f, s->replica.data() + c.off); !st.ok()) return st;
     }
@@ -848,9 +851,8 @@ absl::Status ServerOptimizer::ZeroOneStep(uint64_t step, float lr, float* acc, u
     return absl::OkStatus();
   }
   const Codec& codec = *server_codec_;
-  absl::Status st = o_.server_error_feedback
-                        ? codec.EncodeWithFeedback(acc, s->e.data() + off, n, reply)
-                        : codec.Encode(acc, n, reply);
+  absl::Status st =
+      EncodeMaybeWithFeedback(codec, o_.server_error_feedback, acc, s->e.data() + off, n, reply);
   if (!st.ok()) return Diverged("the averaged update", step, s->begin + off, st);
   if (st = codec.Decode(reply, n, acc); !st.ok()) return st;
   if (!s->frozen) {
@@ -958,8 +960,7 @@ absl::Status WorkerOptimizer::Push(uint64_t step, float lr, const float* g, uint
       for (size_t i = 0; i < n; ++i) u[i] = (x[i] - xs[i]) * den[i];
       y = u;
     }
-    return o_.worker_error_feedback ? codec.EncodeWithFeedback(y, e, n, out)
-                                    : codec.Encode(y, n, out);
+    return EncodeMaybeWithFeedback(codec, o_.worker_error_feedback, y, e, n, out);
   }
   const Codec& codec = *worker_codec_;
   float* e = s->e.data() + b;
@@ -971,8 +972,7 @@ absl::Status WorkerOptimizer::Push(uint64_t step, float lr, const float* g, uint
     UpdateMomentum(y, o_.beta1, 1.0f - o_.beta1, n, m);
     y = m;
   }
-  return o_.worker_error_feedback ? codec.EncodeWithFeedback(y, e, n, out)
-                                  : codec.Encode(y, n, out);
+  return EncodeMaybeWithFeedback(codec, o_.worker_error_feedback, y, e, n, out);
 }
 
 absl::Status HandOverDenominators(const float* v, size_t n, uint64_t first, float eps, float* den) {
