@@ -44,34 +44,6 @@ void RefreshDenominators(const float* v, size_t n, float floor, float eps, float
   for (size_t i = 0; i < n; ++i) den[i] = FrozenDenominator(std::max(v[i], floor), eps);
 }
 
-// The layers of the shard [begin, begin + n) (layer_ends as in
-// OptimizerOptions), as shard-local [first, second) ranges; an error when a
-// layer crosses either end of the shard (its map is not aligned to them).
-absl::StatusOr<std::vector<std::pair<uint64_t, uint64_t>>> ShardLayers(
-    const std::vector<uint64_t>& ends, uint64_t begin, uint64_t n) {
-  std::vector<std::pair<uint64_t, uint64_t>> out;
-  if (n == 0) return out;
-  const uint64_t end = begin + n;
-  if (ends.empty() || ends.back() < end) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the model's layers end at ", ends.empty() ? 0 : ends.back(), ", before the shard [", begin,
-        ", ", end, ") does: a layer-wise optimizer needs every layer declared"));
-  }
-  uint64_t start = 0;
-  for (uint64_t e : ends) {
-    if (e > begin && start < end) {
-      if (start < begin || e > end) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("layer [", start, ", ", e, ") crosses the shard [", begin, ", ", end,
-                         "): a layer-wise optimizer needs a shard map aligned to the layers"));
-      }
-      out.emplace_back(start - begin, e - begin);
-    }
-    start = e;
-  }
-  return out;
-}
-
 // The pieces of the layers that overlap the elements [b, b + n), as
 // [first, second) offsets from b, in order (a layer may start before b or
 // end after b + n).
@@ -86,12 +58,35 @@ std::vector<std::pair<uint64_t, uint64_t>> LayerPieces(const std::vector<uint64_
   return out;
 }
 
-// onebit-lamb's update of one element, -lr * ratio * (m / den + wd x) with
-// k = -lr * ratio: the server and the workers evaluate it alike.
-inline float LambDelta(float m, float den, float wd, float x, float k) {
-  const float p = m / den;
-  return k * (wd == 0.0f ? p : p + wd * x);
+// The layers of the shard [begin, begin + n) (layer_ends as in
+// OptimizerOptions), as shard-local [first, second) ranges; an error when a
+// layer crosses either end of the shard (its map is not aligned to them).
+absl::StatusOr<std::vector<std::pair<uint64_t, uint64_t>>> ShardLayers(
+    const std::vector<uint64_t>& ends, uint64_t begin, uint64_t n) {
+  if (n == 0) return std::vector<std::pair<uint64_t, uint64_t>>{};
+  const uint64_t end = begin + n;
+  if (ends.empty() || ends.back() < end) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the model's layers end at ", ends.empty() ? 0 : ends.back(), ", before the shard [", begin,
+        ", ", end, ") does: a layer-wise optimizer needs every layer declared"));
+  }
+  for (uint64_t at : {begin, end}) {
+    const auto next = std::upper_bound(ends.begin(), ends.end(), at);  // the first end > at
+    const uint64_t start = next == ends.begin() ? 0 : *(next - 1);
+    if (at != start && next != ends.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer [", start, ", ", *next, ") crosses the shard [", begin, ", ", end,
+                       "): a layer-wise optimizer needs a shard map aligned to the layers"));
+    }
+  }
+  return LayerPieces(ends, begin, n);
 }
+
+// onebit-lamb's update direction of one element, u = p + wd x with p =
+// m / den, and its step -lr * ratio * u with k = -lr * ratio: the server's
+// norms and steps and the workers' steps all go through these.
+inline float LambUpdate(float p, float wd, float x) { return wd == 0.0f ? p : p + wd * x; }
+inline float LambDelta(float p, float wd, float x, float k) { return k * LambUpdate(p, wd, x); }
 
 // c = C(y), with error feedback e when `feedback` (y + e is encoded, e
 // keeps the rest); without it e is left alone.
@@ -725,30 +720,25 @@ absl::Status ServerOptimizer::LambStep(uint64_t step, float lr, bool last_warmup
       a[i] = m[i] / den[i];
     }
   }
-  // The norms of each layer, summed in double in index order; u = a + wd x.
-  std::vector<double> p2(layers->size(), 0.0), u2(layers->size(), 0.0);
-  for (size_t j = 0; j < layers->size(); ++j) {
-    for (uint64_t i = (*layers)[j].first; i < (*layers)[j].second; ++i) {
-      p2[j] += static_cast<double>(a[i]) * a[i];
-    }
-  }
-  ForEachWeightDecay(o_, s->begin, n, [&](size_t p, size_t c, float wd) {
-    if (wd == 0.0f) return;
-    for (size_t i = p; i < p + c; ++i) a[i] = a[i] + wd * x[i];
-  });
+  // Per layer: the norms of p, u and x, summed in double in index order;
+  // then the layer's ratio, and a = Δ.
   for (size_t j = 0; j < layers->size(); ++j) {
     const auto [lb, le] = (*layers)[j];
-    double x2 = 0;
-    for (uint64_t i = lb; i < le; ++i) {
-      u2[j] += static_cast<double>(a[i]) * a[i];
-      x2 += static_cast<double>(x[i]) * x[i];
-    }
+    double p2 = 0, u2 = 0, x2 = 0;
+    ForEachWeightDecay(o_, s->begin + lb, le - lb, [&](size_t q, size_t c, float wd) {
+      for (size_t i = lb + q; i < lb + q + c; ++i) {
+        const float u = LambUpdate(a[i], wd, x[i]);
+        p2 += static_cast<double>(a[i]) * a[i];
+        u2 += static_cast<double>(u) * u;
+        x2 += static_cast<double>(x[i]) * x[i];
+      }
+    });
     float ratio = 1.0f;
     if (!s->frozen) {
       // The trust ratio, where both norms are non-zero (else 1, and the
       // average skips the step, as DeepSpeed's).
-      if (x2 > 0 && u2[j] > 0) {
-        ratio = static_cast<float>(std::sqrt(x2) / std::sqrt(u2[j]));
+      if (x2 > 0 && u2 > 0) {
+        ratio = static_cast<float>(std::sqrt(x2) / std::sqrt(u2));
         ratio = std::min(std::max(ratio, l.min_coeff), l.max_coeff);
         s->lamb_coeff[j] = l.coeff_beta * s->lamb_coeff[j] + (1.0f - l.coeff_beta) * ratio;
       }
@@ -761,7 +751,7 @@ absl::Status ServerOptimizer::LambStep(uint64_t step, float lr, bool last_warmup
         factor = std::max(factor, den[i] / (std::sqrt(v[i]) + o_.eps));
       }
       const float w =
-          u2[j] > 0 ? static_cast<float>(std::min(1.0, std::sqrt(p2[j]) / std::sqrt(u2[j]))) : 1.0f;
+          u2 > 0 ? static_cast<float>(std::min(1.0, std::sqrt(p2) / std::sqrt(u2))) : 1.0f;
       factor = factor * w + (1.0f - w);
       factor = std::min(std::max(factor, l.factor_min), l.factor_max);
       const float last = s->lamb_factor[j];
@@ -772,7 +762,9 @@ absl::Status ServerOptimizer::LambStep(uint64_t step, float lr, bool last_warmup
     }
     ratios[j] = ratio;
     const float k = -lr * ratio;
-    for (uint64_t i = lb; i < le; ++i) a[i] = k * a[i];
+    ForEachWeightDecay(o_, s->begin + lb, le - lb, [&](size_t q, size_t c, float wd) {
+      for (size_t i = lb + q; i < lb + q + c; ++i) a[i] = LambDelta(a[i], wd, x[i], k);
+    });
   }
   // a is Δ.
   if (!s->frozen) {
@@ -1050,7 +1042,7 @@ absl::Status WorkerOptimizer::Apply(uint64_t step, float lr, bool last_warmup, c
       ForEachWeightDecay(o_, b + first, pieces[j].second - first,
                          [&](size_t p, size_t c, float wd) {
                            for (size_t i = first + p; i < first + p + c; ++i) {
-                             x[i] += LambDelta(mbar[i], den[i], wd, x[i], k);
+                             x[i] += LambDelta(mbar[i] / den[i], wd, x[i], k);
                            }
                          });
     }
