@@ -348,14 +348,15 @@ absl::Status CoordinatorService::CheckDeclaredDecayLocked(uint32_t rank,
 absl::Status CoordinatorService::CheckDeclaredLayersLocked(uint32_t rank,
                                                            const control::RegisterRequest& req) {
   const std::vector<uint64_t> mine(req.layer_ends().begin(), req.layer_ends().end());
-  if (*decay_by_ == rank) {
+  if (!layers_by_ || *layers_by_ == rank) {
+    layers_by_ = rank;
     layers_ = mine;
     return absl::OkStatus();
   }
   if (mine == layers_) return absl::OkStatus();
   return absl::InvalidArgumentError(
       absl::StrCat("worker ", rank, " declares ", mine.size(), " tensors ending at [",
-                   absl::StrJoin(mine, ", "), "], but worker ", *decay_by_, " declared ",
+                   absl::StrJoin(mine, ", "), "], but worker ", *layers_by_, " declared ",
                    layers_.size(), " ending at [", absl::StrJoin(layers_, ", "), "]"));
 }
 

@@ -209,7 +209,8 @@ class CoordinatorService final : public control::Coordinator::Service {
   std::optional<uint32_t> declared_by_ ABSL_GUARDED_BY(mu_);  // first worker to declare d
   std::optional<uint32_t> decay_by_ ABSL_GUARDED_BY(mu_);     // first worker to register
   std::vector<DecayRange> decay_ ABSL_GUARDED_BY(mu_);        // its ranges
-  std::vector<uint64_t> layers_ ABSL_GUARDED_BY(mu_);         // its tensors' ends
+  std::optional<uint32_t> layers_by_ ABSL_GUARDED_BY(mu_);    // first to declare tensors
+  std::vector<uint64_t> layers_ ABSL_GUARDED_BY(mu_);         // their ends
   // The job's tensors once formed: the built-in model's, or layers_.
   std::vector<uint64_t> job_layers_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> declared_ ABSL_GUARDED_BY(mu_);  // and its settings
