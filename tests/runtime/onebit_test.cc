@@ -442,6 +442,29 @@ TEST(Fp16Warmup, GpuWorkersAndOptimizersWithoutAWarmupRefuseIt) {
   EXPECT_THAT(r.output, HasSubstr("--warmup_codec fp16 runs on CPU workers only"));
 }
 
+// The optimizers the GPU worker does not run yet say so, naming the device
+// flag, instead of training something else.
+TEST(GpuWorkers, RefuseTheOptimizersTheyDoNotRunNamingTheDevice) {
+  for (const char* opt : {"zero-one-adam", "onebit-lamb"}) {
+    std::vector<std::string> argv = {Bin("onebit-launch"),
+                                     "--out=" + TempDir("gpu_refused"),
+                                     "--worker_devices=cuda-twin",
+                                     "--workers=1",
+                                     "--servers=1",
+                                     "--model=mlp",
+                                     "--layers=784-16-10",
+                                     "--max_train=64",
+                                     "--steps=2",
+                                     absl::StrCat("--optimizer=", opt)};
+    RunResult r = RunCommand(argv, absl::Seconds(60));
+    EXPECT_NE(r.code, 0) << opt;
+    EXPECT_THAT(r.output, HasSubstr(absl::StrCat(opt,
+                                                 " runs on CPU workers only so far (--device "
+                                                 "cpu)")))
+        << r.output;
+  }
+}
+
 TEST(MatrixSize, CoversEveryValidCombination) {
   // onebit-adam and ef-sgd: 3 × 3 codecs × 4 feedback modes × 2 replies each;
   // naive-onebit-adam replies deltas only; sgd and adam are fp32 throughout.
