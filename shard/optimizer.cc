@@ -723,7 +723,7 @@ absl::Status ServerOptimizer::LambStep(uint64_t step, float lr, bool last_warmup
   // Per layer: the norms of p, u and x, summed in double in index order;
   // then the layer's ratio, and a = Δ.
   for (size_t j = 0; j < layers->size(); ++j) {
-    const auto [lb, le] = (*layers)[j];
+    const uint64_t lb = (*layers)[j].first, le = (*layers)[j].second;
     double p2 = 0, u2 = 0, x2 = 0;
     ForEachWeightDecay(o_, s->begin + lb, le - lb, [&](size_t q, size_t c, float wd) {
       for (size_t i = lb + q; i < lb + q + c; ++i) {
