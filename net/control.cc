@@ -14,6 +14,9 @@ namespace onebit {
 
 namespace {
 
+// How long one heartbeat (or error report) may take to be answered.
+constexpr std::chrono::seconds kHeartbeatDeadline{2};
+
 grpc::ChannelArguments ChannelArgs() {
   grpc::ChannelArguments args;
   // Fail fast and retry ourselves; gRPC's reconnect back-off would otherwise
@@ -235,12 +238,14 @@ void Heartbeater::SendOnce() {
       req.set_stop_requested(SignalName(stop_signal_->load()));
     }
     if (stop_ack_) req.set_stop_ack(*stop_ack_);
+    in_flight_ = true;
   }
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  ctx.set_deadline(std::chrono::system_clock::now() + kHeartbeatDeadline);
   control::HeartbeatReply reply;
   grpc::Status s = stub_->Heartbeat(&ctx, req, &reply);
   absl::MutexLock l(&mu_);
+  in_flight_ = false;
   if (!s.ok()) {
     // Keep the metrics and checks for the next try.
     for (int i = req.metrics_size() - 1; i >= 0; --i) {
@@ -337,7 +342,7 @@ void Heartbeater::ReportError(const std::string& error) {
   req.set_credential(credential_);
   req.set_error(error);
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  ctx.set_deadline(std::chrono::system_clock::now() + kHeartbeatDeadline);
   control::HeartbeatReply reply;
   // Best effort: the caller exits non-zero whether or not this got through.
   (void)stub_->Heartbeat(&ctx, req, &reply);
@@ -360,6 +365,11 @@ absl::Status Heartbeater::Done(const std::vector<control::ShardChecksum>& checks
   for (const auto& c : checksums) *req.add_checksums() = c;
   {
     absl::MutexLock l(&mu_);
+    // A failed heartbeat puts back what it carried; an answered one has
+    // been counted.
+    auto answered = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !in_flight_; };
+    mu_.AwaitWithTimeout(absl::Condition(&answered),
+                         absl::FromChrono(kHeartbeatDeadline) + absl::Seconds(1));
     for (auto& m : pending_) *req.add_metrics() = m;
     pending_.clear();
     for (auto& c : parts_) *req.add_checkpoint_parts() = c;

@@ -82,7 +82,9 @@ class Heartbeater {
   void ReportError(const std::string& error);
 
   // Sends the final checksums, the steps done (workers) and any pending
-  // metrics.
+  // metrics, after any heartbeat in flight has been answered: the
+  // coordinator may end the job on Done, and whatever reached it after
+  // would be lost.
   absl::Status Done(const std::vector<control::ShardChecksum>& checksums, uint64_t steps = 0);
 
   // A job without a fixed step count: the steps every worker finished
@@ -159,6 +161,9 @@ class Heartbeater {
   uint64_t begun_ ABSL_GUARDED_BY(mu_) = 0;                // steps begun (workers)
   std::optional<uint64_t> stop_ack_ ABSL_GUARDED_BY(mu_);  // begun_ when stopping_ came
   std::vector<control::StepMetrics> pending_ ABSL_GUARDED_BY(mu_);
+  // A heartbeat is between taking what is queued and hearing back (Done
+  // waits for it, so that nothing it carries arrives after Done).
+  bool in_flight_ ABSL_GUARDED_BY(mu_) = false;
   control::Command command_ ABSL_GUARDED_BY(mu_) = control::CONTINUE;
   std::string reason_ ABSL_GUARDED_BY(mu_);
   absl::Time last_ok_ ABSL_GUARDED_BY(mu_);

@@ -18,6 +18,7 @@
 #include "gtest/gtest.h"
 #include "models/synthetic_model.h"
 #include "net/checksum.h"
+#include "net/control.h"
 #include "net/data_plane.h"
 #include "net/job_config.h"
 #include "net/run_folder.h"
@@ -499,6 +500,67 @@ TEST(CoordinatorService, SilentProcessIsDeclaredDeadByName) {
   ASSERT_TRUE(svc.Heartbeat(&ctx, &hb, &reply).ok());
   EXPECT_EQ(reply.command(), control::ABORT);
   EXPECT_THAT(reply.reason(), HasSubstr("worker 0"));
+}
+
+// A coordinator that answers heartbeats slowly and records, for Done, which
+// metrics had been counted when it came.
+class SlowCoordinator final : public control::Coordinator::Service {
+ public:
+  grpc::Status Heartbeat(grpc::ServerContext*, const control::HeartbeatRequest* req,
+                         control::HeartbeatReply*) override {
+    absl::SleepFor(absl::Milliseconds(400));
+    absl::MutexLock l(&mu_);
+    for (const auto& m : req->metrics()) counted_.push_back(m.step());
+    return grpc::Status::OK;
+  }
+  grpc::Status Done(grpc::ServerContext*, const control::DoneRequest* req,
+                    control::DoneReply*) override {
+    absl::MutexLock l(&mu_);
+    before_done_ = counted_;
+    for (const auto& m : req->metrics()) with_done_.push_back(m.step());
+    return grpc::Status::OK;
+  }
+  absl::Mutex mu_;
+  std::vector<uint64_t> counted_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> before_done_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> with_done_ ABSL_GUARDED_BY(mu_);
+};
+
+// The coordinator may end the job on Done: metrics a heartbeat still
+// carries must have been counted before Done comes, else they are lost.
+TEST(Heartbeater, DoneComesAfterTheHeartbeatInFlightIsAnswered) {
+  SlowCoordinator svc;
+  int port = 0;
+  grpc::ServerBuilder b;
+  b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  b.RegisterService(&svc);
+  std::unique_ptr<grpc::Server> server = b.BuildAndStart();
+  ASSERT_GT(port, 0);
+  const std::string target = absl::StrCat("127.0.0.1:", port);
+  auto stub = control::Coordinator::NewStub(
+      grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  Heartbeater hb(stub.get(), target, control::WORKER, 0, 42, absl::Seconds(30), absl::Seconds(10));
+  hb.Start();
+  for (uint64_t step = 0; step < 5; ++step) {
+    control::StepMetrics m;
+    m.set_step(step);
+    hb.AddMetrics(m);
+  }
+  hb.Kick();
+  absl::SleepFor(absl::Milliseconds(100));  // that heartbeat is on its way
+  control::StepMetrics last;
+  last.set_step(5);
+  hb.AddMetrics(last);
+  EXPECT_TRUE(hb.Done({}, 6).ok());
+  std::vector<uint64_t> before_done, with_done;
+  {
+    absl::MutexLock l(&svc.mu_);
+    before_done = svc.before_done_;
+    with_done = svc.with_done_;
+  }
+  EXPECT_EQ(before_done, (std::vector<uint64_t>{0, 1, 2, 3, 4}));
+  EXPECT_EQ(with_done, (std::vector<uint64_t>{5}));
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
 }
 
 }  // namespace
