@@ -135,7 +135,9 @@ uint32_t ReadLittleEndianU32(const char* p);
 uint32_t Crc32(absl::string_view bytes, uint32_t crc = 0);
 
 // Writes `bytes` to dir/name atomically (temporary name, fsync, rename,
-// fsync of dir); returns its size and crc32.
+// fsync of dir); returns its size and crc32. Bypasses the page cache
+// (O_DIRECT) where the file system allows it. Thread-safe for distinct
+// names.
 absl::StatusOr<WrittenFile> WriteFileAtomically(const std::string& dir, const std::string& name,
                                                 absl::Span<const absl::string_view> parts);
 
