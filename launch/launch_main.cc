@@ -5,16 +5,19 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
@@ -52,6 +55,10 @@ ABSL_FLAG(int32_t, max_restarts, 0,
           "--checkpoint_dir (and --rejoin_timeout > 0) that process alone, and the others roll "
           "back to the last complete checkpoint and go on; without, the whole job from the "
           "start. Either way the job ends bit for bit as if uninterrupted");
+ABSL_FLAG(int32_t, servers_per_worker_host, 0,
+          "run K servers per worker: S = K x N, the layout of one server (or K) on every "
+          "worker's host, in which each host's NIC carries what a ring allreduce carries; on "
+          "this machine they all share loopback. 0: --servers as given");
 ABSL_FLAG(absl::Duration, launch_register_timeout, absl::Seconds(60),
           "registration timeout passed to every process");
 
@@ -124,10 +131,33 @@ std::string SelfDir() {
 }
 
 int Main(int argc, char** argv) {
-  const control::TrainingConfig cfg = ConfigFromCommandLineOrExit(
+  std::set<std::string> given;
+  control::TrainingConfig job = ConfigFromCommandLineOrExit(
       argc, argv,
       "onebit-launch --workers N --servers S [--model synthetic --dim D --steps T] [--out DIR]\n"
-      "Runs a whole job on this machine over loopback; takes every coordinator config flag.");
+      "Runs a whole job on this machine over loopback; takes every coordinator config flag.",
+      &given);
+  std::vector<std::string> config_args = ConfigFlagArgs();
+  if (const int per_host = absl::GetFlag(FLAGS_servers_per_worker_host); per_host != 0) {
+    if (per_host < 0) ExitFlagError("servers_per_worker_host", "must be >= 0");
+    const uint64_t servers = uint64_t{job.workers()} * static_cast<uint64_t>(per_host);
+    if (given.count("servers") && job.servers() != servers) {
+      ExitFlagError("servers_per_worker_host",
+                    absl::StrCat(per_host, " x ", job.workers(), " workers is ", servers,
+                                 " servers, but --servers is ", job.servers()));
+    }
+    job.set_servers(static_cast<uint32_t>(servers));
+    if (absl::Status st = ValidateConfig(job); !st.ok()) {
+      ExitFlagError("servers_per_worker_host", st.message());
+    }
+    config_args.erase(std::remove_if(config_args.begin(), config_args.end(),
+                                     [](const std::string& a) {
+                                       return absl::StartsWith(a, "--servers=");
+                                     }),
+                      config_args.end());
+    config_args.push_back(absl::StrCat("--servers=", servers));
+  }
+  const control::TrainingConfig cfg = std::move(job);
   const std::string out = absl::GetFlag(FLAGS_out);
   if (absl::Status st = CheckTimeout(absl::GetFlag(FLAGS_launch_register_timeout)); !st.ok()) {
     ExitFlagError("launch_register_timeout", st.message());
@@ -223,7 +253,7 @@ int Main(int argc, char** argv) {
                                      "--port_file=" + port_file,          "--bind_host=127.0.0.1",
                                      "--register_timeout=" + reg_timeout, security_arg};
     if (!out.empty()) args.push_back("--out=" + out);
-    for (const std::string& a : ConfigFlagArgs()) args.push_back(a);
+    for (const std::string& a : config_args) args.push_back(a);
     coord.argv = args;
     if (absl::Status st = Start(&coord, args); !st.ok()) {
       Log(std::string(st.message()));

@@ -535,6 +535,10 @@ TEST(Binaries, BadDurationsAndCountsAreFlagErrors) {
       {{"onebit-server", c, "--shard=-2"}, "onebit-server: --shard: must be -1 (any) or a shard"},
       {{"onebit-worker", c, "--rank=-2"}, "onebit-worker: --rank: must be -1 (any) or a rank"},
       {{"onebit-launch", "--max_restarts=-1"}, "onebit-launch: --max_restarts: must be >= 0"},
+      {{"onebit-launch", "--servers_per_worker_host=-1"},
+       "onebit-launch: --servers_per_worker_host: must be >= 0"},
+      {{"onebit-launch", "--workers=3", "--servers=4", "--servers_per_worker_host=2"},
+       "onebit-launch: --servers_per_worker_host: 2 x 3 workers is 6 servers, but --servers is 4"},
   };
   for (const Case& k : cases) {
     std::vector<std::string> argv = k.argv;
@@ -750,6 +754,21 @@ TEST(Binaries, LaunchTrainsFromADeepSpeedConfigAndListsTheIgnoredKeysOnce) {
                            absl::Seconds(10));
   EXPECT_EQ(z.code, 2) << z.output;
   EXPECT_THAT(z.output, HasSubstr("zero_optimization.stage"));
+}
+
+// K servers per worker host: S = K x N servers, each a shard of its own,
+// and the job as bit-exact as with --servers given.
+TEST(Binaries, LaunchRunsKServersPerWorker) {
+  const std::string out = TempDir("launch-colocated");
+  RunResult r = RunCommand({Bin("onebit-launch"), "--workers=3", "--servers_per_worker_host=2",
+                            "--model=synthetic", "--dim=6007", "--steps=20", "--out=" + out,
+                            "--heartbeat_timeout=3s"},
+                           absl::Seconds(60));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("starting 6 servers and 3 workers"));
+  const std::string summary = ReadFile(out + "/summary.json");
+  EXPECT_EQ(Field(summary, "servers"), "6");
+  EXPECT_EQ(Field(summary, "replicas_equal"), "true");
 }
 
 }  // namespace

@@ -155,8 +155,10 @@ put("")
 quick = cfg["quick"] == "1"
 put(f"Made by `{cfg['command']}` on {cfg['date']} (commit {cfg['commit']}).")
 put("")
+layout = (f"{workers} hosts each running a worker and a server (--colocate)"
+          if cfg.get("colocate") == "1" else f"{cfg['servers']} servers and {workers} workers")
 put(f"- **Machine:** {cfg['nproc']} CPU cores ({cfg['cpu']}), Linux {cfg['kernel']}. Every process "
-    f"(the coordinator, {cfg['servers']} servers and {workers} workers, or {workers} DDP ranks) runs "
+    f"(the coordinator, {layout}, or {workers} DDP ranks) runs "
     f"on these same {cfg['nproc']} cores, each in its own network namespace, under nice {cfg['nice']}: "
     "the hosts are emulated, the CPUs are shared. Load average (1, 5, 15 min) at the start "
     f"{cfg.get('load_start', '?')}, at the end {cfg.get('load_end', '?')}: anything else running "
