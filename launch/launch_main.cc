@@ -150,11 +150,10 @@ int Main(int argc, char** argv) {
     if (absl::Status st = ValidateConfig(job); !st.ok()) {
       ExitFlagError("servers_per_worker_host", st.message());
     }
-    config_args.erase(std::remove_if(config_args.begin(), config_args.end(),
-                                     [](const std::string& a) {
-                                       return absl::StartsWith(a, "--servers=");
-                                     }),
-                      config_args.end());
+    config_args.erase(
+        std::remove_if(config_args.begin(), config_args.end(),
+                       [](const std::string& a) { return absl::StartsWith(a, "--servers="); }),
+        config_args.end());
     config_args.push_back(absl::StrCat("--servers=", servers));
   }
   const control::TrainingConfig cfg = std::move(job);

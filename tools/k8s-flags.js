@@ -7,7 +7,8 @@
 // binary from each container's command. Also checked: the keys of a JSON
 // training config passed with --config (from a mounted ConfigMap) are flags of
 // that binary; the config's "workers"/"servers" equal the worker Job's
-// completions/parallelism and the server StatefulSet's replicas; each binary
+// completions/parallelism and the server StatefulSet's replicas (or the
+// completions of a Job whose pods run a server each); each binary
 // is installed by the Dockerfile. Exit 0: all fine; 1: a problem, printed as
 // "<Kind>/<name> <container>: <what>"; 2: usage or input errors.
 'use strict';
@@ -173,11 +174,19 @@ for (const {from, cfg} of configs) {
       }
     }
   }
-  for (const obj of byRole.get('onebit-server') || []) {
-    const v = obj.spec.replicas === undefined ? 1 : obj.spec.replicas;
-    if (v !== servers) {
-      problems.push(`${obj.kind}/${obj.metadata.name}: spec.replicas is ${v}, but ${from} says servers=${servers}`);
-    }
+  // Servers: a StatefulSet's replicas, or one per pod of a Job that runs
+  // them beside its workers (deploy/k8s/overlays/colocated).
+  const serverObjs = byRole.get('onebit-server') || [];
+  let total = 0;
+  const counts = [];
+  for (const obj of serverObjs) {
+    const field = obj.kind === 'Job' ? 'completions' : 'replicas';
+    const v = obj.spec[field] === undefined ? 1 : obj.spec[field];
+    total += v;
+    counts.push(`${obj.kind}/${obj.metadata.name}: spec.${field} is ${v}`);
+  }
+  if (serverObjs.length && total !== servers) {
+    problems.push(`${counts.join(', ')}, but ${from} says servers=${servers}`);
   }
 }
 

@@ -5,7 +5,8 @@
 // Asserts what a job needs to survive preemption and the loss of a process:
 // - the coordinator runs in a Job with restartPolicy OnFailure and
 //   backoffLimit > 0 (a finished job is not restarted, a failed one is);
-// - the servers run in a StatefulSet (restarted whenever they exit);
+// - the servers run in a StatefulSet (restarted whenever they exit), or
+//   beside the workers in their Indexed Job's pods (restartPolicy OnFailure);
 // - the workers run in an Indexed Job with backoffLimit (or
 //   backoffLimitPerIndex) > 0;
 // - the coordinator's training config (--config, from a mounted ConfigMap,
@@ -123,11 +124,19 @@ for (const c of coordinators) {
   if (!(Number(every) > 0)) problems.push(`${where}: checkpoint_every is ${every}: the job never checkpoints`);
 }
 
-// Servers: a StatefulSet (restarts them whenever they exit).
+// Servers: a StatefulSet (restarts them whenever they exit), or beside the
+// workers in their Indexed Job's pods (restarted with them; checked below).
 const servers = containersOf('onebit-server');
+const runsWorkers = (obj) => ((obj.spec.template && obj.spec.template.spec.containers) || [])
+    .some((k) => (k.command || []).length && path.posix.basename(String(k.command[0])) === 'onebit-worker');
 for (const c of servers) {
-  if (c.obj.kind !== 'StatefulSet') {
-    problems.push(`${nameOf(c.obj)} ${c.container.name}: the servers run in a ${c.obj.kind}, not a StatefulSet`);
+  const where = `${nameOf(c.obj)} ${c.container.name}`;
+  if (c.obj.kind === 'Job' && c.obj.spec.completionMode === 'Indexed' && runsWorkers(c.obj)) {
+    if (c.podSpec.restartPolicy !== 'OnFailure') {
+      problems.push(`${where}: a server beside the workers with restartPolicy ${c.podSpec.restartPolicy}, not OnFailure`);
+    }
+  } else if (c.obj.kind !== 'StatefulSet') {
+    problems.push(`${where}: the servers run in a ${c.obj.kind}, not a StatefulSet (nor beside the workers in their Indexed Job)`);
   }
 }
 

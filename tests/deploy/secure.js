@@ -227,7 +227,14 @@ for (const c of jobPods) {
       }
     });
   }
-  // What the job itself needs admitted: [port flag, default, client roles].
+}
+
+// What the job itself needs admitted, container by container (a pod may
+// run a server beside its worker): [port flag, default, client roles].
+for (const c of containers) {
+  const where = c.where;
+  const mine = policies.filter((np) => ingressPolicy(np) && selects((np.spec || {}).podSelector, c.labels));
+  if (!mine.length) continue;  // reported above
   const needs = {
     'onebit-coordinator': ['port', 7070, ['onebit-server', 'onebit-worker']],
     'onebit-server': ['data_port', 5555, ['onebit-worker']],
@@ -236,7 +243,7 @@ for (const c of jobPods) {
   const [flag, dflt, clients] = needs;
   const port = Number(flagValue(c.argv, flag) || dflt);
   for (const client of clients) {
-    const from = jobPods.filter((j) => j.role === client);
+    const from = jobPods.filter((j) => containers.some((k) => k.obj === j.obj && k.role === client));
     for (const f of from) {
       const ok = mine.some((np) => (np.spec.ingress || []).some((rule) =>
         (!(rule.from || []).length ||  // every source: reported above

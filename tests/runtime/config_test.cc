@@ -760,10 +760,10 @@ TEST(Binaries, LaunchTrainsFromADeepSpeedConfigAndListsTheIgnoredKeysOnce) {
 // and the job as bit-exact as with --servers given.
 TEST(Binaries, LaunchRunsKServersPerWorker) {
   const std::string out = TempDir("launch-colocated");
-  RunResult r = RunCommand({Bin("onebit-launch"), "--workers=3", "--servers_per_worker_host=2",
-                            "--model=synthetic", "--dim=6007", "--steps=20", "--out=" + out,
-                            "--heartbeat_timeout=3s"},
-                           absl::Seconds(60));
+  RunResult r = RunCommand(
+      {Bin("onebit-launch"), "--workers=3", "--servers_per_worker_host=2", "--model=synthetic",
+       "--dim=6007", "--steps=20", "--out=" + out, "--heartbeat_timeout=3s"},
+      absl::Seconds(60));
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_THAT(r.output, HasSubstr("starting 6 servers and 3 workers"));
   const std::string summary = ReadFile(out + "/summary.json");
