@@ -13,6 +13,16 @@
 
 namespace onebit {
 
+uint64_t ChunkElemsFor(uint64_t setting, const ShardMap& map) {
+  if (setting != 0) return setting;
+  constexpr uint64_t kMin = uint64_t{1} << 14, kMax = uint64_t{1} << 20;
+  uint64_t largest = 0;
+  for (uint32_t k = 0; k < map.num_shards(); ++k) largest = std::max(largest, map.shard(k).size());
+  const uint64_t b = map.block_size();
+  const uint64_t want = std::clamp((largest + 7) / 8, kMin, kMax);
+  return std::max(b, (want + b - 1) / b * b);
+}
+
 uint64_t NumChunks(uint64_t size, uint64_t chunk_elems) {
   return (size + chunk_elems - 1) / chunk_elems;
 }

@@ -38,6 +38,14 @@ struct DataPlaneJob {
   const Codec* init_codec = nullptr;  // fp32
 };
 
+// The chunk size of a job whose --chunk_elems is `setting` on `map`: the
+// setting itself, or where it is 0 (auto, the default) an eighth of the
+// largest shard, so that a shard's pushes and replies pipeline (the server
+// works on the first chunks while the rest are on the wire), between 16 Ki
+// and 1 Mi elements (64 KB to 4 MB of fp32: smaller ones cost more per byte
+// than they save), rounded up to a multiple of the codec block.
+uint64_t ChunkElemsFor(uint64_t setting, const ShardMap& map);
+
 // Number of chunks of a shard of `size` elements (0 for an empty shard).
 uint64_t NumChunks(uint64_t size, uint64_t chunk_elems);
 // Global element range of chunk c of shard k.

@@ -224,9 +224,11 @@ absl::Status ValidateConfig(const control::TrainingConfig& c) {
                "checkpoints of onebit-lamb are not implemented yet (its layers' ratios and "
                "second variance are not saved)");
   }
-  if (c.chunk_elems() < c.block_size() || c.chunk_elems() % c.block_size() != 0 ||
-      c.chunk_elems() > kMaxChunkElems) {
-    return bad("chunk_elems", "must be a positive multiple of --block_size, at most 2^24");
+  if (c.chunk_elems() != 0 &&
+      (c.chunk_elems() < c.block_size() || c.chunk_elems() % c.block_size() != 0 ||
+       c.chunk_elems() > kMaxChunkElems)) {
+    return bad("chunk_elems",
+               "must be 0 (auto) or a positive multiple of --block_size, at most 2^24");
   }
   if (c.step_timeout_ms() < 1) return bad("step_timeout", "must be >= 1ms");
   if (c.heartbeat_timeout_ms() < 100) return bad("heartbeat_timeout", "must be >= 100ms");

@@ -112,8 +112,9 @@ constexpr JobSetting kSettings[] = {
      "onebit block scale: l1 (mean |y|) | l2 (||y||/sqrt(n))"},
     {"block_size", T::kUint32, "2048", "compression", "codec block size B (multiple of 32)"},
 
-    {"chunk_elems", T::kUint64, "1048576", "data plane",
-     "elements per data-plane chunk (multiple of --block-size; 1M fp32 = 4 MB)"},
+    {"chunk_elems", T::kUint64, "0", "data plane",
+     "elements per data-plane chunk (multiple of --block-size, at most 2^24); 0: an eighth of "
+     "the largest shard, between 16 Ki and 1 Mi (64 KB to 4 MB of fp32)"},
     {"step_timeout", T::kDuration, "30s", "data plane",
      "how long a server waits for the missing pushes of a step, and a worker for its replies "
      "(worker waits twice this)"},

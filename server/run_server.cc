@@ -223,7 +223,7 @@ absl::Status ServeIncarnation(const ServerOptions& o, const control::RegisterRep
   po.job.workers = cfg.workers();
   po.job.steps = cfg.steps();
   po.job.map = *map;
-  po.job.chunk_elems = cfg.chunk_elems();
+  po.job.chunk_elems = ChunkElemsFor(cfg.chunk_elems(), po.job.map);
   po.shard = rank;
   po.optimizer = *optimizer;
   po.freeze = *freeze;

@@ -460,7 +460,7 @@ absl::Status Worker::Impl::ConnectToServers(const control::RegisterReply& reg) {
   po.job_id = DataPlaneId(job.job_id, reg.incarnation());
   po.rank = job.rank;
   po.map = map;
-  po.chunk_elems = cfg.chunk_elems();
+  po.chunk_elems = ChunkElemsFor(cfg.chunk_elems(), po.map);
   po.optimizer = optimizer.get();
   for (const auto& s : reg.servers()) {
     po.server_endpoints.push_back(s.data_endpoint());

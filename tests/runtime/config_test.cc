@@ -228,7 +228,7 @@ TEST(JobSettings, DefaultsParseAndAreTheDocumentedOnes) {
   EXPECT_EQ(c.lr(), 0.01f);
   EXPECT_EQ(c.eps(), 1e-8f);
   EXPECT_EQ(c.block_size(), 2048u);
-  EXPECT_EQ(c.chunk_elems(), uint64_t{1} << 20);
+  EXPECT_EQ(c.chunk_elems(), uint64_t{0});
   EXPECT_EQ(c.step_timeout_ms(), 30000u);
   EXPECT_EQ(c.heartbeat_timeout_ms(), 10000u);
   EXPECT_EQ(c.layers(), "784-256-128-10");
@@ -350,7 +350,7 @@ TEST(JobSettings, ConfigDifferencesNameEverySettingThatDiffers) {
               ::testing::ElementsAre("--steps: 100 (here) vs 200 (there)",
                                      "--lr: 0.01 (here) vs 0.001 (there)",
                                      "--block_size: 2048 (here) vs 64 (there)",
-                                     "--chunk_elems: 1048576 (here) vs 64 (there)"));
+                                     "--chunk_elems: 0 (here) vs 64 (there)"));
   EXPECT_THAT(ConfigDifferences(*a, *b, {"steps", "chunk_elems"}),
               ::testing::ElementsAre("--lr: 0.01 (here) vs 0.001 (there)",
                                      "--block_size: 2048 (here) vs 64 (there)"));

@@ -181,6 +181,22 @@ TEST(DataChunks, CoverEachShardExactlyOnce) {
   EXPECT_EQ(NumChunks(0, 64), 0u);
 }
 
+// --chunk_elems 0: an eighth of the largest shard, within [16 Ki, 1 Mi],
+// a multiple of the block; a set value is kept.
+TEST(DataChunks, AutoSizeIsAnEighthOfTheLargestShardWithinBounds) {
+  // The mlp on 2 servers: shards of 118 784 and 116 362; an eighth is under 16 Ki.
+  EXPECT_EQ(ChunkElemsFor(0, *ShardMap::Create(235146, 2, 2048)), 16384u);
+  // 4 Mi on 4 servers: 1 Mi each, an eighth 128 Ki.
+  EXPECT_EQ(ChunkElemsFor(0, *ShardMap::Create(4 << 20, 4, 2048)), 131072u);
+  // 25 M on 2 servers: an eighth is 1.57 M, above the bound.
+  EXPECT_EQ(ChunkElemsFor(0, *ShardMap::Create(25165824, 2, 2048)), 1048576u);
+  // Rounded up to the block: 16 384 is not a multiple of 96, 16 416 is.
+  EXPECT_EQ(ChunkElemsFor(0, *ShardMap::Create(9973, 3, 96)), 16416u);
+  // 3 Mi + 96 on 3 servers: shards of 1 048 608; an eighth (131 076), up to the block.
+  EXPECT_EQ(ChunkElemsFor(0, *ShardMap::Create((3 << 20) + 96, 3, 32)), 131104u);
+  EXPECT_EQ(ChunkElemsFor(4096, *ShardMap::Create(25165824, 2, 2048)), 4096u);
+}
+
 TEST(SyntheticModel, DeterministicPerSeedRankStep) {
   SyntheticModel m({1000, 3, 0.5f, false});
   std::vector<float> x(1000), g1(1000), g2(1000), g3(1000);
