@@ -71,7 +71,7 @@ absl::Status Abandon(int fd, const std::string& tmp, absl::Status st) {
 }
 
 // Writes all of `parts` to fd through an aligned buffer under O_DIRECT, the
-// tail padded to the alignment and cut off again. The page cache would cost
+// tail padded to the alignment (the caller cuts the file back to *size). The page cache would cost
 // a copy of every byte into fresh pages and their write-back, on the cores
 // that train; a direct write costs one copy into a buffer that stays hot.
 // kUnsupported where the file system refuses direct writes (nothing written).
@@ -117,7 +117,6 @@ Direct WriteDirect(int fd, absl::Span<const absl::string_view> parts, uint64_t* 
     std::memset(buf.get() + fill, 0, padded - fill);
     if (Direct d = flush(padded); d != Direct::kWritten) return d;
   }
-  if (ftruncate(fd, static_cast<off_t>(total)) != 0) return Direct::kFailed;
   *size = total;
   return Direct::kWritten;
 }
@@ -160,6 +159,10 @@ absl::StatusOr<WrittenFile> WriteParts(const std::string& dir, const std::string
     direct = WriteDirect(fd, parts, &out.size);
     if (direct == Direct::kFailed) return Abandon(fd, tmp, Errno("write", tmp));
     if (direct == Direct::kUnsupported) close(fd);
+    // The padding of the last block goes.
+    if (direct == Direct::kWritten && ftruncate(fd, static_cast<off_t>(out.size)) != 0) {
+      return Abandon(fd, tmp, Errno("truncate", tmp));
+    }
   }
   if (direct == Direct::kUnsupported) {
     fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
