@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -524,6 +525,7 @@ class SlowCoordinator final : public control::Coordinator::Service {
  public:
   grpc::Status Heartbeat(grpc::ServerContext*, const control::HeartbeatRequest* req,
                          control::HeartbeatReply*) override {
+    entered_ = true;
     absl::SleepFor(absl::Milliseconds(400));
     absl::MutexLock l(&mu_);
     for (const auto& m : req->metrics()) counted_.push_back(m.step());
@@ -536,6 +538,7 @@ class SlowCoordinator final : public control::Coordinator::Service {
     for (const auto& m : req->metrics()) with_done_.push_back(m.step());
     return grpc::Status::OK;
   }
+  std::atomic<bool> entered_{false};  // a heartbeat has reached it
   absl::Mutex mu_;
   std::vector<uint64_t> counted_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> before_done_ ABSL_GUARDED_BY(mu_);
@@ -563,7 +566,10 @@ TEST(Heartbeater, DoneComesAfterTheHeartbeatInFlightIsAnswered) {
     hb.AddMetrics(m);
   }
   hb.Kick();
-  absl::SleepFor(absl::Milliseconds(100));  // that heartbeat is on its way
+  // That heartbeat is being answered when Done goes out.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (!svc.entered_ && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+  ASSERT_TRUE(svc.entered_);
   control::StepMetrics last;
   last.set_step(5);
   hb.AddMetrics(last);
