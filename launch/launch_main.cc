@@ -45,6 +45,10 @@ ABSL_FLAG(std::string, worker_cmd, "",
           "onebit-worker; it finds the job in its environment: ONEBIT_COORDINATOR, ONEBIT_RANK, "
           "ONEBIT_WORLD_SIZE (also RANK, WORLD_SIZE, LOCAL_RANK as torchrun sets them), "
           "ONEBIT_DEVICE (from --worker_devices) and, with --dump_params, ONEBIT_DUMP_X");
+ABSL_FLAG(bool, overlap, true,
+          "onebit-worker pushes each part of the gradient as soon as the backward has finished "
+          "it (--overlap of onebit-worker); false: after the whole backward. The same results "
+          "bit for bit");
 ABSL_FLAG(int32_t, stall_worker, -1, "fault injection: this worker stops pushing ...");
 ABSL_FLAG(int64_t, stall_at_step, -1, "... at this step");
 ABSL_FLAG(absl::Duration, grace, absl::Seconds(1),
@@ -174,6 +178,11 @@ int Main(int argc, char** argv) {
   const std::string worker_cmd = absl::GetFlag(FLAGS_worker_cmd);
   if (!worker_cmd.empty() && stall_worker >= 0) {
     ExitFlagError("stall_worker", "works with onebit-worker only, not --worker_cmd");
+  }
+  if (!worker_cmd.empty() && !absl::GetFlag(FLAGS_overlap)) {
+    ExitFlagError("overlap",
+                  "works with onebit-worker only; a --worker_cmd program chooses its own (the "
+                  "PyTorch front: DistributedOptimizer(overlap=False))");
   }
   // Secure by default: without --secret_file (or $ONEBIT_SECRET_FILE) or
   // --insecure, each start of the job gets a fresh secret of its own.
@@ -348,6 +357,7 @@ int Main(int argc, char** argv) {
       if (!devices.empty()) {
         a.push_back("--device=" + devices[std::min<size_t>(i, devices.size() - 1)]);
       }
+      if (!absl::GetFlag(FLAGS_overlap)) a.push_back("--overlap=false");
       c.argv = a;  // a restarted one does not stall again
       if (static_cast<int>(i) == stall_worker && attempt == 0) {
         a.push_back(absl::StrCat("--stall_at_step=", absl::GetFlag(FLAGS_stall_at_step)));

@@ -188,6 +188,16 @@ std::string MlpModel::DescribeParam(uint64_t j) const {
 
 absl::StatusOr<double> MlpModel::Gradient(const float* x, uint32_t rank, uint64_t step,
                                           float* g) const {
+  return Backward(x, rank, step, g, nullptr);
+}
+
+absl::StatusOr<double> MlpModel::GradientInParts(const float* x, uint32_t rank, uint64_t step,
+                                                 float* g, const ReleaseFn& release) const {
+  return Backward(x, rank, step, g, &release);
+}
+
+absl::StatusOr<double> MlpModel::Backward(const float* x, uint32_t rank, uint64_t step, float* g,
+                                          const ReleaseFn* release) const {
   std::unique_ptr<Workspace> ws = Borrow();
   const size_t rows = o_.batch;
   const int m = static_cast<int>(rows);
@@ -213,9 +223,17 @@ absl::StatusOr<double> MlpModel::Gradient(const float* x, uint32_t rank, uint64_
     for (size_t k = 0; k < classes; ++k) d[i * classes + k] = static_cast<float>(p[k]) * inv_rows;
   }
   loss /= static_cast<double>(rows);
+  if (!std::isfinite(loss)) {
+    Return(std::move(ws));
+    return absl::InternalError(
+        absl::StrCat("mlp: loss is not finite (", loss, ") at rank ", rank, " step ", step));
+  }
 
   // Backward, from the output layer down; delta[cur] holds dLoss/dZ_{l+1}.
+  // Each layer's W_l and b_l are adjacent in x, so once both are computed
+  // (and checked) the layer is released while the layers below are computed.
   int cur = 0;
+  absl::Status failed;
   for (size_t l = L; l-- > 0;) {
     const int n_in = static_cast<int>(o_.layers[l]);
     const int n_out = static_cast<int>(o_.layers[l + 1]);
@@ -228,6 +246,19 @@ absl::StatusOr<double> MlpModel::Gradient(const float* x, uint32_t rank, uint64_
     std::fill(gb, gb + n_out, 0.0f);
     for (size_t i = 0; i < rows; ++i) {
       for (int k = 0; k < n_out; ++k) gb[k] += dz[i * n_out + k];
+    }
+    const uint64_t end = b_off_[l] + static_cast<uint64_t>(n_out);
+    if (!AllFinite(g + w_off_[l], end - w_off_[l])) {
+      uint64_t j = w_off_[l];
+      while (std::isfinite(g[j])) ++j;
+      failed =
+          absl::InternalError(absl::StrCat("mlp: gradient ", DescribeParam(j), " is not finite (",
+                                           g[j], ") at rank ", rank, " step ", step));
+      break;
+    }
+    if (release != nullptr) {
+      failed = (*release)(w_off_[l], end);
+      if (!failed.ok()) break;
     }
     if (l == 0) break;  // no gradient w.r.t. the pixels needed
     // dA = dZ · W  (rows x n_in), then through the ReLU of layer l-1.
@@ -242,17 +273,7 @@ absl::StatusOr<double> MlpModel::Gradient(const float* x, uint32_t rank, uint64_
     cur = 1 - cur;
   }
   Return(std::move(ws));
-
-  if (!std::isfinite(loss)) {
-    return absl::InternalError(
-        absl::StrCat("mlp: loss is not finite (", loss, ") at rank ", rank, " step ", step));
-  }
-  if (!AllFinite(g, num_params_)) {
-    uint64_t j = 0;
-    while (std::isfinite(g[j])) ++j;
-    return absl::InternalError(absl::StrCat("mlp: gradient ", DescribeParam(j), " is not finite (",
-                                            g[j], ") at rank ", rank, " step ", step));
-  }
+  if (!failed.ok()) return failed;
   return loss;
 }
 

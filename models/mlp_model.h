@@ -64,6 +64,10 @@ class MlpModel final : public Model, public Evaluator {
   void Init(float* x) const override;
   absl::StatusOr<double> Gradient(const float* x, uint32_t rank, uint64_t step,
                                   float* g) const override;
+  // Releases each layer's W_l and b_l (adjacent in x) once both are
+  // computed, from the output layer down.
+  absl::StatusOr<double> GradientInParts(const float* x, uint32_t rank, uint64_t step, float* g,
+                                         const ReleaseFn& release) const override;
   // Accuracy and mean cross-entropy over all test images, in batches of
   // options.eval_batch.
   absl::StatusOr<EvalResult> Evaluate(const float* x) const override;
@@ -86,6 +90,9 @@ class MlpModel final : public Model, public Evaluator {
   // Activations of `rows` examples already in ws->x; the logits end up in the
   // last activation buffer.
   void Forward(const float* x, Workspace* ws, size_t rows) const;
+  // Gradient, releasing layer by layer when `release` is not null.
+  absl::StatusOr<double> Backward(const float* x, uint32_t rank, uint64_t step, float* g,
+                                  const ReleaseFn* release) const;
   // Names the layer and the part (W or b) of parameter index j.
   std::string DescribeParam(uint64_t j) const;
 

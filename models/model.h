@@ -5,6 +5,7 @@
 #define ONEBIT_MODELS_MODEL_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "absl/status/statusor.h"
@@ -23,6 +24,17 @@ class Model {
   // loss at x. Non-finite results are an error.
   virtual absl::StatusOr<double> Gradient(const float* x, uint32_t rank, uint64_t step,
                                           float* g) const = 0;
+  // Told that g[b, e) is final for this call (and finite); a non-OK result
+  // stops the gradient, which returns it.
+  using ReleaseFn = std::function<absl::Status(uint64_t b, uint64_t e)>;
+  // Gradient, releasing ranges of g as they become final, so that a caller
+  // can send them while the rest is computed. The same g and loss as
+  // Gradient, bit for bit; the released ranges are disjoint and cover
+  // [0, d) by the time it returns OK. A model whose backward runs layer by
+  // layer releases each layer as it finishes it (the last layer first); the
+  // default releases [0, d) at the end.
+  virtual absl::StatusOr<double> GradientInParts(const float* x, uint32_t rank, uint64_t step,
+                                                 float* g, const ReleaseFn& release) const;
   // Steps per pass over the training data; 0 when the model has no data set.
   virtual uint64_t steps_per_epoch() const { return 0; }
 };

@@ -269,6 +269,7 @@ absl::Status PsClient::BeginStep(uint64_t step, std::optional<float> lr) {
   replica_begun_ = false;
   std::fill(pushed_.begin(), pushed_.end(), false);
   pushed_count_ = 0;
+  pushed_before_last_ready_ = 0;
   ready_.clear();
   bytes_up_ = 0;
   bytes_down_ = 0;
@@ -316,6 +317,7 @@ absl::Status PsClient::PushReady(uint64_t b, uint64_t e, Replica* replica) {
     return absl::OutOfRangeError(
         absl::StrCat("gradient range [", b, ", ", e, ") is not within [0, ", d, ")"));
   }
+  pushed_before_last_ready_ = pushed_count_;
   if (b == e) return absl::OkStatus();
   if (absl::Status st = BeginReplicaStep(replica); !st.ok()) return st;
   if (kind_ == StepKind::kLocal) return absl::OkStatus();  // nothing goes out
@@ -344,6 +346,7 @@ absl::Status PsClient::CompleteStep(Replica* replica, const Check& check) {
   if (!in_step_) return absl::FailedPreconditionError("no step has begun");
   in_step_ = false;  // a failed step is not retried: the job fails
   if (absl::Status st = BeginReplicaStep(replica); !st.ok()) return st;
+  step_chunks_ = chunks_overlapped_ = 0;
   if (kind_ == StepKind::kLocal) {
     push_s_ = reply_s_ = 0;
     if (absl::Status st = replica->LocalStep(step_); !st.ok()) return st;
@@ -367,6 +370,8 @@ absl::Status PsClient::CompleteStep(Replica* replica, const Check& check) {
   auto seconds = [](uint64_t from, uint64_t to) { return to > from ? (to - from) * 1e-9 : 0.0; };
   push_s_ = seconds(start_ns_, last_pushed_ns_);
   reply_s_ = seconds(first_sent_ns_, end_ns);
+  step_chunks_ = pushed_count_;
+  chunks_overlapped_ = pushed_before_last_ready_;
   return absl::OkStatus();
 }
 

@@ -86,6 +86,10 @@ class PsClient {
   // Phases of the last step (same-host clocks; see StepMetrics.push_s).
   double last_push_s() const { return push_s_; }
   double last_reply_s() const { return reply_s_; }
+  // Chunks the last step pushed, and how many of them went out before its
+  // last PushReady call: while the rest of the gradient was being computed.
+  size_t last_chunks() const { return step_chunks_; }
+  size_t last_chunks_overlapped() const { return chunks_overlapped_; }
 
  private:
   struct Chunk {
@@ -133,6 +137,7 @@ class PsClient {
   StepKind kind_ = StepKind::kFull;  // what the step sends, once the replica has begun it
   std::vector<bool> pushed_;         // by chunks_ index
   size_t pushed_count_ = 0;
+  size_t pushed_before_last_ready_ = 0;
   std::map<uint64_t, uint64_t> ready_;  // released ranges, merged: begin -> end
   uint64_t start_ns_ = 0;               // the step's first push
   uint64_t bytes_up_ = 0;
@@ -141,6 +146,8 @@ class PsClient {
   uint64_t first_sent_ns_ = 0;   // min over this step's replies
   double push_s_ = 0;
   double reply_s_ = 0;
+  size_t step_chunks_ = 0;
+  size_t chunks_overlapped_ = 0;
 };
 
 }  // namespace onebit

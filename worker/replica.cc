@@ -35,6 +35,11 @@ class CpuReplica final : public Replica {
     if (model_ == nullptr) return absl::FailedPreconditionError("the replica has no model");
     return model_->Gradient(state_.x.data(), rank, step, g_.data());
   }
+  absl::StatusOr<double> ComputeGradientInParts(uint32_t rank, uint64_t step,
+                                                const Model::ReleaseFn& release) override {
+    if (model_ == nullptr) return absl::FailedPreconditionError("the replica has no model");
+    return model_->GradientInParts(state_.x.data(), rank, step, g_.data(), release);
+  }
   absl::Status BeginStep(uint64_t step, float lr) override {
     step_ = step;
     lr_ = lr;
@@ -109,6 +114,14 @@ class CpuReplica final : public Replica {
 };
 
 }  // namespace
+
+absl::StatusOr<double> Replica::ComputeGradientInParts(uint32_t rank, uint64_t step,
+                                                       const Model::ReleaseFn& release) {
+  absl::StatusOr<double> loss = ComputeGradient(rank, step);
+  if (!loss.ok()) return loss;
+  if (absl::Status st = release(0, num_params()); !st.ok()) return st;
+  return loss;
+}
 
 absl::Status CheckStateFits(const WorkerState& s, uint64_t d, const WorkerOptimizer& opt) {
   const OptimizerKind kind = opt.options().kind;

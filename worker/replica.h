@@ -45,6 +45,12 @@ class Replica {
   // Computes and keeps the gradient of worker `rank`'s loss at x for `step`;
   // returns the loss. FailedPrecondition without a model.
   virtual absl::StatusOr<double> ComputeGradient(uint32_t rank, uint64_t step) = 0;
+  // ComputeGradient, calling `release` as ranges of the gradient become
+  // final (Model::GradientInParts), so that they can be pushed while the
+  // rest is computed; the same gradient bit for bit. The default (a
+  // device's model, which finishes on the device) releases [0, d) at the end.
+  virtual absl::StatusOr<double> ComputeGradientInParts(uint32_t rank, uint64_t step,
+                                                        const Model::ReleaseFn& release);
   // Once per step, before its first Push (or its LocalStep), with the
   // step's learning rate (without it, the job's schedule's).
   virtual absl::Status BeginStep(uint64_t step, float lr) = 0;

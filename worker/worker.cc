@@ -665,6 +665,8 @@ absl::StatusOr<StepStats> Worker::Step(const StepOptions& options) {
   s.step_s = absl::ToDoubleSeconds(end - w.step_start);
   s.push_s = w.client->last_push_s();
   s.reply_s = w.client->last_reply_s();
+  s.chunks = w.client->last_chunks();
+  s.chunks_overlapped = w.client->last_chunks_overlapped();
   control::StepMetrics m;
   m.set_step(s.step);
   m.set_loss(static_cast<float>(options.loss));

@@ -36,6 +36,10 @@ ABSL_FLAG(int32_t, exit_code_when_stopped, 0,
           "exit with this code when the job stopped on request (SIGTERM to one of its processes) "
           "after a complete checkpoint; e.g. 75 so that a Kubernetes Job with restartPolicy "
           "OnFailure starts the pod again and the job resumes");
+ABSL_FLAG(bool, overlap, true,
+          "push each part of the gradient as soon as the backward has finished it (the mlp: "
+          "layer by layer, the last layer first), while the rest is computed; false: push "
+          "after the whole backward. The results are the same bit for bit");
 ABSL_FLAG(absl::Duration, progress_interval, absl::Seconds(1),
           "how often to print the progress line on stderr (0: after every step)");
 
@@ -95,10 +99,11 @@ int Main(int argc, char** argv) {
   const bool evaluate = rank == 0 && cfg.eval_every() > 0 && rep.can_evaluate();
   double last_accuracy = -1;
   const int64_t stall = absl::GetFlag(FLAGS_stall_at_step);
+  const bool overlap = absl::GetFlag(FLAGS_overlap);
   const absl::Duration progress_every = absl::GetFlag(FLAGS_progress_interval);
   const absl::Time t0 = absl::Now();
   absl::Time last_progress = t0;
-  uint64_t total_up = 0, total_down = 0;
+  uint64_t total_up = 0, total_down = 0, total_chunks = 0, overlapped = 0;
   // A resumed job continues at its checkpoint's step; the data order is the
   // step's. So does a job that rolled back (then steps_done() went back).
   const uint64_t first = w.steps_done();
@@ -113,23 +118,38 @@ int Main(int argc, char** argv) {
         }
         fail("", st);
       }
-      auto loss = rep.ComputeGradient(rank, step);
+      // What the worker said about a push or a step: the job rolled back
+      // (this step again), stopped on request, or failed.
+      enum class Next { kGoOn, kRetry, kStop };
+      auto outcome = [&](const absl::Status& st) {
+        if (st.ok()) return Next::kGoOn;
+        if (IsRolledBack(st) || absl::IsCancelled(st)) {
+          std::fprintf(stderr, "worker %u: %s\n", rank, std::string(st.message()).c_str());
+          return IsRolledBack(st) ? Next::kRetry : Next::kStop;
+        }
+        fail("", st);
+        return Next::kStop;  // not reached
+      };
+      absl::Status pushed;  // a push's error: the worker has handled it already
+      auto release = [&](uint64_t b, uint64_t e) {
+        pushed = w.GradientsReady(b, e);
+        return pushed;
+      };
+      auto loss = overlap ? rep.ComputeGradientInParts(rank, step, release)
+                          : rep.ComputeGradient(rank, step);
+      if (Next n = outcome(pushed); n != Next::kGoOn) {
+        if (n == Next::kRetry) continue;
+        return absl::GetFlag(FLAGS_exit_code_when_stopped);
+      }
       if (!loss.ok()) fail("", WorkerAccess::Fail(w, loss.status()));
       StepOptions so;
       so.loss = *loss;
       if (per_epoch > 0) so.epoch = static_cast<double>(step + 1) / per_epoch;
       auto stats = w.Step(so);
-      if (IsRolledBack(stats.status())) {
-        std::fprintf(stderr, "worker %u: %s\n", rank,
-                     std::string(stats.status().message()).c_str());
-        continue;
-      }
-      if (absl::IsCancelled(stats.status())) {
-        std::fprintf(stderr, "worker %u: %s\n", rank,
-                     std::string(stats.status().message()).c_str());
+      if (Next n = outcome(stats.status()); n != Next::kGoOn) {
+        if (n == Next::kRetry) continue;
         return absl::GetFlag(FLAGS_exit_code_when_stopped);
       }
-      if (!stats.ok()) fail("", stats.status());
       // Rank 0 scores its replica (equal to every other) on the test set.
       if (evaluate && ((step + 1) % cfg.eval_every() == 0 || step + 1 == steps)) {
         auto eval = rep.Evaluate();
@@ -144,6 +164,8 @@ int Main(int argc, char** argv) {
       }
       total_up += stats->bytes_up;
       total_down += stats->bytes_down;
+      total_chunks += stats->chunks;
+      overlapped += stats->chunks_overlapped;
       const absl::Time now = absl::Now();
       if (now - last_progress >= progress_every || step + 1 == steps) {
         last_progress = now;
@@ -163,6 +185,11 @@ int Main(int argc, char** argv) {
       }
     }
 
+    std::fprintf(
+        stderr, "worker %u: %llu of %llu chunks (%.1f %%) went out during the backward%s\n", rank,
+        static_cast<unsigned long long>(overlapped), static_cast<unsigned long long>(total_chunks),
+        total_chunks > 0 ? 100.0 * overlapped / total_chunks : 0.0,
+        overlap ? "" : " (--overlap=false)");
     const std::string dump = absl::GetFlag(FLAGS_dump_x);
     if (!dump.empty()) {
       std::vector<float> x(w.num_params());

@@ -154,6 +154,10 @@ struct StepStats {
   double step_s = 0;        // from the first push to the last reply applied
   double push_s = 0;        // see metrics.csv: same-host clocks only
   double reply_s = 0;
+  // Chunks the step pushed, and how many of them went out before its last
+  // GradientsReady() call, i.e. while the rest of the backward was running.
+  uint64_t chunks = 0;
+  uint64_t chunks_overlapped = 0;
 };
 
 class Worker {

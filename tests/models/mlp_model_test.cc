@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -195,6 +196,80 @@ TEST(MlpModelTest, GradientIsDeterministicPerRankAndStep) {
   EXPECT_NE(g1, g3);
   ASSERT_TRUE((*a)->Gradient(x.data(), 1, 9, g3.data()).ok());
   EXPECT_EQ(g1, g3);
+}
+
+// The layer-by-layer release: the same gradient and loss as Gradient, bit
+// for bit; each layer's W and b released once, from the output layer down,
+// already holding their final values.
+TEST(MlpModelTest, GradientInPartsReleasesEachLayerLastFirstWithItsFinalValues) {
+  auto data = TinyData(40, 10, 3);
+  auto m = MlpModel::Create(TinyOptions(), data);
+  ASSERT_TRUE(m.ok());
+  const size_t d = (*m)->num_params();
+  std::vector<float> x(d), whole(d), parts(d, -7.0f);
+  (*m)->Init(x.data());
+  absl::StatusOr<double> loss = (*m)->Gradient(x.data(), 2, 4, whole.data());
+  ASSERT_TRUE(loss.ok());
+  std::vector<std::pair<uint64_t, uint64_t>> released;
+  std::vector<std::vector<float>> at_release;
+  absl::StatusOr<double> loss2 =
+      (*m)->GradientInParts(x.data(), 2, 4, parts.data(), [&](uint64_t b, uint64_t e) {
+        released.emplace_back(b, e);
+        at_release.emplace_back(parts.begin() + b, parts.begin() + e);
+        return absl::OkStatus();
+      });
+  ASSERT_TRUE(loss2.ok()) << loss2.status();
+  EXPECT_EQ(*loss, *loss2);
+  EXPECT_EQ(whole, parts);
+  // 12-7-5-10: W0 84 + b0 7, W1 35 + b1 5, W2 50 + b2 10; the last layer first.
+  const std::vector<std::pair<uint64_t, uint64_t>> want = {{131, 191}, {91, 131}, {0, 91}};
+  EXPECT_EQ(released, want);
+  ASSERT_EQ(at_release.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(at_release[i],
+              std::vector<float>(whole.begin() + want[i].first, whole.begin() + want[i].second))
+        << "range " << i;
+  }
+}
+
+TEST(MlpModelTest, AFailedReleaseStopsTheBackwardWithItsError) {
+  auto data = TinyData(40, 10, 3);
+  auto m = MlpModel::Create(TinyOptions(), data);
+  ASSERT_TRUE(m.ok());
+  const size_t d = (*m)->num_params();
+  std::vector<float> x(d), g(d);
+  (*m)->Init(x.data());
+  int calls = 0;
+  absl::StatusOr<double> loss =
+      (*m)->GradientInParts(x.data(), 0, 0, g.data(), [&](uint64_t, uint64_t) {
+        ++calls;
+        return absl::UnavailableError("server 1 went away");
+      });
+  EXPECT_EQ(calls, 1);
+  ASSERT_FALSE(loss.ok());
+  EXPECT_EQ(loss.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(loss.status().message(), HasSubstr("server 1 went away"));
+}
+
+// A non-finite parameter shows in the loss, which is checked before the
+// first release: nothing non-finite goes out.
+TEST(MlpModelTest, ANonFiniteLossReleasesNothing) {
+  auto data = TinyData(40, 10, 7);
+  auto m = MlpModel::Create(TinyOptions(), data);
+  ASSERT_TRUE(m.ok());
+  std::vector<float> x((*m)->num_params()), g(x.size());
+  (*m)->Init(x.data());
+  x[(*m)->bias_offset(1)] = std::nanf("");
+  int calls = 0;
+  absl::StatusOr<double> loss =
+      (*m)->GradientInParts(x.data(), 1, 3, g.data(), [&](uint64_t, uint64_t) {
+        ++calls;
+        return absl::OkStatus();
+      });
+  ASSERT_FALSE(loss.ok());
+  EXPECT_THAT(loss.status().message(), HasSubstr("not finite"));
+  EXPECT_THAT(loss.status().message(), HasSubstr("rank 1 step 3"));
+  EXPECT_EQ(calls, 0);
 }
 
 TEST(MlpModelTest, ConcurrentCallsGiveTheSequentialResults) {

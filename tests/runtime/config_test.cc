@@ -539,6 +539,9 @@ TEST(Binaries, BadDurationsAndCountsAreFlagErrors) {
        "onebit-launch: --servers_per_worker_host: must be >= 0"},
       {{"onebit-launch", "--workers=3", "--servers=4", "--servers_per_worker_host=2"},
        "onebit-launch: --servers_per_worker_host: 2 x 3 workers is 6 servers, but --servers is 4"},
+      {{"onebit-launch", "--model=external", "--dim=10", "--worker_cmd=/bin/true",
+        "--overlap=false"},
+       "onebit-launch: --overlap: works with onebit-worker only"},
   };
   for (const Case& k : cases) {
     std::vector<std::string> argv = k.argv;

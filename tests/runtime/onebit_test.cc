@@ -686,6 +686,52 @@ TEST(Mlp, ShortClusterRunLearns) {
   EXPECT_EQ(evaluations, 6);  // once an epoch (the last one is also the end)
 }
 
+// The mlp's layer-by-layer release (--overlap, the default) pushes its last
+// layers while the first is computed, and changes nothing: the replicas,
+// masters and server errors equal those of --overlap=false and of
+// onebit-reference bit for bit, through the warm-up and the compression phase.
+TEST(Mlp, OverlapPushesDuringTheBackwardAndChangesNothing) {
+  const std::vector<std::string> job = {"--workers=2",       "--servers=2",
+                                        "--model=mlp",       "--layers=784-64-32-10",
+                                        "--batch=32",        "--max_train=1024",
+                                        "--max_test=200",    "--epochs=2",
+                                        "--freeze_step=12",  "--optimizer=onebit-adam",
+                                        "--lr=2e-3",         "--block_size=256",
+                                        "--chunk_elems=2048"};
+  auto run = [&](bool overlap) {
+    const std::string dir = TempDir(overlap ? "mlp-overlap" : "mlp-no-overlap");
+    std::vector<std::string> argv = {Bin("onebit-launch"), "--out=" + dir, "--dump_params",
+                                     "--heartbeat_timeout=3s",
+                                     absl::StrCat("--overlap=", overlap ? "true" : "false")};
+    argv.insert(argv.end(), job.begin(), job.end());
+    RunResult r = RunCommand(argv, absl::Seconds(120));
+    EXPECT_EQ(r.code, 0) << r.output;
+    return std::make_pair(dir, r.output);
+  };
+  const auto [on, on_log] = run(true);
+  const auto [off, off_log] = run(false);
+  // 784-64-32-10: layers 1 and 2 (W1 b1 W2 b2) are [50240, 52650). The
+  // shards are [0, 26368) and [26368, 52650), 13 chunks of up to 2048 each;
+  // the last, [50944, 52650), lies in layers 1 and 2 and goes out before
+  // layer 0 is released. 26 chunks a step, 32 steps.
+  EXPECT_THAT(on_log, HasSubstr("worker 0: 32 of 832 chunks (3.8 %) went out during the backward"));
+  EXPECT_THAT(off_log, HasSubstr("worker 0: 0 of 832 chunks (0.0 %) went out during the backward "
+                                 "(--overlap=false)"));
+  const std::string ref = TempDir("mlp-overlap-reference");
+  std::vector<std::string> rargv = {Bin("onebit-reference"), "--out=" + ref};
+  rargv.insert(rargv.end(), job.begin(), job.end());
+  RunResult rr = RunCommand(rargv, absl::Seconds(120));
+  ASSERT_EQ(rr.code, 0) << rr.output;
+  for (const char* f : {"/replica_w0.f32", "/replica_w1.f32", "/master_s0.f32", "/master_s1.f32",
+                        "/error_s0.f32", "/error_s1.f32"}) {
+    const std::vector<float> a = ReadFloats(on + f), b = ReadFloats(off + f);
+    EXPECT_FALSE(a.empty()) << f;
+    EXPECT_EQ(FirstDifference(a, b), "") << f;
+    EXPECT_EQ(FirstDifference(a, ReadFloats(ref + f)), "") << f;
+  }
+  EXPECT_EQ(Field(ReadFile(on + "/summary.json"), "freeze_step"), "12");
+}
+
 // The softmax model, whose options come only through --model_options, on a
 // 2 x 1 cluster: it learns, replicas stay equal, and onebit-reference given
 // the same job (its options as a --config object) ends with the same x.
