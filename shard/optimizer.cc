@@ -413,13 +413,20 @@ float LearningRate(const OptimizerOptions& o, uint64_t step) {
   return o.lr;
 }
 
-double VarianceChange(const std::vector<float>& v, const std::vector<float>& v_before) {
+double VarianceChange(const std::vector<float>& v, const std::vector<float>& v_before, double scale,
+                      double scale_before) {
   double diff = 0, norm = 0;
   for (size_t i = 0; i < v.size(); ++i) {
-    diff += std::fabs(static_cast<double>(v[i]) - static_cast<double>(v_before[i]));
-    norm += std::fabs(static_cast<double>(v[i]));
+    const double now = scale * static_cast<double>(v[i]);
+    diff += std::fabs(now - scale_before * static_cast<double>(v_before[i]));
+    norm += std::fabs(now);
   }
   return norm > 0 ? diff / norm : 0.0;
+}
+
+double FreezeCheckScale(const OptimizerOptions& o, uint64_t done) {
+  if (!o.bias_correction || done == 0) return 1.0;
+  return 1.0 / (1.0 - std::pow(static_cast<double>(o.beta2), static_cast<double>(done)));
 }
 
 // ---------------------------------------------------------------------------

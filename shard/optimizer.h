@@ -430,9 +430,17 @@ class WorkerOptimizer : public OptimizerCodecs {
 // parameter, and then den is untouched. den may be v.
 absl::Status HandOverDenominators(const float* v, size_t n, uint64_t first, float eps, float* den);
 
-// The automatic freeze (docs/design.md §1.4): ||v_t - v_{t-K}||_1 / ||v_t||_1 of a
-// shard, summed in double in index order (0 when both are zero).
-double VarianceChange(const std::vector<float>& v, const std::vector<float>& v_before);
+// The automatic freeze (docs/design.md §1.4): ||s v_t - s' v_{t-K}||_1 / ||s v_t||_1
+// of a shard, s = `scale` and s' = `scale_before`, summed in double in index
+// order (0 when both are zero).
+double VarianceChange(const std::vector<float>& v, const std::vector<float>& v_before,
+                      double scale = 1.0, double scale_before = 1.0);
+// The scale of v after `done` steps in that check: the freeze keeps, and the
+// warm-up divides by, the bias-corrected v / (1 - beta2^done) when
+// o.bias_correction, else v itself. Without it, a v that starts from zero
+// grows by the factor (1 - beta2^t) alone, so the raw change stays above
+// tau = 0.05 (K = 50, beta2 = 0.999) until step ~700 whatever the gradients.
+double FreezeCheckScale(const OptimizerOptions& o, uint64_t done);
 
 }  // namespace onebit
 

@@ -497,6 +497,32 @@ TEST(AutoFreeze, VarianceChangeAndDecision) {
 
 // The reference freezes where the rule says: v settles on a problem whose
 // gradients stop changing, and the first check (against v = 0) never fires.
+// With bias correction the check compares the v the freeze would keep,
+// v / (1 - beta2^t). Under a constant squared gradient that v is constant,
+// while the raw v still grows by the bias factor: its change over K = 50
+// steps at t = 500 is beta2^450 (1 - beta2^50) / (1 - beta2^500) = 0.080.
+TEST(AutoFreeze, WithBiasCorrectionTheCheckSeesTheCorrectedV) {
+  OptimizerOptions o;
+  o.beta2 = 0.999f;
+  const double b2 = 0.999f;
+  auto raw_v = [&](uint64_t t) {  // v after t steps of g^2 = 1, from v = 0
+    return static_cast<float>(1.0 - std::pow(b2, static_cast<double>(t)));
+  };
+  const std::vector<float> now(4, raw_v(500)), before(4, raw_v(450));
+  o.bias_correction = false;
+  EXPECT_EQ(FreezeCheckScale(o, 500), 1.0);
+  const double raw =
+      VarianceChange(now, before, FreezeCheckScale(o, 500), FreezeCheckScale(o, 450));
+  EXPECT_NEAR(raw, std::pow(b2, 450) * (1 - std::pow(b2, 50)) / (1 - std::pow(b2, 500)), 1e-6);
+  EXPECT_GT(raw, 0.05);
+  o.bias_correction = true;
+  EXPECT_DOUBLE_EQ(FreezeCheckScale(o, 500), 1.0 / (1.0 - std::pow(b2, 500)));
+  EXPECT_EQ(FreezeCheckScale(o, 0), 1.0);
+  const double corrected =
+      VarianceChange(now, before, FreezeCheckScale(o, 500), FreezeCheckScale(o, 450));
+  EXPECT_LT(corrected, 1e-6);  // only the float rounding of v is left
+}
+
 TEST(AutoFreeze, ReferenceFreezesOnceVSettles) {
   ReferenceOptions ro;
   ro.workers = 2;
@@ -524,6 +550,17 @@ TEST(AutoFreeze, ReferenceFreezesOnceVSettles) {
   // Check at 20: against v = 0, no. At 40: (0.9^20 - 0.9^40) / (1 - 0.9^40) = 0.107. At 60:
   // (0.9^40 - 0.9^60) / (1 - 0.9^60) = 0.0132 < 0.05: compression from step 80.
   EXPECT_EQ(r->freeze_step, 80u);
+  // With bias correction the corrected v is g² from the first step: the
+  // check at 40 (the first with a previous one) finds it settled.
+  ro.optimizer.beta2 = 0.999f;
+  ro.optimizer.bias_correction = true;
+  r = RunReference(ro, std::vector<float>(100, 1.0f),
+                   [](const float*, uint32_t, uint64_t, float* g) {
+                     for (int j = 0; j < 100; ++j) g[j] = 1.0f + j;
+                     return 0.0;
+                   });
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->freeze_step, 60u);
 }
 
 // --------------------------------------------------------------- zero-one-adam
