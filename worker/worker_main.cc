@@ -1,8 +1,10 @@
 // onebit-worker: the built-in models (models/registry.h) trained by the
 // library's Worker (include/onebit/worker.h): gradient -> Step() -> repeat,
 // with the test set scored on rank 0 and a progress line.
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
@@ -104,6 +106,8 @@ int Main(int argc, char** argv) {
   const absl::Time t0 = absl::Now();
   absl::Time last_progress = t0;
   uint64_t total_up = 0, total_down = 0, total_chunks = 0, overlapped = 0;
+  // Seconds of forward + backward per step (pushes excluded), by phase.
+  std::vector<double> fwd_bwd_warmup, fwd_bwd_compress;
   // A resumed job continues at its checkpoint's step; the data order is the
   // step's. So does a job that rolled back (then steps_done() went back).
   const uint64_t first = w.steps_done();
@@ -130,13 +134,18 @@ int Main(int argc, char** argv) {
         fail("", st);
         return Next::kStop;  // not reached
       };
-      absl::Status pushed;  // a push's error: the worker has handled it already
+      absl::Status pushed;       // a push's error: the worker has handled it already
+      absl::Duration in_pushes;  // of the backward's time, the releases' (encoding, sending)
       auto release = [&](uint64_t b, uint64_t e) {
+        const absl::Time p0 = absl::Now();
         pushed = w.GradientsReady(b, e);
+        in_pushes += absl::Now() - p0;
         return pushed;
       };
+      const absl::Time g0 = absl::Now();
       auto loss = overlap ? rep.ComputeGradientInParts(rank, step, release)
                           : rep.ComputeGradient(rank, step);
+      const double fwd_bwd_s = absl::ToDoubleSeconds(absl::Now() - g0 - in_pushes);
       if (Next n = outcome(pushed); n != Next::kGoOn) {
         if (n == Next::kRetry) continue;
         return absl::GetFlag(FLAGS_exit_code_when_stopped);
@@ -165,6 +174,7 @@ int Main(int argc, char** argv) {
       total_up += stats->bytes_up;
       total_down += stats->bytes_down;
       total_chunks += stats->chunks;
+      (stats->compressed ? fwd_bwd_compress : fwd_bwd_warmup).push_back(fwd_bwd_s);
       overlapped += stats->chunks_overlapped;
       const absl::Time now = absl::Now();
       if (now - last_progress >= progress_every || step + 1 == steps) {
@@ -190,6 +200,15 @@ int Main(int argc, char** argv) {
         static_cast<unsigned long long>(overlapped), static_cast<unsigned long long>(total_chunks),
         total_chunks > 0 ? 100.0 * overlapped / total_chunks : 0.0,
         overlap ? "" : " (--overlap=false)");
+    // Under the same load as the steps: what a step cannot be faster than.
+    auto median_ms = [](std::vector<double> v) {
+      if (v.empty()) return std::string("-");
+      std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+      return absl::StrFormat("%.3f", v[v.size() / 2] * 1e3);
+    };
+    std::fprintf(stderr,
+                 "worker %u: forward + backward per step (median ms): warm-up %s, compression %s\n",
+                 rank, median_ms(fwd_bwd_warmup).c_str(), median_ms(fwd_bwd_compress).c_str());
     const std::string dump = absl::GetFlag(FLAGS_dump_x);
     if (!dump.empty()) {
       std::vector<float> x(w.num_params());
