@@ -36,6 +36,8 @@ p.add_argument("--schedule", choices=["cosine", "constant"], default="cosine")
 p.add_argument("--max_train", type=int, default=60000)
 p.add_argument("--local", action="store_true", help="torch.optim.AdamW on one process")
 p.add_argument("--out", help="--local: write metrics.csv and summary.json here, as a job's run folder")
+p.add_argument("--eval_every", type=int, default=0, metavar="STEPS",
+               help="score the test set every STEPS steps and after the last (default: every epoch)")
 p.add_argument("--no_overlap", action="store_true", help="push at step(), not from backward hooks")
 p.add_argument("--bench", type=int, default=0, metavar="STEPS",
                help="time STEPS steps against forward + backward alone, instead of training")
@@ -163,13 +165,15 @@ for epoch, s, x, y in batches():
         sched.step()  # a scheduler's lr reaches the servers with the next step
     if args.local and args.out:
         rows.append([len(rows), "local", loss.item(), time.time() - start, 0, 0, "", "", "", done])
-    if s + 1 == steps_per_epoch and rank == 0:
+    t = epoch * steps_per_epoch + s + 1  # steps done
+    if rank == 0 and (t % args.eval_every == 0 or t == total_steps if args.eval_every
+                      else s + 1 == steps_per_epoch):
         acc, test_loss = evaluate(model)
         if not args.local:
             opt.report_evaluation(acc, loss=test_loss)                         # onebit-ps
         if args.local and args.out:
             rows[-1] += [test_loss, acc]
-        print(f"fashion_mnist_cnn: epoch {epoch + 1} loss {loss.item():.4f} test loss "
+        print(f"fashion_mnist_cnn: step {t} epoch {done:.2f} loss {loss.item():.4f} test loss "
               f"{test_loss:.4f} accuracy {acc:.4f} ({time.time() - start:.0f} s)",
               file=sys.stderr, flush=True)
 if not args.local:

@@ -11,6 +11,12 @@ Models:
              weights (its SplitMix64 stream, U(±sqrt(6/fan_in)), zero biases), the
              same data order (its EpochPermutation per epoch, rank r's local batch
              at r * batch of each global batch), the same local batch, x / 255.
+  cnn        the conv net of examples/pytorch/fashion_mnist_cnn.py (~184 k
+             parameters), as that script trains it over onebit-ps: the same layers
+             and initial weights (torch.manual_seed(0)), the same data order (a
+             torch.Generator seeded 1 draws a randperm per epoch; rank r's batch at
+             (s * world + r) * batch), the cosine schedule over the whole run
+             (CosineAnnealingLR), --lr 3e-3 by netbench.
   synthetic  --dim parameters as --matrices square-ish matrices (PowerSGD compresses
              only matrices), loss sum(w * c) with a fixed random c per rank: the
              gradient is c, a 25 M-float copy, so the step is communication.
@@ -37,7 +43,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 p = argparse.ArgumentParser()
-p.add_argument("--model", choices=["mlp", "synthetic"], default="mlp")
+p.add_argument("--model", choices=["mlp", "cnn", "synthetic"], default="mlp")
 p.add_argument("--steps", type=int, required=True)
 p.add_argument("--batch", type=int, default=64, help="per rank")
 p.add_argument("--lr", type=float, default=1e-3)
@@ -46,7 +52,9 @@ p.add_argument("--hook", choices=["none", "fp16", "powersgd"], default="none")
 p.add_argument("--powersgd_rank", type=int, default=2)
 p.add_argument("--powersgd_start", type=int, default=2,
                help="PowerSGD's start_powerSGD_iter: vanilla allreduce before (>= 2)")
-p.add_argument("--eval_every", type=int, default=0, help="mlp: score the test set every N steps")
+p.add_argument("--eval_every", type=int, default=0,
+               help="mlp, cnn: score the test set every N steps")
+p.add_argument("--cosine", action="store_true", help="cnn: the cosine lr schedule over --steps")
 p.add_argument("--max_train", type=int, default=0)
 p.add_argument("--max_test", type=int, default=0)
 p.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
@@ -156,6 +164,35 @@ if args.model == "mlp":
             w = ((2.0 * u - 1.0) * bound).astype(np.float32).reshape(layers[l + 1], layers[l])
             lin.weight.copy_(torch.from_numpy(w))
             lin.bias.zero_()
+elif args.model == "cnn":
+    # As examples/pytorch/fashion_mnist_cnn.py builds, initialises and feeds it.
+    tx = idx("train-images-idx3-ubyte.gz", 16)
+    train_x = torch.tensor(tx, dtype=torch.float32).view(-1, 1, 28, 28) / 255
+    train_y = torch.tensor(idx("train-labels-idx1-ubyte.gz", 8), dtype=torch.long)
+    if args.max_train:
+        train_x, train_y = train_x[:args.max_train], train_y[:args.max_train]
+    test_x = torch.tensor(idx("t10k-images-idx3-ubyte.gz", 16), dtype=torch.float32).view(-1, 1, 28, 28) / 255
+    test_y = torch.tensor(idx("t10k-labels-idx1-ubyte.gz", 8), dtype=torch.long)
+    if args.max_test:
+        test_x, test_y = test_x[:args.max_test], test_y[:args.max_test]
+    steps_per_epoch = len(train_x) // (world * args.batch)
+
+    class Net(torch.nn.Module):  # the example's, layer for layer
+        def __init__(self):
+            super().__init__()
+            self.conv1 = torch.nn.Conv2d(1, 32, 5)
+            self.conv2 = torch.nn.Conv2d(32, 64, 5)
+            self.fc1 = torch.nn.Linear(64 * 4 * 4, 128)
+            self.fc2 = torch.nn.Linear(128, 10)
+
+        def forward(self, x):
+            x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+            x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+            return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+    torch.manual_seed(0)
+    model = Net()
+    cnn_gen = torch.Generator().manual_seed(1)
 else:
     steps_per_epoch = 0
     rows = args.dim // args.matrices
@@ -202,6 +239,7 @@ elif args.hook == "powersgd":
     ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
 opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
                         weight_decay=0.0)
+sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, args.steps) if args.cosine else None
 
 
 def phase(step):
@@ -244,17 +282,25 @@ for step in range(args.steps):
         ids = perm[first:first + args.batch]
         x = train_x[ids].to(torch.float32) / 255.0
         loss = F.cross_entropy(ddp(x), train_y[ids])
+    elif args.model == "cnn":
+        if step % steps_per_epoch == 0:
+            perm = torch.randperm(len(train_x), generator=cnn_gen)
+        first = ((step % steps_per_epoch) * world + rank) * args.batch
+        ids = perm[first:first + args.batch]
+        loss = F.cross_entropy(ddp(train_x[ids]), train_y[ids])
     else:
         loss = ddp()
     loss.backward()  # DDP's hooks allreduce the buckets during the backward
     to = time.perf_counter()
     opt.step()
+    if sched is not None:
+        sched.step()
     end = time.perf_counter()
     tx, rx = nic_bytes()
     rank_csv.write(f"{step},{end - t0:.6f},{tx - tx0},{rx - rx0},{to - tc:.6f},{end - to:.6f}\n")
     if metrics is not None:
         ev = ""
-        if args.model == "mlp" and args.eval_every and (
+        if args.model != "synthetic" and args.eval_every and (
                 (step + 1) % args.eval_every == 0 or step + 1 == args.steps):
             test_loss, accuracy = evaluate()
             ev = f"{test_loss:.6g},{accuracy:.6g}"

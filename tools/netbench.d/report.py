@@ -21,6 +21,7 @@ import csv
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -32,7 +33,8 @@ with open(os.path.join(out, "config.env")) as f:
         k, _, v = line.rstrip("\n").partition("=")
         cfg[k] = v
 workers = int(cfg["workers"])
-target = float(cfg["target"])
+TARGET = {"mlp": float(cfg["target"]), "cnn": float(cfg.get("cnn_target", "0.87"))}
+TRAINED = ("mlp", "cnn")  # the models with a test set: time to accuracy
 SYSTEMS = [
     ("adam", "onebit-ps adam (fp32 PS)"),
     ("onebit-adam", "onebit-ps onebit-adam, freeze at 15 %"),
@@ -65,7 +67,7 @@ def nic_total(d):
     return sum(a[0] - b[0] + a[1] - b[1] for a, b in zip(after, before))
 
 
-def figures(d, onebit):
+def figures(d, onebit, target):
     """The figures of one run folder, or None when it failed."""
     if os.path.exists(os.path.join(d, "FAILED")) or not os.path.exists(os.path.join(d, "metrics.csv")):
         return None
@@ -107,6 +109,18 @@ def figures(d, onebit):
     if os.path.exists(r0):  # DDP: the time of rank 0's AdamW step
         with open(r0) as fr:
             f["opt"] = median([float(r["opt_s"]) for r in csv.DictReader(fr)][2:])
+    # onebit-worker's own measure of forward + backward per step (pushes
+    # excluded), under the same load: the median over the workers.
+    fb = []
+    for name in sorted(os.listdir(d)):
+        if name.startswith("worker") and name.endswith(".log"):
+            with open(os.path.join(d, name), errors="replace") as fl:
+                for line in fl:
+                    m = re.search(r"forward \+ backward per step \(median ms\): warm-up (\S+), "
+                                  r"compression (\S+)", line)
+                    if m and m.group(2) != "-":
+                        fb.append(float(m.group(2)) / 1e3)
+    f["fwd_bwd"] = median(fb)
     f["tta_step"] = next((i for i, r in enumerate(rows)
                           if r.get("test_accuracy") and float(r["test_accuracy"]) >= target), None)
     return f
@@ -117,7 +131,8 @@ for model in models:
     for s in systems:
         base = os.path.join(out, model, s)
         runs = sorted(r for r in os.listdir(base) if r.startswith("run")) if os.path.isdir(base) else []
-        per = [figures(os.path.join(base, r), not s.startswith("ddp")) for r in runs]
+        per = [figures(os.path.join(base, r), not s.startswith("ddp"), TARGET.get(model, 1.0))
+               for r in runs]
         ok = [p for p in per if p]
         med = {}
         if ok:
@@ -176,8 +191,21 @@ put("")
 for model in models:
     base = data.get((model, "ddp"), {})
     b_step = base.get("warm_step")
-    if model == "mlp":
+    target = TARGET.get(model)
+    if model in TRAINED:
         mt = f" (first {cfg['max_train']} training images)" if cfg["max_train"] != "0" else ""
+    if model == "cnn":
+        put(f"## cnn: the PyTorch conv net of examples/pytorch/fashion_mnist_cnn.py{mt}")
+        put("")
+        put(f"{workers} workers x local batch 64, {cfg.get('cnn_epochs', '1')} epoch(s), lr 3e-3 on "
+            "the script's cosine schedule, AdamW (no weight decay) with bias correction on both sides; "
+            "onebit-ps through the PyTorch front (`onebit_ps.DistributedOptimizer`, pushes from "
+            "backward hooks), DDP through ddp_worker.py, with the same layers, initial weights and data "
+            f"order; test set scored every {cfg.get('cnn_eval_every', '?')} steps. On this machine "
+            "the conv net's forward and backward take most of every step: it is compute-bound. "
+            f"Time to accuracy: to the first score ≥ {target}.")
+        put("")
+    if model == "mlp":
         put(f"## mlp 784-256-128-10 on Fashion-MNIST{mt}")
         put("")
         put(f"{workers} workers x local batch 64, {cfg['steps']} steps, lr 1e-3, Adam's betas (0.9, 0.999), "
@@ -185,6 +213,7 @@ for model in models:
             "the same data order on both sides; test set scored every "
             f"{cfg['eval_every']} steps. Time to accuracy: to the first score ≥ {target}.")
         put("")
+    if model in TRAINED:
         put("| system | warm-up step | compression step | hand-over step | freeze step | "
             f"time to {target} | steps to {target} | final test acc | total time | "
             "MB/step/worker warm-up | MB/step/worker compression | wire MB/step/worker |")
@@ -204,7 +233,7 @@ for model in models:
     for s in systems:
         d = data[(model, s)]
         name = LABEL[s]
-        cols = 12 if model == "mlp" else 10
+        cols = 12 if model in TRAINED else 10
         not_run = os.path.join(out, model, s, "NOT_RUN")
         if os.path.exists(not_run):
             with open(not_run) as f:
@@ -221,7 +250,7 @@ for model in models:
              with_ratio(ms(d["comp_step"]), d["comp_step"], ref_step),
              ms(d["handover_step"]),
              "—" if d["freeze"] is None else str(int(d["freeze"]))]
-        if model == "mlp":
+        if model in TRAINED:
             c += [with_ratio(secs(d["tta"]), d["tta"], base.get("tta")),
                   "not reached" if d["tta_step"] is None else str(int(d["tta_step"]) + 1),
                   "—" if d["final_acc"] is None else f"{d['final_acc']:.4f}"]
@@ -229,14 +258,24 @@ for model in models:
               with_ratio(mb(d["warm_bytes"]), d["warm_bytes"], base.get("warm_bytes")),
               with_ratio(mb(d["comp_bytes"]), d["comp_bytes"], base.get("warm_bytes")),
               with_ratio(mb(d["wire"]), d["wire"], base.get("wire"))]
-        if model != "mlp":
+        if model not in TRAINED:
             c.append("(on the servers)" if not s.startswith("ddp") else ms(d["opt"]))
         put("| " + " | ".join(c) + " |")
+    fb = [data[(model, s)].get("fwd_bwd") for s in systems if not s.startswith("ddp")]
+    fb = median([x for x in fb if x is not None])
+    if fb is not None and model == "mlp":
+        cores = int(cfg["nproc"])
+        floor = fb * workers / cores if workers > cores else fb
+        put("")
+        put(f"The compression step's floor on this machine: a worker's forward + backward alone takes "
+            f"{ms(fb)} (onebit-worker's median, under the same load), and {workers} workers share "
+            f"{cores} cores, so a step cannot be shorter than about {ms(floor)} before any "
+            "encoding, server or network work.")
     put("")
     put(f"![step time per phase, {model}](step_time_{model}.png)")
     put(f"![bytes per step per phase, {model}](bytes_{model}.png)")
-    if model == "mlp":
-        put("![test accuracy against wall time](accuracy.png)")
+    if model in TRAINED:
+        put(f"![test accuracy against wall time, {model}]({'accuracy' if model == 'mlp' else 'accuracy_' + model}.png)")
     put("")
 
 put("## How to read it")
@@ -267,16 +306,18 @@ def gp_escape(s):
 
 script = ['set terminal pngcairo size 960,560 font ",11"', "set datafile separator comma",
           "set datafile missing 'NaN'", "set grid", "set key inside bottom right"]
-if "mlp" in models:
+for model in [m for m in models if m in TRAINED]:
     curves = []
+    target = TARGET[model]
     for s in systems:
-        d = os.path.join(out, "mlp", s, "run1")
+        d = os.path.join(out, model, s, "run1")
         if os.path.exists(os.path.join(d, "metrics.csv")) and not os.path.exists(os.path.join(d, "FAILED")):
             curves.append(f"'{d}/metrics.csv' using 4:($12 > 0 ? $12 : 1/0) every ::1 with linespoints "
                           f"pointtype 7 pointsize 0.6 title '{gp_escape(LABEL[s])}'")
     if curves:
-        script += [f"set output '{out}/accuracy.png'",
-                   f"set title 'mlp: test accuracy against wall time ({cfg['rate']}, run 1)'",
+        png = "accuracy.png" if model == "mlp" else f"accuracy_{model}.png"
+        script += [f"set output '{out}/{png}'",
+                   f"set title '{model}: test accuracy against wall time ({cfg['rate']}, run 1)'",
                    "set xlabel 'wall time (s)'", "set ylabel 'test accuracy'",
                    f"set arrow 1 from graph 0, first {target} to graph 1, first {target} nohead dashtype 2",
                    "plot " + ", ".join(curves), "unset arrow 1"]
