@@ -8,9 +8,9 @@ The same script on one process with torch.optim.AdamW, batch 256 (the same globa
 batches in the same order, the same cosine schedule over the same 2340 steps):
     /usr/bin/python3 examples/pytorch/fashion_mnist_cnn.py --local --epochs 10 --batch 256 --lr 3e-3
 Measured on the 2-core machine (busy with other builds): onebit-ps 0.9142 test accuracy
-(warm-up until step 700, 509 s), AdamW 0.9176 (516 s); tools/demo --pytorch runs both
-and prints them side by side. --bench STEPS times the steps against forward + backward
-alone (tools/bench/pytorch_front).
+(warm-up until step 700 under the freeze rule of then, 509 s), AdamW 0.9176 (516 s);
+tools/demo --pytorch runs both and prints them side by side. --bench STEPS times the
+steps against forward + backward alone (tools/bench/pytorch_front).
 The onebit-ps lines are marked; everything else is plain PyTorch.
 """
 import argparse
