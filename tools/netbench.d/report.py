@@ -197,7 +197,9 @@ for model in models:
     if model == "cnn":
         put(f"## cnn: the PyTorch conv net of examples/pytorch/fashion_mnist_cnn.py{mt}")
         put("")
-        put(f"{workers} workers x local batch 64, {cfg.get('cnn_epochs', '1')} epoch(s), lr 3e-3 on "
+        epochs = int(cfg.get("cnn_epochs", "1"))
+        n_cnn = epochs * ((int(cfg["max_train"]) or 60000) // (workers * 64))
+        put(f"{workers} workers x local batch 64, {epochs} epoch(s) ({n_cnn} steps), lr 3e-3 on "
             "the script's cosine schedule, AdamW (no weight decay) with bias correction on both sides; "
             "onebit-ps through the PyTorch front (`onebit_ps.DistributedOptimizer`, pushes from "
             "backward hooks), DDP through ddp_worker.py, with the same layers, initial weights and data "
