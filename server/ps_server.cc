@@ -494,11 +494,7 @@ void PsServer::EndStep() {
   if (f.automatic && !state_.frozen && HasCompressionPhase(options_.optimizer.kind) &&
       state_.step % f.window == 0) {
     const double change =
-        state_.v_check.size() == state_.v.size() && state_.step > f.window
-            ? VarianceChange(state_.v, state_.v_check,
-                             FreezeCheckScale(options_.optimizer, state_.step),
-                             FreezeCheckScale(options_.optimizer, state_.step - f.window))
-            : 1.0;
+        FreezeCheckChange(options_.optimizer, f.window, state_.step, state_.v, state_.v_check);
     state_.v_check = state_.v;
     options_.report_freeze_check(state_.step, change);
   }

@@ -429,6 +429,12 @@ double FreezeCheckScale(const OptimizerOptions& o, uint64_t done) {
   return 1.0 / (1.0 - std::pow(static_cast<double>(o.beta2), static_cast<double>(done)));
 }
 
+double FreezeCheckChange(const OptimizerOptions& o, uint64_t window, uint64_t done,
+                         const std::vector<float>& v, const std::vector<float>& v_before) {
+  if (v_before.size() != v.size() || done <= window) return 1.0;
+  return VarianceChange(v, v_before, FreezeCheckScale(o, done), FreezeCheckScale(o, done - window));
+}
+
 // ---------------------------------------------------------------------------
 
 absl::Status OptimizerCodecs::Init() {

@@ -441,6 +441,13 @@ double VarianceChange(const std::vector<float>& v, const std::vector<float>& v_b
 // grows by the factor (1 - beta2^t) alone, so the raw change stays above
 // tau = 0.05 (K = 50, beta2 = 0.999) until step ~700 whatever the gradients.
 double FreezeCheckScale(const OptimizerOptions& o, uint64_t done);
+// A shard's value in the check after `done` steps (a multiple of `window`):
+// VarianceChange of v against v_before, the v of the check `window` steps
+// earlier, each under its FreezeCheckScale; 1 (not settled) when there is
+// no earlier check to compare with. The servers and the reference both call
+// it, so that they decide the same freeze step.
+double FreezeCheckChange(const OptimizerOptions& o, uint64_t window, uint64_t done,
+                         const std::vector<float>& v, const std::vector<float>& v_before);
 
 }  // namespace onebit
 

@@ -125,11 +125,7 @@ absl::StatusOr<ReferenceResult> RunReference(const ReferenceOptions& o,
     if (warmup && o.freeze.automatic && out.freeze_step == kNever && done % o.freeze.window == 0) {
       std::vector<double> changes;
       for (ServerShardState& s : out.servers) {
-        changes.push_back(
-            s.v_check.size() == s.v.size() && done > o.freeze.window
-                ? VarianceChange(s.v, s.v_check, FreezeCheckScale(o.optimizer, done),
-                                 FreezeCheckScale(o.optimizer, done - o.freeze.window))
-                : 1.0);
+        changes.push_back(FreezeCheckChange(o.optimizer, o.freeze.window, done, s.v, s.v_check));
         s.v_check = s.v;
       }
       out.freeze_step = AutoFreezeStep(o.freeze, done, changes);

@@ -521,6 +521,13 @@ TEST(AutoFreeze, WithBiasCorrectionTheCheckSeesTheCorrectedV) {
   const double corrected =
       VarianceChange(now, before, FreezeCheckScale(o, 500), FreezeCheckScale(o, 450));
   EXPECT_LT(corrected, 1e-6);  // only the float rounding of v is left
+  // What the servers and the reference compute: the same, and 1 without an
+  // earlier check (the first window, or no v kept from one).
+  EXPECT_EQ(FreezeCheckChange(o, 50, 500, now, before), corrected);
+  EXPECT_EQ(FreezeCheckChange(o, 50, 50, now, before), 1.0);
+  EXPECT_EQ(FreezeCheckChange(o, 50, 500, now, {}), 1.0);
+  o.bias_correction = false;
+  EXPECT_EQ(FreezeCheckChange(o, 50, 500, now, before), raw);
 }
 
 TEST(AutoFreeze, ReferenceFreezesOnceVSettles) {
@@ -531,21 +538,20 @@ TEST(AutoFreeze, ReferenceFreezesOnceVSettles) {
   ro.optimizer = OnebitOptions(OptimizerKind::kOnebitAdam);
   ro.optimizer.lr = 0;  // x stays put, so g is constant and v converges as 1 - b2^t
   ro.freeze = *ParseAutoFreeze("auto:0.05:20");
-  auto r = RunReference(ro, std::vector<float>(100, 1.0f),
+  auto run = [&ro] {
+    return RunReference(ro, std::vector<float>(100, 1.0f),
                         [](const float*, uint32_t, uint64_t, float* g) {
                           for (int j = 0; j < 100; ++j) g[j] = 1.0f + j;
                           return 0.0;
                         });
+  };
+  auto r = run();
   ASSERT_TRUE(r.ok()) << r.status();
   // v_t = (1 - b2^t) g²: ||v_t - v_{t-20}|| / ||v_t|| = (b2^(t-20) - b2^t) / (1 - b2^t),
   // which with b2 = 0.999 is still 0.09 at t = 200: no freeze.
   EXPECT_EQ(r->freeze_step, kNever);
   ro.optimizer.beta2 = 0.9f;
-  r = RunReference(ro, std::vector<float>(100, 1.0f),
-                   [](const float*, uint32_t, uint64_t, float* g) {
-                     for (int j = 0; j < 100; ++j) g[j] = 1.0f + j;
-                     return 0.0;
-                   });
+  r = run();
   ASSERT_TRUE(r.ok());
   // Check at 20: against v = 0, no. At 40: (0.9^20 - 0.9^40) / (1 - 0.9^40) = 0.107. At 60:
   // (0.9^40 - 0.9^60) / (1 - 0.9^60) = 0.0132 < 0.05: compression from step 80.
@@ -554,11 +560,7 @@ TEST(AutoFreeze, ReferenceFreezesOnceVSettles) {
   // check at 40 (the first with a previous one) finds it settled.
   ro.optimizer.beta2 = 0.999f;
   ro.optimizer.bias_correction = true;
-  r = RunReference(ro, std::vector<float>(100, 1.0f),
-                   [](const float*, uint32_t, uint64_t, float* g) {
-                     for (int j = 0; j < 100; ++j) g[j] = 1.0f + j;
-                     return 0.0;
-                   });
+  r = run();
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r->freeze_step, 60u);
 }
