@@ -111,6 +111,18 @@ int Main(int argc, char** argv) {
   // A resumed job continues at its checkpoint's step; the data order is the
   // step's. So does a job that rolled back (then steps_done() went back).
   const uint64_t first = w.steps_done();
+  // What the worker said about a push or a step: the job rolled back (that
+  // step again), stopped on request, or failed (which exits here).
+  enum class Next { kGoOn, kRetry, kStop };
+  auto outcome = [&](const absl::Status& st) {
+    if (st.ok()) return Next::kGoOn;
+    if (IsRolledBack(st) || absl::IsCancelled(st)) {
+      std::fprintf(stderr, "worker %u: %s\n", rank, std::string(st.message()).c_str());
+      return IsRolledBack(st) ? Next::kRetry : Next::kStop;
+    }
+    fail("", st);
+    return Next::kStop;  // not reached
+  };
   // Finish() too may find that the job rolled back.
   while (true) {
     for (uint64_t step = w.steps_done(); step < steps; step = w.steps_done()) {
@@ -122,18 +134,6 @@ int Main(int argc, char** argv) {
         }
         fail("", st);
       }
-      // What the worker said about a push or a step: the job rolled back
-      // (this step again), stopped on request, or failed.
-      enum class Next { kGoOn, kRetry, kStop };
-      auto outcome = [&](const absl::Status& st) {
-        if (st.ok()) return Next::kGoOn;
-        if (IsRolledBack(st) || absl::IsCancelled(st)) {
-          std::fprintf(stderr, "worker %u: %s\n", rank, std::string(st.message()).c_str());
-          return IsRolledBack(st) ? Next::kRetry : Next::kStop;
-        }
-        fail("", st);
-        return Next::kStop;  // not reached
-      };
       absl::Status pushed;       // a push's error: the worker has handled it already
       absl::Duration in_pushes;  // of the backward's time, the releases' (encoding, sending)
       auto release = [&](uint64_t b, uint64_t e) {
