@@ -12,8 +12,9 @@ Models:
              same data order (its EpochPermutation per epoch, rank r's local batch
              at r * batch of each global batch), the same local batch, x / 255.
   cnn        the conv net of examples/pytorch/fashion_mnist_cnn.py (~184 k
-             parameters), as that script trains it over onebit-ps: the same layers
-             and initial weights (torch.manual_seed(0)), the same data order (a
+             parameters), as that script trains it over onebit-ps: its own class
+             Net (compiled from the script's source), the same initial weights
+             (torch.manual_seed(0)), the same data order (a
              torch.Generator seeded 1 draws a randperm per epoch; rank r's batch at
              (s * world + r) * batch), the cosine schedule over the whole run
              (CosineAnnealingLR), --lr 3e-3 by netbench.
@@ -30,6 +31,7 @@ in the columns of a onebit-ps run folder (docs/design.md §2; bytes are rank
 and DIR/summary.json.
 """
 import argparse
+import ast
 import gzip
 import json
 import os
@@ -131,6 +133,21 @@ def nic_bytes():
     return tx, rx
 
 
+def example_net():
+    """The class Net of examples/pytorch/fashion_mnist_cnn.py itself, not a copy
+    (importing the script would run it): its definition, compiled alone."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples",
+                        "pytorch", "fashion_mnist_cnn.py")
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    node = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Net"), None)
+    if node is None:
+        sys.exit(f"ddp_worker: no class Net in {path}")
+    scope = {"torch": torch, "F": F}
+    exec(compile(ast.Module(body=[node], type_ignores=[]), path, "exec"), scope)
+    return scope["Net"]
+
+
 def idx(name, offset):
     with gzip.open(os.path.join(args.data, name)) as f:
         return np.frombuffer(f.read(), dtype=np.uint8, offset=offset)
@@ -177,19 +194,7 @@ elif args.model == "cnn":
         test_x, test_y = test_x[:args.max_test], test_y[:args.max_test]
     steps_per_epoch = len(train_x) // (world * args.batch)
 
-    class Net(torch.nn.Module):  # the example's, layer for layer
-        def __init__(self):
-            super().__init__()
-            self.conv1 = torch.nn.Conv2d(1, 32, 5)
-            self.conv2 = torch.nn.Conv2d(32, 64, 5)
-            self.fc1 = torch.nn.Linear(64 * 4 * 4, 128)
-            self.fc2 = torch.nn.Linear(128, 10)
-
-        def forward(self, x):
-            x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-            x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-            return self.fc2(F.relu(self.fc1(x.flatten(1))))
-
+    Net = example_net()
     torch.manual_seed(0)
     model = Net()
     cnn_gen = torch.Generator().manual_seed(1)
