@@ -463,7 +463,48 @@ absl::Status CoordinatorService::CheckDeclaredLocked(uint32_t rank,
   if (st.ok()) st = CheckDeclaredDecayLocked(rank, req);
   if (st.ok()) st = CheckDeclaredLayersLocked(rank, req);
   if (st.ok()) st = CheckDeclaredSettingsLocked(rank, req);
+  if (st.ok()) st = CheckDeclaredLocalStateLocked(rank, req);
   return st;
+}
+
+absl::Status CoordinatorService::CheckDeclaredLocalStateLocked(
+    uint32_t rank, const control::RegisterRequest& req) {
+  const auto& mine = req.local_state();
+  if (!local_state_by_ || *local_state_by_ == rank) {
+    local_state_by_ = rank;
+    local_state_.assign(mine.begin(), mine.end());
+    return absl::OkStatus();
+  }
+  const uint32_t first = *local_state_by_;
+  bool same_names = static_cast<size_t>(mine.size()) == local_state_.size();
+  const size_t n = std::min<size_t>(mine.size(), local_state_.size());
+  for (size_t i = 0; i < n; ++i) {
+    const control::LocalTensor& a = local_state_[i];
+    const control::LocalTensor& b = mine[static_cast<int>(i)];
+    if (a.name() != b.name()) {  // another model: said below
+      same_names = false;
+      break;
+    }
+    if (a.crc32() != b.crc32()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "worker ", rank, "'s ", b.name(), " differs from worker ", first, "'s (CRC-32 ",
+          absl::Hex(b.crc32(), absl::kZeroPad8), " against ", absl::Hex(a.crc32(), absl::kZeroPad8),
+          "): tensors the job does not train (buffers, frozen parameters) are not broadcast, so "
+          "every rank must start them equal (seed torch alike before building the model, or "
+          "load the same weights)"));
+    }
+  }
+  if (same_names) return absl::OkStatus();
+  auto names = [](auto begin, auto end) {
+    std::vector<std::string> v;
+    for (auto it = begin; it != end && v.size() < 8; ++it) v.push_back(it->name());
+    return absl::StrCat("[", absl::StrJoin(v, ", "), end - begin > 8 ? ", ..." : "", "]");
+  };
+  return absl::InvalidArgumentError(
+      absl::StrCat("worker ", rank, " declares ", mine.size(), " tensors outside the optimizer ",
+                   names(mine.begin(), mine.end()), ", but worker ", first, " declared ",
+                   local_state_.size(), " ", names(local_state_.begin(), local_state_.end()),
+                   ": every rank must build the same model"));
 }
 
 bool CoordinatorService::RollBackLocked(const std::string& why, std::string* why_not) {

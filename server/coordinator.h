@@ -115,6 +115,10 @@ class CoordinatorService final : public control::Coordinator::Service {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckDeclaredDecayLocked(uint32_t rank, const control::RegisterRequest& req)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Workers' tensors outside x (RegisterRequest.local_state): equal to the
+  // first worker's, by name and CRC-32.
+  absl::Status CheckDeclaredLocalStateLocked(uint32_t rank, const control::RegisterRequest& req)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The same for the job settings the workers' program declares; the
   // first declaration is also tried against the job's config, so that a
   // contradiction fails the job at once.
@@ -211,6 +215,8 @@ class CoordinatorService final : public control::Coordinator::Service {
   std::vector<DecayRange> decay_ ABSL_GUARDED_BY(mu_);        // its ranges
   std::optional<uint32_t> layers_by_ ABSL_GUARDED_BY(mu_);    // first to declare tensors
   std::vector<uint64_t> layers_ ABSL_GUARDED_BY(mu_);         // their ends
+  std::optional<uint32_t> local_state_by_ ABSL_GUARDED_BY(mu_);  // first to declare local state
+  std::vector<control::LocalTensor> local_state_ ABSL_GUARDED_BY(mu_);
   // The job's tensors once formed: the built-in model's, or layers_.
   std::vector<uint64_t> job_layers_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> declared_ ABSL_GUARDED_BY(mu_);  // and its settings

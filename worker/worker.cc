@@ -365,6 +365,11 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
     p->set_weight_decay(r.weight_decay);
   }
   for (uint64_t e : o.layer_ends) req.add_layer_ends(e);
+  for (const WorkerOptions::LocalTensor& t : o.local_state) {
+    control::LocalTensor* l = req.add_local_state();
+    l->set_name(t.name);
+    l->set_crc32(t.crc32);
+  }
   req.mutable_settings()->insert(o.settings.begin(), o.settings.end());
   registration = req;
   auto reg = RegisterWithCoordinator(stub.get(), o.coordinator, req, o.register_timeout);

@@ -76,6 +76,16 @@ struct WorkerOptions {
   // needs them; other optimizers ignore them. Every worker must declare
   // the same, else the job fails naming both.
   std::vector<uint64_t> layer_ends;
+  // Your model's tensors outside params() (buffers such as batch-norm
+  // statistics, frozen parameters), by name with a CRC-32 of their bytes.
+  // The job does not train or broadcast them, so every rank must start
+  // them equal: every worker must declare the same list, else the job fails
+  // naming the first tensor that differs. Empty: nothing to check.
+  struct LocalTensor {
+    std::string name;
+    uint32_t crc32 = 0;
+  };
+  std::vector<LocalTensor> local_state;
   // Job settings your program chooses, name -> value as onebit-coordinator's
   // flags take them (e.g. {"optimizer", "onebit-adam"}, {"beta2", "0.99"}):
   // optimizer and compression settings only. They apply where the job left

@@ -17,13 +17,17 @@ model's trainable parameters become views into the worker's one flat fp32
 buffer and their .grad views into its gradient buffer, so step() copies
 nothing but the compressed payloads; on a GPU worker (ONEBIT_DEVICE=cuda)
 they are GPU tensors and the model must be on that GPU. Parameters with
-requires_grad=False and buffers (batch-norm statistics) stay local to each
-worker.
+requires_grad=False and buffers (batch-norm statistics) are not trained by
+the job and stay local to each worker; they must start equal on every rank,
+which the job checks at registration (naming the first that differs).
 """
 
+import atexit
+import contextlib
 import os
 import re
 import sys
+import zlib
 
 import torch
 import torch.utils.dlpack
@@ -55,7 +59,7 @@ class JobStopped(SystemExit):
         return self.message
 
 _settings = {}
-_optimizer = None
+_optimizer = None  # this process's DistributedOptimizer, once it joined the job
 
 
 def init(coordinator=None, rank=None, device=None, secret_file=None, insecure=None):
@@ -96,7 +100,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """The job's optimizer over the parameter servers, as a torch Optimizer.
 
     `params`: a model or its parameters (or param groups; a group's
-    'weight_decay' applies to its parameters).
+    'weight_decay' applies to its parameters; every group trains at the
+    same lr). Pass the model itself where you can: then its buffers and
+    frozen parameters, which stay local to each worker, are checked to
+    start equal on every rank, and errors name parameters as the model does.
+    One DistributedOptimizer per process, made once.
 
     The job's settings, where you want to choose them here rather than on
     onebit-launch: `lr`, `betas` (beta1, beta2), and any other optimizer or
@@ -109,21 +117,54 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     A scheduler changing param_groups' lr sends the new lr to the servers
     with the step (every worker must agree). `overlap`: push each
-    parameter's gradient as soon as backward() has accumulated it (one
-    backward per step; with gradient accumulation over several backward
-    passes, pass overlap=False)."""
+    parameter's gradient as soon as backward() has accumulated it. The
+    pushed gradient is final: changing it afterwards (clip_grad_norm_, a
+    scaling, a second backward() accumulating into it) is an error naming
+    the parameter, never lost silently. To accumulate over several
+    backward() passes, run all but a step's last one under
+    `with opt.no_sync():`; to change gradients between backward() and
+    step() (clipping), pass overlap=False.
+
+    Every parameter is updated at every step, as the servers hold its
+    state: a step in which none has a gradient (.grad None, as after
+    zero_grad(set_to_none=True) without a backward) does nothing, as in
+    torch (every rank must skip it alike), but one in which only some lack
+    a gradient, or a parameter set requires_grad=False after the optimizer
+    was made, is an error naming them."""
 
     def __init__(self, params, lr=None, overlap=True, betas=None, **settings):
         global _optimizer
+        if _optimizer is not None:
+            raise OnebitError(
+                f"this process has made a DistributedOptimizer already (rank {_optimizer.rank}): "
+                "onebit-ps takes one per process, made once; give it every parameter you train "
+                "(several models: DistributedOptimizer(list(a.parameters()) + "
+                "list(b.parameters())))")
         if not _settings:
             init()
-        names = {}
+        names, module = {}, None
         if isinstance(params, torch.nn.Module):
+            module = params
             names = {id(p): n for n, p in params.named_parameters()}
             params = params.parameters()
         params = list(params)
         groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+        groups = [dict(g, params=list(g["params"])) for g in groups]
+        every = [p for g in groups for p in g["params"]]
+        for i, p in enumerate(every):
+            names.setdefault(id(p), f"parameter {i}")
+        local = [(names[id(p)], p) for p in every if not p.requires_grad]
+        if module is not None:
+            local = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+            local += list(module.named_buffers())
         groups = [dict(g, params=[p for p in g["params"] if p.requires_grad]) for g in groups]
+        given = [(k, float(g["lr"])) for k, g in enumerate(groups) if "lr" in g]
+        if len({v for _, v in given}) > 1:
+            raise OnebitError(
+                "param groups with different learning rates ("
+                + ", ".join(f"group {k}: {v!r}" for k, v in given)
+                + "): onebit-ps trains every parameter at one learning rate, the job's; give "
+                "every group the same lr (weight_decay may differ per group)")
         total = sum(p.numel() for g in groups for p in g["params"])
         if total == 0:
             raise OnebitError("DistributedOptimizer: no parameters that require grad")
@@ -131,8 +172,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for g in groups:
             for p in g["params"]:
                 if p.dtype != torch.float32 or p.is_sparse:
-                    raise OnebitError(f"parameter of {p.dtype} with shape {tuple(p.shape)}: "
-                                      "onebit-ps trains dense float32 parameters")
+                    kind = "sparse " if p.is_sparse else ""
+                    raise OnebitError(
+                        f"{names[id(p)]} is a {kind}{p.dtype} parameter of shape "
+                        f"{tuple(p.shape)}: onebit-ps trains dense float32 parameters (keep "
+                        "the model in float32; autocast may still run its layers in lower "
+                        "precision)")
                 if "weight_decay" in g:
                     ranges.append((offset, offset + p.numel(), float(g["weight_decay"])))
                 offset += p.numel()
@@ -147,7 +192,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                       ranges, {k: _text(v) for k, v in settings.items()
                                                if v is not None},
                                       secret_file=_settings["secret_file"],
-                                      insecure=_settings["insecure"], layer_ends=ends)
+                                      insecure=_settings["insecure"], layer_ends=ends,
+                                      local_state=[(n, _crc(t)) for n, t in local])
+        # Joined: from here on, an exit without finish() fails the job (see
+        # _exit_check), and this process cannot join again.
+        self._ended = False
+        _optimizer = self
         job = self._worker.job
         self.job = job
         for g in groups:
@@ -157,12 +207,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._x = torch.utils.dlpack.from_dlpack(self._worker.params_dlpack())
         self._g = torch.utils.dlpack.from_dlpack(self._worker.grads_dlpack())
         self._cuda = self._x.is_cuda
-        self._slices, self._names = [], []
+        self._slices, self._names, self._grads = [], [], []
         offset = 0
         with torch.no_grad():
             for g in self.param_groups:
                 for p in g["params"]:
-                    name = names.get(id(p), f"parameter {len(self._names)}")
+                    name = names[id(p)]
                     if p.device != self._x.device:
                         self._worker.abort(f"{name} is on {p.device}, the worker on {self._x.device}")
                         raise OnebitError(
@@ -173,31 +223,44 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     view = self._x[offset:offset + n].view_as(p)
                     view.copy_(p.data)
                     p.data = view
-                    p.grad = self._g[offset:offset + n].view_as(p)
-                    p.grad.zero_()
+                    # Each gradient a tensor of its own over the buffer: views of
+                    # one tensor share its version counter, and a change to a
+                    # gradient after its push must be seen per parameter.
+                    grad = torch.utils.dlpack.from_dlpack(self._g[offset:offset + n]).view_as(p)
+                    grad.zero_()
+                    p.grad = grad
+                    self._grads.append(grad)
                     self._slices.append((p, offset, n))
                     self._names.append(name)
                     offset += n
         self._sync()
+        # This step's pushes: parameter index -> its gradient's version then.
+        self._pushed = {}
+        self._no_sync = False
         self._hooks = []
         if overlap:
-            for (p, offset, n), name in zip(self._slices, self._names):
+            for i, (p, _, _) in enumerate(self._slices):
                 # The AccumulateGrad node's hook runs once p.grad is final for
                 # this backward (torch 1.13 has no post-accumulate tensor hook).
                 node = p.expand_as(p).grad_fn.next_functions[0][0]
                 self._hooks.append(node)  # keep it alive: the hook lives on it
-                node.register_hook(self._make_hook(offset, n))
+                node.register_hook(self._make_hook(i))
         self._worker.broadcast_parameters()
         self._last_lr = job["lr"]
         self._lr_sent = False
         self.last_stats = None  # the last step()'s figures (step, compressed, bytes, step_s)
-        _optimizer = self
 
     def _sync(self):
         # torch's kernels run on its stream; the worker reads and writes the
         # buffers on its own, so what torch queued must be done first.
         if self._cuda:
             torch.cuda.current_stream(self._x.device).synchronize()
+
+    def _fail(self, message):
+        """Ends the job with `message` and raises it: the other workers would
+        otherwise wait for this one's pushes until their step timeout."""
+        self._worker.abort(message)
+        raise OnebitError(message)
 
     def _send_lr(self):
         """Once per step, before its first push: a scheduler's lr goes to the
@@ -206,24 +269,73 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return
         lr = self.param_groups[0]["lr"]
         if any(g["lr"] != lr for g in self.param_groups):
-            raise OnebitError("param groups with different learning rates are not supported")
+            self._fail("param groups with different learning rates ("
+                       + ", ".join(f"group {k}: {g['lr']!r}" for k, g in enumerate(self.param_groups))
+                       + "): onebit-ps trains every parameter at one learning rate; a "
+                       "scheduler must set the same on every group")
         if lr != self._last_lr:
             self._worker.set_learning_rate(float(lr))
             self._last_lr = lr
         self._lr_sent = True
 
-    def _make_hook(self, offset, n):
+    def _adopt(self, i):
+        """Puts parameter i's gradient into the worker's buffer when autograd
+        or the program replaced the .grad tensor (it was None, or assigned)."""
+        p = self._slices[i][0]
+        if p.grad is not self._grads[i]:
+            self._grads[i].copy_(p.grad)
+            p.grad = self._grads[i]
+
+    def _push(self, i):
+        p, offset, n = self._slices[i]
+        if i in self._pushed:
+            self._fail(
+                f"{self._names[i]}: a second backward() accumulated into its gradient after "
+                "this step had pushed it to the servers (overlap=True pushes each gradient as "
+                "soon as a backward() has computed it); to accumulate over several backward() "
+                "passes run all but the step's last under `with opt.no_sync():`, or pass "
+                "overlap=False")
+        self._adopt(i)
+        self._sync()
+        self._send_lr()
+        try:
+            self._worker.gradients_ready(offset, offset + n)
+        except RolledBack:
+            raise
+        except OnebitError as e:  # the worker has failed the job with it
+            raise OnebitError(self._name_element(str(e))) from None
+        self._pushed[i] = self._grads[i]._version
+
+    def _make_hook(self, i):
         def hook(*_):
-            self._sync()
+            if self._no_sync:
+                return
             try:
-                self._send_lr()
-                self._worker.gradients_ready(offset, offset + n)
+                self._push(i)
             except RolledBack:
                 self._lr_sent = False
+                self._pushed = {}
                 raise
-            except OnebitError as e:
-                raise OnebitError(self._name_element(str(e))) from None
+            except OnebitError:
+                raise  # the job has failed with it already
+            except BaseException as e:
+                # Anything else raised here ends the program's backward(); the
+                # job must not wait for this worker's pushes.
+                self._worker.abort(f"{type(e).__name__} in the gradient hook of "
+                                   f"{self._names[i]}: {e}")
+                raise
         return hook
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation with overlap=True, as DDP's no_sync(): the
+        backward() passes inside accumulate into .grad without pushing; the
+        step's last backward(), outside, pushes the sums."""
+        before, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = before
 
     @property
     def rank(self):
@@ -237,8 +349,61 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._worker.steps_done
 
     def zero_grad(self, set_to_none=False):
-        # The gradients must stay views of the worker's buffer.
+        """As torch's. The gradients stay views of the worker's buffer;
+        set_to_none=True makes them None until the next backward()."""
+        if self._pushed:
+            self._fail(f"zero_grad() after backward() had pushed {self._list(self._pushed)} in "
+                       "this step: call it before backward(), or step() first")
+        if set_to_none:
+            for p, _, _ in self._slices:
+                p.grad = None
+            return
         self._g.zero_()
+        for i, (p, _, _) in enumerate(self._slices):
+            if p.grad is not self._grads[i]:
+                p.grad = self._grads[i]
+
+    def _list(self, indices):
+        names = [self._names[i] for i in sorted(indices)]
+        return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+    def _gather(self):
+        """Before a step: checks that every pushed gradient is unchanged, puts
+        the others into the buffer; True when no parameter has a gradient."""
+        frozen = [i for i, (p, _, _) in enumerate(self._slices) if not p.requires_grad]
+        if frozen:
+            self._fail(
+                f"{self._list(frozen)}: requires_grad is False now, but the optimizer trains "
+                "it: the servers would go on moving it with their momentum and weight decay. "
+                "onebit-ps trains the parameters it was made with at every step; to freeze "
+                "some, make the optimizer (and the job) without them")
+        changed, missing = [], []
+        for i, (p, _, _) in enumerate(self._slices):
+            if i in self._pushed:
+                if p.grad is not self._grads[i] or self._grads[i]._version != self._pushed[i]:
+                    changed.append(i)
+            elif p.grad is None:
+                missing.append(i)
+            else:
+                self._adopt(i)
+        if changed:
+            self._fail(
+                f"the gradient of {self._list(changed)} changed after backward() had pushed it "
+                "to the servers (clip_grad_norm_, a scaling, another backward(), or any write "
+                "to .grad before step()): the servers have the unchanged one. With overlap=True "
+                "the gradient backward() computes is final; pass overlap=False to "
+                "DistributedOptimizer to change gradients before step(), or use opt.no_sync() "
+                "to accumulate")
+        if missing and len(missing) == len(self._slices):
+            return True
+        if missing:
+            self._fail(
+                f"{self._list(missing)} got no gradient in this step (.grad is None, e.g. after "
+                "zero_grad(set_to_none=True) when backward() did not reach it): torch would "
+                "leave it alone, but onebit-ps updates every parameter at every step; use "
+                "zero_grad(set_to_none=False) to train it with a zero gradient, or make the "
+                "optimizer without it")
+        return False
 
     @torch.no_grad()
     def step(self, closure=None, loss=None, epoch=None):
@@ -247,19 +412,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for p, offset, n in self._slices:
-            # A grad replaced by autograd or set to None goes back into the buffer.
-            if p.grad is None:
-                self._g[offset:offset + n].zero_()
-            elif p.grad.data_ptr() != self._g[offset:].data_ptr():
-                self._g[offset:offset + n].copy_(p.grad.reshape(-1))
-            p.grad = self._g[offset:offset + n].view_as(p)
-        self._send_lr()
-        value = float(loss) if loss is not None else float("nan")
-        self._sync()
         try:
+            if self._gather():
+                return loss  # no gradient at all: torch's step does nothing
+            self._send_lr()
+            value = float(loss) if loss is not None else float("nan")
+            self._sync()
             self.last_stats = self._worker.step(value, float(epoch or 0.0))
         except Stopped as e:
+            self._ended = True
             print(f"onebit_ps: {e}", file=sys.stderr)
             raise JobStopped(str(e)) from None
         except RolledBack:
@@ -268,6 +429,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise OnebitError(self._name_element(str(e))) from None
         finally:
             self._lr_sent = False
+            self._pushed = {}
         return loss
 
     def report_evaluation(self, accuracy, loss=float("nan")):
@@ -305,6 +467,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def finish(self):
         self._worker.finish()
+        self._ended = True
 
 
 class OneBitAdam(DistributedOptimizer):
@@ -382,3 +545,22 @@ def finish():
     if _optimizer is None:
         raise OnebitError("finish(): no DistributedOptimizer was made")
     _optimizer.finish()
+
+
+def _crc(tensor):
+    """A tensor's bytes' CRC-32, for comparing local state across ranks."""
+    if tensor.is_meta:
+        return 0  # no data
+    flat = tensor.detach().to("cpu").reshape(-1).contiguous()
+    return zlib.crc32(flat.view(torch.uint8).numpy().tobytes()) if flat.numel() else 0
+
+
+@atexit.register
+def _exit_check():
+    # A program that ends without finish() (an uncaught exception, sys.exit)
+    # fails the job now: its heartbeats alone would keep it looking alive,
+    # and the other workers would wait for its pushes.
+    if _optimizer is not None and not _optimizer._ended:
+        _optimizer._worker.abort(
+            f"rank {_optimizer.rank}'s program exited without onebit_ps.finish() "
+            "(an uncaught exception? see its log)")

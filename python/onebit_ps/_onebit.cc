@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "dlpack/dlpack.h"
@@ -46,10 +47,23 @@ struct DlpackView {
   PyObject* owner = nullptr;
 };
 
+bool Finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
 void DeleteDlpackView(DLManagedTensor* t) {
   auto* v = static_cast<DlpackView*>(t->manager_ctx);
-  py::gil_scoped_acquire gil;
-  Py_XDECREF(v->owner);
+  // A tensor freed while the interpreter shuts down (or after) must not take
+  // the GIL: that blocks the exiting thread for ever. The owner's reference
+  // is dropped with the process instead.
+  if (Py_IsInitialized() && !Finalizing()) {
+    py::gil_scoped_acquire gil;
+    Py_XDECREF(v->owner);
+  }
   delete v;
 }
 
@@ -87,7 +101,8 @@ std::unique_ptr<onebit::Worker> Connect(
     const std::string& coordinator, int rank, uint64_t num_params, const std::string& device,
     const std::string& advertise_host, const std::vector<std::tuple<uint64_t, uint64_t, float>>& wd,
     const std::map<std::string, std::string>& settings, double register_timeout_s,
-    const std::string& secret_file, bool insecure, const std::vector<uint64_t>& layer_ends) {
+    const std::string& secret_file, bool insecure, const std::vector<uint64_t>& layer_ends,
+    const std::vector<std::pair<std::string, uint32_t>>& local_state) {
   onebit::WorkerOptions o;
   if (coordinator.empty()) {
     auto env = onebit::WorkerOptionsFromEnvironment(num_params);
@@ -105,6 +120,7 @@ std::unique_ptr<onebit::Worker> Connect(
   o.register_timeout = absl::Seconds(register_timeout_s);
   for (const auto& [b, e, v] : wd) o.weight_decay.push_back({b, e, v});
   o.layer_ends = layer_ends;
+  for (const auto& [name, crc] : local_state) o.local_state.push_back({name, crc});
   o.settings = settings;
   // Preemption (SIGTERM) stops the job after a checkpoint. Python keeps its
   // own SIGINT handler (KeyboardInterrupt).
@@ -136,9 +152,11 @@ PYBIND11_MODULE(_onebit, m) {
                   py::arg("settings") = std::map<std::string, std::string>{},
                   py::arg("register_timeout_s") = 60.0, py::arg("secret_file") = "",
                   py::arg("insecure") = false, py::arg("layer_ends") = std::vector<uint64_t>{},
+                  py::arg("local_state") = std::vector<std::pair<std::string, uint32_t>>{},
                   "Registers with the coordinator ('' : from the environment) and waits for "
                   "the job. secret_file: the job secret ('': $ONEBIT_SECRET_FILE); insecure: "
-                  "none; layer_ends: where each tensor ends in x.")
+                  "none; layer_ends: where each tensor ends in x; local_state: (name, CRC-32) "
+                  "of each tensor the job does not train, which must match across workers.")
       .def_property_readonly("rank", &onebit::Worker::rank)
       .def_property_readonly("num_params", &onebit::Worker::num_params)
       .def_property_readonly("device", &onebit::Worker::device)

@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -247,3 +248,113 @@ def test_a_killed_server_comes_back_and_the_torch_workers_roll_back_bitwise(tmp_
     for k in range(2):
         got = (tmp_path / "run" / "run" / f"master_s{k}.f32").read_bytes()
         assert got == (tmp_path / "plain" / "run" / f"master_s{k}.f32").read_bytes(), k
+
+
+def grad_case(tmp_path, case, steps, flags=("--optimizer=sgd", "--lr=1")):
+    out = tmp_path / "run"
+    cmd = [os.path.join(BIN, "onebit-launch"), "--workers=2", "--servers=1", "--model=external",
+           f"--steps={steps}", f"--out={out}", "--launch_register_timeout=30s", *flags,
+           f"--worker_cmd=/usr/bin/python3 {HERE}/grad_worker.py {case}"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+    return r, summary
+
+
+@pytest.mark.parametrize("case", ["clip_no_overlap", "accumulate_no_sync", "accumulate_no_overlap",
+                                  "replaced_grad"])
+def test_torch_gradient_habits_train_exactly(tmp_path, case):
+    # grad_worker checks w to the bit: the clipped gradient (not the 7.4e4
+    # norm one), both accumulated backward passes (-2, not -1), a .grad the
+    # program assigned.
+    r, s = grad_case(tmp_path, case, 1)
+    assert r.returncode == 0, r.stderr
+    assert f"grad_worker: {case} ok" in r.stderr
+    assert s["status"] == "ok" and s["replicas_equal"] is True
+
+
+def test_a_gradient_changed_after_its_overlapped_push_fails_naming_it(tmp_path):
+    # clip_grad_norm_ after backward() with overlap=True: the servers have the
+    # unclipped gradient, so the step must not go on as if clipped.
+    r, s = grad_case(tmp_path, "clip", 1)
+    assert r.returncode != 0
+    assert re.search(r"\[worker[01]\] grad_worker: clip error: the gradient of w, v changed after "
+                     r"backward\(\) had pushed it", r.stderr), r.stderr
+    assert "pass overlap=False" in r.stderr
+    assert "grad_worker: clip ok" not in r.stderr
+    assert s["status"].startswith("failed") and "changed after backward()" in s["status"]
+
+
+def test_a_second_backward_into_a_pushed_gradient_fails_naming_it(tmp_path):
+    r, s = grad_case(tmp_path, "accumulate", 1)
+    assert r.returncode != 0
+    assert re.search(r"grad_worker: accumulate error: (v|w): a second backward\(\) accumulated "
+                     r"into its gradient after this step had pushed it", r.stderr), r.stderr
+    assert "with opt.no_sync()" in r.stderr
+    assert s["status"].startswith("failed")
+
+
+def test_a_step_without_any_gradient_does_nothing_as_in_torch(tmp_path):
+    r, s = grad_case(tmp_path, "set_to_none", 2, ("--optimizer=adam", "--lr=0.01"))
+    assert r.returncode == 0, r.stderr
+    assert "grad_worker: set_to_none ok" in r.stderr
+    assert s["steps"] == 2 and s["replicas_equal"] is True
+
+
+@pytest.mark.parametrize("case,message", [
+    ("set_to_none_partly", r"v got no gradient in this step \(\.grad is None"),
+    ("frozen", r"v: requires_grad is False now, but the optimizer trains it"),
+])
+def test_a_parameter_left_out_of_a_step_fails_naming_it(tmp_path, case, message):
+    r, s = grad_case(tmp_path, case, 2)
+    assert r.returncode != 0
+    assert re.search(rf"grad_worker: {case} error: {message}", r.stderr), r.stderr
+    assert s["status"].startswith("failed")
+
+
+def test_buffers_that_differ_between_ranks_fail_the_job_naming_them(tmp_path):
+    # Buffers are not trained or broadcast: ranks that start them apart would
+    # train different models while replicas_equal said true.
+    r, s = grad_case(tmp_path, "buffers", 1)
+    assert r.returncode != 0
+    assert re.search(r"worker [01]'s scale differs from worker [01]'s \(CRC-32 [0-9a-f]{8} against "
+                     r"[0-9a-f]{8}\): tensors the job does not train", r.stderr), r.stderr
+    assert "grad_worker: buffers ok" not in r.stderr
+
+
+@pytest.mark.parametrize("case,message", [
+    ("second_optimizer", "this process has made a DistributedOptimizer already (rank "),
+    ("half", "w is a torch.float16 parameter of shape (5,): onebit-ps trains dense float32"),
+])
+def test_unsupported_uses_are_refused_naming_what(tmp_path, case, message):
+    r, s = grad_case(tmp_path, case, 1)
+    assert r.returncode != 0
+    assert f"grad_worker: {case} error: {message}" in r.stderr, r.stderr
+
+
+def test_an_exception_in_a_backward_hook_ends_the_job_failed_at_once(tmp_path):
+    # Rank 1's own tensor hook raises inside backward(); its program dies of
+    # it. The job must fail at once (not after the 60 s heartbeat timeout,
+    # nor hang in the interpreter's exit), naming why.
+    start = time.monotonic()
+    r, s = launch(tmp_path, 2, 1, ["--optimizer=adam", "--heartbeat_timeout=60s",
+                                   "--step_timeout=60s"], "6 --raise_in_hook 2")
+    took = time.monotonic() - start
+    assert r.returncode != 0
+    assert "[worker1] ZeroDivisionError" in r.stderr, r.stderr
+    assert "launch: stopping worker1" not in r.stderr  # it exited by itself
+    assert ("rank 1's program exited without onebit_ps.finish() (an uncaught exception? see its "
+            "log)") in s["status"], s
+    assert took < 30, took
+
+
+def test_an_error_in_the_fronts_own_hook_fails_the_job_at_once(tmp_path):
+    # A scheduler that gives the groups different learning rates: the front
+    # refuses in its hook, at the first push of the step.
+    start = time.monotonic()
+    r, s = launch(tmp_path, 2, 1, ["--optimizer=adam", "--heartbeat_timeout=60s",
+                                   "--step_timeout=60s"], "6 --group_lrs_at 2")
+    assert r.returncode != 0
+    assert re.search(r"\[worker[01]\] torch_worker: step 2: param groups with different learning "
+                     r"rates \(group 0: 0\.001, group 1: 0\.002\)", r.stderr), r.stderr
+    assert "aborted by its program: param groups with different learning rates" in s["status"]
+    assert time.monotonic() - start < 30

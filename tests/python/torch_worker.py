@@ -17,6 +17,10 @@ lines; run by the tests through onebit-launch --worker_cmd.
       --kill_server_at STEP: rank 0 kills server 0 (SIGKILL) before that
         step, once; started again by onebit-launch --max_restarts, the job
         rolls back (onebit_ps.RolledBack) to its last checkpoint
+      --raise_in_hook STEP: rank 1's own tensor hook raises
+        ZeroDivisionError in that step's backward (uncaught: the program dies)
+      --group_lrs_at STEP: two param groups (the layers); at that step they
+        get different learning rates (0.001 and 0.002)
 A job resumed from a checkpoint, or rolled back to one, continues at
 opt.steps_done, the data where it was. Writes the final parameters to
 $ONEBIT_DUMP_X when set.
@@ -52,6 +56,9 @@ try:
             shown = ("optimizer", "lr", "beta1", "beta2", "freeze_step", "freeze", "worker_codec",
                      "bias_correction")
             print("torch_worker: job " + json.dumps({k: job[k] for k in shown}), file=sys.stderr)
+    elif "--group_lrs_at" in sys.argv:
+        opt = onebit_ps.DistributedOptimizer([{"params": model[0].parameters()},
+                                              {"params": model[2].parameters()}])
     else:
         opt = onebit_ps.DistributedOptimizer(model, overlap="--no_overlap" not in sys.argv)
 except onebit_ps.OnebitError as e:
@@ -101,6 +108,9 @@ def signal_server_0(sig):
 
 sigterm_at = int(sys.argv[sys.argv.index("--sigterm_at") + 1]) if "--sigterm_at" in sys.argv else -1
 kill_at = int(sys.argv[sys.argv.index("--kill_server_at") + 1]) if "--kill_server_at" in sys.argv else -1
+raise_at = int(sys.argv[sys.argv.index("--raise_in_hook") + 1]) if "--raise_in_hook" in sys.argv else -1
+group_lrs_at = (int(sys.argv[sys.argv.index("--group_lrs_at") + 1])
+                if "--group_lrs_at" in sys.argv else -1)
 start = opt.steps_done
 if start:
     print(f"torch_worker: rank {onebit_ps.rank()} resumes at step {start}", file=sys.stderr)
@@ -115,6 +125,8 @@ while t < steps:
     if t == kill_at and onebit_ps.rank() == 0:
         signal_server_0(signal.SIGKILL)
         kill_at = -1
+    if t == group_lrs_at:
+        opt.param_groups[0]["lr"], opt.param_groups[1]["lr"] = 0.001, 0.002
     x, y = batch(t)
     opt.zero_grad()
     loss = loss_fn(model(x), y)
@@ -122,6 +134,8 @@ while t < steps:
         # Poison the last layer's bias gradient inside backward, as a
         # numerical accident would.
         model[2].bias.register_hook(lambda g: g.index_fill(0, torch.tensor([1]), float("nan")))
+    if t == raise_at and onebit_ps.rank() == 1:
+        model[0].weight.register_hook(lambda g: 1 / 0)
     before = opt._x.clone()
     try:
         loss.backward()
