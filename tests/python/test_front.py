@@ -14,6 +14,19 @@ BIN = os.environ["ONEBIT_BIN_DIR"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def learned(stderr, summary, factor=0.75, accuracy=0.5):
+    """Whether the job learned: rank 0's last evaluation and the final
+    training loss well below the untrained loss of the job's initial weights
+    (about 1.38 = ln 4, chance for 4 classes, so a bound like 1.5 would hold
+    for a model that never moved)."""
+    untrained = float(re.search(r"\[worker0\] torch_worker: step 0 untrained eval loss ([0-9.]+)",
+                                stderr).group(1))
+    acc, loss = re.findall(r"\[worker0\] torch_worker: step \d+ eval ([0-9.]+) loss ([0-9.]+)",
+                           stderr)[-1]
+    return (float(loss) < factor * untrained and float(acc) >= accuracy
+            and summary["final_loss"] < factor * untrained)
+
+
 def launch(tmp_path, workers, servers, flags, args):
     out = tmp_path / "run"
     cmd = [os.path.join(BIN, "onebit-launch"), f"--workers={workers}", f"--servers={servers}",
@@ -33,8 +46,8 @@ def test_four_by_two_cluster_of_torch_workers_ends_with_equal_replicas(tmp_path,
     assert s["steps"] == 12
     assert s["params"] == 20 * 32 + 32 + 32 * 4 + 4
     assert s["compress_steps"] == (7 if optimizer == "onebit-adam" else 0)
-    # A loss was reported every step, and it went down.
-    assert s["final_loss"] is not None and s["final_loss"] < 1.5
+    # A loss was reported every step, and the model learned.
+    assert learned(r.stderr, s), r.stderr
     # Rank 0's evaluations every 4 steps reached metrics.csv and the summary.
     evals = re.findall(r"\[worker0\] torch_worker: step (\d+) eval ([0-9.]+)", r.stderr)
     assert [int(t) for t, _ in evals] == [3, 7, 11]
@@ -147,7 +160,10 @@ def test_a_dead_server_is_an_exception_within_the_step_timeout(tmp_path):
                   r.stderr)
     assert m, r.stderr
     assert "server 0" in m.group(1) and "is it dead?" in m.group(1)
-    assert 3.5 < float(m.group(2)) < 8
+    assert "within 4s" in m.group(1)  # the worker's own bound, twice the step timeout
+    # Not before that bound; and by the worker's wait, not the coordinator's
+    # 60 s heartbeat timeout (the upper bound leaves a loaded machine room).
+    assert 3.5 < float(m.group(2)) < 30
     assert s.get("status", "").startswith("failed")
 
 
@@ -184,12 +200,14 @@ def test_onebit_lamb_from_the_constructor_shards_whole_tensors(tmp_path):
     # torch_worker's model: W0 (20 x 32 = 640), b0 (32), W1 (32 x 4 = 128),
     # b1 (4); on 2 servers W0 alone, then the rest.
     r, s = launch(tmp_path, 2, 2, ["--dump_params"],
-                  "12 --ctor 'OneBitLamb(model, lr=0.01, freeze_step=4, weight_decay=0.01)'")
+                  "12 --ctor 'OneBitLamb(model, lr=0.1, freeze_step=4, weight_decay=0.01)'")
     assert r.returncode == 0, r.stderr
     assert s["optimizer"] == "onebit-lamb" and s["server_reply"] == "momentum"
     assert s["compress_steps"] == 8
     assert s["replicas_equal"] is True and s["workers_agree"] is True
-    assert s["final_loss"] is not None and s["final_loss"] < 1.5
+    # LAMB's trust ratios (|x| / |update| per tensor) make its steps smaller
+    # than Adam's at the same lr: 12 steps take the loss from 1.38 to 1.20.
+    assert learned(r.stderr, s, factor=0.9, accuracy=0.4), r.stderr
     run = tmp_path / "run"
     assert len((run / "master_s0.f32").read_bytes()) == 4 * 640
     assert len((run / "master_s1.f32").read_bytes()) == 4 * (32 + 128 + 4)

@@ -112,6 +112,12 @@ raise_at = int(sys.argv[sys.argv.index("--raise_in_hook") + 1]) if "--raise_in_h
 group_lrs_at = (int(sys.argv[sys.argv.index("--group_lrs_at") + 1])
                 if "--group_lrs_at" in sys.argv else -1)
 start = opt.steps_done
+if onebit_ps.rank() == 0:
+    # The job's initial weights (rank 0's, or a resumed checkpoint's): what
+    # training must improve on.
+    with torch.no_grad():
+        print(f"torch_worker: step {start} untrained eval loss "
+              f"{loss_fn(model(eval_x), eval_y).item()!r}", file=sys.stderr)
 if start:
     print(f"torch_worker: rank {onebit_ps.rank()} resumes at step {start}", file=sys.stderr)
 t_stop = None
@@ -167,7 +173,8 @@ while t < steps:
             out = model(eval_x)
             acc = (out.argmax(1) == eval_y).float().mean().item()
             opt.report_evaluation(acc, loss=loss_fn(out, eval_y).item())
-        print(f"torch_worker: step {t} eval {acc!r}", file=sys.stderr)
+        print(f"torch_worker: step {t} eval {acc!r} loss {loss_fn(out, eval_y).item()!r}",
+              file=sys.stderr)
     t += 1
 # Still views after training: state_dict() shares the worker's memory.
 for name, tensor in model.state_dict().items():
