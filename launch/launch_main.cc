@@ -1,11 +1,17 @@
 // onebit-launch: a convenience over the binaries' own flags. Starts a
 // coordinator, S servers and N workers on loopback (ports picked by the
 // processes themselves, so no races), prefixes their logs with the role,
-// stops every child when one fails, and exits with the job's status.
+// stops every child when one fails, and exits with the job's status. A first
+// SIGTERM or SIGINT is passed on to the coordinator as a stop (the job stops
+// after a checkpoint, or fails without --checkpoint_dir, run folder written);
+// a second one kills every process at once.
 #include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -16,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/flags/flag.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -29,6 +36,7 @@
 #include "net/job_config.h"
 #include "net/run_folder.h"
 #include "net/security_flags.h"
+#include "net/stop_signal.h"
 #include "net/subprocess.h"
 #include "security/job_secret.h"
 
@@ -42,9 +50,12 @@ ABSL_FLAG(std::vector<std::string>, worker_devices, {},
           "the last one repeats for the rest; empty: the workers' default (auto)");
 ABSL_FLAG(std::string, worker_cmd, "",
           "run this program (with its arguments, shell-quoted) as each worker instead of "
-          "onebit-worker; it finds the job in its environment: ONEBIT_COORDINATOR, ONEBIT_RANK, "
+          "onebit-worker; it implies --model external (a built-in --model with it is an error). "
+          "It finds the job in its environment: ONEBIT_COORDINATOR, ONEBIT_RANK, "
           "ONEBIT_WORLD_SIZE (also RANK, WORLD_SIZE, LOCAL_RANK as torchrun sets them), "
-          "ONEBIT_DEVICE (from --worker_devices) and, with --dump_params, ONEBIT_DUMP_X");
+          "ONEBIT_DEVICE (from --worker_devices) and, with --dump_params, ONEBIT_DUMP_X; "
+          "PYTHONPATH starts with this onebit-launch's own onebit_ps package (<build>/python, "
+          "or <prefix>/lib/python3/dist-packages installed), so `import onebit_ps` works");
 ABSL_FLAG(bool, overlap, true,
           "onebit-worker pushes each part of the gradient as soon as the backward has finished "
           "it (--overlap of onebit-worker); false: after the whole backward. The same results "
@@ -58,7 +69,8 @@ ABSL_FLAG(int32_t, max_restarts, 0,
           "when a process fails mid-job, start it again, up to this many times in all: with "
           "--checkpoint_dir (and --rejoin_timeout > 0) that process alone, and the others roll "
           "back to the last complete checkpoint and go on; without, the whole job from the "
-          "start. Either way the job ends bit for bit as if uninterrupted");
+          "start. Either way the job ends bit for bit as if uninterrupted. Nothing is started "
+          "again once onebit-launch got a SIGTERM or SIGINT");
 ABSL_FLAG(int32_t, servers_per_worker_host, 0,
           "run K servers per worker: S = K x N, the layout of one server (or K) on every "
           "worker's host, in which each host's NIC carries what a ring allreduce carries; on "
@@ -110,6 +122,71 @@ void Log(const std::string& msg) {
   std::fprintf(stderr, "launch: %s\n", msg.c_str());
 }
 
+// Stop signals. SIGTERM and SIGINT are blocked in every thread of ours (the
+// children unblock them: net/subprocess.h) and taken by one thread, which
+// records the first (the main thread passes it on to the coordinator as a
+// stop) and on a second one kills every process of the job at once.
+std::atomic<int> stop_signal{0};  // the first one's number; 0: none yet
+
+// What a second signal kills (each child leads its own process group) and
+// removes (the job's temporary folder, which may hold its secret).
+absl::Mutex children_mu;
+std::set<pid_t> child_pids ABSL_GUARDED_BY(children_mu);
+std::string job_tmp ABSL_GUARDED_BY(children_mu);
+
+void TrackChild(pid_t pid, bool running) {
+  absl::MutexLock l(&children_mu);
+  if (running) {
+    child_pids.insert(pid);
+  } else {
+    child_pids.erase(pid);
+  }
+}
+
+void SetJobTmp(const std::string& dir) {
+  absl::MutexLock l(&children_mu);
+  job_tmp = dir;
+}
+
+void TakeStopSignals(sigset_t set) {
+  int sig = 0;
+  while (sigwait(&set, &sig) == 0) {
+    int none = 0;
+    if (stop_signal.compare_exchange_strong(none, sig)) {
+      Log(absl::StrCat(SignalName(sig),
+                       ": stopping the job (after a checkpoint where it has a --checkpoint_dir); "
+                       "a second SIGTERM or SIGINT kills it at once"));
+      continue;
+    }
+    Log(absl::StrCat("a second stop signal (", SignalName(sig),
+                     "): killing every process of the job, without a checkpoint"));
+    absl::MutexLock l(&children_mu);
+    for (pid_t pid : child_pids) {
+      kill(-pid, SIGKILL);  // the child's process group: what it started too
+      kill(pid, SIGKILL);
+    }
+    if (!job_tmp.empty()) {
+      std::error_code ec;
+      std::filesystem::remove_all(job_tmp, ec);
+    }
+    _exit(128 + sig);
+  }
+}
+
+// Blocks SIGTERM and SIGINT (those not ignored: a shell's background job
+// ignores SIGINT) in this thread, and so in every thread it starts, and
+// starts the thread that takes them. Call before any other thread exists.
+void CatchStopSignalsInOneThread() {
+  sigset_t set;
+  sigemptyset(&set);
+  for (int sig : {SIGTERM, SIGINT}) {
+    struct sigaction old = {};
+    if (sigaction(sig, nullptr, &old) == 0 && old.sa_handler == SIG_DFL) sigaddset(&set, sig);
+  }
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  std::thread(TakeStopSignals, set).detach();
+}
+
 absl::Status Start(Child* c, const std::vector<std::string>& argv,
                    const std::vector<std::string>& env = {}) {
   if (c->reader.joinable()) c->reader.join();  // a restart: the last one's output is done
@@ -123,6 +200,7 @@ absl::Status Start(Child* c, const std::vector<std::string>& argv,
     return p.status();
   }
   c->proc.emplace(std::move(*p));
+  TrackChild(c->proc->pid(), true);
   c->read_fd = fds[0];
   c->reader = std::thread(PumpLines, fds[0], c->name);
   return absl::OkStatus();
@@ -134,14 +212,46 @@ std::string SelfDir() {
   return ec ? std::string(".") : p.parent_path().string();
 }
 
+// The folder of this onebit-launch's own onebit_ps package: <build>/python
+// next to the binary in the build tree, <prefix>/lib/python3/dist-packages
+// installed (<prefix>/bin/onebit-launch); "" when neither holds it.
+std::string OwnPythonPackageDir() {
+  const std::filesystem::path self = SelfDir();
+  for (const std::filesystem::path& dir :
+       {self / "python", self.parent_path() / "lib" / "python3" / "dist-packages"}) {
+    if (access((dir / "onebit_ps" / "__init__.py").c_str(), R_OK) == 0) {
+      return dir.lexically_normal().string();
+    }
+  }
+  return "";
+}
+
 int Main(int argc, char** argv) {
+  CatchStopSignalsInOneThread();
   std::set<std::string> given;
   control::TrainingConfig job = ConfigFromCommandLineOrExit(
       argc, argv,
       "onebit-launch --workers N --servers S [--model synthetic --dim D --steps T] [--out DIR]\n"
-      "Runs a whole job on this machine over loopback; takes every coordinator config flag.",
+      "Runs a whole job on this machine over loopback; takes every coordinator config flag.\n"
+      "SIGTERM or Ctrl-C: the job stops after a checkpoint (with --checkpoint_dir; without, it "
+      "fails), run folder written; a second one kills every process at once.",
       &given);
   std::vector<std::string> config_args = ConfigFlagArgs();
+  const std::string worker_cmd = absl::GetFlag(FLAGS_worker_cmd);
+  if (!worker_cmd.empty() && job.model() != kExternalModel) {
+    // The workers are the user's program: an external model.
+    if (given.count("model")) {
+      ExitFlagError("model", absl::StrCat("'", job.model(),
+                                          "' is a built-in model, which onebit-worker runs; "
+                                          "--worker_cmd runs your program as each worker instead: "
+                                          "leave --model out (or give --model external)"));
+    }
+    config_args.push_back(absl::StrCat("--model=", kExternalModel));
+    auto external = ConfigFromFlags(config_args);
+    if (!external.ok()) ExitError(2, external.status().message());
+    job = *std::move(external);
+    given.insert("model");
+  }
   if (const int per_host = absl::GetFlag(FLAGS_servers_per_worker_host); per_host != 0) {
     if (per_host < 0) ExitFlagError("servers_per_worker_host", "must be >= 0");
     const uint64_t servers = uint64_t{job.workers()} * static_cast<uint64_t>(per_host);
@@ -175,7 +285,6 @@ int Main(int argc, char** argv) {
     ExitFlagError("worker_devices",
                   absl::StrCat(devices.size(), " devices for ", cfg.workers(), " workers"));
   }
-  const std::string worker_cmd = absl::GetFlag(FLAGS_worker_cmd);
   if (!worker_cmd.empty() && stall_worker >= 0) {
     ExitFlagError("stall_worker", "works with onebit-worker only, not --worker_cmd");
   }
@@ -203,6 +312,13 @@ int Main(int argc, char** argv) {
   }
   const int max_restarts = absl::GetFlag(FLAGS_max_restarts);
   if (max_restarts < 0) ExitFlagError("max_restarts", "must be >= 0");
+  // A --worker_cmd program imports our onebit_ps first; its own PYTHONPATH
+  // follows.
+  std::string python_path = OwnPythonPackageDir();
+  if (const char* theirs = std::getenv("PYTHONPATH");
+      theirs != nullptr && *theirs != '\0' && !python_path.empty()) {
+    python_path = absl::StrCat(python_path, ":", theirs);
+  }
   const bool live = !cfg.checkpoint_dir().empty() && cfg.rejoin_timeout_ms() > 0;
   // One start of the whole job; *running: it got as far as starting every
   // process (a job that fails before that is not worth restarting).
@@ -211,6 +327,7 @@ int Main(int argc, char** argv) {
     char tmpl[] = "/tmp/onebit-launch.XXXXXX";
     if (mkdtemp(tmpl) == nullptr) ExitError(1, "cannot create a temporary folder");
     const std::string tmp = tmpl;
+    SetJobTmp(tmp);
     const std::string port_file = tmp + "/coordinator.port";
     std::string secret_file = security.secret_file;
     if (!security.insecure && secret_file.empty()) {
@@ -247,11 +364,27 @@ int Main(int argc, char** argv) {
     auto finish = [&](int code) {
       for (Child& c : children) {
         if (c.proc && !c.proc->Poll()) c.proc->Stop(grace);
+        if (c.proc) TrackChild(c.proc->pid(), false);
         if (c.reader.joinable()) c.reader.join();
       }
+      SetJobTmp("");
       std::error_code ec;
       std::filesystem::remove_all(tmp, ec);
       return code;
+    };
+    // A stop signal goes to the coordinator once it listens (it has caught
+    // stop signals by then), once: a second SIGTERM would kill it.
+    bool coordinator_listening = false;
+    std::optional<absl::Time> stop_sent;
+    auto pass_on_stop = [&](Child& coord) {
+      const int sig = stop_signal.load();
+      if (sig == 0 || stop_sent || !coordinator_listening || coord.code) return;
+      stop_sent = absl::Now();
+      Log(absl::StrCat("passing ", SignalName(sig), " on to the coordinator; waiting for it to ",
+                       cfg.checkpoint_dir().empty()
+                           ? "end the job (it has no --checkpoint_dir: the job fails)"
+                           : "stop the job after a checkpoint"));
+      coord.proc->Signal(SIGTERM);
     };
 
     // The coordinator first: it picks its port and writes it to port_file.
@@ -284,6 +417,7 @@ int Main(int argc, char** argv) {
       }
       absl::SleepFor(absl::Milliseconds(10));
     }
+    coordinator_listening = true;
     const std::string target = absl::StrCat("127.0.0.1:", port);
     // Started again, the coordinator must listen where everyone looks for it.
     for (std::string& a : coord.argv) {
@@ -297,7 +431,8 @@ int Main(int argc, char** argv) {
     Log(absl::StrCat("coordinator at ", target, " is serving; starting ", cfg.servers(),
                      " servers and ", cfg.workers(), " workers"));
 
-    for (uint32_t k = 0; k < cfg.servers(); ++k) {
+    // Stopped while starting: the coordinator ends the job; start no more.
+    for (uint32_t k = 0; k < cfg.servers() && stop_signal.load() == 0; ++k) {
       Child& c = children[1 + k];
       c.name = absl::StrCat("server", k);
       std::vector<std::string> a = {
@@ -314,12 +449,12 @@ int Main(int argc, char** argv) {
         return finish(1);
       }
     }
-    for (uint32_t i = 0; i < cfg.workers(); ++i) {
+    for (uint32_t i = 0; i < cfg.workers() && stop_signal.load() == 0; ++i) {
       Child& c = children[1 + cfg.servers() + i];
       c.name = absl::StrCat("worker", i);
       if (!worker_cmd.empty()) {
         // The user's program: `exec` so that the child is the program itself
-        // (it gets our signals and dies with us).
+        // (our signals reach it, and it dies with us).
         std::vector<std::string> env = {"ONEBIT_COORDINATOR=" + target,
                                         absl::StrCat("ONEBIT_RANK=", i),
                                         absl::StrCat("ONEBIT_WORLD_SIZE=", cfg.workers()),
@@ -332,6 +467,7 @@ int Main(int argc, char** argv) {
         if (!devices.empty()) {
           env.push_back("ONEBIT_DEVICE=" + devices[std::min<size_t>(i, devices.size() - 1)]);
         }
+        if (!python_path.empty()) env.push_back("PYTHONPATH=" + python_path);
         if (absl::GetFlag(FLAGS_dump_params)) {
           env.push_back(absl::StrCat("ONEBIT_DUMP_X=", out, "/replica_w", i, ".f32"));
         }
@@ -369,13 +505,23 @@ int Main(int argc, char** argv) {
     }
 
     // Watch: the first failure stops everyone; after the coordinator is done,
-    // the rest must follow promptly.
+    // the rest must follow promptly. Once a stop signal came, the coordinator
+    // ends the job (it writes the run folder): a process that fails meanwhile
+    // stops the others only after it (or after stop_bound), and nothing is
+    // started again.
     std::optional<absl::Time> coordinator_exited;
     const absl::Duration after_coordinator = absl::Seconds(10);
+    const absl::Duration stop_bound = std::max(
+        absl::Seconds(30), 3 * absl::Milliseconds(cfg.heartbeat_timeout_ms()) + absl::Seconds(20));
+    std::optional<std::string> failed_while_stopping;  // the first failure's message
     while (true) {
+      if (!coordinator_listening && !coord.code && std::ifstream(port_file).good()) {
+        coordinator_listening = true;  // started again, it listens again
+      }
+      pass_on_stop(coord);
       bool all_done = true;
       for (Child& c : children) {
-        if (c.code) continue;
+        if (c.code || !c.proc) continue;  // exited, or never started (stopped first)
         c.code = c.proc->Poll();
         if (!c.code) {
           all_done = false;
@@ -385,7 +531,7 @@ int Main(int argc, char** argv) {
         // back; the coordinator only when it was killed (a job that
         // failed would fail again).
         const bool coordinator_running = !coord.code;
-        if (*c.code != 0 && live && *restarts_used < max_restarts &&
+        if (*c.code != 0 && live && *restarts_used < max_restarts && stop_signal.load() == 0 &&
             (&c == &coord ? *c.code > 128 : coordinator_running) &&
             HasCompleteCheckpoint(cfg.checkpoint_dir())) {
           ++*restarts_used;
@@ -393,6 +539,12 @@ int Main(int argc, char** argv) {
                            *restarts_used, " of ", max_restarts, ": starting it again",
                            &c == &coord ? "; the others wait for it"
                                         : "; the job rolls back to its last complete checkpoint"));
+          if (&c == &coord) {
+            // Told to stop before it listens, it would die of the signal.
+            std::remove(port_file.c_str());
+            coordinator_listening = false;
+          }
+          TrackChild(c.proc->pid(), false);
           if (absl::Status st = Start(&c, c.argv, c.env); !st.ok()) {
             stop_all(std::string(st.message()));
             return finish(1);
@@ -402,11 +554,26 @@ int Main(int argc, char** argv) {
         }
         if (&c == &coord) coordinator_exited = absl::Now();
         if (*c.code != 0) {
-          exit_code = *c.code < 126 ? *c.code : 1;
-          stop_all(
-              absl::StrCat(c.name, " failed (", DescribeExit(*c.code), "); stopping the others"));
+          const std::string why =
+              absl::StrCat(c.name, " failed (", DescribeExit(*c.code), "); stopping the others");
+          if (stop_signal.load() != 0 && !coord.code) {
+            if (!failed_while_stopping) {
+              exit_code = *c.code < 126 ? *c.code : 1;
+              failed_while_stopping = why;
+            }
+            continue;
+          }
+          if (!failed_while_stopping) exit_code = *c.code < 126 ? *c.code : 1;
+          stop_all(failed_while_stopping.value_or(why));
           return finish(exit_code);
         }
+      }
+      if (failed_while_stopping &&
+          (coord.code || (stop_sent && absl::Now() - *stop_sent > stop_bound))) {
+        stop_all(coord.code ? *failed_while_stopping
+                            : absl::StrCat("the coordinator did not end the job within ",
+                                           absl::FormatDuration(stop_bound), " of the stop"));
+        return finish(exit_code);
       }
       if (all_done) break;
       if (coordinator_exited && absl::Now() - *coordinator_exited > after_coordinator) {
@@ -434,6 +601,10 @@ int Main(int argc, char** argv) {
     bool running = false;
     const int code = run(attempt, &running, &restarts_used);
     if (code == 0 || restarts_used >= max_restarts || !running) return code;
+    if (const int sig = stop_signal.load(); sig != 0) {
+      Log(absl::StrCat("not starting the job again: stopped by ", SignalName(sig)));
+      return code;
+    }
     ++restarts_used;
     Log(absl::StrCat(
         "restart ", restarts_used, " of ", max_restarts, ": starting the whole job again",

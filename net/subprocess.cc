@@ -29,6 +29,8 @@ absl::StatusOr<Subprocess> Subprocess::Spawn(const std::vector<std::string>& arg
   }
   for (const std::string& x : env) cenv.push_back(const_cast<char*>(x.c_str()));
   cenv.push_back(nullptr);
+  sigset_t unblocked;
+  sigemptyset(&unblocked);
   const pid_t parent = getpid();
   pid_t pid = fork();
   if (pid < 0) return absl::InternalError(absl::StrCat("fork: ", std::strerror(errno)));
@@ -36,6 +38,8 @@ absl::StatusOr<Subprocess> Subprocess::Spawn(const std::vector<std::string>& arg
     // Only async-signal-safe calls between fork and exec.
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (getppid() != parent) _exit(127);  // the parent died already
+    setsid();
+    sigprocmask(SIG_SETMASK, &unblocked, nullptr);
     if (stdout_fd >= 0) dup2(stdout_fd, 1);
     if (stderr_fd >= 0) dup2(stderr_fd, 2);
     execve(cargv[0], cargv.data(), cenv.data());

@@ -1,5 +1,9 @@
 // Child processes for onebit-launch and the integration tests. A child dies
 // with its parent (PR_SET_PDEATHSIG), so a killed launcher leaves no orphans.
+// It starts in a session, and so a process group, of its own (its pid is the
+// group's id): a terminal's Ctrl-C, which signals the foreground process
+// group, reaches the parent only, which decides what its children get. It
+// starts with no signal blocked, whatever the parent blocks.
 // A Subprocess is not thread-safe; use it from the thread that spawned it
 // (the death signal follows that thread).
 #ifndef ONEBIT_NET_SUBPROCESS_H_

@@ -2,7 +2,8 @@
 # The C++ example as an outside project: install onebit-ps into a prefix,
 # build examples/cpp against it with find_package(onebit), and train its own
 # model on a 4 x 2 cluster with the installed onebit-launch; then, where the
-# PyTorch front was built, a torch script over the installed onebit_ps.
+# PyTorch front was built, a torch script over the installed onebit_ps, which
+# the launcher puts on the script's PYTHONPATH itself.
 #   installed_example.sh SOURCE_DIR BUILD_DIR
 set -euo pipefail
 src=$1
@@ -33,7 +34,9 @@ pkg=$tmp/prefix/lib/python3/dist-packages
 [ -d "$pkg/onebit_ps" ] || { echo "installed_example: no PyTorch front built; done"; exit 0; }
 where=$(PYTHONPATH=$pkg /usr/bin/python3 -c 'import onebit_ps; print(onebit_ps.__file__)')
 [ "$where" = "$pkg/onebit_ps/__init__.py" ] || { echo "installed_example: imported $where"; exit 1; }
-PYTHONPATH=$pkg "$tmp/prefix/bin/onebit-launch" --workers 2 --servers 1 --model external \
+# No PYTHONPATH and no --model: the installed launcher puts its own package
+# first on the worker's PYTHONPATH, and --worker_cmd implies --model external.
+env -u PYTHONPATH "$tmp/prefix/bin/onebit-launch" --workers 2 --servers 1 \
   --optimizer onebit-adam --freeze_step 3 --lr 0.01 --out "$tmp/torch" \
   --worker_cmd "/usr/bin/python3 $src/tests/python/torch_worker.py 8" >"$tmp/log" 2>&1 ||
   { cat "$tmp/log"; exit 1; }
