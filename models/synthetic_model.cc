@@ -42,7 +42,8 @@ absl::StatusOr<double> SyntheticModel::Gradient(const float* x, uint32_t rank, u
   }
   loss /= static_cast<double>(o_.dim);
   if (!std::isfinite(loss)) {
-    return absl::InternalError(absl::StrCat("synthetic loss is not finite at step ", step));
+    return absl::InternalError(
+        absl::StrCat("synthetic: loss is not finite (", loss, ") at rank ", rank, " step ", step));
   }
   return loss;
 }

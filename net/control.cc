@@ -341,6 +341,15 @@ void Heartbeater::ReportError(const std::string& error) {
   req.set_incarnation(incarnation_);
   req.set_credential(credential_);
   req.set_error(error);
+  {
+    absl::MutexLock l(&mu_);
+    // A failed heartbeat puts back what it carried (see Done).
+    auto answered = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !in_flight_; };
+    mu_.AwaitWithTimeout(absl::Condition(&answered), absl::FromChrono(kHeartbeatDeadline));
+    req.set_step(step_);  // the coordinator takes no row of a step not done
+    for (auto& m : pending_) *req.add_metrics() = m;
+    pending_.clear();
+  }
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + kHeartbeatDeadline);
   control::HeartbeatReply reply;

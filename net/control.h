@@ -78,7 +78,9 @@ class Heartbeater {
   void AddMetrics(const control::StepMetrics& m);
 
   // Tells the coordinator this process failed (one RPC, best effort: the
-  // process exits non-zero either way).
+  // process exits non-zero either way). Like Done, it carries the pending
+  // metrics and the steps done, after any heartbeat in flight has been
+  // answered, so that the steps completed before the failure keep their rows.
   void ReportError(const std::string& error);
 
   // Sends the final checksums, the steps done (workers) and any pending

@@ -1,6 +1,9 @@
 #include "net/health.h"
 
+#include <memory>
+
 #include "absl/strings/str_cat.h"
+#include "grpcpp/ext/health_check_service_server_builder_option.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "net/control.h"
 #include "proto/health.grpc.pb.h"
@@ -36,6 +39,11 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartHealthServer(const std::strin
   static AlwaysServing* const service = new AlwaysServing;
   grpc::ServerBuilder builder;
   builder.RegisterService(service);
+  // This server's health service is its own: without this, once
+  // EnableHealthService() has run in the process (the coordinator's main
+  // port), gRPC would add its default one too and log a duplicate
+  // registration of /grpc.health.v1.Health/Check.
+  builder.SetOption(std::make_unique<grpc::HealthCheckServiceServerBuilderOption>(nullptr));
   ConfigureExclusivePort(&builder);
   const std::string addr = absl::StrCat(bind_host, ":", port);
   builder.AddListeningPort(addr, grpc::InsecureServerCredentials(), selected_port);

@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -32,6 +33,17 @@ std::string Num(double v) { return absl::StrFormat("%.9g", v); }
 
 // JSON has no inf or nan.
 std::string JsonNum(double v) { return std::isfinite(v) ? Num(v) : std::string("null"); }
+
+// A float setting as the user gave it: the fewest significant digits that
+// read back as the same float (at most 9 are needed).
+std::string JsonFloat(float v) {
+  if (!std::isfinite(v)) return "null";
+  for (int digits = 1; digits < 9; ++digits) {
+    std::string text = absl::StrFormat("%.*g", digits, v);
+    if (std::strtof(text.c_str(), nullptr) == v) return text;
+  }
+  return absl::StrFormat("%.9g", v);
+}
 
 constexpr char kCsvHeader[] =
     "step,phase,loss,wall_s,bytes_up,bytes_down,step_s,push_s,reply_s,epoch,test_loss,"
@@ -239,13 +251,14 @@ absl::Status WriteSummaryJson(const std::string& path, const Summary& s) {
   };
   auto opt_d = [](const std::optional<double>& v) { return v ? JsonNum(*v) : std::string("null"); };
   std::string text = absl::StrCat(
-      "{\n", "  \"optimizer\": ", JsonQuote(s.optimizer), ",\n", "  \"workers\": ", s.workers,
-      ",\n", "  \"servers\": ", s.servers, ",\n", "  \"params\": ", s.params, ",\n",
-      "  \"steps\": ", s.steps, ",\n", "  \"freeze_step\": ", opt_u(s.freeze_step), ",\n",
-      "  \"wall_s\": ", JsonNum(s.wall_s), ",\n", "  \"bytes_up\": ", s.bytes_up, ",\n",
-      "  \"bytes_down\": ", s.bytes_down, ",\n", "  \"bytes_up_fp32\": ", s.bytes_up_fp32, ",\n",
-      "  \"bytes_down_fp32\": ", s.bytes_down_fp32, ",\n",
-      "  \"final_loss\": ", opt_d(s.final_loss), ",\n",
+      "{\n", "  \"optimizer\": ", JsonQuote(s.optimizer), ",\n", "  \"lr\": ", JsonFloat(s.lr),
+      ",\n", "  \"workers\": ", s.workers, ",\n", "  \"servers\": ", s.servers, ",\n",
+      "  \"params\": ", s.params, ",\n", "  \"steps\": ", s.steps, ",\n",
+      "  \"freeze_step\": ", opt_u(s.freeze_step), ",\n", "  \"wall_s\": ", JsonNum(s.wall_s),
+      ",\n", "  \"bytes_up\": ", s.bytes_up, ",\n", "  \"bytes_down\": ", s.bytes_down, ",\n",
+      "  \"bytes_up_fp32\": ", s.bytes_up_fp32, ",\n", "  \"bytes_down_fp32\": ", s.bytes_down_fp32,
+      ",\n", "  \"final_loss\": ", opt_d(s.final_loss), ",\n",
+      "  \"diverged\": ", s.diverged ? "true" : "false", ",\n",
       "  \"test_accuracy\": ", opt_d(s.test_accuracy), ",\n",
       "  \"test_loss\": ", opt_d(s.test_loss), ",\n",
       "  \"replicas_equal\": ", s.replicas_equal ? "true" : "false", ",\n",
@@ -253,7 +266,7 @@ absl::Status WriteSummaryJson(const std::string& path, const Summary& s) {
       "  \"server_codec\": ", JsonQuote(s.server_codec), ",\n",
       "  \"error_feedback\": ", JsonQuote(s.error_feedback), ",\n",
       "  \"server_reply\": ", JsonQuote(s.server_reply), ",\n",
-      "  \"freeze\": ", JsonQuote(s.freeze), ",\n", "  \"v_floor\": ", JsonNum(s.v_floor), ",\n",
+      "  \"freeze\": ", JsonQuote(s.freeze), ",\n", "  \"v_floor\": ", JsonFloat(s.v_floor), ",\n",
       "  \"v_floored\": ", s.v_floored, ",\n", "  \"compress_steps\": ", s.compress_steps, ",\n",
       "  \"rounds\": ", s.rounds, ",\n", "  \"bytes_up_warmup\": ", s.bytes_up_warmup, ",\n",
       "  \"bytes_up_compress\": ", s.bytes_up_compress, ",\n",

@@ -31,6 +31,7 @@ struct MetricsRow {
 
 struct Summary {
   std::string optimizer;
+  float lr = 0;  // the base learning rate of the job's schedule
   uint32_t workers = 0;
   uint32_t servers = 0;
   uint64_t params = 0;
@@ -42,6 +43,9 @@ struct Summary {
   uint64_t bytes_up_fp32 = 0;
   uint64_t bytes_down_fp32 = 0;
   std::optional<double> final_loss;
+  // The loss grew by orders of magnitude (net/loss_watch.h); the job may
+  // still be "ok".
+  bool diverged = false;
   std::optional<double> test_accuracy;
   std::optional<double> test_loss;
   bool replicas_equal = false;
@@ -51,8 +55,8 @@ struct Summary {
   std::string server_codec;
   std::string error_feedback;
   std::string server_reply;
-  std::string freeze;  // "step:N" or "auto:..."
-  double v_floor = 0;
+  std::string freeze;  // "step:N", "auto:...", "var_freeze_step:N"; "none": never compresses
+  float v_floor = 0;
   uint64_t v_floored = 0;  // coordinates the floor raised at the freeze
   uint64_t compress_steps = 0;
   uint64_t rounds = 0;  // steps that communicated (zero-one-adam's local steps do not)
@@ -105,7 +109,9 @@ absl::Status WriteMetricsCsv(const std::string& path, const std::vector<MetricsR
 // Errors name the file and line.
 absl::StatusOr<std::vector<MetricsRow>> ReadMetricsCsv(const std::string& path);
 // Atomic (a temporary file, fsync, rename) and always valid JSON: a
-// non-finite number is written as null.
+// non-finite number is written as null; fp32 settings (lr, v_floor) as the
+// shortest text that reads back as the same float (0.002, not
+// 0.0020000000949949026).
 absl::Status WriteSummaryJson(const std::string& path, const Summary& s);
 // What an earlier run's summary.json says of the job's restarts; nullopt
 // when there is none or it does not say.

@@ -89,6 +89,7 @@ void CoordinatorService::ResumeFrom(CompleteCheckpoint checkpoint,
   incarnation_ = NewRandomId();
   rejoin_why_ = "the coordinator restarted";
   prior_rows_ = std::move(prior_rows);
+  for (const MetricsRow& r : prior_rows_) loss_watch_.Add(r.step, r.loss);
   restarts_ = restarts;
   rolled_back_steps_ = rolled_back_steps;
 }
@@ -665,8 +666,10 @@ grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* ctx,
   reply->set_freeze_decided(freeze_decided_);
   reply->set_freeze_step(freeze_step_);
   if (end_step_) reply->set_end_step(*end_step_);
-  if (!req->error().empty())
+  if (!req->error().empty()) {
+    p.reported_error = true;
     FailLocked(absl::StrCat(Name(req->role(), req->rank()), " failed: ", req->error()));
+  }
   switch (state_) {
     case State::kFinished:
       reply->set_command(control::SHUTDOWN);
@@ -910,6 +913,7 @@ void CoordinatorService::Tick() {
       if (role == control::WORKER && p.done) continue;  // done workers exit
       if (now - p.last_seen > heartbeat_timeout_) {
         p.told = true;  // the dead hear nothing; do not wait for it
+        p.lost = true;
         const std::string ep =
             p.info.data_endpoint().empty() ? p.info.host() : p.info.data_endpoint();
         const std::string lost =
@@ -945,6 +949,15 @@ bool CoordinatorService::EveryoneTold() const {
   }
   for (const Process& p : workers_) {
     if (p.registered && !p.done && !p.told) return false;
+  }
+  return true;
+}
+
+bool CoordinatorService::WorkersReportedLastMetrics() const {
+  absl::MutexLock l(&mu_);
+  if (state_ != State::kFailed) return true;
+  for (const Process& p : workers_) {
+    if (p.registered && !p.done && !p.reported_error && !p.lost) return false;
   }
   return true;
 }
@@ -992,6 +1005,9 @@ std::vector<MetricsRow> CoordinatorService::TakeNewRows() {
   absl::MutexLock l(&mu_);
   std::vector<MetricsRow> rows;
   while (auto r = RowLocked(rows_taken_)) {
+    if (auto warning = loss_watch_.Add(r->step, r->loss)) {
+      std::fprintf(stderr, "coordinator: warning: %s\n", warning->c_str());
+    }
     rows.push_back(*std::move(r));
     ++rows_taken_;
   }
@@ -1143,7 +1159,10 @@ Summary CoordinatorService::MakeSummary() const {
     s.rounds += r.bytes_up > 0;
     if (compress && !s.freeze_step) s.freeze_step = r.step;
   }
-  s.freeze = config_.optimizer() == "zero-one-adam"
+  const absl::StatusOr<OptimizerKind> kind = ParseOptimizerKind(config_.optimizer());
+  s.lr = config_.lr();
+  s.freeze = kind.ok() && !HasCompressionPhase(*kind) ? "none"  // never compresses
+             : config_.optimizer() == "zero-one-adam"
                  ? absl::StrCat("var_freeze_step:", config_.var_freeze_step())
              : config_.freeze().empty() ? absl::StrCat("step:", config_.freeze_step())
                                         : config_.freeze();
@@ -1158,6 +1177,7 @@ Summary CoordinatorService::MakeSummary() const {
   s.bytes_up_fp32 = fp32;
   s.bytes_down_fp32 = fp32;
   if (!rows.empty()) s.final_loss = rows.back().loss;
+  s.diverged = loss_watch_.diverged();
   for (const MetricsRow& r : rows) {
     if (r.test_accuracy) {
       s.test_accuracy = r.test_accuracy;

@@ -17,6 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "checkpoint/checkpoint_dir.h"
+#include "net/loss_watch.h"
 #include "net/refusal_log.h"
 #include "net/run_folder.h"
 #include "onebit/server.h"
@@ -67,6 +68,11 @@ class CoordinatorService final : public control::Coordinator::Service {
   std::string reason() const;
   // True once every live process has been told the outcome (or it exited).
   bool EveryoneTold() const;
+  // True unless the job failed and a worker may still send the metrics of
+  // the steps it completed: once the job has failed, every registered
+  // worker has finished, reported an error itself (that report carries its
+  // last metrics; see Heartbeater::ReportError) or been presumed dead.
+  bool WorkersReportedLastMetrics() const;
 
   // Checkpoints whose every file (each server's, each worker's) has been
   // reported since the last call, as manifests to write (step order).
@@ -84,6 +90,8 @@ class CoordinatorService final : public control::Coordinator::Service {
   std::vector<MetricsRow> MetricsRows() const;
   // The rows completed since the last call, in step order (a row is complete
   // once every worker reported its step); for appending to metrics.csv.
+  // Each passes the divergence watch (net/loss_watch.h), which logs a
+  // warning the first time the loss is found to have diverged.
   std::vector<MetricsRow> TakeNewRows();
   // wall_s: from the cluster forming to the outcome.
   Summary MakeSummary() const;
@@ -97,6 +105,8 @@ class CoordinatorService final : public control::Coordinator::Service {
     uint64_t step = 0;
     bool done = false;                 // sent Done (workers exit after it)
     bool told = false;                 // got SHUTDOWN/ABORT/STOP in a heartbeat reply
+    bool reported_error = false;       // sent a heartbeat with its own error
+    bool lost = false;                 // presumed dead (no heartbeat in time)
     std::optional<uint64_t> stop_ack;  // workers, while stopping: steps begun
     std::vector<control::ShardChecksum> checksums;
     std::string credential;  // issued at its registration (RegisterReply.credential)
@@ -197,6 +207,7 @@ class CoordinatorService final : public control::Coordinator::Service {
   std::map<uint64_t, std::vector<std::optional<control::StepMetrics>>> metrics_
       ABSL_GUARDED_BY(mu_);
   uint64_t rows_taken_ ABSL_GUARDED_BY(mu_) = 0;  // TakeNewRows: the next step's row
+  LossWatch loss_watch_ ABSL_GUARDED_BY(mu_);     // over prior_rows_, then the rows taken
   // step -> "server 1" / "worker 0" -> its file; a failed one drops the step.
   std::map<uint64_t, std::map<std::string, control::CheckpointPart>> parts_ ABSL_GUARDED_BY(mu_);
   std::vector<checkpoint::Manifest> complete_ ABSL_GUARDED_BY(mu_);
@@ -208,13 +219,13 @@ class CoordinatorService final : public control::Coordinator::Service {
   uint64_t floored_ ABSL_GUARDED_BY(mu_) = 0;
   // completed steps -> shard -> VarianceChange
   std::map<uint64_t, std::map<uint32_t, double>> freeze_checks_ ABSL_GUARDED_BY(mu_);
-  uint64_t freeze_decided_ ABSL_GUARDED_BY(mu_) = 0;          // checks decided so far
-  uint64_t freeze_step_ ABSL_GUARDED_BY(mu_) = 0;             // decided first compression step
-  std::optional<uint32_t> declared_by_ ABSL_GUARDED_BY(mu_);  // first worker to declare d
-  std::optional<uint32_t> decay_by_ ABSL_GUARDED_BY(mu_);     // first worker to register
-  std::vector<DecayRange> decay_ ABSL_GUARDED_BY(mu_);        // its ranges
-  std::optional<uint32_t> layers_by_ ABSL_GUARDED_BY(mu_);    // first to declare tensors
-  std::vector<uint64_t> layers_ ABSL_GUARDED_BY(mu_);         // their ends
+  uint64_t freeze_decided_ ABSL_GUARDED_BY(mu_) = 0;             // checks decided so far
+  uint64_t freeze_step_ ABSL_GUARDED_BY(mu_) = 0;                // decided first compression step
+  std::optional<uint32_t> declared_by_ ABSL_GUARDED_BY(mu_);     // first worker to declare d
+  std::optional<uint32_t> decay_by_ ABSL_GUARDED_BY(mu_);        // first worker to register
+  std::vector<DecayRange> decay_ ABSL_GUARDED_BY(mu_);           // its ranges
+  std::optional<uint32_t> layers_by_ ABSL_GUARDED_BY(mu_);       // first to declare tensors
+  std::vector<uint64_t> layers_ ABSL_GUARDED_BY(mu_);            // their ends
   std::optional<uint32_t> local_state_by_ ABSL_GUARDED_BY(mu_);  // first to declare local state
   std::vector<control::LocalTensor> local_state_ ABSL_GUARDED_BY(mu_);
   // The job's tensors once formed: the built-in model's, or layers_.

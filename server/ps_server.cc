@@ -123,11 +123,18 @@ absl::Status PsServer::Serve(const std::function<bool()>& should_stop,
       const std::string msg = absl::StrCat(
           "shard ", options_.shard, " step ", state_.step, ": no push from ", MissingRanks(),
           " within --step-timeout=", absl::FormatDuration(options_.step_timeout));
-      // Tell the workers that did push, so they fail with the reason.
+      // Tell the workers that did push, so they fail with the reason. The
+      // reply names the step it is about (a header of no request says 0).
       for (uint32_t r = 0; r < options_.job.workers; ++r) {
         bool pushed = false;
         for (const Chunk& c : chunks_) pushed |= c.done || c.pushed[r];
-        if (pushed) SendError(WorkerIdentity(options_.job.job_id, r), nullptr, msg);
+        if (!pushed) continue;
+        data::Header about;
+        about.set_job_id(options_.job.job_id);
+        about.set_rank(r);
+        about.set_step(state_.step);
+        about.set_shard(options_.shard);
+        SendError(WorkerIdentity(options_.job.job_id, r), &about, msg);
       }
       return absl::DeadlineExceededError(msg);
     }

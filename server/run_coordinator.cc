@@ -147,8 +147,12 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
   if (o.on_listening) o.on_listening(bound);
 
   absl::Status metrics_status;
+  // Returns how many rows it took. (Taken with or without a run folder: the
+  // divergence watch sees every row.)
   auto append_rows = [&] {
-    if (metrics && metrics_status.ok()) metrics_status = metrics->Append(service.TakeNewRows());
+    const std::vector<MetricsRow> rows = service.TakeNewRows();
+    if (metrics && metrics_status.ok()) metrics_status = metrics->Append(rows);
+    return rows.size();
   };
   // A checkpoint is complete once its manifest is written, last.
   auto write_manifests = [&] {
@@ -182,44 +186,69 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
     absl::SleepFor(absl::Milliseconds(20));
   }
   write_manifests();  // the last parts came with Done
+  append_rows();
   const double wall = service.WallSeconds();
-  Summary summary = service.MakeSummary();
   absl::Status result;
   std::string verdict = "job finished";
-  if (service.state() == CoordinatorService::State::kFailed) {
-    result = absl::AbortedError(absl::StrCat("job failed: ", service.reason()));
-    verdict = std::string(result.message());
-  } else if (service.state() == CoordinatorService::State::kStopped) {
-    verdict = absl::StrCat("job stopped: ", service.reason());
-    result = absl::CancelledError(verdict);
-  } else if (!summary.workers_agree) {
-    verdict = "job finished but the replicas differ from the masters";
-    result = absl::DataLossError(verdict);
-    summary.status = verdict;
-  } else if (!summary.replicas_equal) {
-    // --server-reply delta with a lossy reply codec: by design (docs/design.md §1.4).
-    verdict =
-        absl::StrFormat("job finished; replicas trail the masters by the server error (largest %g)",
-                        summary.max_replica_master_diff.value_or(0.0));
-  }
-  if (metrics) {
-    append_rows();
-    absl::Status st = metrics_status;
-    if (absl::Status closed = metrics->Close(); st.ok()) st = closed;
-    if (absl::Status written = WriteSummaryJson(o.out + "/summary.json", summary); st.ok()) {
-      st = written;
+  auto summarize = [&] {
+    Summary summary = service.MakeSummary();
+    if (service.state() == CoordinatorService::State::kFailed) {
+      result = absl::AbortedError(absl::StrCat("job failed: ", service.reason()));
+      verdict = std::string(result.message());
+    } else if (service.state() == CoordinatorService::State::kStopped) {
+      verdict = absl::StrCat("job stopped: ", service.reason());
+      result = absl::CancelledError(verdict);
+    } else if (!summary.workers_agree) {
+      verdict = "job finished but the replicas differ from the masters";
+      result = absl::DataLossError(verdict);
+      summary.status = verdict;
+    } else if (!summary.replicas_equal) {
+      // --server-reply delta with a lossy reply codec: by design (docs/design.md §1.4).
+      verdict = absl::StrFormat(
+          "job finished; replicas trail the masters by the server error (largest %g)",
+          summary.max_replica_master_diff.value_or(0.0));
     }
-    if (!st.ok() && (result.ok() || absl::IsCancelled(result))) result = st;
-  }
-  // Let every live process hear the outcome through its heartbeat, bounded.
-  // Briefly when a signal stopped us: the sender's grace period is short.
-  const bool signalled = o.stop_signal != nullptr && o.stop_signal->load() != 0 &&
-                         service.state() != CoordinatorService::State::kStopped;
+    return summary;
+  };
+  Summary summary = summarize();
+  // Written at once, in case this process is killed while it waits below.
+  absl::Status written;
+  if (metrics) written = WriteSummaryJson(o.out + "/summary.json", summary);
+  // Let every live process hear the outcome through its heartbeat, bounded;
+  // after a failure, also let the workers send the metrics of the steps
+  // they completed (their error reports carry them). Briefly when a signal
+  // stopped us: the sender's grace period is short.
+  // (A job stopped on request was stopped by that signal: its processes
+  // need the usual time to hear STOP.)
+  auto signalled_now = [&] {
+    return o.stop_signal != nullptr && o.stop_signal->load() != 0 &&
+           service.state() != CoordinatorService::State::kStopped;
+  };
+  bool signalled = signalled_now();
   const absl::Time deadline =
       absl::Now() +
       (signalled ? absl::Milliseconds(300)
                  : std::max(absl::Seconds(2), absl::Milliseconds(cfg.heartbeat_timeout_ms()) / 2));
-  while (!service.EveryoneTold() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
+  while (!(service.EveryoneTold() && service.WorkersReportedLastMetrics()) &&
+         absl::Now() < deadline) {
+    // A signal meanwhile (onebit-launch stopping the rest after a
+    // failure) ends the wait: SIGKILL may follow soon.
+    if (!signalled && signalled_now()) {
+      signalled = true;
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  if (append_rows() > 0) {
+    summary = summarize();
+    if (metrics) written = WriteSummaryJson(o.out + "/summary.json", summary);
+  }
+  if (metrics) {
+    absl::Status st = metrics_status;
+    if (absl::Status closed = metrics->Close(); st.ok()) st = closed;
+    if (st.ok()) st = written;
+    if (!st.ok() && (result.ok() || absl::IsCancelled(result))) result = st;
+  }
   server->Shutdown(
       absl::ToChronoTime(absl::Now() + (signalled ? absl::Milliseconds(200) : absl::Seconds(1))));
   (*health)->Shutdown(absl::ToChronoTime(absl::Now()));

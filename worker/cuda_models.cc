@@ -117,7 +117,8 @@ class SyntheticGpu final : public DeviceModel {
     if (!st.ok()) return st;
     const double loss = *static_cast<const double*>(host_loss_.get()) / static_cast<double>(o.dim);
     if (!std::isfinite(loss)) {
-      return absl::InternalError(absl::StrCat("synthetic loss is not finite at step ", step));
+      return absl::InternalError(absl::StrCat("synthetic: loss is not finite (", loss, ") at rank ",
+                                              rank, " step ", step));
     }
     return loss;
   }

@@ -122,8 +122,10 @@ absl::StatusOr<size_t> PsClient::CheckReply(uint32_t server, uint64_t step, int 
     return absl::DataLossError(absl::StrCat(who(), ": ", parsed.status().message()));
   *h = *std::move(parsed);
   if (h->kind() == data::ERROR) {
-    return absl::FailedPreconditionError(absl::StrCat(who(), " refused rank ", options_.rank,
-                                                      "'s step ", h->step(), ": ", h->error()));
+    // The step this worker is at: an error about no request of its own
+    // (a step timeout) may come with a header that names none.
+    return absl::FailedPreconditionError(
+        absl::StrCat(who(), " refused rank ", options_.rank, "'s step ", step, ": ", h->error()));
   }
   auto bad = [&](auto&&... parts) {
     return absl::DataLossError(absl::StrCat("bad reply from ", who(), ": ", parts...));

@@ -10,6 +10,7 @@
 #include "models/model.h"
 #include "net/flags.h"
 #include "net/job_config.h"
+#include "net/loss_watch.h"
 #include "net/run_folder.h"
 #include "shard/memory.h"
 #include "shard/reference.h"
@@ -70,6 +71,7 @@ int Main(int argc, char** argv) {
   std::vector<MetricsRow> rows;
   Summary s;
   s.optimizer = cfg.optimizer();
+  s.lr = cfg.lr();
   s.workers = cfg.workers();
   s.servers = cfg.servers();
   s.params = map->num_params();
@@ -81,11 +83,15 @@ int Main(int argc, char** argv) {
   s.v_floor = cfg.v_floor();
   s.rounds = r->rounds;
   s.status = "ok";
+  LossWatch watch;
   for (uint64_t t = 0; t < cfg.steps(); ++t) {
     MetricsRow row;
     row.step = t;
     row.phase = freeze != kNever && t >= freeze ? "compress" : "warmup";
     row.loss = r->losses[t];
+    if (auto warning = watch.Add(t, row.loss)) {
+      std::fprintf(stderr, "reference: warning: %s\n", warning->c_str());
+    }
     row.bytes_up = r->push_bytes[t];  // payload only: no headers without a network
     row.bytes_down = r->reply_bytes[t];
     rows.push_back(row);
@@ -95,6 +101,7 @@ int Main(int argc, char** argv) {
   s.bytes_up_fp32 = s.bytes_down_fp32 = map->num_params() * 4 * cfg.workers() * cfg.steps();
   if (freeze != kNever && freeze < cfg.steps()) s.freeze_step = freeze;
   s.final_loss = r->losses.back();
+  s.diverged = watch.diverged();
   bool equal = true;
   for (const ServerShardState& k : r->servers) {
     s.v_floored += k.floored;

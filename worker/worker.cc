@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -41,6 +42,18 @@ constexpr char kRolledBackMark[] = "onebit.worker/rolled-back";
 
 bool HasMark(const absl::Status& st, const char* mark) {
   return !st.ok() && st.GetPayload(mark).has_value();
+}
+
+// A loss the program reported (StepOptions) that is not finite in fp32,
+// the precision metrics travel in: the error that fails the step, worded
+// as the mlp's; OK otherwise.
+absl::Status CheckReportedLoss(const StepOptions& o, uint32_t rank, uint64_t step) {
+  if (!o.has_loss && std::isnan(o.loss)) return absl::OkStatus();  // none reported
+  const bool finite = std::isfinite(o.loss);
+  if (finite && std::fabs(o.loss) <= std::numeric_limits<float>::max()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("loss is not finite (", o.loss,
+                                                 finite ? ", beyond fp32's range" : "",
+                                                 ") at rank ", rank, " step ", step));
 }
 
 }  // namespace
@@ -125,10 +138,15 @@ struct Worker::Impl {
   }
 
   // Records the first fatal error and tells the coordinator: the job fails.
+  // The metrics of the steps completed so far go with the report, so that
+  // metrics.csv keeps every step before the failure.
   absl::Status Fail(const absl::Status& st) {
     if (failure.ok()) {
       failure = st;
-      if (hb != nullptr) hb->ReportError(absl::StrCat("worker ", job.rank, ": ", st.message()));
+      if (hb != nullptr) {
+        FlushMetrics();
+        hb->ReportError(absl::StrCat("worker ", job.rank, ": ", st.message()));
+      }
     }
     return failure;
   }
@@ -656,6 +674,7 @@ absl::Status Worker::GradientsReady(uint64_t begin, uint64_t end) {
 absl::StatusOr<StepStats> Worker::Step(const StepOptions& options) {
   Impl& w = *impl_;
   if (absl::Status st = w.ReadyToStep(); !st.ok()) return st;
+  if (absl::Status st = CheckReportedLoss(options, w.job.rank, w.step); !st.ok()) return w.Fail(st);
   if (absl::Status st = w.BeginStepIfNeeded(true); !st.ok()) {
     return absl::IsCancelled(st) ? st : w.FailOrRejoin(st);
   }

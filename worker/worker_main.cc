@@ -132,7 +132,7 @@ int Main(int argc, char** argv) {
         absl::Status st;
         while ((st = WorkerAccess::WaitForJobEnd(w, absl::Seconds(1))).ok()) {
         }
-        fail("", st);
+        fail("", WorkerAccess::Fail(w, st));  // with the rows of the steps before
       }
       absl::Status pushed;       // a push's error: the worker has handled it already
       absl::Duration in_pushes;  // of the backward's time, the releases' (encoding, sending)

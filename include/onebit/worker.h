@@ -150,8 +150,16 @@ struct JobInfo {
 };
 
 struct StepOptions {
-  // Your loss at this step, for metrics.csv (NaN: none reported).
+  // Your loss at this step, for metrics.csv and the coordinator's divergence
+  // watch. A reported loss that is not finite (NaN, ±inf, or beyond fp32's
+  // range, in which metrics travel) fails the step and the job, before
+  // anything is applied, with an error naming the rank, the step and the
+  // value, as the built-in models' losses do.
+  // Reported: has_loss is true, or loss is not NaN. So a NaN without
+  // has_loss means "none reported" (the default, and what programs written
+  // before has_loss pass); set has_loss to have a NaN loss fail the step.
   double loss = std::numeric_limits<double>::quiet_NaN();
+  bool has_loss = false;
   // Fractional epochs done after this step, for metrics.csv (0: none).
   double epoch = 0;
 };
@@ -221,6 +229,8 @@ class Worker {
   // server's reply (each wait bounded by the job's step timeout) and applies
   // them to params().
   //
+  // INVALID_ARGUMENT: options.loss was reported and is not finite (see
+  // StepOptions); the job has failed, as after any other error.
   // CANCELLED: the job stopped on request (a SIGTERM to one of its
   // processes) before this step, after a complete checkpoint of
   // steps_done() steps; the message says by whom. Exit successfully without

@@ -416,7 +416,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if self._gather():
                 return loss  # no gradient at all: torch's step does nothing
             self._send_lr()
-            value = float(loss) if loss is not None else float("nan")
+            value = float(loss) if loss is not None else None
             self._sync()
             self.last_stats = self._worker.step(value, float(epoch or 0.0))
         except Stopped as e:

@@ -6,9 +6,9 @@
 #include <pybind11/stl.h>
 
 #include <cstdlib>
-#include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -214,9 +214,13 @@ PYBIND11_MODULE(_onebit, m) {
            })
       .def(
           "step",
-          [](onebit::Worker& w, double loss, double epoch) {
+          [](onebit::Worker& w, std::optional<double> loss, double epoch) {
             onebit::StepOptions o;
-            o.loss = loss;
+            // A loss given is reported, NaN included (which fails the step).
+            if (loss) {
+              o.loss = *loss;
+              o.has_loss = true;
+            }
             o.epoch = epoch;
             absl::StatusOr<onebit::StepStats> s;
             {
@@ -232,7 +236,7 @@ PYBIND11_MODULE(_onebit, m) {
             d["step_s"] = s->step_s;
             return d;
           },
-          py::arg("loss") = std::numeric_limits<double>::quiet_NaN(), py::arg("epoch") = 0.0)
+          py::arg("loss") = py::none(), py::arg("epoch") = 0.0)
       .def("report_evaluation",
            [](onebit::Worker& w, double test_loss, double test_accuracy) {
              Check(w.ReportEvaluation(test_loss, test_accuracy));

@@ -95,6 +95,13 @@ try:
         model.v.grad = torch.zeros(3)
         opt.step()
         check(torch.equal(model.w.detach(), c), f"w {model.w.tolist()}")
+    elif case == "nan_loss":
+        # A loss reported as NaN by rank 1 fails the step (no loss given is
+        # fine: rank 0's second step reports none).
+        opt.zero_grad()
+        loss = model.loss(c)
+        loss.backward()
+        opt.step(loss=float("nan") if rank == 1 else loss)
     elif case == "frozen":
         opt.zero_grad()
         model.loss(c).backward()

@@ -329,6 +329,14 @@ def test_a_parameter_left_out_of_a_step_fails_naming_it(tmp_path, case, message)
     assert s["status"].startswith("failed")
 
 
+def test_a_nan_loss_reported_to_step_fails_the_job_naming_rank_and_step(tmp_path):
+    r, s = grad_case(tmp_path, "nan_loss", 1)
+    assert r.returncode != 0
+    assert "grad_worker: nan_loss error: loss is not finite (nan) at rank 1 step 0" in r.stderr, \
+        r.stderr
+    assert "loss is not finite (nan) at rank 1 step 0" in s["status"]
+
+
 def test_buffers_that_differ_between_ranks_fail_the_job_naming_them(tmp_path):
     # Buffers are not trained or broadcast: ranks that start them apart would
     # train different models while replicas_equal said true.

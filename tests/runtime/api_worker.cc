@@ -16,6 +16,9 @@
 //   --set_rank R     ... on every rank but R, which declares none
 //   --layers E1,E2,..  the tensors' ends (WorkerOptions::layer_ends)
 //   --layers_rank R  ... except on rank R, which declares one tensor fewer
+//   --bad_loss R:T:V rank R reports the loss V (e.g. nan, inf) at step T,
+//                    with StepOptions::has_loss
+//   --no_loss        report no loss (StepOptions' default, a NaN)
 // Writes its final x to $ONEBIT_DUMP_X when set. Exits 1 with the error.
 #include <cmath>
 #include <cstdio>
@@ -49,11 +52,21 @@ int main(int argc, char** argv) {
   int bad_d_rank = -1, lr_rank = -1, release = 0;
   std::string init = "rank", wd;
   int wd_rank = -1, set_rank = -1, layers_rank = -1;
-  std::string layers;
+  std::string layers, bad_loss;
+  bool no_loss = false;
   std::vector<std::string> settings;
   double lr = -1, lr_value = 0;
-  for (int i = 1; i + 1 < argc; i += 2) {
+  for (int i = 1; i < argc; i += 2) {
     const std::string k = argv[i];
+    if (k == "--no_loss") {
+      no_loss = true;
+      --i;  // a flag without a value
+      continue;
+    }
+    if (i + 1 >= argc) {
+      std::fprintf(stderr, "api_worker: %s needs a value\n", k.c_str());
+      return 2;
+    }
     const char* v = argv[i + 1];
     if (k == "--d")
       d = std::strtoull(v, nullptr, 10);
@@ -83,6 +96,8 @@ int main(int argc, char** argv) {
       layers = v;
     else if (k == "--layers_rank")
       layers_rank = std::atoi(v);
+    else if (k == "--bad_loss")
+      bad_loss = v;
     else {
       std::fprintf(stderr, "api_worker: unknown argument %s\n", k.c_str());
       return 2;
@@ -143,7 +158,16 @@ int main(int argc, char** argv) {
       }
     }
     onebit::StepOptions so;
-    so.loss = loss / static_cast<double>(d);
+    if (!no_loss) so.loss = loss / static_cast<double>(d);
+    if (!bad_loss.empty()) {
+      char* end = nullptr;
+      const long bad_rank = std::strtol(bad_loss.c_str(), &end, 10);
+      const unsigned long long bad_step = std::strtoull(end + 1, &end, 10);
+      if (bad_rank == static_cast<long>(rank) && bad_step == t) {
+        so.loss = std::strtod(end + 1, nullptr);
+        so.has_loss = true;
+      }
+    }
     auto stats = w.Step(so);
     if (!stats.ok()) return Fail("step", stats.status());
   }

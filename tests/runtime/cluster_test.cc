@@ -102,6 +102,26 @@ TEST_P(ClusterTest, ReplicasEqualMastersEqualReference) {
   }
 }
 
+// summary.json says what the job ran as it was given: the learning rate as
+// typed (not 0.0020000000949949026), "none" for the freeze of an optimizer
+// that never compresses. And a launch logs no gRPC error: each server
+// registers the health service once.
+TEST(Summary, SaysWhatTheJobRanAsGiven) {
+  const std::string out = TempDir("summary_fields");
+  RunResult r = RunCommand({Bin("onebit-launch"), "--workers=1", "--servers=1", "--dim=100",
+                            "--steps=3", "--optimizer=adam", "--lr=2e-3", "--v_floor=1e-8",
+                            "--block_size=32", "--chunk_elems=64", "--out=" + out},
+                           absl::Seconds(30));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string summary = ReadFile(out + "/summary.json");
+  EXPECT_EQ(Field(summary, "lr"), "0.002") << summary;
+  EXPECT_EQ(Field(summary, "v_floor"), "1e-08") << summary;
+  EXPECT_EQ(Field(summary, "freeze"), "\"none\"") << summary;
+  EXPECT_EQ(Field(summary, "freeze_step"), "null") << summary;
+  EXPECT_EQ(Field(summary, "diverged"), "false") << summary;
+  EXPECT_EQ(r.output.find("duplicate registration"), std::string::npos) << r.output;
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Loopback, ClusterTest,
     ::testing::Values(Case{"w1s1_sgd", 1, 1, 5000, 6, "sgd", "fp32"},

@@ -393,17 +393,27 @@ TEST(Faults, BadRequestsAreRefusedByNameAndChangeNothing) {
 
 TEST(Faults, StalledWorkerFailsTheOthersNamingTheRank) {
   const absl::Time t0 = absl::Now();
+  const std::string out = TempDir("stalled") + "/run";
   RunResult r =
       RunCommand({Bin("onebit-launch"), "--workers=3", "--servers=2", "--dim=3000", "--steps=100",
                   "--block_size=32", "--chunk_elems=512", "--stall_worker=1", "--stall_at_step=2",
-                  "--step_timeout=1s", "--heartbeat_timeout=20s"},
+                  "--step_timeout=1s", "--heartbeat_timeout=20s", "--out=" + out},
                  absl::Seconds(30));
   EXPECT_NE(r.code, 0) << r.output;
   EXPECT_NE(r.code, -1) << "hung: " << r.output;
   EXPECT_THAT(r.output, HasSubstr("no push from rank 1 within --step-timeout=1s"));
-  // The other workers fail with that reason (from the server's error reply).
-  EXPECT_THAT(r.output, HasSubstr("[worker0]"));
+  // The other workers fail with that reason (from the server's error reply),
+  // which names one step, the true one, throughout.
+  EXPECT_THAT(r.output, ::testing::ContainsRegex(
+                            "\\[worker0\\] .*worker 0: server [01] \\(tcp://[0-9.:]+\\) refused "
+                            "rank 0's step 2: shard [01] step 2: no push from rank 1"));
+  EXPECT_THAT(r.output, ::testing::Not(::testing::ContainsRegex("refused rank [02]'s step [^2]")));
   EXPECT_LT(absl::Now() - t0, absl::Seconds(15));
+  // Steps 0 and 1 completed: their rows stay, though the stalled worker held
+  // step 1's when the job failed.
+  const std::string metrics = ReadFile(out + "/metrics.csv");
+  EXPECT_EQ(std::count(metrics.begin(), metrics.end(), '\n'), 3) << metrics;
+  EXPECT_NE(metrics.find("\n1,warmup,"), std::string::npos) << metrics;
 }
 
 TEST(Faults, KilledServerStopsWorkerAndCoordinatorNamingIt) {
@@ -563,6 +573,51 @@ TEST(Faults, AKilledWorkerLeavesTheRunFolderWritten) {
   const std::string summary = ReadFile(out + "/summary.json");
   EXPECT_THAT(summary, HasSubstr("\"status\": \"failed: stopped by SIGTERM to the coordinator\""));
   EXPECT_THAT(summary, HasSubstr("\"replicas_equal\": false"));
+}
+
+// A loss beyond fp32's range (in which metrics travel) is not finite: the
+// job fails naming the rank, the step and the value, where it used to end
+// "ok" with inf in metrics.csv; the steps before it keep their rows.
+TEST(Faults, ALossBeyondFp32FailsTheJobNamingRankStepAndValue) {
+  const std::string out = TempDir("huge_loss") + "/run";
+  RunResult r = RunCommand({Bin("onebit-launch"), "--workers=2", "--servers=1", "--steps=20",
+                            "--dim=1000", "--noise=3e38", "--out=" + out},
+                           absl::Seconds(30));
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_THAT(r.output, ::testing::ContainsRegex(
+                            "worker [01]: loss is not finite \\([0-9.]+e\\+[0-9]+, beyond "
+                            "fp32's range\\) at rank [01] step 1"));
+  const std::string summary = ReadFile(out + "/summary.json");
+  EXPECT_THAT(Field(summary, "status"), HasSubstr("loss is not finite ("));
+  const std::vector<std::string> lines = Lines(ReadFile(out + "/metrics.csv"));
+  ASSERT_EQ(lines.size(), 2u);  // the header and step 0
+  EXPECT_EQ(lines[1].rfind("0,warmup,0.334", 0), 0u) << lines[1];
+}
+
+// A run whose loss grows by orders of magnitude but stays finite is "ok"
+// but marked, and the coordinator warns once; one that learns is not.
+TEST(Faults, ADivergingRunIsMarkedAndWarnedButNotFailed) {
+  const std::string out = TempDir("diverged") + "/run";
+  RunResult r = RunCommand({Bin("onebit-launch"), "--workers=2", "--servers=1", "--steps=20",
+                            "--dim=1000", "--optimizer=onebit-adam", "--lr=1e6", "--out=" + out},
+                           absl::Seconds(30));
+  ASSERT_EQ(r.code, 0) << r.output;
+  // Measured: step 0's loss 0.334, steps 1-5 around 3.5e12.
+  EXPECT_THAT(r.output, ::testing::ContainsRegex(
+                            "coordinator: warning: the loss diverged: its median over steps 1-5 "
+                            "is [0-9.]+e\\+1[0-9], more than 1000x step 0's 0.3344"));
+  const std::string summary = ReadFile(out + "/summary.json");
+  EXPECT_EQ(Field(summary, "diverged"), "true") << summary;
+  EXPECT_EQ(Field(summary, "status"), "\"ok\"");
+  EXPECT_EQ(Field(summary, "lr"), "1e+06");
+
+  const std::string calm = TempDir("calm") + "/run";
+  r = RunCommand({Bin("onebit-launch"), "--workers=2", "--servers=1", "--steps=20", "--dim=1000",
+                  "--optimizer=onebit-adam", "--lr=2e-3", "--out=" + calm},
+                 absl::Seconds(30));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, ::testing::Not(HasSubstr("warning")));
+  EXPECT_EQ(Field(ReadFile(calm + "/summary.json"), "diverged"), "false");
 }
 
 TEST(Faults, AFinishedRunFolderIsNotOverwritten) {

@@ -168,6 +168,9 @@ TEST_P(MatrixTest, EveryWorkerAndServerEqualsTheReference) {
   const OptimizerKind kind = *ParseOptimizerKind(c.optimizer);
   const std::string freeze = !HasCompressionPhase(kind) ? "null" : HasWarmup(kind) ? "3" : "0";
   EXPECT_EQ(Field(summary, "freeze_step"), freeze) << summary;
+  // An optimizer that never compresses never freezes.
+  EXPECT_EQ(Field(summary, "freeze") == "\"none\"", !HasCompressionPhase(kind)) << summary;
+  EXPECT_EQ(Field(summary, "diverged"), "false");
   EXPECT_EQ(ref.freeze_step, !HasCompressionPhase(kind) ? kNever : HasWarmup(kind) ? 3u : 0u);
   // The phase column follows the freeze.
   std::vector<std::string> lines =

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -22,6 +23,7 @@
 #include "net/control.h"
 #include "net/data_plane.h"
 #include "net/job_config.h"
+#include "net/loss_watch.h"
 #include "net/run_folder.h"
 #include "server/coordinator.h"
 #include "tests/runtime/test_util.h"
@@ -273,6 +275,59 @@ TEST(RunFolder, SummaryIsValidJsonWhateverTheNumbers) {
   EXPECT_TRUE(CheckNotFinished(dir + "/nothing-here").ok());
 }
 
+// fp32 settings are written as the user typed them: the shortest text that
+// reads back as the same float, not its exact binary value.
+TEST(RunFolder, FloatSettingsAreWrittenAsGiven) {
+  const std::string dir = testing::TempDir("summary_floats");
+  Summary s;
+  s.lr = 2e-3f;  // exactly 0.0020000000949949026
+  s.v_floor = 1e-8f;
+  ASSERT_TRUE(WriteSummaryJson(dir + "/summary.json", s).ok());
+  std::string text = testing::ReadFile(dir + "/summary.json");
+  EXPECT_EQ(testing::Field(text, "lr"), "0.002");
+  EXPECT_EQ(testing::Field(text, "v_floor"), "1e-08");
+  EXPECT_EQ(testing::Field(text, "diverged"), "false");
+  s.lr = 0.1234567f;  // 7 digits needed
+  s.v_floor = 0;
+  s.diverged = true;
+  ASSERT_TRUE(WriteSummaryJson(dir + "/summary.json", s).ok());
+  text = testing::ReadFile(dir + "/summary.json");
+  EXPECT_EQ(testing::Field(text, "lr"), "0.1234567");
+  EXPECT_EQ(testing::Field(text, "v_floor"), "0");
+  EXPECT_EQ(testing::Field(text, "diverged"), "true");
+}
+
+// The divergence rule (net/loss_watch.h) on hand-made losses.
+TEST(LossWatch, DivergedOnceTheMedianOfFiveStepsPassesAThousandTimesTheFirst) {
+  LossWatch w;
+  EXPECT_FALSE(w.Add(0, 2.0));  // the baseline: 1000x is 2000
+  // One spike, or two, leave the median of five below 2000.
+  for (uint64_t t = 1; t <= 5; ++t) EXPECT_FALSE(w.Add(t, t % 3 == 0 ? 1e9 : 1.0)) << t;
+  EXPECT_FALSE(w.Add(6, 1e9));  // steps 2-6: 1, 1e9, 1, 1, 1e9
+  EXPECT_FALSE(w.diverged());
+  EXPECT_FALSE(w.Add(7, std::nan("")));  // no loss reported: skipped
+  EXPECT_FALSE(w.Add(8, 2000.0));        // steps 3-8: 1e9, 1, 1, 1e9, 2000: median 2000
+  EXPECT_FALSE(w.Add(9, 3000.0));        // 1, 1, 1e9, 2000, 3000: median 2000, not above
+  EXPECT_FALSE(w.diverged());
+  const std::optional<std::string> warning = w.Add(10, 5000.0);  // 1, 1e9, 2000, 3000, 5000
+  ASSERT_TRUE(warning.has_value());
+  EXPECT_EQ(*warning,
+            "the loss diverged: its median over steps 5-10 is 3000, more than 1000x step 0's 2 "
+            "(too large a learning rate?); summary.json will say \"diverged\": true");
+  EXPECT_TRUE(w.diverged());
+  EXPECT_FALSE(w.Add(11, 1e12)) << "warned once";
+
+  LossWatch from_start;  // too large a learning rate: no calm step after the first
+  from_start.Add(0, 0.33);
+  for (uint64_t t = 1; t < 5; ++t) EXPECT_FALSE(from_start.Add(t, 4e12));
+  EXPECT_TRUE(from_start.Add(5, 248.0).has_value());  // median 4e12
+
+  LossWatch not_positive;  // a first loss of 0 (or below) gives no scale
+  not_positive.Add(0, 0.0);
+  for (uint64_t t = 1; t < 10; ++t) EXPECT_FALSE(not_positive.Add(t, 1e30));
+  EXPECT_FALSE(not_positive.diverged());
+}
+
 // A resumed job keeps the rows before its checkpoint: read back as written,
 // a line a crash cut short dropped, another file refused by name.
 TEST(RunFolder, MetricsCsvReadsBackWhatWasWritten) {
@@ -494,8 +549,13 @@ TEST(CoordinatorService, SilentProcessIsDeclaredDeadByName) {
     });
   }
   for (auto& t : threads) t.join();
-  // The server keeps beating; the worker falls silent.
-  for (int i = 0; i < 10; ++i) {
+  // The server keeps beating, each beat just before the coordinator's check
+  // (so a loaded machine's pauses fall between a check and the next beat);
+  // the worker falls silent. Until the 100 ms run out, at most 10 s.
+  const absl::Time start = absl::Now();
+  while (svc.state() != CoordinatorService::State::kFailed &&
+         absl::Now() - start < absl::Seconds(10)) {
+    absl::SleepFor(absl::Milliseconds(30));
     grpc::ServerContext ctx;
     control::HeartbeatRequest hb;
     hb.set_role(control::SERVER);
@@ -503,7 +563,6 @@ TEST(CoordinatorService, SilentProcessIsDeclaredDeadByName) {
     hb.set_credential(replies[0].credential());
     control::HeartbeatReply reply;
     ASSERT_TRUE(svc.Heartbeat(&ctx, &hb, &reply).ok());
-    absl::SleepFor(absl::Milliseconds(30));
     svc.Tick();
   }
   EXPECT_EQ(svc.state(), CoordinatorService::State::kFailed);
@@ -582,6 +641,53 @@ TEST(Heartbeater, DoneComesAfterTheHeartbeatInFlightIsAnswered) {
   }
   EXPECT_EQ(before_done, (std::vector<uint64_t>{0, 1, 2, 3, 4}));
   EXPECT_EQ(with_done, (std::vector<uint64_t>{5}));
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+}
+
+// A coordinator that records the heartbeats it is sent.
+class RecordingCoordinator final : public control::Coordinator::Service {
+ public:
+  grpc::Status Heartbeat(grpc::ServerContext*, const control::HeartbeatRequest* req,
+                         control::HeartbeatReply*) override {
+    absl::MutexLock l(&mu_);
+    seen_.push_back(*req);
+    return grpc::Status::OK;
+  }
+  absl::Mutex mu_;
+  std::vector<control::HeartbeatRequest> seen_ ABSL_GUARDED_BY(mu_);
+};
+
+// A failing process's report carries the metrics still queued, with the
+// steps done (without which the coordinator takes no row): metrics.csv
+// keeps every step completed before the failure.
+TEST(Heartbeater, AnErrorReportCarriesTheQueuedMetricsAndTheStepsDone) {
+  RecordingCoordinator svc;
+  int port = 0;
+  grpc::ServerBuilder b;
+  b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  b.RegisterService(&svc);
+  std::unique_ptr<grpc::Server> server = b.BuildAndStart();
+  ASSERT_GT(port, 0);
+  const std::string target = absl::StrCat("127.0.0.1:", port);
+  auto stub = control::Coordinator::NewStub(
+      grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  // Not started: no periodic heartbeat carries the metrics first.
+  Heartbeater hb(stub.get(), target, control::WORKER, 1, 42, absl::Seconds(30), absl::Seconds(10));
+  for (uint64_t step = 0; step < 3; ++step) {
+    control::StepMetrics m;
+    m.set_step(step);
+    hb.AddMetrics(m);
+  }
+  hb.SetStep(3);
+  hb.ReportError("worker 1: loss is not finite (nan) at rank 1 step 3");
+  absl::MutexLock l(&svc.mu_);
+  ASSERT_EQ(svc.seen_.size(), 1u);
+  const control::HeartbeatRequest& req = svc.seen_[0];
+  EXPECT_EQ(req.error(), "worker 1: loss is not finite (nan) at rank 1 step 3");
+  EXPECT_EQ(req.step(), 3u);
+  std::vector<uint64_t> steps;
+  for (const auto& m : req.metrics()) steps.push_back(m.step());
+  EXPECT_EQ(steps, (std::vector<uint64_t>{0, 1, 2}));
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
 }
 

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/runtime/test_util.h"
@@ -203,6 +204,53 @@ TEST(WorkerApi, SettingsTheProgramDeclaresRunTheJobTheyName) {
   ASSERT_EQ(declared.replicas.size(), 2u);
   EXPECT_EQ(FirstDifference(declared.replicas[0], flags.replicas[0]), "");
   EXPECT_EQ(FirstDifference(Concat(declared.masters), Concat(flags.masters)), "");
+}
+
+// The rows of metrics.csv, header first.
+std::vector<std::string> MetricsLines(const Job& j) {
+  return absl::StrSplit(ReadFile(j.dir + "/metrics.csv"), '\n', absl::SkipEmpty());
+}
+
+// A loss the program reports that is not finite fails the job as the
+// built-in models' do, naming the rank, the step and the value, and every
+// step before it keeps its row: the rows still queued in the workers go
+// with their failure reports.
+TEST(WorkerApi, ANonFiniteLossFailsTheJobNamingItAndKeepsEveryRowBefore) {
+  const std::vector<std::string> adam = {"--optimizer=adam", "--lr=0.01", "--block_size=32",
+                                         "--chunk_elems=64"};
+  Job nan = RunApiJob("nan_loss", 2, 1, adam, "--steps 40 --bad_loss 1:26:nan");
+  EXPECT_NE(nan.run.code, 0) << nan.run.output;
+  EXPECT_NE(nan.run.code, -1) << "hung: " << nan.run.output;
+  EXPECT_THAT(nan.run.output, HasSubstr("worker 1: loss is not finite (nan) at rank 1 step 26"));
+  EXPECT_THAT(Field(nan.summary, "status"),
+              HasSubstr("failed: worker 1 failed: worker 1: loss is not finite (nan) at rank 1 "
+                        "step 26"));
+  std::vector<std::string> lines = MetricsLines(nan);
+  ASSERT_EQ(lines.size(), 1u + 26u) << ReadFile(nan.dir + "/metrics.csv");
+  for (size_t t = 0; t < 26; ++t) {
+    EXPECT_EQ(lines[t + 1].rfind(absl::StrCat(t, ",warmup,0."), 0), 0u) << lines[t + 1];
+  }
+  Job inf = RunApiJob("inf_loss", 2, 1, adam, "--steps 10 --bad_loss 0:3:-inf");
+  EXPECT_NE(inf.run.code, 0);
+  EXPECT_THAT(inf.run.output, HasSubstr("loss is not finite (-inf) at rank 0 step 3"));
+  EXPECT_EQ(MetricsLines(inf).size(), 1u + 3u) << ReadFile(inf.dir + "/metrics.csv");
+  // Beyond fp32's range, in which metrics travel, a loss is not finite either.
+  Job huge = RunApiJob("huge_loss", 2, 1, adam, "--steps 10 --bad_loss 1:0:1e39");
+  EXPECT_THAT(huge.run.output,
+              HasSubstr("loss is not finite (1e+39, beyond fp32's range) at rank 1 step 0"));
+  EXPECT_EQ(MetricsLines(huge).size(), 1u) << ReadFile(huge.dir + "/metrics.csv");
+}
+
+// StepOptions' default NaN (without has_loss) reports no loss: the job runs.
+TEST(WorkerApi, NoLossReportedIsNoFailure) {
+  Job j = RunApiJob("no_loss", 2, 1, kOnebitAdam, "--steps 5 --no_loss");
+  ASSERT_EQ(j.run.code, 0) << j.run.output;
+  EXPECT_EQ(Field(j.summary, "status"), "\"ok\"");
+  EXPECT_EQ(Field(j.summary, "final_loss"), "null");
+  EXPECT_EQ(Field(j.summary, "diverged"), "false");
+  std::vector<std::string> lines = MetricsLines(j);
+  ASSERT_EQ(lines.size(), 6u);
+  EXPECT_EQ(lines[5].rfind("4,compress,nan,", 0), 0u) << lines[5];
 }
 
 TEST(WorkerApi, WorkersDeclaringOtherSettingsAreRefused) {
