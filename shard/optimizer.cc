@@ -38,10 +38,24 @@ float* Scratch(size_t n) {
   return scratch.data();
 }
 
-// den = sqrt(max(v, floor)) + eps: zero-one-adam's preconditioner between
-// variance steps (the floor as at onebit-adam's freeze, docs/design.md §1.1).
-void RefreshDenominators(const float* v, size_t n, float floor, float eps, float* den) {
-  for (size_t i = 0; i < n; ++i) den[i] = FrozenDenominator(std::max(v[i], floor), eps);
+// zero-one-adam's variance step on the elements [b, b + n) of x (b global,
+// for the weight-decay ranges), the same on the server and every worker
+// (docs/design.md §1.6): the moments from the mean gradient g, then
+// den = sqrt(max(v / (1 - beta2^r), v_floor)) + eps with r the refreshes of v
+// so far (this one included), then x moves by m / den as in every other step.
+// The floor: between variance steps m takes the codec's +-s where the
+// gradient is ~0, and an unfloored sqrt(v) + eps there is ~eps (NaN by step
+// 26 on the mlp with the defaults). The correction: v gains one term per
+// refresh, and refreshes grow rare, so the raw v stays a few percent of its
+// settled value for the whole job (den 3-8x too small).
+void ZeroOneVarianceStep(const OptimizerOptions& o, uint64_t step, float lr, const float* g,
+                         uint64_t b, size_t n, float* m, float* v, float* den, float* x) {
+  UpdateMoments(g, o.beta1, 1.0f - o.beta1, o.beta2, 1.0f - o.beta2, n, m, v);
+  const float c = ZeroOneVarianceCorrection(o, step);
+  for (size_t i = 0; i < n; ++i) den[i] = FrozenDenominator(std::max(v[i] / c, o.v_floor), o.eps);
+  ForEachWeightDecay(o, b, n, [&](size_t p, size_t q, float wd) {
+    ApplyMomentum(m + p, den + p, lr, wd, q, x + p);
+  });
 }
 
 // The pieces of the layers that overlap the elements [b, b + n), as
@@ -95,18 +109,19 @@ absl::Status EncodeMaybeWithFeedback(const Codec& codec, bool feedback, const fl
   return feedback ? codec.EncodeWithFeedback(y, e, n, out) : codec.Encode(y, n, out);
 }
 
-absl::Status NotFinite(absl::string_view what, uint64_t step, uint64_t global_index, float value) {
+absl::Status NotFinite(const OptimizerOptions& o, absl::string_view what, uint64_t step,
+                       uint64_t global_index, float value) {
   return absl::InternalError(absl::StrCat(what, " of step ", step, " is not finite at parameter ",
-                                          global_index, " (", value,
-                                          "): training diverged; lower --lr or raise --v-floor"));
+                                          global_index, " (", value, "): training diverged; ",
+                                          DivergenceRemedy(o)));
 }
 
 // A codec refused a vector that starts at global index `begin`.
-absl::Status Diverged(absl::string_view what, uint64_t step, uint64_t begin,
-                      const absl::Status& codec_error) {
+absl::Status Diverged(const OptimizerOptions& o, absl::string_view what, uint64_t step,
+                      uint64_t begin, const absl::Status& codec_error) {
   return absl::InternalError(absl::StrCat(what, " of step ", step, " (parameters from ", begin,
                                           ") cannot be encoded: ", codec_error.message(),
-                                          "; training diverged: lower --lr or raise --v-floor"));
+                                          "; training diverged: ", DivergenceRemedy(o)));
 }
 
 }  // namespace
@@ -198,12 +213,16 @@ absl::StatusOr<FreezeOptions> ParseAutoFreeze(absl::string_view text) {
   f.automatic = true;
   auto bad = [&] {
     return Bad("freeze", absl::StrCat("'", text,
-                                      "': want auto, auto:TAU or auto:TAU:K "
-                                      "(0 < TAU, K >= 1)"));
+                                      "': want auto, auto:TAU, auto:TAU:K or auto:TAU:K:F "
+                                      "(0 < TAU, K >= 1, 0 < F <= 1)"));
   };
-  if (parts[0] != "auto" || parts.size() > 3) return bad();
+  if (parts[0] != "auto" || parts.size() > 4) return bad();
   if (parts.size() >= 2 && (!absl::SimpleAtod(parts[1], &f.tau) || !(f.tau > 0))) return bad();
-  if (parts.size() == 3 && (!absl::SimpleAtoi(parts[2], &f.window) || f.window < 1)) return bad();
+  if (parts.size() >= 3 && (!absl::SimpleAtoi(parts[2], &f.window) || f.window < 1)) return bad();
+  if (parts.size() == 4 && (!absl::SimpleAtod(parts[3], &f.latest_fraction) ||
+                            !(f.latest_fraction > 0 && f.latest_fraction <= 1))) {
+    return bad();
+  }
   return f;
 }
 
@@ -232,6 +251,40 @@ bool IsVarianceStep(const ZeroOneOptions& z, uint64_t step) {
     prev = last;
   }
   return false;
+}
+
+uint64_t VarianceRefreshes(const ZeroOneOptions& z, uint64_t step) {
+  const uint64_t k = std::min<uint64_t>(step + 1, z.var_freeze_step);
+  if (z.var_update_scaler == 0) return 0;
+  // Stage j refreshes at k = first + i 2^j, i < var_update_scaler, as in
+  // IsVarianceStep; count whole stages, then the current one's part.
+  uint64_t prev = 0, count = 0;
+  for (int j = 0; j < 63; ++j) {
+    const uint64_t w = uint64_t{1} << j;
+    const uint64_t first = (prev / w + 1) * w;
+    if (k < first) return count;
+    const uint64_t more = z.var_update_scaler - 1;
+    if (more > (std::numeric_limits<uint64_t>::max() - first) / w || k <= first + more * w) {
+      return count + (k - first) / w + 1;
+    }
+    count += z.var_update_scaler;
+    prev = first + more * w;
+  }
+  return count;
+}
+
+float ZeroOneVarianceCorrection(const OptimizerOptions& o, uint64_t step) {
+  const double r = static_cast<double>(VarianceRefreshes(o.zero_one, step));
+  return static_cast<float>(1.0 - std::pow(static_cast<double>(o.beta2), r));
+}
+
+std::string DivergenceRemedy(const OptimizerOptions& o) {
+  if (o.kind == OptimizerKind::kZeroOneAdam) {
+    return "zero-one-adam needs a learning-rate warm-up (--lr_schedule warmup:N, N about a "
+           "tenth of the job's steps); if it still diverges, --v_floor 1e-6 or a lower --lr "
+           "(docs/design.md §1.6)";
+  }
+  return "lower --lr or raise --v-floor";
 }
 
 bool IsSyncStep(const ZeroOneOptions& z, uint64_t step) {
@@ -365,7 +418,9 @@ absl::Status ValidateOptimizerOptions(const OptimizerOptions& o) {
                  "its own m and v for its local steps, so there is no delta to reply");
     }
     if (o.bias_correction) {
-      return Bad("bias_correction", "zero-one-adam has none (as DeepSpeed's ZeroOneAdam)");
+      return Bad("bias_correction",
+                 "zero-one-adam always corrects v for its refreshes (docs/design.md §1.6) and "
+                 "never m (as DeepSpeed's ZeroOneAdam): drop the flag");
     }
   }
   for (size_t i = 0; i < o.layer_ends.size(); ++i) {
@@ -548,7 +603,8 @@ absl::Status ServerOptimizer::AdamStep(uint64_t step, float lr, float* g, uint64
     AdamUpdate(c, m, g + p, s->m.data() + off + p, s->v.data() + off + p, x + p);
   });
   for (size_t i = 0; i < n; ++i) {
-    if (!std::isfinite(x[i])) return NotFinite("the Adam update", step, s->begin + off + i, x[i]);
+    if (!std::isfinite(x[i]))
+      return NotFinite(o_, "the Adam update", step, s->begin + off + i, x[i]);
   }
   return absl::OkStatus();
 }
@@ -593,7 +649,7 @@ absl::Status ServerOptimizer::Step(uint64_t step, float lr, bool last_warmup, fl
       }
       uint8_t* out = reply + codec.EncodedSize(p);
       absl::Status st = codec.Encode(d, m, out);
-      if (!st.ok()) return Diverged("the update", step, s->begin + off + p, st);
+      if (!st.ok()) return Diverged(o_, "the update", step, s->begin + off + p, st);
       if (!exact) {
         std::copy(before, before + m, x + p);
         if (st = codec.DecodeAdd(out, m, 1.0f, x + p); !st.ok()) return st;
@@ -640,19 +696,19 @@ absl::Status ServerOptimizer::Step(uint64_t step, float lr, bool last_warmup, fl
       });
     }
     st = EncodeMaybeWithFeedback(codec, o_.server_error_feedback, acc, s->e.data() + off, n, reply);
-    if (!st.ok()) return Diverged("the update", step, s->begin + off, st);
+    if (!st.ok()) return Diverged(o_, "the update", step, s->begin + off, st);
     return codec.DecodeAdd(reply, n, 1.0f, s->replica.data() + off);
   }
   // Momentum reply: c_s = C(a + e_s); m̄ = D(c_s); x -= lr (m̄ / den + wd x).
   st = EncodeMaybeWithFeedback(codec, o_.server_error_feedback, acc, s->e.data() + off, n, reply);
-  if (!st.ok()) return Diverged("the averaged momentum", step, s->begin + off, st);
+  if (!st.ok()) return Diverged(o_, "the averaged momentum", step, s->begin + off, st);
   st = codec.Decode(reply, n, acc);
   if (!st.ok()) return st;
   ForEachWeightDecay(o_, s->begin + off, n, [&](size_t p, size_t m, float wd) {
     ApplyMomentum(acc + p, den == nullptr ? nullptr : den + p, lr, wd, m, x + p);
   });
   for (size_t i = 0; i < n; ++i) {
-    if (!std::isfinite(x[i])) return NotFinite("the update", step, s->begin + off + i, x[i]);
+    if (!std::isfinite(x[i])) return NotFinite(o_, "the update", step, s->begin + off + i, x[i]);
   }
   return absl::OkStatus();
 }
@@ -705,7 +761,7 @@ absl::Status ServerOptimizer::LambStep(uint64_t step, float lr, bool last_warmup
     for (const ChunkSpan& c : chunks) {
       absl::Status st = EncodeMaybeWithFeedback(codec, o_.server_error_feedback, a + c.off,
                                                 s->e.data() + c.off, c.n, c.reply);
-      if (!st.ok()) return Diverged("the averaged momentum", step, s->begin + c.off, st);
+      if (!st.ok()) return Diverged(o_, "the averaged momentum", step, s->begin + c.off, st);
       if (st = codec.Decode(c.reply, c.n, a + c.off); !st.ok()) return st;
     }
   }
@@ -785,7 +841,7 @@ absl::Status ServerOptimizer::LambStep(uint64_t step, float lr, bool last_warmup
     const Codec& codec = *warmup_codec_;
     for (const ChunkSpan& c : chunks) {
       absl::Status st = codec.Encode(a + c.off, c.n, c.reply);
-      if (!st.ok()) return Diverged("the update", step, s->begin + c.off, st);
+      if (!st.ok()) return Diverged(o_, "the update", step, s->begin + c.off, st);
       if (st = codec.DecodeAdd(c.reply, c.n, 1.0f, x + c.off); !st.ok()) return st;
     }
     if (last_warmup) {
@@ -825,12 +881,12 @@ absl::Status ServerOptimizer::LambStep(uint64_t step, float lr, bool last_warmup
     for (const ChunkSpan& c : chunks) {
       absl::Status st = EncodeMaybeWithFeedback(codec, o_.server_error_feedback, a + c.off,
                                                 s->e.data() + c.off, c.n, c.reply);
-      if (!st.ok()) return Diverged("the update", step, s->begin + c.off, st);
+      if (!st.ok()) return Diverged(o_, "the update", step, s->begin + c.off, st);
       if (st = codec.DecodeAdd(c.reply, c.n, 1.0f, s->replica.data() + c.off); !st.ok()) return st;
     }
   }
   for (size_t i = 0; i < n; ++i) {
-    if (!std::isfinite(x[i])) return NotFinite("the update", step, s->begin + i, x[i]);
+    if (!std::isfinite(x[i])) return NotFinite(o_, "the update", step, s->begin + i, x[i]);
   }
   return absl::OkStatus();
 }
@@ -850,15 +906,18 @@ absl::Status ServerOptimizer::ZeroOneStep(uint64_t step, float lr, float* acc, u
   }
   if (kind == StepKind::kFull) {
     absl::Status st = fp32_->Encode(acc, n, reply);
-    if (!st.ok()) return Diverged("the mean gradient", step, s->begin + off, st);
-    if (st = AdamStep(step, lr, acc, off, n, s); !st.ok()) return st;
-    RefreshDenominators(s->v.data() + off, n, o_.v_floor, o_.eps, den);
+    if (!st.ok()) return Diverged(o_, "the mean gradient", step, s->begin + off, st);
+    ZeroOneVarianceStep(o_, step, lr, acc, s->begin + off, n, s->m.data() + off, s->v.data() + off,
+                        den, x);
+    for (size_t i = 0; i < n; ++i) {
+      if (!std::isfinite(x[i])) return NotFinite(o_, "the update", step, s->begin + off + i, x[i]);
+    }
     return absl::OkStatus();
   }
   const Codec& codec = *server_codec_;
   absl::Status st =
       EncodeMaybeWithFeedback(codec, o_.server_error_feedback, acc, s->e.data() + off, n, reply);
-  if (!st.ok()) return Diverged("the averaged update", step, s->begin + off, st);
+  if (!st.ok()) return Diverged(o_, "the averaged update", step, s->begin + off, st);
   if (st = codec.Decode(reply, n, acc); !st.ok()) return st;
   if (!s->frozen) {
     float* m = s->m.data() + off;
@@ -870,7 +929,7 @@ absl::Status ServerOptimizer::ZeroOneStep(uint64_t step, float lr, float* acc, u
     for (size_t i = 0; i < n; ++i) x[i] += acc[i] / den[i];
   }
   for (size_t i = 0; i < n; ++i) {
-    if (!std::isfinite(x[i])) return NotFinite("the update", step, s->begin + off + i, x[i]);
+    if (!std::isfinite(x[i])) return NotFinite(o_, "the update", step, s->begin + off + i, x[i]);
   }
   return absl::OkStatus();
 }
@@ -1088,12 +1147,7 @@ absl::Status WorkerOptimizer::ZeroOneApply(uint64_t step, float lr, const uint8_
   if (kind == StepKind::kFull) {
     // The variance step the server took, on the worker's own moments (the
     // fp32 Decode above refused a non-finite mean gradient).
-    ForEachWeightDecay(o_, b, n, [&](size_t p, size_t c, float wd) {
-      const AdamCoefficients k =
-          MakeAdamCoefficients(o_.beta1, o_.beta2, o_.eps, wd, lr, o_.bias_correction, step);
-      AdamUpdate(k, c, a + p, m + p, s->v.data() + b + p, x + p);
-    });
-    RefreshDenominators(s->v.data() + b, n, o_.v_floor, o_.eps, den);
+    ZeroOneVarianceStep(o_, step, lr, a, b, n, m, s->v.data() + b, den, x);
     return absl::OkStatus();
   }
   if (!s->frozen) {

@@ -150,6 +150,14 @@ std::string ErrorFeedbackName(const OptimizerOptions& options);
 // whether it synchronises.
 bool IsVarianceStep(const ZeroOneOptions& z, uint64_t step);
 bool IsSyncStep(const ZeroOneOptions& z, uint64_t step);
+// What a diverged job should try, for its error or warning: "lower --lr or
+// raise --v-floor", or for zero-one-adam a warm-up first.
+std::string DivergenceRemedy(const OptimizerOptions& o);
+// How many of the steps 0..step refresh v (none after var_freeze_step).
+uint64_t VarianceRefreshes(const ZeroOneOptions& z, uint64_t step);
+// 1 - beta2^r, r = VarianceRefreshes(step), computed in double and rounded
+// once: a variance step's den is sqrt(max(v / this, v_floor)) + eps.
+float ZeroOneVarianceCorrection(const OptimizerOptions& o, uint64_t step);
 
 // Whether the optimizer ever leaves the warm-up, and whether it has one.
 // Layer-wise optimizers (onebit-lamb) step a whole shard at once.
@@ -267,9 +275,15 @@ struct FreezeOptions {
   uint64_t step = kNever;  // first compression step, when fixed
   bool automatic = false;
   double tau = 0.05;     // freeze once VarianceChange < tau on every shard...
-  uint64_t window = 50;  // ...checked every `window` steps against K steps back
+  uint64_t window = 50;  // ...checked every `window` steps against K steps back,
+  // or, settled or not, at the first check whose freeze would come at or
+  // after `latest`: the warm-up takes at most this share of a job with a
+  // fixed length (the 1-bit Adam paper warms up for 15-25 % of the steps);
+  // 1: no such bound.
+  double latest_fraction = 0.25;
+  uint64_t latest = kNever;  // latest_fraction of the job's steps, rounded up
 };
-// "auto", "auto:TAU" or "auto:TAU:K".
+// "auto", "auto:TAU", "auto:TAU:K" or "auto:TAU:K:F" (F: latest_fraction).
 absl::StatusOr<FreezeOptions> ParseAutoFreeze(absl::string_view text);
 
 // Codecs and reply sizes, common to both sides.

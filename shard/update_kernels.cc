@@ -34,6 +34,15 @@ AdamCoefficients MakeAdamCoefficients(float beta1, float beta2, float eps, float
   return c;
 }
 
+void UpdateMoments(const float* g, float b1, float c1, float b2, float c2, size_t n, float* m,
+                   float* v) {
+  for (size_t i = 0; i < n; ++i) {
+    const float gi = g[i];
+    m[i] = b1 * m[i] + c1 * gi;
+    v[i] = b2 * v[i] + c2 * gi * gi;
+  }
+}
+
 void AdamUpdate(const AdamCoefficients& c, size_t n, float* g, float* m, float* v, float* x) {
   for (size_t i = 0; i < n; ++i) {
     const float gi = g[i];

@@ -19,6 +19,12 @@ inline float FrozenDenominator(float v, float eps) { return std::sqrt(v) + eps; 
 // c1 = 1 - b1 (docs/design.md §1.2).
 void UpdateMomentum(const float* g, float b1, float c1, size_t n, float* m);
 
+// Both moments of one Adam step, without touching x: m <- b1 m + c1 g and
+// v <- b2 v + c2 g g (zero-one-adam's variance steps, whose update then uses
+// the floored denominator).
+void UpdateMoments(const float* g, float b1, float c1, float b2, float c2, size_t n, float* m,
+                   float* v);
+
 // Compression phase: x <- x - lr * (mbar / den + wd * x), identically on the
 // server's master and every worker's replica. den == nullptr: no
 // preconditioner (ef-sgd), x <- x - lr * (mbar + wd * x).

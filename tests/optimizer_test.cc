@@ -88,6 +88,14 @@ TEST(OptimizerOptions, CombinationsAreCheckedNamingTheFlag) {
   EXPECT_TRUE(f->automatic);
   EXPECT_EQ(f->tau, 0.02);
   EXPECT_EQ(f->window, 7u);
+  EXPECT_EQ(f->latest_fraction, 0.25);
+  f = ParseAutoFreeze("auto:0.02:7:0.5");
+  ASSERT_TRUE(f.ok());
+  EXPECT_EQ(f->latest_fraction, 0.5);
+  for (const char* bad : {"auto:0.02:7:0", "auto:0.02:7:1.5", "auto:0.02:7:0.5:1"}) {
+    EXPECT_THAT(std::string(ParseAutoFreeze(bad).status().message()), HasSubstr("0 < F <= 1"))
+        << bad;
+  }
 }
 
 TEST(ServerOptimizer, AdamWarmupStepMatchesHandComputation) {
@@ -493,6 +501,13 @@ TEST(AutoFreeze, VarianceChangeAndDecision) {
   EXPECT_EQ(AutoFreezeStep(f, 30, {0.01, 0.049}), 40u);
   EXPECT_EQ(AutoFreezeStep(f, 30, {0.01, 0.05}), kNever);
   EXPECT_EQ(AutoFreezeStep(f, 30, {}), 40u);
+  // At the latest: the first check whose freeze comes at or after it fires,
+  // settled or not (40 steps, F 0.25: latest 10, window 10: after 0 steps).
+  f.latest = 10;
+  EXPECT_EQ(AutoFreezeStep(f, 0, {1.0, 0.9}), 10u);
+  f.latest = 11;
+  EXPECT_EQ(AutoFreezeStep(f, 0, {1.0, 0.9}), kNever);
+  EXPECT_EQ(AutoFreezeStep(f, 10, {1.0, 0.9}), 20u);
 }
 
 // The reference freezes where the rule says: v settles on a problem whose
@@ -611,10 +626,21 @@ TEST(ZeroOneSchedule, VarianceStepsAtDoublingIntervals) {
     z.var_update_scaler = kappa;
     z.var_freeze_step = 5000;
     const ZeroOneCounters c = RunCounters(z, 6000);
+    uint64_t refreshes = 0;
     for (uint64_t t = 0; t < 6000; ++t) {
       ASSERT_EQ(IsVarianceStep(z, t), c.variance[t]) << "kappa " << kappa << " k " << t + 1;
+      refreshes += c.variance[t] ? 1 : 0;
+      ASSERT_EQ(VarianceRefreshes(z, t), refreshes) << "kappa " << kappa << " k " << t + 1;
     }
   }
+  // The den correction 1 - beta2^r counts refreshes, not steps: at k = 16
+  // (kappa 2, above) v has had 7 terms.
+  z.var_update_scaler = 2;
+  z.var_freeze_step = 20;
+  OptimizerOptions o;
+  o.zero_one = z;
+  EXPECT_EQ(ZeroOneVarianceCorrection(o, 15),
+            static_cast<float>(1.0 - std::pow(static_cast<double>(0.999f), 7.0)));
 }
 
 TEST(ZeroOneSchedule, LocalIntervalDoublesUpToTheClipperAndTheLastStepSyncs) {
@@ -693,13 +719,15 @@ TEST(ZeroOneAdam, ReferenceMatchesHandComputationStepByStep) {
       const float* at = k <= 3 ? x.data() : xl[r].data();
       for (size_t j = 0; j < d; ++j) g[r][j] = TestGradient(at, r, t, j);
     }
-    if (k == 1 || k == 2) {  // variance steps: Adam on the mean gradient
+    if (k == 1 || k == 2) {  // variance steps: the moments, den (v corrected for k refreshes), x
+      const float corr =
+          static_cast<float>(1.0 - std::pow(static_cast<double>(b2), static_cast<double>(k)));
       for (size_t j = 0; j < d; ++j) {
         const float gb = 0.0f + 0.5f * g[0][j] + 0.5f * g[1][j];
         m[j] = b1 * m[j] + c1 * gb;
         v[j] = b2 * v[j] + c2 * gb * gb;
-        x[j] += -lr * (m[j] / (std::sqrt(v[j]) + eps) + wd * x[j]);
-        den[j] = std::sqrt(std::max(v[j], o.v_floor)) + eps;
+        den[j] = std::sqrt(std::max(v[j] / corr, o.v_floor)) + eps;
+        x[j] = x[j] - lr * (m[j] / den[j] + wd * x[j]);
       }
     } else if (k == 3) {  // compressed gradients, both errors
       std::vector<float> a(d, 0.0f), zs(d);
@@ -794,6 +822,77 @@ TEST(ZeroOneAdam, ReferenceMatchesHandComputationStepByStep) {
   EXPECT_TRUE(r->workers[0].v.empty());  // frozen: den is all that is kept
 }
 
+// A coordinate whose gradient is always 0 (the weight of a pixel blank in
+// every image): v stays 0 there, but the compressed step k = 2 gives it
+// m = (1 - b1) s, the server's block scale. The variance steps k = 3 and 4
+// must move it by lr m / (sqrt(v_floor) + eps), as the compressed steps do,
+// not by lr m / eps (a step of ~3000 here, NaN within a few steps on the mlp).
+// The other coordinates check den's correction: v / (1 - b2^r), r = 1, 2, 3
+// refreshes at k = 1, 3, 4.
+TEST(ZeroOneAdam, VarianceStepsUseTheFlooredCorrectedDenominator) {
+  OptimizerOptions o = OnebitOptions(OptimizerKind::kZeroOneAdam);
+  o.lr = 0.01f;
+  o.weight_decay = 0.0f;
+  o.zero_one.var_update_scaler = 1;  // v refreshed at k = 1, 2, 4: k = 3 compresses
+  o.zero_one.var_freeze_step = 4;
+  o.zero_one.steps = 4;
+  const size_t d = 32;
+  auto grad = [](size_t j) {
+    return j == 0 ? 0.0f : 0.01f * static_cast<float>(1 + j % 5) * (j % 2 ? 1.0f : -1.0f);
+  };
+  std::vector<float> x0(d), x, m(d, 0.0f), v(d, 0.0f), den(d, 0.0f), e_w(d, 0.0f), e_s(d, 0.0f);
+  for (size_t j = 0; j < d; ++j) x0[j] = 0.01f * static_cast<float>(j);
+  x = x0;
+  uint64_t r = 0;
+  for (uint64_t k = 1; k <= 4; ++k) {
+    std::vector<float> gh(d);
+    if (k != 3) {
+      ++r;
+      const float corr =
+          static_cast<float>(1.0 - std::pow(static_cast<double>(o.beta2), static_cast<double>(r)));
+      for (size_t j = 0; j < d; ++j) {
+        const float gb = 0.0f + 1.0f * grad(j);
+        m[j] = o.beta1 * m[j] + (1.0f - o.beta1) * gb;
+        v[j] = o.beta2 * v[j] + (1.0f - o.beta2) * gb * gb;
+        den[j] = std::sqrt(std::max(v[j] / corr, o.v_floor)) + o.eps;
+      }
+    } else {
+      std::vector<float> z(d), zs(d);
+      for (size_t j = 0; j < d; ++j) z[j] = grad(j) + e_w[j];
+      const std::vector<float> cw = OneBit(z);
+      for (size_t j = 0; j < d; ++j) {
+        e_w[j] = z[j] - cw[j];
+        zs[j] = (0.0f + 1.0f * cw[j]) + e_s[j];
+      }
+      gh = OneBit(zs);
+      for (size_t j = 0; j < d; ++j) {
+        e_s[j] = zs[j] - gh[j];
+        m[j] = o.beta1 * m[j] + (1.0f - o.beta1) * gh[j];
+      }
+      ASSERT_GT(m[0], 0.0f);  // +s for the zero gradient
+    }
+    for (size_t j = 0; j < d; ++j) x[j] = x[j] - o.lr * (m[j] / den[j] + 0.0f * x[j]);
+  }
+  EXPECT_EQ(v[0], 0.0f);
+  EXPECT_LT(std::fabs(x[0] - x0[0]), 1.0f);
+
+  ReferenceOptions ro;
+  ro.workers = 1;
+  ro.map = *ShardMap::Create(d, 1, 32);
+  ro.steps = 4;
+  ro.optimizer = o;
+  auto res = RunReference(ro, x0, [&](const float*, uint32_t, uint64_t, float* out) {
+    for (size_t j = 0; j < d; ++j) out[j] = grad(j);
+    return 0.0;
+  });
+  ASSERT_TRUE(res.ok()) << res.status();
+  for (size_t j = 0; j < d; ++j) {
+    ASSERT_EQ(res->servers[0].den[j], den[j]) << j;
+    ASSERT_EQ(res->servers[0].x[j], x[j]) << j;
+    ASSERT_EQ(res->workers[0].x[j], x[j]) << j;
+  }
+}
+
 TEST(ZeroOneAdam, CombinationsThatMakeNoSenseAreRefusedNamingTheFlag) {
   OptimizerOptions o = ZeroOneOptionsForTest();
   EXPECT_TRUE(ValidateOptimizerOptions(o).ok());
@@ -809,6 +908,11 @@ TEST(ZeroOneAdam, CombinationsThatMakeNoSenseAreRefusedNamingTheFlag) {
   o.zero_one.local_step_clipper = 0;
   EXPECT_THAT(std::string(ValidateOptimizerOptions(o).message()),
               HasSubstr("--local_step_clipper"));
+  // A diverged zero-one-adam job is told to add a warm-up first; others as before.
+  EXPECT_THAT(DivergenceRemedy(ZeroOneOptionsForTest()), HasSubstr("--lr_schedule warmup:N"));
+  EXPECT_THAT(DivergenceRemedy(ZeroOneOptionsForTest()), HasSubstr("--v_floor 1e-6"));
+  EXPECT_EQ(DivergenceRemedy(OnebitOptions(OptimizerKind::kOnebitAdam)),
+            "lower --lr or raise --v-floor");
   auto w = WorkerOptimizer::Create(ZeroOneOptionsForTest());
   ASSERT_TRUE(w.ok());
   WorkerState s;
