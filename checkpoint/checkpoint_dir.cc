@@ -125,13 +125,13 @@ bool HasCompleteCheckpoint(const std::string& root) {
   return false;
 }
 
-absl::Status PruneCheckpoints(const std::string& root, int keep) {
+absl::Status PruneCheckpoints(const std::string& root, int keep, bool nothing_in_making) {
   if (keep < 1) return absl::InvalidArgumentError("PruneCheckpoints: keep must be >= 1");
   int complete = 0;
   for (const auto& [step, dir] : StepDirs(root)) {
     const bool ok = Check(dir, /*checksums=*/false).ok();  // reading them all would be slow
     // Newer than every complete one: maybe being written now.
-    if (complete == 0 && !ok) continue;
+    if (complete == 0 && !ok && !nothing_in_making) continue;
     if (ok && complete < keep) {
       ++complete;
       continue;
@@ -140,6 +140,17 @@ absl::Status PruneCheckpoints(const std::string& root, int keep) {
     std::filesystem::remove_all(dir, ec);
     if (ec) return absl::InternalError(absl::StrCat("cannot remove ", dir, ": ", ec.message()));
   }
+  return absl::OkStatus();
+}
+
+absl::Status RemoveIncompleteCheckpoint(const std::string& root, uint64_t step) {
+  const std::string dir = StepDir(root, step);
+  std::error_code ec;
+  if (!std::filesystem::exists(dir, ec)) return absl::OkStatus();
+  // Never a complete one: the step's parts may have been reported twice.
+  if (Check(dir, /*checksums=*/false).ok()) return absl::OkStatus();
+  std::filesystem::remove_all(dir, ec);
+  if (ec) return absl::InternalError(absl::StrCat("cannot remove ", dir, ": ", ec.message()));
   return absl::OkStatus();
 }
 

@@ -50,10 +50,16 @@ absl::StatusOr<CompleteCheckpoint> LatestCheckpoint(const std::string& root,
 bool HasCompleteCheckpoint(const std::string& root);
 
 // Keeps the newest `keep` complete checkpoints (keep >= 1; complete here:
-// the manifest and every file's size, not the checksums) and any folder
-// newer than the newest complete one (it may be in the making); removes
-// the rest.
-absl::Status PruneCheckpoints(const std::string& root, int keep);
+// the manifest and every file's size, not the checksums) and, unless
+// `nothing_in_making` (no process writes any more: the job has ended),
+// any folder newer than the newest complete one (it may be in the making);
+// removes the rest, incomplete folders included.
+absl::Status PruneCheckpoints(const std::string& root, int keep, bool nothing_in_making = false);
+
+// Removes ROOT/step-<step> and what is in it (the files of a checkpoint
+// that failed), unless it is complete; OK when it is not there. Errors
+// name the folder.
+absl::Status RemoveIncompleteCheckpoint(const std::string& root, uint64_t step);
 
 }  // namespace onebit
 

@@ -172,8 +172,18 @@ absl::StatusOr<WrittenFile> WriteParts(const std::string& dir, const std::string
   }
   // The data reaches the disk before the name does.
   if (fsync(fd) != 0) return Abandon(fd, tmp, Errno("fsync", tmp));
-  if (close(fd) != 0) return Errno("close", tmp);
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) return Errno("rename", tmp);
+  // A failed close may be the first to report the disk full (a network
+  // file system's deferred write): the partial file goes too.
+  if (close(fd) != 0) {
+    absl::Status st = Errno("close", tmp);
+    unlink(tmp.c_str());
+    return st;
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    absl::Status st = Errno("rename", tmp);
+    unlink(tmp.c_str());
+    return st;
+  }
   if (absl::Status st = FsyncDir(dir); !st.ok()) return st;
   return out;
 }

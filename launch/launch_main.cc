@@ -591,6 +591,11 @@ int Main(int argc, char** argv) {
                              std::istreambuf_iterator<char>());
       if (text.find("\"status\": \"stopped: ") != std::string::npos) {
         outcome = "job stopped after a checkpoint (summary.json says why); run it again to resume";
+      } else if (text.find("\"durable\": false") != std::string::npos) {
+        // The last line is what a user reads: training went on without them.
+        outcome =
+            "job finished, but not durable: checkpoints failed (summary.json's "
+            "last_checkpoint_error says why)";
       }
     }
     Log(out.empty() ? outcome : absl::StrCat(outcome, "; run folder ", out));

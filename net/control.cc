@@ -151,6 +151,13 @@ void Heartbeater::AddMetrics(const control::StepMetrics& m) {
   pending_.push_back(m);
 }
 
+void Heartbeater::TakeMetricsLocked(google::protobuf::RepeatedPtrField<control::StepMetrics>* out) {
+  const size_t n = std::min<size_t>(pending_.size(), kMaxMetricsPerHeartbeat);
+  for (size_t i = 0; i < n; ++i) *out->Add() = std::move(pending_[i]);
+  pending_.erase(pending_.begin(), pending_.begin() + static_cast<ptrdiff_t>(n));
+  if (!pending_.empty()) kick_ = true;  // the rest with the next heartbeat, now
+}
+
 control::Command Heartbeater::command() const {
   absl::MutexLock l(&mu_);
   return command_;
@@ -228,8 +235,7 @@ void Heartbeater::SendOnce() {
   {
     absl::MutexLock l(&mu_);
     req.set_step(step_);
-    for (auto& m : pending_) *req.add_metrics() = m;
-    pending_.clear();
+    TakeMetricsLocked(req.mutable_metrics());
     for (auto& c : checks_) *req.add_freeze_checks() = c;
     checks_.clear();
     for (auto& c : parts_) *req.add_checkpoint_parts() = c;
@@ -347,8 +353,7 @@ void Heartbeater::ReportError(const std::string& error) {
     auto answered = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !in_flight_; };
     mu_.AwaitWithTimeout(absl::Condition(&answered), absl::FromChrono(kHeartbeatDeadline));
     req.set_step(step_);  // the coordinator takes no row of a step not done
-    for (auto& m : pending_) *req.add_metrics() = m;
-    pending_.clear();
+    TakeMetricsLocked(req.mutable_metrics());
   }
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + kHeartbeatDeadline);
@@ -379,8 +384,16 @@ absl::Status Heartbeater::Done(const std::vector<control::ShardChecksum>& checks
     auto answered = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !in_flight_; };
     mu_.AwaitWithTimeout(absl::Condition(&answered),
                          absl::FromChrono(kHeartbeatDeadline) + absl::Seconds(1));
-    for (auto& m : pending_) *req.add_metrics() = m;
-    pending_.clear();
+    // More rows than one call carries (after a long loss of the
+    // coordinator): the heartbeats take them first.
+    auto drained = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return !in_flight_ && pending_.size() <= kMaxMetricsPerHeartbeat;
+    };
+    if (!drained()) {
+      kick_ = true;
+      mu_.AwaitWithTimeout(absl::Condition(&drained), absl::Seconds(10));
+    }
+    TakeMetricsLocked(req.mutable_metrics());
     for (auto& c : parts_) *req.add_checkpoint_parts() = c;
     parts_.clear();
   }

@@ -52,6 +52,11 @@ absl::StatusOr<control::RegisterReply> RegisterWithCoordinator(
 std::vector<DecayRange> DecayRangesOf(
     const google::protobuf::RepeatedPtrField<control::WeightDecayRange>& ranges);
 
+// The most metrics rows one heartbeat, error report or Done carries (the
+// rest go with the next): what one call may carry is bounded
+// (server/control_limits.h).
+inline constexpr uint64_t kMaxMetricsPerHeartbeat = uint64_t{1} << 14;
+
 // Sends a heartbeat every `interval` from its own thread. Thread-safe.
 class Heartbeater {
  public:
@@ -135,6 +140,9 @@ class Heartbeater {
  private:
   void Loop();
   void SendOnce();
+  // Moves the oldest pending rows, at most kMaxMetricsPerHeartbeat, to `out`.
+  void TakeMetricsLocked(google::protobuf::RepeatedPtrField<control::StepMetrics>* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   control::Coordinator::Stub* const stub_;
   const std::string target_;

@@ -1,11 +1,17 @@
 #include "net/data_plane.h"
 
+#include <arpa/inet.h>
 #include <malloc.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -150,12 +156,59 @@ void ConfigureDataSocket(zmq::socket_t* s) {
   s->set(zmq::sockopt::rcvbuf, 4 << 20);
 }
 
-void ConfigureServerDataSocket(zmq::socket_t* s) {
+uint64_t ServerFrameLimit(uint64_t chunk_elems) { return 4 * chunk_elems + 4096; }
+
+void ConfigureServerDataSocket(zmq::socket_t* s, uint64_t max_frame_bytes) {
   ConfigureDataSocket(s);
+  s->set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(max_frame_bytes));
   s->set(zmq::sockopt::rcvhwm, kServerRcvHwm);
   s->set(zmq::sockopt::sndhwm, kServerSndHwm);
   // EHOSTUNREACH for a peer that is gone, rather than a silent drop.
   s->set(zmq::sockopt::router_mandatory, 1);
+}
+
+absl::StatusOr<ReservedPort> ReservedPort::Reserve(const std::string& host, int port) {
+  auto failed = [&](absl::string_view why) {
+    return absl::UnavailableError(absl::StrCat("cannot bind the data port tcp://", host, ":",
+                                               port == 0 ? "*" : absl::StrCat(port), ": ", why));
+  };
+  addrinfo hints{};
+  hints.ai_family = AF_INET;  // as ZeroMQ binds without ZMQ_IPV6
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  const std::string service = absl::StrCat(port);
+  if (int e = getaddrinfo(host == "*" ? nullptr : host.c_str(), service.c_str(), &hints, &found);
+      e != 0) {
+    return failed(gai_strerror(e));
+  }
+  // SO_REUSEADDR as ZeroMQ's own listener: a restarted server takes its
+  // port back while connections of its predecessor are in TIME_WAIT.
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const int one = 1;
+  const int bound = fd < 0 || setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0
+                        ? -1
+                        : bind(fd, found->ai_addr, found->ai_addrlen);
+  const int err = errno;
+  freeaddrinfo(found);
+  sockaddr_in addr{};
+  socklen_t len = sizeof(addr);
+  if (bound != 0 || getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    if (fd >= 0) close(fd);
+    return failed(std::strerror(err));
+  }
+  return ReservedPort(fd, ntohs(addr.sin_port));
+}
+
+ReservedPort::ReservedPort(ReservedPort&& other) noexcept : fd_(other.fd_), port_(other.port_) {
+  other.fd_ = -1;
+}
+
+ReservedPort::~ReservedPort() { Release(); }
+
+void ReservedPort::Release() {
+  if (fd_ >= 0) close(fd_);
+  fd_ = -1;
 }
 
 bool SendOrDrop(zmq::socket_t* s, std::vector<zmq::message_t>& frames) {

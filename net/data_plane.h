@@ -21,10 +21,18 @@ namespace onebit {
 constexpr uint32_t kProtocolVersion = data::VERSION_CURRENT;
 
 // The most elements a chunk may have (--chunk_elems), and so the largest
-// frame a data-plane peer may send (fp32): larger ones are refused by ZeroMQ
-// before they are buffered.
+// frame any job sends (fp32; a worker's sockets take at most this from the
+// servers it dialled). A server takes only its own job's: ServerFrameLimit.
 constexpr uint64_t kMaxChunkElems = uint64_t{1} << 24;
 constexpr uint64_t kMaxFrameBytes = 4 * kMaxChunkElems;
+
+// The largest frame a worker of a job with chunks of `chunk_elems` sends a
+// server, as ZeroMQ counts it: an fp32 chunk (INIT, warm-up PUSH; every
+// other codec is narrower) or a header (a few dozen bytes), plus 4 KiB (a
+// CURVE socket counts each frame with its encryption, 33 bytes more).
+// ZeroMQ refuses a larger one from its size prefix, before buffering any of
+// it.
+uint64_t ServerFrameLimit(uint64_t chunk_elems);
 
 // What a server checks a request against. Plain values; the codecs are owned
 // by the caller and must outlive this.
@@ -91,14 +99,40 @@ zmq::message_t ShareFrame(const SharedBytes& buf, size_t offset, size_t size);
 // floats from 1.5 to 2.4 GB/s: fewer wake-ups per chunk).
 void ConfigureDataSocket(zmq::socket_t* socket);
 
-// A server's data socket (a ROUTER; before bind): as above, but what any
-// one peer can make it hold is bounded: kServerRcvHwm frames queued from
-// each connection (then TCP pushes back on the sender; nothing is lost), and
+// A server's data socket (a ROUTER; before bind: ZeroMQ copies a socket's
+// options into each listener as it binds): as above, but what any one peer
+// can make it hold is bounded: frames of at most `max_frame_bytes`
+// (ServerFrameLimit of its job), kServerRcvHwm messages queued from each
+// connection (then TCP pushes back on the sender; nothing is lost), and
 // kServerSndHwm replies queued to each (a peer that does not read its
 // replies loses them: see SendOrDrop).
 constexpr int kServerRcvHwm = 8;
 constexpr int kServerSndHwm = 1024;
-void ConfigureServerDataSocket(zmq::socket_t* socket);
+void ConfigureServerDataSocket(zmq::socket_t* socket, uint64_t max_frame_bytes);
+
+// A TCP port held, bound but not listening, until the data socket is bound
+// to it: a server names its data endpoint when it registers, but learns
+// its job's frame limit only from the reply, and a port that listened
+// before would have taken (and queued) frames of any size meanwhile. A
+// connection to it meanwhile is refused; a worker's DEALER retries.
+class ReservedPort {
+ public:
+  // `host` as ZeroMQ's tcp:// takes it for bind (an IPv4 address, a host
+  // name, or "*" / "0.0.0.0" for all); port 0 picks a free one.
+  static absl::StatusOr<ReservedPort> Reserve(const std::string& host, int port);
+  ReservedPort(ReservedPort&& other) noexcept;
+  ReservedPort& operator=(ReservedPort&&) = delete;
+  ~ReservedPort();  // releases it
+
+  int port() const { return port_; }
+  // Gives the port up (for the data socket to bind it next).
+  void Release();
+
+ private:
+  ReservedPort(int fd, int port) : fd_(fd), port_(port) {}
+  int fd_;
+  int port_;
+};
 
 // Sends a multipart message on a ROUTER without blocking. False when the
 // peer is gone or its queue is full (it does not read): the message is

@@ -1,5 +1,7 @@
 #include "net/job_config.h"
 
+#include <cmath>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "models/registry.h"
@@ -183,7 +185,14 @@ absl::StatusOr<FreezeOptions> FreezeOptionsFromConfig(const control::TrainingCon
     f.step = c.var_freeze_step();  // the first step after it: counted from 0 here
     return f;
   }
-  if (!c.freeze().empty()) return ParseAutoFreeze(c.freeze());
+  if (!c.freeze().empty()) {
+    absl::StatusOr<FreezeOptions> f = ParseAutoFreeze(c.freeze());
+    if (f.ok() && c.steps() > 0 && f->latest_fraction < 1) {
+      f->latest =
+          static_cast<uint64_t>(std::ceil(f->latest_fraction * static_cast<double>(c.steps())));
+    }
+    return f;
+  }
   FreezeOptions f;
   f.step = c.freeze_step() > 0 ? c.freeze_step() : kNever;
   return f;
@@ -236,6 +245,11 @@ absl::Status ValidateConfig(const control::TrainingConfig& c) {
     return bad("checkpoint_every", "needs --checkpoint_dir");
   }
   if (c.resume() && c.checkpoint_dir().empty()) return bad("resume", "needs --checkpoint_dir");
+  // Empty: a config made before the setting was (an old manifest's).
+  if (!c.checkpoint_failure().empty() && c.checkpoint_failure() != "continue" &&
+      c.checkpoint_failure() != "fail") {
+    return bad("checkpoint_failure", "must be continue or fail");
+  }
   return absl::OkStatus();
 }
 

@@ -72,8 +72,9 @@ constexpr JobSetting kSettings[] = {
     {"freeze_step", T::kUint64, "0", "optimizer",
      "first compression step (the warm-up is steps 0..N-1); 0: use --freeze"},
     {"freeze", T::kString, "", "optimizer",
-     "auto[:tau[:window]]: freeze once ||v_t - v_{t-K}||_1 / ||v_t||_1 < tau on every shard, "
-     "checked every K steps (default auto:0.05:50 when --freeze_step is not given)"},
+     "auto[:tau[:window[:F]]]: freeze once ||v_t - v_{t-K}||_1 / ||v_t||_1 < tau on every "
+     "shard, checked every K steps, and at the latest after F of a fixed-length job's steps "
+     "(default auto:0.05:50:0.25 when --freeze_step is not given; F 1: no latest)"},
     {"v_floor", T::kFloat, "1e-8", "optimizer",
      "floor of the frozen variance: v = max(v, v_floor)"},
     {"var_freeze_step", T::kUint64, "100000", "optimizer",
@@ -137,6 +138,10 @@ constexpr JobSetting kSettings[] = {
      "the last complete checkpoint and the job waits this long for the lost one to register "
      "again (restarted by onebit-launch --max_restarts, Kubernetes or you) before it fails; "
      "0: fail at once. Needs --checkpoint_dir"},
+    {"checkpoint_failure", T::kString, "continue", "checkpoints",
+     "a checkpoint that cannot be written (a full volume, an I/O error): continue (the job goes "
+     "on without it; its files are removed, and summary.json says durable: false with the "
+     "errors) | fail (the job fails, naming the error)"},
 };
 
 std::string Normalize(absl::string_view name) { return absl::StrReplaceAll(name, {{"-", "_"}}); }

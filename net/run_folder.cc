@@ -15,6 +15,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "checkpoint/state_file.h"
 
@@ -243,6 +244,14 @@ std::string CompressRatio(const Summary& s, uint64_t bytes) {
   const double fp32_per_step = static_cast<double>(s.bytes_up_fp32) / static_cast<double>(s.steps);
   return Num(static_cast<double>(bytes) / static_cast<double>(s.compress_steps) / fp32_per_step);
 }
+// [[steps completed, largest change], ...]
+std::string FreezeChecks(const Summary& s) {
+  std::vector<std::string> checks;
+  for (const auto& [after, change] : s.freeze_checks) {
+    checks.push_back(absl::StrCat("[", after, ", ", JsonNum(change), "]"));
+  }
+  return absl::StrCat("[", absl::StrJoin(checks, ", "), "]");
+}
 }  // namespace
 
 absl::Status WriteSummaryJson(const std::string& path, const Summary& s) {
@@ -250,6 +259,7 @@ absl::Status WriteSummaryJson(const std::string& path, const Summary& s) {
     return v ? absl::StrCat(*v) : std::string("null");
   };
   auto opt_d = [](const std::optional<double>& v) { return v ? JsonNum(*v) : std::string("null"); };
+  auto opt_b = [](const std::optional<bool>& v) { return !v ? "null" : *v ? "true" : "false"; };
   std::string text = absl::StrCat(
       "{\n", "  \"optimizer\": ", JsonQuote(s.optimizer), ",\n", "  \"lr\": ", JsonFloat(s.lr),
       ",\n", "  \"workers\": ", s.workers, ",\n", "  \"servers\": ", s.servers, ",\n",
@@ -266,9 +276,11 @@ absl::Status WriteSummaryJson(const std::string& path, const Summary& s) {
       "  \"server_codec\": ", JsonQuote(s.server_codec), ",\n",
       "  \"error_feedback\": ", JsonQuote(s.error_feedback), ",\n",
       "  \"server_reply\": ", JsonQuote(s.server_reply), ",\n",
-      "  \"freeze\": ", JsonQuote(s.freeze), ",\n", "  \"v_floor\": ", JsonFloat(s.v_floor), ",\n",
-      "  \"v_floored\": ", s.v_floored, ",\n", "  \"compress_steps\": ", s.compress_steps, ",\n",
-      "  \"rounds\": ", s.rounds, ",\n", "  \"bytes_up_warmup\": ", s.bytes_up_warmup, ",\n",
+      "  \"freeze\": ", JsonQuote(s.freeze), ",\n", "  \"freeze_checks\": ", FreezeChecks(s), ",\n",
+      "  \"freeze_warning\": ", s.freeze_warning.empty() ? "null" : JsonQuote(s.freeze_warning),
+      ",\n", "  \"v_floor\": ", JsonFloat(s.v_floor), ",\n", "  \"v_floored\": ", s.v_floored,
+      ",\n", "  \"compress_steps\": ", s.compress_steps, ",\n", "  \"rounds\": ", s.rounds, ",\n",
+      "  \"bytes_up_warmup\": ", s.bytes_up_warmup, ",\n",
       "  \"bytes_up_compress\": ", s.bytes_up_compress, ",\n",
       "  \"bytes_down_warmup\": ", s.bytes_down_warmup, ",\n",
       "  \"bytes_down_compress\": ", s.bytes_down_compress, ",\n",
@@ -280,6 +292,9 @@ absl::Status WriteSummaryJson(const std::string& path, const Summary& s) {
       "  \"worker_devices\": ", JsonStrings(s.worker_devices), ",\n",
       "  \"checkpoints\": ", s.checkpoints, ",\n",
       "  \"last_checkpoint_step\": ", opt_u(s.last_checkpoint_step), ",\n",
+      "  \"checkpoint_errors\": ", s.checkpoint_errors, ",\n", "  \"last_checkpoint_error\": ",
+      s.last_checkpoint_error.empty() ? "null" : JsonQuote(s.last_checkpoint_error), ",\n",
+      "  \"durable\": ", opt_b(s.durable), ",\n",
       "  \"resumed_from_step\": ", opt_u(s.resumed_from_step), ",\n",
       "  \"stopped_at_step\": ", opt_u(s.stopped_at_step), ",\n", "  \"restarts\": ", s.restarts,
       ",\n", "  \"rolled_back_steps\": ", s.rolled_back_steps, ",\n",

@@ -56,6 +56,11 @@ struct Summary {
   std::string error_feedback;
   std::string server_reply;
   std::string freeze;  // "step:N", "auto:...", "var_freeze_step:N"; "none": never compresses
+  // --freeze auto: every decided check (steps completed, the largest change
+  // of v over the shards), and why the job ran without the freeze when it
+  // never fired (empty otherwise).
+  std::vector<std::pair<uint64_t, double>> freeze_checks;
+  std::string freeze_warning;
   float v_floor = 0;
   uint64_t v_floored = 0;  // coordinates the floor raised at the freeze
   uint64_t compress_steps = 0;
@@ -69,6 +74,13 @@ struct Summary {
   std::vector<std::string> worker_devices;        // by rank: "cpu", "cuda:0 (NVIDIA H200)", ...
   uint64_t checkpoints = 0;                       // complete checkpoints written
   std::optional<uint64_t> last_checkpoint_step;
+  // Checkpoints that could not be written (each scheduled step at most
+  // once) and the last one's error ("step 40: worker 1: cannot write ...").
+  // durable: every scheduled checkpoint was written; nullopt without a
+  // --checkpoint_dir. A job may end "ok" and not durable.
+  uint64_t checkpoint_errors = 0;
+  std::string last_checkpoint_error;
+  std::optional<bool> durable;
   std::optional<uint64_t> resumed_from_step;  // the checkpoint this run continued from
   std::optional<uint64_t> stopped_at_step;    // stopped on request, checkpointed there
   uint32_t restarts = 0;                      // times the job was started again from a checkpoint

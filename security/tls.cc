@@ -133,13 +133,60 @@ void QuietHandshakeLogs() {
 
 }  // namespace
 
-std::shared_ptr<grpc::ServerCredentials> ControlServerCredentials(const Security& security) {
+namespace {
+
+// Refuses a call without the job credential from its headers, so that its
+// request is never read: gRPC cancels the stream before the message
+// arrives, where a handler would see it only once read in full.
+class CredentialCheck final : public grpc::AuthMetadataProcessor {
+ public:
+  CredentialCheck(std::string credential, std::function<void(absl::string_view)> refused)
+      : credential_(std::move(credential)), refused_(std::move(refused)) {}
+
+  bool IsBlocking() const override { return false; }  // a constant-time compare
+
+  grpc::Status Process(const InputMetadata& md, grpc::AuthContext*, OutputMetadata*,
+                       OutputMetadata*) override {
+    auto it = md.find(kCredentialKey);
+    if (it != md.end() &&
+        SameBytes(absl::string_view(it->second.data(), it->second.size()), credential_)) {
+      return grpc::Status::OK;
+    }
+    if (refused_) {
+      // ":path" is "/onebit.control.Coordinator/Status".
+      absl::string_view method = "call";
+      if (auto path = md.find(":path"); path != md.end()) {
+        method = absl::string_view(path->second.data(), path->second.size());
+        method = method.substr(method.rfind('/') + 1);
+      }
+      refused_(method);
+    }
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                        "no valid job credential: this call needs the job's secret");
+  }
+
+ private:
+  const std::string credential_;
+  const std::function<void(absl::string_view)> refused_;
+};
+
+}  // namespace
+
+std::shared_ptr<grpc::ServerCredentials> ControlServerCredentials(
+    const Security& security, std::function<void(absl::string_view method)> refused) {
   if (security.insecure()) return grpc::InsecureServerCredentials();
   QuietHandshakeLogs();
   const ControlCertificate cert = ControlCertificateOf(*security.secret);
-  grpc::SslServerCredentialsOptions o;
+  // Clients present the same certificate: a peer without the secret never
+  // completes the handshake, so it holds no connection (and sends no call)
+  // past it.
+  grpc::SslServerCredentialsOptions o(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  o.pem_root_certs = cert.cert_pem;
   o.pem_key_cert_pairs.push_back({cert.key_pem, cert.cert_pem});
-  return grpc::SslServerCredentials(o);
+  std::shared_ptr<grpc::ServerCredentials> creds = grpc::SslServerCredentials(o);
+  creds->SetAuthMetadataProcessor(
+      std::make_shared<CredentialCheck>(JobCredential(*security.secret), std::move(refused)));
+  return creds;
 }
 
 std::shared_ptr<grpc::Channel> ControlChannel(const std::string& target, const Security& security,
@@ -148,8 +195,11 @@ std::shared_ptr<grpc::Channel> ControlChannel(const std::string& target, const S
     return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
   }
   QuietHandshakeLogs();
+  const ControlCertificate cert = ControlCertificateOf(*security.secret);
   grpc::SslCredentialsOptions o;
-  o.pem_root_certs = ControlCertificateOf(*security.secret).cert_pem;
+  o.pem_root_certs = cert.cert_pem;
+  o.pem_private_key = cert.key_pem;  // the coordinator requires it of clients
+  o.pem_cert_chain = cert.cert_pem;
   args.SetSslTargetNameOverride(kServerName);
   auto creds = grpc::CompositeChannelCredentials(
       grpc::SslCredentials(o),

@@ -9,16 +9,24 @@
 #ifndef ONEBIT_SECURITY_TLS_H_
 #define ONEBIT_SECURITY_TLS_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 
+#include "absl/strings/string_view.h"
 #include "grpcpp/grpcpp.h"
 #include "security/job_secret.h"
 
 namespace onebit {
 
-// Credentials for the coordinator's listening port.
-std::shared_ptr<grpc::ServerCredentials> ControlServerCredentials(const Security& security);
+// Credentials for the coordinator's listening port. A call without this
+// job's credential is refused (UNAUTHENTICATED) as its headers arrive,
+// before its request is read or a handler runs (gRPC's
+// AuthMetadataProcessor): what a client without the secret sends is never
+// buffered. `refused`, when given, hears each such call's method ("Status")
+// from gRPC's threads. Under --insecure: plaintext, nothing checked.
+std::shared_ptr<grpc::ServerCredentials> ControlServerCredentials(
+    const Security& security, std::function<void(absl::string_view method)> refused = nullptr);
 
 // A channel to the coordinator at `target` ("host:port"), with `args`.
 std::shared_ptr<grpc::Channel> ControlChannel(const std::string& target, const Security& security,

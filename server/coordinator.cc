@@ -68,8 +68,10 @@ absl::Status CheckResumable(const control::TrainingConfig& config,
   // the number of workers changes a bit of the result (see
   // LoadWorkerStateResized for that one).
   static const std::set<std::string> kMayChange = {
-      "servers",        "workers",          "chunk_elems",     "step_timeout", "heartbeat_timeout",
-      "checkpoint_dir", "checkpoint_every", "checkpoint_keep", "resume",       "rejoin_timeout"};
+      "servers",          "workers",           "chunk_elems",
+      "step_timeout",     "heartbeat_timeout", "checkpoint_dir",
+      "checkpoint_every", "checkpoint_keep",   "resume",
+      "rejoin_timeout",   "checkpoint_failure"};
   const std::vector<std::string> conflicts =
       ConfigDifferences(config, checkpoint.manifest.config(), kMayChange);
   if (conflicts.empty()) return absl::OkStatus();
@@ -80,7 +82,7 @@ absl::Status CheckResumable(const control::TrainingConfig& config,
 
 void CoordinatorService::ResumeFrom(CompleteCheckpoint checkpoint,
                                     std::vector<MetricsRow> prior_rows, uint32_t restarts,
-                                    uint64_t rolled_back_steps) {
+                                    uint64_t rolled_back_steps, uint64_t reached) {
   absl::MutexLock l(&mu_);
   latest_ = checkpoint;
   resume_ = std::move(checkpoint);
@@ -92,6 +94,8 @@ void CoordinatorService::ResumeFrom(CompleteCheckpoint checkpoint,
   for (const MetricsRow& r : prior_rows_) loss_watch_.Add(r.step, r.loss);
   restarts_ = restarts;
   rolled_back_steps_ = rolled_back_steps;
+  rollback_reached_ = std::max(reached, resume_->manifest.step());
+  history_changed_ = true;
 }
 
 std::string CoordinatorService::Name(control::Role role, uint32_t rank) {
@@ -231,6 +235,9 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx,
   Process& p = group[rank];
   p.registered = true;
   p.info = *req;
+  if (req->role() == control::WORKER && req->has_rejoin_from()) {
+    CountRolledBackLocked(req->rejoin_steps_done());
+  }
   p.last_seen = absl::Now();
   p.credential = RandomBytes(16);
   std::fprintf(stderr, "coordinator: %s %d registered (%s)\n", what, rank,
@@ -527,9 +534,13 @@ bool CoordinatorService::RollBackLocked(const std::string& why, std::string* why
   }
   if (!why_not->empty()) return false;
   const uint64_t step = target->manifest.step();
+  // The heartbeats' steps may be up to a heartbeat old: the workers that
+  // register again report how far they really got (CountRolledBackLocked).
   uint64_t reached = step;
   for (const Process& p : workers_) reached = std::max(reached, p.step);
   rolled_back_steps_ += reached - step;
+  rollback_reached_ = reached;
+  history_changed_ = true;
   ++restarts_;
   ++rollbacks_;
   resume_ = target;
@@ -555,8 +566,8 @@ bool CoordinatorService::RollBackLocked(const std::string& why, std::string* why
   freeze_decided_ = target->manifest.freeze_decided();
   freeze_step_ = target->manifest.freeze_step();
   std::fprintf(stderr,
-               "coordinator: %s: rolling the job back to the checkpoint of step %llu (%llu steps "
-               "to run again); waiting up to %s for every process to register again\n",
+               "coordinator: %s: rolling the job back to the checkpoint of step %llu (%llu or "
+               "more steps to run again); waiting up to %s for every process to register again\n",
                why.c_str(), static_cast<unsigned long long>(step),
                static_cast<unsigned long long>(reached - step),
                absl::FormatDuration(rejoin_timeout_).c_str());
@@ -572,6 +583,18 @@ void CoordinatorService::ReformLocked() {
   std::fprintf(stderr,
                "coordinator: every process registered again; the job continues from step %llu\n",
                static_cast<unsigned long long>(resume_->manifest.step()));
+}
+
+void CoordinatorService::CountRolledBackLocked(uint64_t steps_done) {
+  // Only while rolling back (or resuming) from a checkpoint; a count past
+  // the job's end would be made up.
+  if (!resume_ || steps_done <= rollback_reached_ ||
+      (config_.steps() > 0 && steps_done > config_.steps())) {
+    return;
+  }
+  rolled_back_steps_ += steps_done - rollback_reached_;
+  rollback_reached_ = steps_done;
+  history_changed_ = true;
 }
 
 void CoordinatorService::ReplyToStrangerLocked(control::HeartbeatReply* reply) const {
@@ -709,12 +732,30 @@ void CoordinatorService::AddFreezeCheckLocked(uint32_t shard, const control::Fre
     const uint64_t step = AutoFreezeStep(freeze_, next->first, changes);
     freeze_decided_ = next->first;
     freeze_checks_.erase(next);
-    if (step != kNever) {
-      freeze_step_ = step;
+    // The check's measure, for the log and summary.json: how far the rule is
+    // from firing (the first check has nothing to compare with: 1).
+    freeze_history_.push_back({freeze_decided_, largest});
+    if (step == kNever) {
+      std::fprintf(stderr,
+                   "coordinator: freeze check after %llu steps: largest change of v %.4g, not "
+                   "below tau %.4g yet\n",
+                   static_cast<unsigned long long>(freeze_decided_), largest, freeze_.tau);
+      continue;
+    }
+    freeze_step_ = step;
+    if (largest < freeze_.tau) {
       std::fprintf(stderr,
                    "coordinator: v settled after %llu steps (largest change %.4g < tau %.4g): "
                    "the warm-up ends; compression from step %llu\n",
                    static_cast<unsigned long long>(freeze_decided_), largest, freeze_.tau,
+                   static_cast<unsigned long long>(step));
+    } else {
+      std::fprintf(stderr,
+                   "coordinator: v has not settled after %llu steps (largest change %.4g, tau "
+                   "%.4g), but the warm-up takes at most %g of the job's %llu steps: compression "
+                   "from step %llu\n",
+                   static_cast<unsigned long long>(freeze_decided_), largest, freeze_.tau,
+                   freeze_.latest_fraction, static_cast<unsigned long long>(config_.steps()),
                    static_cast<unsigned long long>(step));
     }
   }
@@ -1027,12 +1068,15 @@ void CoordinatorService::AddCheckpointPartLocked(control::Role role, uint32_t ra
   while (parts_.size() >= 16 && parts_.begin()->first < step) parts_.erase(parts_.begin());
   const std::string who = Name(role, rank);
   auto& files = parts_[step];
-  if (files.count("")) return;  // failed already
+  if (files.count("")) {
+    // Failed already: this file (or what is left of it) goes too.
+    failed_dirs_.push_back(step);
+    return;
+  }
   if (!part.error().empty()) {
-    std::fprintf(stderr, "coordinator: the checkpoint of step %llu is incomplete: %s: %s\n",
-                 static_cast<unsigned long long>(step), who.c_str(), part.error().c_str());
     files.clear();
     files.emplace("", part);  // the mark of a failed one
+    CheckpointFailedLocked(step, absl::StrCat(who, ": ", part.error()));
     return;
   }
   files[who] = part;
@@ -1064,6 +1108,50 @@ void CoordinatorService::AddCheckpointPartLocked(control::Role role, uint32_t ra
   }
   complete_.push_back(std::move(m));
   parts_.erase(parts_.begin(), parts_.upper_bound(step));
+}
+
+void CoordinatorService::CheckpointFailed(uint64_t step, const std::string& error) {
+  absl::MutexLock l(&mu_);
+  CheckpointFailedLocked(step, error);
+}
+
+void CoordinatorService::CheckpointFailedLocked(uint64_t step, const std::string& error) {
+  ++checkpoint_errors_;
+  last_checkpoint_error_ = absl::StrCat("step ", step, ": ", error);
+  failed_dirs_.push_back(step);  // the files written before the failure
+  const bool fail = config_.checkpoint_failure() == "fail";
+  std::fprintf(stderr, "coordinator: the checkpoint of step %llu failed: %s; %s\n",
+               static_cast<unsigned long long>(step), error.c_str(),
+               fail ? "the job fails (--checkpoint_failure=fail)"
+                    : absl::StrCat("the job goes on without it, not durable (",
+                                   last_checkpoint_
+                                       ? absl::StrCat("the last complete checkpoint is of step ",
+                                                      *last_checkpoint_)
+                                       : std::string("no checkpoint is complete"),
+                                   ")")
+                          .c_str());
+  if (stop_step_ && *stop_step_ == step) {
+    // Nothing to stop at: the job cannot be resumed from here.
+    FailLocked(absl::StrCat("stopped by ", stop_by_, ", but the checkpoint to stop at (step ", step,
+                            ") could not be written: ", error));
+  } else if (fail) {
+    FailLocked(absl::StrCat("the checkpoint of step ", step, " could not be written: ", error,
+                            " (--checkpoint_failure=fail)"));
+  }
+}
+
+std::vector<uint64_t> CoordinatorService::TakeFailedCheckpoints() {
+  absl::MutexLock l(&mu_);
+  return std::exchange(failed_dirs_, {});
+}
+
+std::optional<CompleteCheckpoint> CoordinatorService::TakeHistoryToRecord() {
+  absl::MutexLock l(&mu_);
+  if (!history_changed_ || !latest_) return std::nullopt;
+  history_changed_ = false;
+  latest_->manifest.set_restarts(restarts_);
+  latest_->manifest.set_rolled_back_steps(rolled_back_steps_);
+  return latest_;
 }
 
 std::vector<checkpoint::Manifest> CoordinatorService::TakeCompleteCheckpoints() {
@@ -1166,6 +1254,21 @@ Summary CoordinatorService::MakeSummary() const {
                  ? absl::StrCat("var_freeze_step:", config_.var_freeze_step())
              : config_.freeze().empty() ? absl::StrCat("step:", config_.freeze_step())
                                         : config_.freeze();
+  s.freeze_checks = freeze_history_;
+  if (freeze_.automatic && !s.freeze_step && kind.ok() && HasCompressionPhase(*kind)) {
+    // A job meant to compress that ran plain Adam throughout: say why.
+    s.freeze_warning =
+        freeze_history_.empty()
+            ? absl::StrCat("the automatic freeze never fired: no check was decided (one every ",
+                           freeze_.window, " steps); the job ran without compression")
+            : absl::StrCat("the automatic freeze never fired: the last check, after ",
+                           freeze_history_.back().first, " steps, measured ",
+                           absl::SixDigits(freeze_history_.back().second), " against tau ",
+                           absl::SixDigits(freeze_.tau),
+                           "; the job ran without compression (give --freeze_step, a larger tau, "
+                           "or the job a fixed --steps, so that the warm-up ends by the latest "
+                           "fraction of auto:TAU:K:F)");
+  }
   s.error_feedback = config_.error_feedback();
   s.server_reply = config_.server_reply();
   s.v_floor = config_.v_floor();
@@ -1196,6 +1299,9 @@ Summary CoordinatorService::MakeSummary() const {
   for (const Process& w : workers_) s.worker_devices.push_back(w.info.device());
   s.checkpoints = checkpoints_written_;
   s.last_checkpoint_step = last_checkpoint_;
+  s.checkpoint_errors = checkpoint_errors_;
+  s.last_checkpoint_error = last_checkpoint_error_;
+  if (!config_.checkpoint_dir().empty()) s.durable = checkpoint_errors_ == 0;
   return s;
 }
 

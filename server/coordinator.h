@@ -48,9 +48,12 @@ class CoordinatorService final : public control::Coordinator::Service {
   // checked against the job's once the cluster forms); `prior_rows`:
   // metrics.csv's rows of the steps before it, for summary.json;
   // `restarts` and `rolled_back_steps`: the job's history, this resume
-  // included.
+  // included; `reached`: the most steps the interrupted run is known to
+  // have completed (from metrics.csv), of which those past the checkpoint
+  // are in rolled_back_steps already. Workers that outlived the last
+  // coordinator report further steps when they register again.
   void ResumeFrom(CompleteCheckpoint checkpoint, std::vector<MetricsRow> prior_rows,
-                  uint32_t restarts, uint64_t rolled_back_steps);
+                  uint32_t restarts, uint64_t rolled_back_steps, uint64_t reached);
 
   grpc::Status Register(grpc::ServerContext* ctx, const control::RegisterRequest* req,
                         control::RegisterReply* reply) override;
@@ -80,6 +83,18 @@ class CoordinatorService final : public control::Coordinator::Service {
   // The manifest of `checkpoint` is written: counted for summary.json, and
   // the job rolls back to it if a process is lost.
   void CheckpointWritten(CompleteCheckpoint checkpoint);
+  // The checkpoint of `step` cannot be completed (a file or the manifest
+  // could not be written: `error`): counted for summary.json, and under
+  // --checkpoint_failure=fail the job fails naming it.
+  void CheckpointFailed(uint64_t step, const std::string& error);
+  // The steps of failed checkpoints whose folders are to be removed since
+  // the last call (a step again when a part of it came after it failed).
+  std::vector<uint64_t> TakeFailedCheckpoints();
+  // After a roll-back changed the job's history (restarts,
+  // rolled_back_steps): the checkpoint rolled back to, its manifest carrying
+  // the history as of now, to write over the old one, so that a coordinator
+  // started after this one counts it; nullopt when nothing changed.
+  std::optional<CompleteCheckpoint> TakeHistoryToRecord();
 
   // A stop asked for by `who` (e.g. "SIGTERM to worker 2"): a running job
   // with a --checkpoint_dir stops after a checkpoint at the next step
@@ -166,6 +181,11 @@ class CoordinatorService final : public control::Coordinator::Service {
   // A process's report of its file of a checkpoint.
   void AddCheckpointPartLocked(control::Role role, uint32_t rank, const control::CheckpointPart& p)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CheckpointFailedLocked(uint64_t step, const std::string& error)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A worker registering again after a roll-back had completed `steps_done`:
+  // those beyond what was counted are run again too.
+  void CountRolledBackLocked(uint64_t steps_done) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The row of `step` once every worker has reported it.
   std::optional<MetricsRow> RowLocked(uint64_t step) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   grpc::Status CheckJob(control::Role role, uint32_t rank, uint64_t job_id) const
@@ -213,14 +233,19 @@ class CoordinatorService final : public control::Coordinator::Service {
   std::vector<checkpoint::Manifest> complete_ ABSL_GUARDED_BY(mu_);
   uint64_t checkpoints_written_ ABSL_GUARDED_BY(mu_) = 0;
   std::optional<uint64_t> last_checkpoint_ ABSL_GUARDED_BY(mu_);
+  uint64_t checkpoint_errors_ ABSL_GUARDED_BY(mu_) = 0;  // failed checkpoints, one per step
+  std::string last_checkpoint_error_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> failed_dirs_ ABSL_GUARDED_BY(mu_);  // for TakeFailedCheckpoints
   bool replicas_equal_ ABSL_GUARDED_BY(mu_) = false;
   bool workers_agree_ ABSL_GUARDED_BY(mu_) = false;  // every replica equals every other
   std::optional<double> max_replica_diff_ ABSL_GUARDED_BY(mu_);
   uint64_t floored_ ABSL_GUARDED_BY(mu_) = 0;
   // completed steps -> shard -> VarianceChange
   std::map<uint64_t, std::map<uint32_t, double>> freeze_checks_ ABSL_GUARDED_BY(mu_);
-  uint64_t freeze_decided_ ABSL_GUARDED_BY(mu_) = 0;             // checks decided so far
-  uint64_t freeze_step_ ABSL_GUARDED_BY(mu_) = 0;                // decided first compression step
+  uint64_t freeze_decided_ ABSL_GUARDED_BY(mu_) = 0;  // checks decided so far
+  uint64_t freeze_step_ ABSL_GUARDED_BY(mu_) = 0;     // decided first compression step
+  // Every decided check of this coordinator: steps completed, largest change.
+  std::vector<std::pair<uint64_t, double>> freeze_history_ ABSL_GUARDED_BY(mu_);
   std::optional<uint32_t> declared_by_ ABSL_GUARDED_BY(mu_);     // first worker to declare d
   std::optional<uint32_t> decay_by_ ABSL_GUARDED_BY(mu_);        // first worker to register
   std::vector<DecayRange> decay_ ABSL_GUARDED_BY(mu_);           // its ranges
@@ -245,7 +270,12 @@ class CoordinatorService final : public control::Coordinator::Service {
   uint32_t rollbacks_ ABSL_GUARDED_BY(mu_) = 0;              // live ones, by this coordinator
   std::vector<MetricsRow> prior_rows_ ABSL_GUARDED_BY(mu_);  // before resume_'s step
   uint32_t restarts_ ABSL_GUARDED_BY(mu_) = 0;
+  // Steps completed (by the furthest worker) beyond the checkpoint rolled
+  // back to, summed over the roll-backs. The last roll-back's furthest step
+  // known so far: workers registering again may report more.
   uint64_t rolled_back_steps_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t rollback_reached_ ABSL_GUARDED_BY(mu_) = 0;
+  bool history_changed_ ABSL_GUARDED_BY(mu_) = false;       // for TakeHistoryToRecord
   std::optional<absl::Time> started_ ABSL_GUARDED_BY(mu_);  // all registered
   std::optional<absl::Time> ended_ ABSL_GUARDED_BY(mu_);    // finished or failed
 };

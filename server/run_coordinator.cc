@@ -1,5 +1,7 @@
 // RunCoordinator (include/onebit/server.h): the coordinator's gRPC service
 // (server/coordinator.h), its watch loop, and the run folder.
+#include <malloc.h>
+
 #include <csignal>
 #include <cstdio>
 #include <optional>
@@ -15,10 +17,12 @@
 #include "net/health.h"
 #include "net/job_config.h"
 #include "net/job_settings.h"
+#include "net/refusal_log.h"
 #include "net/run_folder.h"
 #include "net/stop_signal.h"
 #include "onebit/server.h"
 #include "security/tls.h"
+#include "server/control_limits.h"
 #include "server/coordinator.h"
 
 namespace onebit {
@@ -78,6 +82,7 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
   // knows of later restarts (the manifest was written before them).
   uint32_t restarts = 0;
   uint64_t rolled_back = 0;
+  uint64_t reached = 0;  // the most steps the interrupted run is known to have completed
   if (*resume) {
     restarts = (*resume)->manifest.restarts() + 1;
     rolled_back = (*resume)->manifest.rolled_back_steps();
@@ -104,6 +109,7 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
         rolled_back = std::max(rolled_back, before->rolled_back_steps);
       }
       rolled_back += lost;
+      reached = (*resume)->manifest.step() + lost;
     }
     auto log = MetricsLog::Open(path, prior_rows);
     if (!log.ok()) return log.status();
@@ -119,14 +125,24 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
   std::fprintf(stderr, "%s\n", SecurityNotice(*security, "coordinator").c_str());
   CoordinatorService service(cfg, given, job_id, o.register_timeout, *security);
   if (*resume) {
-    service.ResumeFrom(**std::move(resume), std::move(prior_rows), restarts, rolled_back);
+    service.ResumeFrom(**std::move(resume), std::move(prior_rows), restarts, rolled_back, reached);
   }
   EnableHealthService();
+  // Calls without the job's credential, refused from their headers (before
+  // their requests are read) and counted here.
+  RefusalLog unauthenticated("coordinator");
   grpc::ServerBuilder builder;
   ConfigureExclusivePort(&builder);
+  BoundControlServer(cfg, &builder);
   const std::string addr = absl::StrCat(o.bind_host, ":", o.port);
   int bound = 0;
-  builder.AddListeningPort(addr, ControlServerCredentials(*security), &bound);
+  builder.AddListeningPort(addr,
+                           ControlServerCredentials(*security,
+                                                    [&unauthenticated](absl::string_view rpc) {
+                                                      unauthenticated.Refused(absl::StrCat(
+                                                          "a ", rpc, ": no valid job credential"));
+                                                    }),
+                           &bound);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || bound == 0) {
@@ -158,26 +174,57 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
   auto write_manifests = [&] {
     for (const checkpoint::Manifest& m : service.TakeCompleteCheckpoints()) {
       const std::string dir = StepDir(cfg.checkpoint_dir(), m.step());
-      absl::Status st = WriteManifest(dir, m);
-      if (st.ok())
-        st = PruneCheckpoints(cfg.checkpoint_dir(), static_cast<int>(cfg.checkpoint_keep()));
-      if (!st.ok()) {
+      if (absl::Status st = WriteManifest(dir, m); !st.ok()) {
+        service.CheckpointFailed(m.step(), absl::StrCat("the coordinator: ", st.message()));
+        continue;
+      }
+      // Complete; what the pruning leaves behind goes at the next one.
+      if (absl::Status st =
+              PruneCheckpoints(cfg.checkpoint_dir(), static_cast<int>(cfg.checkpoint_keep()));
+          !st.ok()) {
         std::fprintf(stderr, "coordinator: checkpoint of step %llu: %s\n",
                      static_cast<unsigned long long>(m.step()), std::string(st.message()).c_str());
-        continue;
       }
       service.CheckpointWritten(CompleteCheckpoint{dir, m});
       std::fprintf(stderr, "coordinator: checkpoint of step %llu complete (%d files) in %s\n",
                    static_cast<unsigned long long>(m.step()), m.files_size(), dir.c_str());
     }
   };
+  // A failed checkpoint's files go (a full volume keeps room for the next).
+  auto remove_failed = [&] {
+    for (uint64_t step : service.TakeFailedCheckpoints()) {
+      if (absl::Status st = RemoveIncompleteCheckpoint(cfg.checkpoint_dir(), step); !st.ok()) {
+        std::fprintf(stderr, "coordinator: %s\n", std::string(st.message()).c_str());
+      }
+    }
+  };
+  // After a roll-back: the history into the manifest rolled back to.
+  auto record_history = [&] {
+    if (auto c = service.TakeHistoryToRecord()) {
+      if (absl::Status st = WriteManifest(c->dir, c->manifest); !st.ok()) {
+        std::fprintf(stderr, "coordinator: recording the restarts in %s: %s\n", c->dir.c_str(),
+                     std::string(st.message()).c_str());
+      }
+    }
+  };
+  absl::Time trimmed = absl::Now();
   while (true) {
     service.Tick();
+    unauthenticated.Flush();
+    // gRPC's threads free a closed connection's buffers into glibc's
+    // arenas, which keep them (1000 refused TLS handshakes left 88 MB held
+    // for good); this hands them back.
+    if (absl::Now() - trimmed > absl::Seconds(1)) {
+      malloc_trim(0);
+      trimmed = absl::Now();
+    }
     if (o.stop_signal != nullptr && o.stop_signal->load() != 0) {
       service.RequestStop(absl::StrCat(SignalName(o.stop_signal->load()), " to the coordinator"));
     }
     append_rows();
     write_manifests();
+    remove_failed();
+    record_history();
     const auto s = service.state();
     if (s == CoordinatorService::State::kFinished || s == CoordinatorService::State::kFailed ||
         s == CoordinatorService::State::kStopped) {
@@ -186,11 +233,23 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
     absl::SleepFor(absl::Milliseconds(20));
   }
   write_manifests();  // the last parts came with Done
+  remove_failed();
+  record_history();
+  if (!cfg.checkpoint_dir().empty() && service.state() != CoordinatorService::State::kFailed) {
+    // Every process has written what it will: incomplete folders go too.
+    if (absl::Status st =
+            PruneCheckpoints(cfg.checkpoint_dir(), static_cast<int>(cfg.checkpoint_keep()),
+                             /*nothing_in_making=*/true);
+        !st.ok()) {
+      std::fprintf(stderr, "coordinator: %s\n", std::string(st.message()).c_str());
+    }
+  }
   append_rows();
   const double wall = service.WallSeconds();
   absl::Status result;
   std::string verdict = "job finished";
   auto summarize = [&] {
+    verdict = "job finished";  // (called again when late rows came)
     Summary summary = service.MakeSummary();
     if (service.state() == CoordinatorService::State::kFailed) {
       result = absl::AbortedError(absl::StrCat("job failed: ", service.reason()));
@@ -207,6 +266,16 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
       verdict = absl::StrFormat(
           "job finished; replicas trail the masters by the server error (largest %g)",
           summary.max_replica_master_diff.value_or(0.0));
+    }
+    if (service.state() == CoordinatorService::State::kFinished && summary.durable == false) {
+      // Trained as it should have been, but losing a process would have
+      // cost more than the user planned for: say so where they look.
+      absl::StrAppend(
+          &verdict, "; not durable: ", summary.checkpoint_errors,
+          " checkpoint(s) could not be written (last: ", summary.last_checkpoint_error, "); ",
+          summary.last_checkpoint_step
+              ? absl::StrCat("the last complete one is of step ", *summary.last_checkpoint_step)
+              : std::string("none is complete"));
     }
     return summary;
   };

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
+#include <optional>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -79,13 +80,43 @@ absl::StatusOr<ServerShardState> LoadShardFromCheckpoint(const control::ResumePo
   return s;
 }
 
+// The data socket and its port: held (ReservedPort) until the first
+// RegisterReply tells the job's frame limit, then bound with it.
+struct DataPort {
+  zmq::socket_t* socket;
+  std::optional<ReservedPort> reserved;  // until bound
+  std::string bind_host;
+  int port = 0;
+  uint64_t frame_limit = 0;  // 0: not bound yet
+  std::string bound_endpoint;
+
+  // Binds with `limit`; again after a roll-back whose job has another.
+  absl::Status Open(uint64_t limit) {
+    if (limit == frame_limit) return absl::OkStatus();
+    const std::string endpoint = absl::StrCat("tcp://", bind_host, ":", port);
+    try {
+      if (frame_limit != 0) socket->unbind(bound_endpoint);
+      ConfigureServerDataSocket(socket, limit);
+      if (reserved) reserved->Release();
+      reserved.reset();
+      socket->bind(endpoint);
+      bound_endpoint = socket->get(zmq::sockopt::last_endpoint);
+    } catch (const zmq::error_t& e) {
+      return absl::UnavailableError(
+          absl::StrCat("cannot bind the data port ", endpoint, ": ", e.what()));
+    }
+    frame_limit = limit;
+    return absl::OkStatus();
+  }
+};
+
 // One forming of the cluster, from its RegisterReply to the end of the job
 // or to the coordinator's REJOIN (then *rejoin is set and this returns OK).
 // `zap`: the data port's ZAP handler; null under --insecure.
 absl::Status ServeIncarnation(const ServerOptions& o, const control::RegisterReply& reg,
-                              zmq::socket_t& socket, ZapHandler* zap,
+                              DataPort& data_port, ZapHandler* zap,
                               control::Coordinator::Stub* stub, const std::string& advertise,
-                              int bound_port, const std::vector<uint64_t>& earlier, bool* rejoin);
+                              const std::vector<uint64_t>& earlier, bool* rejoin);
 
 }  // namespace
 
@@ -108,7 +139,6 @@ absl::Status RunServer(const ServerOptions& o) {
   std::unique_ptr<ZapHandler> zap;
   CurveKeys keys;
   zmq::socket_t socket(ctx, zmq::socket_type::router);
-  ConfigureServerDataSocket(&socket);
   if (!security->insecure()) {
     auto started = ZapHandler::Start(&ctx, "server");
     if (!started.ok()) return started.status();
@@ -116,19 +146,10 @@ absl::Status RunServer(const ServerOptions& o) {
     keys = NewCurveKeys();
     MakeCurveServer(&socket, keys);
   }
-  const std::string bind_ep =
-      absl::StrCat("tcp://", o.bind_host, ":", o.data_port == 0 ? "*" : absl::StrCat(o.data_port));
-  try {
-    socket.bind(bind_ep);
-  } catch (const zmq::error_t& e) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot bind the data port ", bind_ep, ": ", e.what()));
-  }
-  const std::string last = socket.get(zmq::sockopt::last_endpoint);
-  int bound_port = 0;
-  if (!absl::SimpleAtoi(last.substr(last.rfind(':') + 1), &bound_port)) {
-    return absl::InternalError(absl::StrCat("cannot read the bound port from ", last));
-  }
+  auto reserved = ReservedPort::Reserve(o.bind_host, o.data_port);
+  if (!reserved.ok()) return reserved.status();
+  const int bound_port = reserved->port();
+  DataPort data_port{&socket, *std::move(reserved), o.bind_host, bound_port};
   int health_bound = 0;
   auto health = StartHealthServer(o.bind_host, o.health_port, &health_bound);
   if (!health.ok()) return health.status();
@@ -154,8 +175,8 @@ absl::Status RunServer(const ServerOptions& o) {
                                        ": registering again: ", reg.status().message()));
     }
     bool rejoin = false;
-    absl::Status st = ServeIncarnation(o, *reg, socket, zap.get(), stub.get(), advertise,
-                                       bound_port, earlier, &rejoin);
+    absl::Status st =
+        ServeIncarnation(o, *reg, data_port, zap.get(), stub.get(), advertise, earlier, &rejoin);
     if (!rejoin) return st;
     earlier.push_back(DataPlaneId(reg->job_id(), reg->incarnation()));
     rejoin_from = reg->incarnation();
@@ -167,9 +188,9 @@ absl::Status RunServer(const ServerOptions& o) {
 namespace {
 
 absl::Status ServeIncarnation(const ServerOptions& o, const control::RegisterReply& reg,
-                              zmq::socket_t& socket, ZapHandler* zap,
+                              DataPort& data_port, ZapHandler* zap,
                               control::Coordinator::Stub* stub, const std::string& advertise,
-                              int bound_port, const std::vector<uint64_t>& earlier, bool* rejoin) {
+                              const std::vector<uint64_t>& earlier, bool* rejoin) {
   const control::TrainingConfig& cfg = reg.config();
   const uint32_t rank = reg.rank();
   const std::unique_ptr<Heartbeater> heartbeat =
@@ -224,6 +245,9 @@ absl::Status ServeIncarnation(const ServerOptions& o, const control::RegisterRep
   po.job.steps = cfg.steps();
   po.job.map = *map;
   po.job.chunk_elems = ChunkElemsFor(cfg.chunk_elems(), po.job.map);
+  if (absl::Status st = data_port.Open(ServerFrameLimit(po.job.chunk_elems)); !st.ok()) {
+    return fail(st);
+  }
   po.shard = rank;
   po.optimizer = *optimizer;
   po.freeze = *freeze;
@@ -270,12 +294,12 @@ absl::Status ServeIncarnation(const ServerOptions& o, const control::RegisterRep
     }
     po.restored = *std::move(restored);
   }
-  auto server = PsServer::Create(po, &socket);
+  auto server = PsServer::Create(po, data_port.socket);
   if (!server.ok()) return fail(server.status());
   const Range r = map->shard(rank);
   std::fprintf(stderr, "server %u: shard [%llu, %llu) on tcp://%s:%d, job %016llx\n", rank,
                static_cast<unsigned long long>(r.begin), static_cast<unsigned long long>(r.end),
-               advertise.c_str(), bound_port, static_cast<unsigned long long>(reg.job_id()));
+               advertise.c_str(), data_port.port, static_cast<unsigned long long>(reg.job_id()));
 
   absl::Status done_status;
   PsServer& ps = **server;

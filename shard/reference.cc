@@ -7,10 +7,12 @@ namespace onebit {
 
 uint64_t AutoFreezeStep(const FreezeOptions& freeze, uint64_t completed,
                         const std::vector<double>& changes) {
+  const uint64_t step = completed + freeze.window;
+  if (freeze.latest != kNever && step >= freeze.latest) return step;
   for (double c : changes) {
     if (!(c < freeze.tau)) return kNever;
   }
-  return completed + freeze.window;
+  return step;
 }
 
 StateSize ReferenceSize(const ReferenceOptions& o) {

@@ -51,7 +51,8 @@ absl::StatusOr<ReferenceResult> RunReference(const ReferenceOptions& options,
 
 // The automatic freeze rule, shared with the coordinator: after `completed`
 // steps (a multiple of the window), given every shard's VarianceChange, the
-// first compression step, or kNever while v is still moving.
+// first compression step, or kNever while v is still moving and the
+// freeze would still come before freeze.latest.
 uint64_t AutoFreezeStep(const FreezeOptions& freeze, uint64_t completed,
                         const std::vector<double>& changes);
 

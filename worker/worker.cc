@@ -511,6 +511,8 @@ absl::Status Worker::Impl::Rejoin() {
   control::RegisterRequest req = registration;
   req.set_requested_rank(static_cast<int>(job.rank));
   req.set_rejoin_from(incarnation);
+  // Exact, unlike the last heartbeat's step: what the roll-back costs.
+  req.set_rejoin_steps_done(step);
   const absl::Duration wait = std::max(options.register_timeout, RejoinWait(cfg));
   auto reg = RegisterWithCoordinator(stub.get(), options.coordinator, req, wait);
   if (!reg.ok()) {

@@ -283,6 +283,31 @@ TEST(CheckpointDir, PruningKeepsTheNewestCompleteAndWhatIsBeingWritten) {
   EXPECT_EQ(left, (std::vector<std::string>{"step-000000000030", "step-000000000040",
                                             "step-000000000050"}));
   EXPECT_FALSE(PruneCheckpoints(root, 0).ok());
+
+  // Once nothing is being written (the job ended), 50 goes too; with no
+  // complete checkpoint at all, every incomplete folder goes.
+  ASSERT_TRUE(PruneCheckpoints(root, 2, /*nothing_in_making=*/true).ok());
+  EXPECT_FALSE(std::filesystem::exists(root + "/step-000000000050"));
+  EXPECT_TRUE(std::filesystem::exists(root + "/step-000000000040"));
+  const std::string only = TempRoot("prune_incomplete");
+  WriteServerState(MakeStepDir(only, 5).value(), 5);
+  MakeStepDir(only, 10).value();
+  ASSERT_TRUE(PruneCheckpoints(only, 2).ok());
+  EXPECT_TRUE(std::filesystem::exists(only + "/step-000000000010"));  // maybe in the making
+  ASSERT_TRUE(PruneCheckpoints(only, 2, /*nothing_in_making=*/true).ok());
+  EXPECT_TRUE(std::filesystem::is_empty(only));
+}
+
+TEST(CheckpointDir, AFailedCheckpointIsRemovedAndACompleteOneNever) {
+  const std::string root = TempRoot("remove_failed");
+  const std::string d10 = MakeStepDir(root, 10).value();
+  WriteServerState(d10, 10);  // what one process wrote before another failed
+  ASSERT_TRUE(RemoveIncompleteCheckpoint(root, 10).ok());
+  EXPECT_FALSE(std::filesystem::exists(d10));
+  EXPECT_TRUE(RemoveIncompleteCheckpoint(root, 10).ok());  // gone already: nothing to do
+  WriteCheckpoint(root, 20);
+  ASSERT_TRUE(RemoveIncompleteCheckpoint(root, 20).ok());
+  EXPECT_TRUE(VerifyCheckpoint(StepDir(root, 20)).ok());
 }
 
 // A shard with every array, distinct values per array and element.

@@ -2,6 +2,14 @@
 // worker wrote at a checkpoint step is, bit for bit, the state of the same
 // job stopped there (the single-process reference), and the coordinator's
 // manifest makes it complete.
+#include <signal.h>
+#include <sys/mount.h>
+#include <sys/resource.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -18,6 +26,7 @@ namespace onebit::testing {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 TEST(Checkpoints, EveryProcessWritesTheStateOfThatStep) {
   // The freeze at step 4 and checkpoints after 3, 6, 9 and 12 steps: one in
@@ -97,6 +106,110 @@ TEST(Checkpoints, EveryProcessWritesTheStateOfThatStep) {
   auto w0 = StateReader::Open(StepDir(root, 9) + "/worker-0.state");
   auto w1 = StateReader::Open(StepDir(root, 9) + "/worker-1.state");
   EXPECT_NE(w0->Floats("e").value(), w1->Floats("e").value());
+}
+
+// A checkpoint volume too small for the job's checkpoints. Each of the 2
+// servers' files (x, m and v of 300 000 parameters: 3.6 MB) may fit, not
+// both; the workers' small ones do. 4 checkpoints (steps 5, 10, 15, 20)
+// are due.
+std::vector<std::string> FullVolumeJob(const std::string& out, const std::string& root,
+                                       const std::string& failure) {
+  return {Bin("onebit-launch"),
+          "--out=" + out,
+          "--workers=2",
+          "--servers=2",
+          "--dim=600000",
+          "--steps=20",
+          "--optimizer=adam",
+          "--chunk_elems=65536",
+          "--checkpoint_dir=" + root,
+          "--checkpoint_every=5",
+          "--checkpoint_failure=" + failure};
+}
+
+// Everything under `root`, as paths relative to it.
+std::vector<std::string> Contents(const std::string& root) {
+  std::vector<std::string> found;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(root, ec)) {
+    found.push_back(std::filesystem::relative(e.path(), root).string());
+  }
+  return found;
+}
+
+// The default (--checkpoint_failure=continue): the job ends ok, its summary
+// says it was not durable and why, and nothing of the failed checkpoints is
+// left; with --checkpoint_failure=fail the job fails naming the error.
+void ExpectNotDurable(const std::string& dir, const std::string& root, const std::string& why,
+                      const std::function<RunResult(const std::vector<std::string>&)>& run) {
+  const std::string out = dir + "/run";
+  RunResult r = run(FullVolumeJob(out, root, "continue"));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string summary = ReadFile(out + "/summary.json");
+  EXPECT_EQ(Field(summary, "status"), "\"ok\"");
+  EXPECT_EQ(Field(summary, "durable"), "false") << summary;
+  EXPECT_EQ(Field(summary, "checkpoint_errors"), "4") << summary;
+  EXPECT_EQ(Field(summary, "checkpoints"), "0");
+  EXPECT_EQ(Field(summary, "last_checkpoint_step"), "null");
+  EXPECT_THAT(Field(summary, "last_checkpoint_error"), HasSubstr("cannot write " + root));
+  EXPECT_THAT(Field(summary, "last_checkpoint_error"), HasSubstr(why));
+  EXPECT_THAT(r.output, HasSubstr("job finished; not durable: 4 checkpoint(s) could not be "
+                                  "written (last: step "));
+  EXPECT_THAT(r.output, HasSubstr("none is complete"));
+  EXPECT_THAT(r.output, HasSubstr("launch: job finished, but not durable: checkpoints failed"));
+  // No partial file, no step folder.
+  EXPECT_EQ(Contents(root), std::vector<std::string>{}) << r.output;
+
+  const std::string failed = dir + "/failed";
+  r = run(FullVolumeJob(failed, root, "fail"));
+  EXPECT_NE(r.code, 0) << r.output;
+  const std::string status = Field(ReadFile(failed + "/summary.json"), "status");
+  EXPECT_THAT(status, HasSubstr("failed: the checkpoint of step 5 could not be written: "));
+  EXPECT_THAT(status, HasSubstr(why));
+  EXPECT_THAT(status, HasSubstr("(--checkpoint_failure=fail)"));
+  EXPECT_THAT(r.output, Not(HasSubstr("not durable")));
+}
+
+// A full volume: a 4 MB tmpfs (mounting needs root, or CAP_SYS_ADMIN).
+TEST(Checkpoints, AFullVolumeLeavesNothingAndTheSummarySaysNotDurable) {
+  const std::string dir = TempDir("full_volume");
+  const std::string root = dir + "/ckpt";
+  std::filesystem::create_directories(root);
+  if (mount("tmpfs", root.c_str(), "tmpfs", 0, "size=4m") != 0) {
+    GTEST_SKIP() << "cannot mount a 4 MB tmpfs on " << root << ": " << std::strerror(errno)
+                 << " (the file-size-limit test covers the same)";
+  }
+  struct Unmount {
+    std::string path;
+    ~Unmount() { umount2(path.c_str(), MNT_DETACH); }
+  } unmount{root};
+  ExpectNotDurable(dir, root, "No space left on device", [](const std::vector<std::string>& argv) {
+    return RunCommand(argv, absl::Seconds(120));
+  });
+}
+
+// The same where the files cannot grow past 1 MB (RLIMIT_FSIZE on the
+// launched processes, SIGXFSZ ignored, so that writes fail with EFBIG):
+// what a machine that cannot mount tests.
+TEST(Checkpoints, AFileSizeLimitLeavesNothingAndTheSummarySaysNotDurable) {
+  const std::string dir = TempDir("file_size_limit");
+  const std::string root = dir + "/ckpt";
+  ExpectNotDurable(dir, root, "File too large", [](const std::vector<std::string>& argv) {
+    // Inherited by the launcher and everything it starts; ours again at once.
+    rlimit before{};
+    getrlimit(RLIMIT_FSIZE, &before);
+    rlimit limited = before;
+    limited.rlim_cur = 1 << 20;
+    struct sigaction ignore = {};
+    struct sigaction old = {};
+    ignore.sa_handler = SIG_IGN;
+    sigaction(SIGXFSZ, &ignore, &old);
+    setrlimit(RLIMIT_FSIZE, &limited);
+    RunResult r = RunCommand(argv, absl::Seconds(120));
+    setrlimit(RLIMIT_FSIZE, &before);
+    sigaction(SIGXFSZ, &old, nullptr);
+    return r;
+  });
 }
 
 }  // namespace

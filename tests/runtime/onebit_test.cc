@@ -549,7 +549,7 @@ TEST(Bytes, OnebitBothWaysIsUnderOneThirtyFirstOfFp32) {
 // run equals the reference bit for bit.
 TEST(AutoFreeze, CoordinatorFreezesWhereTheReferenceDoes) {
   control::TrainingConfig cfg = MakeConfig(2, 3, 3000, 40, "onebit-adam");
-  cfg.set_freeze("auto:0.3:5");
+  cfg.set_freeze("auto:0.3:5:1");  // F 1: the measure alone decides
   cfg.set_heartbeat_timeout_ms(3000);
   const ReferenceResult ref = Reference(cfg);
   ASSERT_LT(ref.freeze_step, 30u) << "pick tau so that the freeze happens mid-run";
@@ -557,7 +557,8 @@ TEST(AutoFreeze, CoordinatorFreezesWhereTheReferenceDoes) {
   const std::string out = Launch(cfg, "auto_freeze");
   const std::string summary = ReadFile(out + "/summary.json");
   EXPECT_EQ(Field(summary, "freeze_step"), absl::StrCat(ref.freeze_step)) << summary;
-  EXPECT_EQ(Field(summary, "freeze"), "\"auto:0.3:5\"");
+  EXPECT_EQ(Field(summary, "freeze"), "\"auto:0.3:5:1\"");
+  EXPECT_EQ(Field(summary, "freeze_warning"), "null");
   for (uint32_t w = 0; w < 2; ++w) {
     EXPECT_EQ(
         FirstDifference(ReadFloats(absl::StrCat(out, "/replica_w", w, ".f32")), ref.workers[w]),

@@ -609,6 +609,53 @@ TEST(Recovery, WithoutRejoinTheWholeJobStartsAgainAndResumes) {
   EXPECT_EQ(Field(summary, "rollbacks"), "0");
 }
 
+// rolled_back_steps counts the steps run again: those the furthest worker
+// had completed beyond the checkpoint rolled back to. Worker 1 stalls at
+// step 37 (every worker completes 37 steps, the others then wait in step
+// 37 for its push), the checkpoint of step 30 is complete, and the victim
+// is killed at once, well within a heartbeat (1 s) of the workers' last
+// steps: 7 steps are run again, whatever the last heartbeat or metrics row
+// said. The stalled worker, told to roll back, exits and is started again.
+TEST(Recovery, RolledBackStepsAreExactlyTheStepsRunAgain) {
+  const std::string dir = TempDir("rolled_back_steps");
+  Case c;
+  c.flags = {
+      "--workers=3",      "--servers=2",     "--dim=6007",         "--steps=60",
+      "--optimizer=adam", "--block_size=32", "--chunk_elems=1024", "--heartbeat_timeout=10s"};
+  int n = 0;
+  for (const std::string victim : {"worker 1", "server 0", "coordinator"}) {
+    SCOPED_TRACE(victim);
+    const std::string out = absl::StrCat(dir, "/run", n++);
+    const std::string root = out + "/ckpt";
+    Subprocess job = Start(Launch(c, out,
+                                  {"--checkpoint_dir=" + root, "--checkpoint_every=10",
+                                   "--max_restarts=3", "--stall_worker=1", "--stall_at_step=37"}),
+                           out + ".log");
+    ASSERT_TRUE(WaitForText(out + ".log", "stalling at step 37", absl::Seconds(30)))
+        << ReadFile(out + ".log");
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (!VerifyCheckpoint(StepDir(root, 30)).ok() && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    ASSERT_TRUE(VerifyCheckpoint(StepDir(root, 30)).ok()) << ReadFile(out + ".log");
+    const std::string target = CoordinatorTarget(ReadFile(out + ".log"));
+    ASSERT_NE(target, "");
+    const int pid = VictimPid(victim, target, out);
+    ASSERT_GT(pid, 0);
+    kill(pid, SIGKILL);
+    auto code = job.Wait(absl::Seconds(90));
+    ASSERT_TRUE(code.has_value()) << "hung: " << ReadFile(out + ".log");
+    EXPECT_EQ(*code, 0) << ReadFile(out + ".log");
+    const std::string summary = ReadFile(out + "/summary.json");
+    EXPECT_EQ(Field(summary, "status"), "\"ok\"") << ReadFile(out + ".log");
+    EXPECT_EQ(Field(summary, "resumed_from_step"), "30");
+    EXPECT_EQ(Field(summary, "rolled_back_steps"), "7") << ReadFile(out + ".log");
+    EXPECT_EQ(Field(summary, "restarts"), "1");
+    EXPECT_EQ(Field(summary, "rollbacks"), "1");
+    EXPECT_EQ(Rows(out).size(), 60u);
+  }
+}
+
 // Another number of workers on resume (not bitwise: the data is split
 // otherwise): every new worker starts with the mean of the old workers'
 // errors and the momentum of old rank r mod N; the job goes on converging.
