@@ -408,7 +408,9 @@ TEST(Faults, StalledWorkerFailsTheOthersNamingTheRank) {
                             "\\[worker0\\] .*worker 0: server [01] \\(tcp://[0-9.:]+\\) refused "
                             "rank 0's step 2: shard [01] step 2: no push from rank 1"));
   EXPECT_THAT(r.output, ::testing::Not(::testing::ContainsRegex("refused rank [02]'s step [^2]")));
-  EXPECT_LT(absl::Now() - t0, absl::Seconds(15));
+  // Failed by the 1 s step timeout (the message above), not by the 20 s
+  // heartbeat timeout: the one bound a loaded machine cannot break.
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(20));
   // Steps 0 and 1 completed: their rows stay, though the stalled worker held
   // step 1's when the job failed.
   const std::string metrics = ReadFile(out + "/metrics.csv");
@@ -456,7 +458,9 @@ TEST(Faults, KilledServerStopsWorkerAndCoordinatorNamingIt) {
   ASSERT_TRUE(wcode.has_value()) << "worker hung: " << ReadFile(dir + "/worker.log");
   ASSERT_TRUE(ccode.has_value()) << "coordinator hung";
   ASSERT_TRUE(s0code.has_value()) << "server 0 hung";
-  EXPECT_LT(absl::Now() - killed, absl::Seconds(8));
+  // (Each Wait above bounds the time to 10 s; which process noticed is in
+  // the logs below, not in a clock window a loaded machine can break.)
+  EXPECT_LT(absl::Now() - killed, absl::Seconds(30));
   EXPECT_NE(*wcode, 0);
   EXPECT_NE(*ccode, 0);
   EXPECT_NE(*s0code, 0);
