@@ -604,20 +604,37 @@ class SlowCoordinator final : public control::Coordinator::Service {
   std::vector<uint64_t> with_done_ ABSL_GUARDED_BY(mu_);
 };
 
+// A coordinator service served on a free loopback port, and a stub to it
+// (server null when it could not listen).
+struct LocalCoordinator {
+  std::unique_ptr<grpc::Server> server;
+  std::string target;
+  std::unique_ptr<control::Coordinator::Stub> stub;
+};
+
+LocalCoordinator ServeLocally(control::Coordinator::Service* svc) {
+  LocalCoordinator local;
+  int port = 0;
+  grpc::ServerBuilder b;
+  b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  b.RegisterService(svc);
+  local.server = b.BuildAndStart();
+  if (port <= 0) local.server.reset();
+  local.target = absl::StrCat("127.0.0.1:", port);
+  local.stub = control::Coordinator::NewStub(
+      grpc::CreateChannel(local.target, grpc::InsecureChannelCredentials()));
+  return local;
+}
+
 // The coordinator may end the job on Done: metrics a heartbeat still
 // carries must have been counted before Done comes, else they are lost.
 TEST(Heartbeater, DoneComesAfterTheHeartbeatInFlightIsAnswered) {
   SlowCoordinator svc;
-  int port = 0;
-  grpc::ServerBuilder b;
-  b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  b.RegisterService(&svc);
-  std::unique_ptr<grpc::Server> server = b.BuildAndStart();
-  ASSERT_GT(port, 0);
-  const std::string target = absl::StrCat("127.0.0.1:", port);
-  auto stub = control::Coordinator::NewStub(
-      grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
-  Heartbeater hb(stub.get(), target, control::WORKER, 0, 42, absl::Seconds(30), absl::Seconds(10));
+  const LocalCoordinator local = ServeLocally(&svc);
+  ASSERT_NE(local.server, nullptr);
+  const std::string& target = local.target;
+  control::Coordinator::Stub* stub = local.stub.get();
+  Heartbeater hb(stub, target, control::WORKER, 0, 42, absl::Seconds(30), absl::Seconds(10));
   hb.Start();
   for (uint64_t step = 0; step < 5; ++step) {
     control::StepMetrics m;
@@ -641,7 +658,7 @@ TEST(Heartbeater, DoneComesAfterTheHeartbeatInFlightIsAnswered) {
   }
   EXPECT_EQ(before_done, (std::vector<uint64_t>{0, 1, 2, 3, 4}));
   EXPECT_EQ(with_done, (std::vector<uint64_t>{5}));
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  local.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
 }
 
 // A coordinator that records the heartbeats it is sent.
@@ -662,17 +679,12 @@ class RecordingCoordinator final : public control::Coordinator::Service {
 // keeps every step completed before the failure.
 TEST(Heartbeater, AnErrorReportCarriesTheQueuedMetricsAndTheStepsDone) {
   RecordingCoordinator svc;
-  int port = 0;
-  grpc::ServerBuilder b;
-  b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  b.RegisterService(&svc);
-  std::unique_ptr<grpc::Server> server = b.BuildAndStart();
-  ASSERT_GT(port, 0);
-  const std::string target = absl::StrCat("127.0.0.1:", port);
-  auto stub = control::Coordinator::NewStub(
-      grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  const LocalCoordinator local = ServeLocally(&svc);
+  ASSERT_NE(local.server, nullptr);
+  const std::string& target = local.target;
+  control::Coordinator::Stub* stub = local.stub.get();
   // Not started: no periodic heartbeat carries the metrics first.
-  Heartbeater hb(stub.get(), target, control::WORKER, 1, 42, absl::Seconds(30), absl::Seconds(10));
+  Heartbeater hb(stub, target, control::WORKER, 1, 42, absl::Seconds(30), absl::Seconds(10));
   for (uint64_t step = 0; step < 3; ++step) {
     control::StepMetrics m;
     m.set_step(step);
@@ -688,7 +700,7 @@ TEST(Heartbeater, AnErrorReportCarriesTheQueuedMetricsAndTheStepsDone) {
   std::vector<uint64_t> steps;
   for (const auto& m : req.metrics()) steps.push_back(m.step());
   EXPECT_EQ(steps, (std::vector<uint64_t>{0, 1, 2}));
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  local.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
 }
 
 }  // namespace
