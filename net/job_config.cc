@@ -36,6 +36,7 @@ absl::Status ResolveConfig(const std::set<std::string>& given, control::Training
   if (kind.ok()) {
     if (c.worker_codec().empty()) c.set_worker_codec(std::string(DefaultCodec(*kind)));
     if (c.server_codec().empty()) c.set_server_codec(std::string(DefaultCodec(*kind)));
+    if (!given.count("block_size")) c.set_block_size(DefaultBlockSize(*kind));
     if (c.server_reply().empty()) {
       c.set_server_reply(std::string(ReplyModeName(DefaultReplyMode(*kind))));
     }
@@ -169,6 +170,15 @@ absl::StatusOr<ShardMap> ShardMapForConfig(const control::TrainingConfig& c,
         "front fills in)"));
   }
   return ShardMap::CreateAligned(c.dim(), c.servers(), c.block_size(), layer_ends);
+}
+
+std::string FreezeText(const control::TrainingConfig& c) {
+  const absl::StatusOr<OptimizerKind> kind = ParseOptimizerKind(c.optimizer());
+  if (kind.ok() && !HasCompressionPhase(*kind)) return "none";
+  if (kind.ok() && *kind == OptimizerKind::kZeroOneAdam) {
+    return absl::StrCat("var_freeze_step:", c.var_freeze_step());
+  }
+  return c.freeze().empty() ? absl::StrCat("step:", c.freeze_step()) : c.freeze();
 }
 
 absl::StatusOr<FreezeOptions> FreezeOptionsFromConfig(const control::TrainingConfig& c) {

@@ -98,6 +98,11 @@ absl::StatusOr<ShardMap> ShardMapForConfig(const control::TrainingConfig& config
 absl::StatusOr<OptimizerOptions> OptimizerOptionsFromConfig(const control::TrainingConfig& config);
 absl::StatusOr<FreezeOptions> FreezeOptionsFromConfig(const control::TrainingConfig& config);
 
+// How the config ends its warm-up, for summary.json's "freeze": "none" for
+// an optimizer that never compresses, "var_freeze_step:N" for
+// zero-one-adam, else "step:N" or the --freeze rule as given.
+std::string FreezeText(const control::TrainingConfig& config);
+
 // Extracts the flag name from a ValidateConfig/ConfigFromFlags error, for
 // ExitFlagError; "config" when none.
 std::string FlagOfError(const absl::Status& status);

@@ -30,7 +30,7 @@ constexpr JobSetting kSettings[] = {
 
     {"model", T::kString, "synthetic", "model",
      "model: a built-in one (see Models below) | external (the workers' own program, "
-     "onebit-launch --worker-cmd: they declare d, and the job ends when every worker has "
+     "onebit-launch --worker_cmd: they declare d, and the job ends when every worker has "
      "finished unless --steps is given)"},
     {"model_options", T::kStringMap, "", "model",
      "the model's own options as name=value,... (see Models below; in --config also an object "
@@ -79,7 +79,7 @@ constexpr JobSetting kSettings[] = {
      "floor of the frozen variance: v = max(v, v_floor)"},
     {"var_freeze_step", T::kUint64, "100000", "optimizer",
      "zero-one-adam: the last step (counted from 1) that may refresh v; local steps after it"},
-    {"var_update_scaler", T::kUint32, "16", "optimizer",
+    {"var_update_scaler", T::kUint32, "64", "optimizer",
      "zero-one-adam: v is refreshed this many times at each interval before it doubles"},
     {"local_step_scaler", T::kUint64, "32678", "optimizer",
      "zero-one-adam: after the freeze the sync interval doubles every this many steps"},
@@ -114,7 +114,7 @@ constexpr JobSetting kSettings[] = {
     {"block_size", T::kUint32, "2048", "compression", "codec block size B (multiple of 32)"},
 
     {"chunk_elems", T::kUint64, "0", "data plane",
-     "elements per data-plane chunk (multiple of --block-size, at most 2^24); 0: an eighth of "
+     "elements per data-plane chunk (multiple of --block_size, at most 2^24); 0: an eighth of "
      "the largest shard, between 16 Ki and 1 Mi (64 KB to 4 MB of fp32)"},
     {"step_timeout", T::kDuration, "30s", "data plane",
      "how long a server waits for the missing pushes of a step, and a worker for its replies "

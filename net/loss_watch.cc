@@ -27,7 +27,7 @@ std::optional<std::string> LossWatch::Add(uint64_t step, double loss) {
   diverged_ = true;
   return absl::StrFormat(
       "the loss diverged: its median over steps %d-%d is %.4g, more than %gx step %d's %.4g "
-      "(too large a learning rate?); summary.json will say \"diverged\": true",
+      "(summary.json will say \"diverged\": true)",
       window_.front().first, window_.back().first, median, kFactor, baseline_step_, *baseline_);
 }
 

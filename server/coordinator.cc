@@ -115,6 +115,11 @@ bool CoordinatorService::AllRegisteredLocked() const {
   return true;
 }
 
+std::string CoordinatorService::RemedyLocked() const {
+  absl::StatusOr<OptimizerOptions> o = OptimizerOptionsFromConfig(config_);
+  return o.ok() ? DivergenceRemedy(*o) : "a lower --lr";
+}
+
 std::string CoordinatorService::MissingLocked() const {
   std::vector<std::string> missing;
   for (size_t i = 0; i < servers_.size(); ++i) {
@@ -1047,7 +1052,8 @@ std::vector<MetricsRow> CoordinatorService::TakeNewRows() {
   std::vector<MetricsRow> rows;
   while (auto r = RowLocked(rows_taken_)) {
     if (auto warning = loss_watch_.Add(r->step, r->loss)) {
-      std::fprintf(stderr, "coordinator: warning: %s\n", warning->c_str());
+      std::fprintf(stderr, "coordinator: warning: %s; try %s\n", warning->c_str(),
+                   RemedyLocked().c_str());
     }
     rows.push_back(*std::move(r));
     ++rows_taken_;
@@ -1249,11 +1255,7 @@ Summary CoordinatorService::MakeSummary() const {
   }
   const absl::StatusOr<OptimizerKind> kind = ParseOptimizerKind(config_.optimizer());
   s.lr = config_.lr();
-  s.freeze = kind.ok() && !HasCompressionPhase(*kind) ? "none"  // never compresses
-             : config_.optimizer() == "zero-one-adam"
-                 ? absl::StrCat("var_freeze_step:", config_.var_freeze_step())
-             : config_.freeze().empty() ? absl::StrCat("step:", config_.freeze_step())
-                                        : config_.freeze();
+  s.freeze = FreezeText(config_);
   s.freeze_checks = freeze_history_;
   if (freeze_.automatic && !s.freeze_step && kind.ok() && HasCompressionPhase(*kind)) {
     // A job meant to compress that ran plain Adam throughout: say why.

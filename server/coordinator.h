@@ -169,6 +169,8 @@ class CoordinatorService final : public control::Coordinator::Service {
   void ReplyToStrangerLocked(control::HeartbeatReply* reply) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string MissingLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What a diverged job should try, for the optimizer config_ names.
+  std::string RemedyLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A worker's metrics row; refused beyond `steps_done`, the steps it has run.
   void AddMetricsLocked(uint32_t rank, const control::StepMetrics& m, uint64_t steps_done)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

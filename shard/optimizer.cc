@@ -112,7 +112,7 @@ absl::Status EncodeMaybeWithFeedback(const Codec& codec, bool feedback, const fl
 absl::Status NotFinite(const OptimizerOptions& o, absl::string_view what, uint64_t step,
                        uint64_t global_index, float value) {
   return absl::InternalError(absl::StrCat(what, " of step ", step, " is not finite at parameter ",
-                                          global_index, " (", value, "): training diverged; ",
+                                          global_index, " (", value, "): training diverged; try ",
                                           DivergenceRemedy(o)));
 }
 
@@ -121,7 +121,7 @@ absl::Status Diverged(const OptimizerOptions& o, absl::string_view what, uint64_
                       uint64_t begin, const absl::Status& codec_error) {
   return absl::InternalError(absl::StrCat(what, " of step ", step, " (parameters from ", begin,
                                           ") cannot be encoded: ", codec_error.message(),
-                                          "; training diverged: ", DivergenceRemedy(o)));
+                                          "; training diverged; try ", DivergenceRemedy(o)));
 }
 
 }  // namespace
@@ -280,11 +280,12 @@ float ZeroOneVarianceCorrection(const OptimizerOptions& o, uint64_t step) {
 
 std::string DivergenceRemedy(const OptimizerOptions& o) {
   if (o.kind == OptimizerKind::kZeroOneAdam) {
-    return "zero-one-adam needs a learning-rate warm-up (--lr_schedule warmup:N, N about a "
-           "tenth of the job's steps); if it still diverges, --v_floor 1e-6 or a lower --lr "
-           "(docs/design.md §1.6)";
+    return absl::StrCat("zero-one-adam: a smaller --block_size (this job's ", o.codec.block_size,
+                        "; 256 by default), a learning-rate warm-up (--lr_schedule warmup:N, N "
+                        "about a tenth of the job's steps), --v_floor 1e-6 or a lower --lr "
+                        "(docs/design.md §1.6)");
   }
-  return "lower --lr or raise --v-floor";
+  return "a lower --lr, a learning-rate warm-up (--lr_schedule warmup:N) or a larger --v_floor";
 }
 
 bool IsSyncStep(const ZeroOneOptions& z, uint64_t step) {
@@ -336,6 +337,12 @@ StateSize ServerShardSize(const OptimizerOptions& o, uint64_t n) {
 
 absl::string_view DefaultCodec(OptimizerKind kind) {
   return HasCompressionPhase(kind) ? "onebit" : "fp32";
+}
+
+uint32_t DefaultBlockSize(OptimizerKind kind) {
+  // One scale per block: raw gradients' magnitudes spread far wider within
+  // a block than momenta's, and the scale swamps the small coordinates.
+  return kind == OptimizerKind::kZeroOneAdam ? 256 : CodecOptions{}.block_size;
 }
 
 ReplyMode DefaultReplyMode(OptimizerKind kind) {

@@ -75,7 +75,7 @@ struct ZeroOneOptions {
   uint64_t var_freeze_step = 100000;
   // κ: v is refreshed at k = 1, ..., κ, then at κ multiples of 2, then of
   // 4, ...: the interval doubles after every κ refreshes.
-  uint32_t var_update_scaler = 16;
+  uint32_t var_update_scaler = 64;
   // After the freeze, workers synchronise when k is a multiple of the local
   // interval; it starts at 1 and doubles every local_step_scaler steps...
   uint64_t local_step_scaler = 32678;
@@ -150,8 +150,8 @@ std::string ErrorFeedbackName(const OptimizerOptions& options);
 // whether it synchronises.
 bool IsVarianceStep(const ZeroOneOptions& z, uint64_t step);
 bool IsSyncStep(const ZeroOneOptions& z, uint64_t step);
-// What a diverged job should try, for its error or warning: "lower --lr or
-// raise --v-floor", or for zero-one-adam a warm-up first.
+// What a diverged job should try, for its error or warning: a lower --lr
+// or a warm-up first, or for zero-one-adam a smaller block first.
 std::string DivergenceRemedy(const OptimizerOptions& o);
 // How many of the steps 0..step refresh v (none after var_freeze_step).
 uint64_t VarianceRefreshes(const ZeroOneOptions& z, uint64_t step);
@@ -166,6 +166,10 @@ bool HasWarmup(OptimizerKind kind);
 bool IsLayerwise(OptimizerKind kind);
 // The codec an optimizer uses when the user names none.
 absl::string_view DefaultCodec(OptimizerKind kind);
+// The codec block size (--block_size) an optimizer uses when the user
+// names none: 256 for zero-one-adam, whose 1-bit codec carries raw
+// gradients (docs/design.md §1.6); CodecOptions' 2048 for the rest.
+uint32_t DefaultBlockSize(OptimizerKind kind);
 
 // The fp32 arrays of n elements that a process holds for the whole job,
 // for the memory check before allocating them (shard/memory.h): at least

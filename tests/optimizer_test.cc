@@ -15,6 +15,7 @@
 namespace onebit {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 // The 1-bit codec of docs/design.md §1.3 for one block of n <= 32 elements: lane
@@ -908,11 +909,18 @@ TEST(ZeroOneAdam, CombinationsThatMakeNoSenseAreRefusedNamingTheFlag) {
   o.zero_one.local_step_clipper = 0;
   EXPECT_THAT(std::string(ValidateOptimizerOptions(o).message()),
               HasSubstr("--local_step_clipper"));
-  // A diverged zero-one-adam job is told to add a warm-up first; others as before.
-  EXPECT_THAT(DivergenceRemedy(ZeroOneOptionsForTest()), HasSubstr("--lr_schedule warmup:N"));
-  EXPECT_THAT(DivergenceRemedy(ZeroOneOptionsForTest()), HasSubstr("--v_floor 1e-6"));
-  EXPECT_EQ(DivergenceRemedy(OnebitOptions(OptimizerKind::kOnebitAdam)),
-            "lower --lr or raise --v-floor");
+  // A diverged zero-one-adam job is told its block size first, naming it;
+  // the others a lower lr. Each remedy names flags that exist.
+  OptimizerOptions zo = ZeroOneOptionsForTest();
+  zo.codec.block_size = 2048;
+  const std::string remedy = DivergenceRemedy(zo);
+  EXPECT_THAT(remedy, HasSubstr("a smaller --block_size (this job's 2048; 256 by default)"));
+  EXPECT_THAT(remedy, HasSubstr("--lr_schedule warmup:N"));
+  EXPECT_THAT(remedy, HasSubstr("--v_floor 1e-6"));
+  EXPECT_THAT(DivergenceRemedy(OnebitOptions(OptimizerKind::kOnebitAdam)),
+              AllOf(HasSubstr("a lower --lr"), HasSubstr("--v_floor")));
+  EXPECT_EQ(DefaultBlockSize(OptimizerKind::kZeroOneAdam), 256u);
+  EXPECT_EQ(DefaultBlockSize(OptimizerKind::kOnebitAdam), 2048u);
   auto w = WorkerOptimizer::Create(ZeroOneOptionsForTest());
   ASSERT_TRUE(w.ok());
   WorkerState s;

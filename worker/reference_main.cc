@@ -81,6 +81,7 @@ int Main(int argc, char** argv) {
   s.error_feedback = cfg.error_feedback();
   s.server_reply = cfg.server_reply();
   s.v_floor = cfg.v_floor();
+  s.freeze = FreezeText(cfg);
   s.rounds = r->rounds;
   s.status = "ok";
   LossWatch watch;
@@ -90,7 +91,8 @@ int Main(int argc, char** argv) {
     row.phase = freeze != kNever && t >= freeze ? "compress" : "warmup";
     row.loss = r->losses[t];
     if (auto warning = watch.Add(t, row.loss)) {
-      std::fprintf(stderr, "reference: warning: %s\n", warning->c_str());
+      std::fprintf(stderr, "reference: warning: %s; try %s\n", warning->c_str(),
+                   DivergenceRemedy(o.optimizer).c_str());
     }
     row.bytes_up = r->push_bytes[t];  // payload only: no headers without a network
     row.bytes_down = r->reply_bytes[t];

@@ -47,13 +47,14 @@ bool HasMark(const absl::Status& st, const char* mark) {
 // A loss the program reported (StepOptions) that is not finite in fp32,
 // the precision metrics travel in: the error that fails the step, worded
 // as the mlp's; OK otherwise.
-absl::Status CheckReportedLoss(const StepOptions& o, uint32_t rank, uint64_t step) {
+absl::Status CheckReportedLoss(const StepOptions& o, uint32_t rank, uint64_t step,
+                               const OptimizerOptions& optimizer) {
   if (!o.has_loss && std::isnan(o.loss)) return absl::OkStatus();  // none reported
   const bool finite = std::isfinite(o.loss);
   if (finite && std::fabs(o.loss) <= std::numeric_limits<float>::max()) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat("loss is not finite (", o.loss,
-                                                 finite ? ", beyond fp32's range" : "",
-                                                 ") at rank ", rank, " step ", step));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "loss is not finite (", o.loss, finite ? ", beyond fp32's range" : "", ") at rank ", rank,
+      " step ", step, ": training diverged; try ", DivergenceRemedy(optimizer)));
 }
 
 }  // namespace
@@ -676,7 +677,10 @@ absl::Status Worker::GradientsReady(uint64_t begin, uint64_t end) {
 absl::StatusOr<StepStats> Worker::Step(const StepOptions& options) {
   Impl& w = *impl_;
   if (absl::Status st = w.ReadyToStep(); !st.ok()) return st;
-  if (absl::Status st = CheckReportedLoss(options, w.job.rank, w.step); !st.ok()) return w.Fail(st);
+  if (absl::Status st = CheckReportedLoss(options, w.job.rank, w.step, w.optimizer->options());
+      !st.ok()) {
+    return w.Fail(st);
+  }
   if (absl::Status st = w.BeginStepIfNeeded(true); !st.ok()) {
     return absl::IsCancelled(st) ? st : w.FailOrRejoin(st);
   }

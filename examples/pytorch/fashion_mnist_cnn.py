@@ -2,8 +2,10 @@
 
 Over onebit-ps (4 workers x local batch 64, 2 servers, 1-bit Adam, the automatic freeze):
     PYTHONPATH=build/python build/onebit-launch --workers 4 --servers 2 --model external \\
-        --optimizer onebit-adam --freeze auto --lr 3e-3 --bias-correction --out runs/cnn \\
-        --worker-cmd '/usr/bin/python3 examples/pytorch/fashion_mnist_cnn.py --epochs 10 --lr 3e-3'
+        --optimizer onebit-adam --freeze auto --lr 3e-3 --bias_correction --out runs/cnn \\
+        --worker_cmd '/usr/bin/python3 examples/pytorch/fashion_mnist_cnn.py --epochs 10 --lr 3e-3'
+0/1 Adam needs the job's length: --optimizer zero-one-adam --steps 234 for one epoch
+on 4 workers (60000 / 256); with its defaults it scored 0.847 there, onebit-adam 0.844.
 The same script on one process with torch.optim.AdamW, batch 256 (the same global
 batches in the same order, the same cosine schedule over the same 2340 steps):
     /usr/bin/python3 examples/pytorch/fashion_mnist_cnn.py --local --epochs 10 --batch 256 --lr 3e-3
