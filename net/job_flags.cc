@@ -79,7 +79,7 @@ std::string ModelsHelp() {
     }
   }
   absl::StrAppend(&out, Wrapped(4, absl::StrCat(kExternalModel,
-                                                ": the workers' own program (--worker-cmd), "
+                                                ": the workers' own program (--worker_cmd), "
                                                 "which declares d; no options")));
   return out;
 }

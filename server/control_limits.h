@@ -1,9 +1,11 @@
 // The coordinator's gRPC server, bounded by its job (docs/design.md §2.1):
 // the largest request a process of the job sends, how many calls run at
-// once, how long a connection may sit in its TLS handshake or idle, and
-// the memory gRPC may spend on connections. Together with the credential
-// checked from a call's headers (security/tls.h), what anyone can make the
-// coordinator hold is bounded by the job's size, not by what they send.
+// once, and how long a connection may sit in its TLS handshake or idle.
+// Together with the credential checked from a call's headers
+// (security/tls.h), what anyone can make the coordinator hold is bounded by
+// the job's size, not by what they send. Not bounded: how many connections
+// one peer opens (gRPC 1.51 has no hook for it); a burst of 1000 costs
+// about 40 MB until their handshakes fail or time out (10 s).
 #ifndef ONEBIT_SERVER_CONTROL_LIMITS_H_
 #define ONEBIT_SERVER_CONTROL_LIMITS_H_
 

@@ -106,7 +106,7 @@ absl::Status PsServer::Serve(const std::function<bool()>& should_stop,
           "shard ", options_.shard, " step ", state_.step,
           ": no --freeze auto decision from the coordinator for the check after ",
           state_.step + 1 - options_.freeze.window,
-          " steps within --step-timeout=", absl::FormatDuration(options_.step_timeout)));
+          " steps within --step_timeout=", absl::FormatDuration(options_.step_timeout)));
     }
     zmq::pollitem_t item{socket_->handle(), 0, ZMQ_POLLIN, 0};
     PollItems(&item, 1, std::chrono::milliseconds(50));
@@ -122,7 +122,7 @@ absl::Status PsServer::Serve(const std::function<bool()>& should_stop,
     if (step_started_ && absl::Now() - *step_started_ > options_.step_timeout) {
       const std::string msg = absl::StrCat(
           "shard ", options_.shard, " step ", state_.step, ": no push from ", MissingRanks(),
-          " within --step-timeout=", absl::FormatDuration(options_.step_timeout));
+          " within --step_timeout=", absl::FormatDuration(options_.step_timeout));
       // Tell the workers that did push, so they fail with the reason. The
       // reply names the step it is about (a header of no request says 0).
       for (uint32_t r = 0; r < options_.job.workers; ++r) {

@@ -38,7 +38,7 @@ namespace {
 int Main(int argc, char** argv) {
   KeepLargeBuffers();
   ParseFlagsOrExit(argc, argv,
-                   "onebit-server --coordinator HOST:PORT [--data-port P] [--advertise-host H]\n"
+                   "onebit-server --coordinator HOST:PORT [--data_port P] [--advertise_host H]\n"
                    "Serves one shard of the parameters over ZeroMQ.");
   ServerOptions o;
   o.coordinator = absl::GetFlag(FLAGS_coordinator);

@@ -401,7 +401,7 @@ TEST(Faults, StalledWorkerFailsTheOthersNamingTheRank) {
                  absl::Seconds(30));
   EXPECT_NE(r.code, 0) << r.output;
   EXPECT_NE(r.code, -1) << "hung: " << r.output;
-  EXPECT_THAT(r.output, HasSubstr("no push from rank 1 within --step-timeout=1s"));
+  EXPECT_THAT(r.output, HasSubstr("no push from rank 1 within --step_timeout=1s"));
   // The other workers fail with that reason (from the server's error reply),
   // which names one step, the true one, throughout.
   EXPECT_THAT(r.output, ::testing::ContainsRegex(
