@@ -7,6 +7,7 @@
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
+#include "net/liveness.h"
 #include "net/stop_signal.h"
 #include "security/tls.h"
 
@@ -92,13 +93,23 @@ absl::Duration RejoinWait(const control::TrainingConfig& cfg) {
   return absl::Milliseconds(cfg.rejoin_timeout_ms());
 }
 
+absl::Duration HeartbeatInterval(const control::TrainingConfig& config) {
+  const absl::Duration timeout = absl::Milliseconds(config.heartbeat_timeout_ms());
+  const absl::Duration base = std::clamp(timeout / 10, absl::Milliseconds(20), absl::Seconds(1));
+  // The coordinator answers every process: at most kMaxHeartbeatsPerSecond
+  // in all, so that its work does not grow with N; still three beats per
+  // timeout.
+  const double processes = static_cast<double>(config.servers()) + config.workers();
+  const absl::Duration spread = absl::Seconds(processes / kMaxHeartbeatsPerSecond);
+  return std::min(std::max(base, spread), std::max(base, timeout / 3));
+}
+
 std::unique_ptr<Heartbeater> MakeHeartbeater(control::Coordinator::Stub* stub,
                                              const std::string& target, control::Role role,
                                              const control::RegisterReply& reg) {
   const absl::Duration timeout = absl::Milliseconds(reg.config().heartbeat_timeout_ms());
-  auto hb = std::make_unique<Heartbeater>(
-      stub, target, role, reg.rank(), reg.job_id(),
-      std::clamp(timeout / 10, absl::Milliseconds(20), absl::Seconds(1)), timeout);
+  auto hb = std::make_unique<Heartbeater>(stub, target, role, reg.rank(), reg.job_id(),
+                                          HeartbeatInterval(reg.config()), timeout);
   hb->SetIncarnation(reg.incarnation());
   hb->SetCredential(reg.credential());
   hb->WaitForLostCoordinator(RejoinWait(reg.config()));
@@ -250,6 +261,10 @@ void Heartbeater::SendOnce() {
   ctx.set_deadline(std::chrono::system_clock::now() + kHeartbeatDeadline);
   control::HeartbeatReply reply;
   grpc::Status s = stub_->Heartbeat(&ctx, req, &reply);
+  // A call that ran out of time: a slow coordinator if its port still
+  // takes connections (net/liveness.h), else a host that is gone.
+  const bool slow = s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
+                    ProbeListening({target_}, absl::Seconds(1))[0] == Liveness::kListening;
   absl::MutexLock l(&mu_);
   in_flight_ = false;
   if (!s.ok()) {
@@ -264,18 +279,25 @@ void Heartbeater::SendOnce() {
       parts_.insert(parts_.begin(), req.checkpoint_parts(i));
     }
     const absl::Duration silent = absl::Now() - last_ok_;
-    if (command_ == control::CONTINUE && silent > coordinator_wait_) {
+    // A coordinator that is there but slow (a crowded host) gets
+    // kSlowCoordinatorFactor times the timeout; a lost one (refused, reset,
+    // or no answer even to a connect) is waited for as long as before.
+    const absl::Duration wait =
+        slow ? std::max(coordinator_wait_, kSlowCoordinatorFactor * coordinator_timeout_)
+             : coordinator_wait_;
+    if (command_ == control::CONTINUE && silent > wait) {
       command_ = control::ABORT;
       reason_ = absl::StrCat("the coordinator at ", target_, " is unreachable (no heartbeat for ",
-                             absl::FormatDuration(coordinator_wait_), "): ", s.error_message());
+                             absl::FormatDuration(wait), "): ", s.error_message());
     } else if (command_ == control::CONTINUE && silent > coordinator_timeout_ && !lost_said_) {
       lost_said_ = true;
       std::fprintf(stderr,
-                   "%s %u: lost the coordinator at %s (no heartbeat for %s: %s); waiting up to "
-                   "%s for it to come back\n",
-                   role_ == control::SERVER ? "server" : "worker", rank_, target_.c_str(),
+                   "%s %u: %s the coordinator at %s (no heartbeat for %s: %s); waiting up to "
+                   "%s for it to %s\n",
+                   role_ == control::SERVER ? "server" : "worker", rank_,
+                   slow ? "no answer in time from" : "lost", target_.c_str(),
                    absl::FormatDuration(coordinator_timeout_).c_str(), s.error_message().c_str(),
-                   absl::FormatDuration(coordinator_wait_).c_str());
+                   absl::FormatDuration(wait).c_str(), slow ? "answer" : "come back");
     }
     return;
   }

@@ -186,9 +186,22 @@ class Heartbeater {
 // job has a --checkpoint_dir (else zero: no roll-backs).
 absl::Duration RejoinWait(const control::TrainingConfig& cfg);
 
+// How often a process of `config`'s job beats: every heartbeat_timeout / 10
+// (20 ms to 1 s), and no faster than the job's processes together beating
+// kMaxHeartbeatsPerSecond times a second (up to heartbeat_timeout / 3): a
+// 160-process job on 2 cores starved its coordinator at 160 a second.
+inline constexpr double kMaxHeartbeatsPerSecond = 50;
+absl::Duration HeartbeatInterval(const control::TrainingConfig& config);
+
+// A heartbeat whose call ran out of time, to a coordinator whose port still
+// takes connections (slow, not gone: net/liveness.h), waits this many
+// heartbeat timeouts before the process gives up on it, against one (or
+// RejoinWait) for a refused connection or a host that does not answer.
+inline constexpr int kSlowCoordinatorFactor = 6;
+
 // The heartbeat of a process registered as `reg` (role and reg.rank()):
-// every heartbeat_timeout / 10 (20 ms to 1 s), carrying reg.incarnation()
-// and reg.credential(), waiting RejoinWait for a lost coordinator. Not started; `stub` must
+// every HeartbeatInterval, carrying reg.incarnation() and reg.credential(),
+// waiting RejoinWait for a lost coordinator. Not started; `stub` must
 // outlive it.
 std::unique_ptr<Heartbeater> MakeHeartbeater(control::Coordinator::Stub* stub,
                                              const std::string& target, control::Role role,

@@ -15,6 +15,7 @@
 #include "checkpoint/state_file.h"
 #include "net/control.h"
 #include "net/job_config.h"
+#include "net/liveness.h"
 #include "security/tls.h"
 #include "shard/reference.h"
 
@@ -931,7 +932,28 @@ grpc::Status CoordinatorService::Status(grpc::ServerContext* ctx, const control:
 }
 
 void CoordinatorService::Tick() {
+  std::vector<Suspect> suspects;
+  {
+    absl::MutexLock l(&mu_);
+    CheckTimeoutsLocked(&suspects);
+  }
+  if (suspects.empty()) return;
+  std::vector<std::string> endpoints;
+  for (const Suspect& s : suspects) endpoints.push_back(s.endpoint);
+  const std::vector<Liveness> answers =
+      ProbeListening(endpoints, std::min(absl::Seconds(1), heartbeat_timeout_ / 4));
   absl::MutexLock l(&mu_);
+  const absl::Time now = absl::Now();
+  for (size_t i = 0; i < suspects.size(); ++i) {
+    std::vector<Process>& group = Group(suspects[i].role);
+    if (suspects[i].rank >= group.size()) continue;
+    Process& p = group[suspects[i].rank];
+    if (p.credential != suspects[i].credential || p.lost) continue;  // since replaced or lost
+    if (answers[i] == Liveness::kListening) p.listening_at = now;
+  }
+}
+
+void CoordinatorService::CheckTimeoutsLocked(std::vector<Suspect>* suspects) {
   const absl::Time now = absl::Now();
   if (state_ == State::kRegistering && now > register_deadline_) {
     if (formed_) {
@@ -952,29 +974,62 @@ void CoordinatorService::Tick() {
                             "was not complete in time; resume from the previous one"));
     return;
   }
+  // A probe answers for a short while: a process found listening within
+  // half the timeout counts as alive.
+  const absl::Duration fresh = heartbeat_timeout_ / 2;
+  const absl::Duration slow_limit = kSlowFactor * heartbeat_timeout_;
   for (control::Role role : {control::SERVER, control::WORKER}) {
     std::vector<Process>& group = Group(role);
     for (size_t i = 0; i < group.size(); ++i) {
       Process& p = group[i];
       if (role == control::WORKER && p.done) continue;  // done workers exit
-      if (now - p.last_seen > heartbeat_timeout_) {
+      const absl::Duration silent = now - p.last_seen;
+      if (silent <= fresh) {
+        p.slow_said = false;
+        continue;
+      }
+      const std::string name = Name(role, static_cast<uint32_t>(i));
+      const std::string ep =
+          p.info.data_endpoint().empty() ? p.info.host() : p.info.data_endpoint();
+      const bool listening = now - p.listening_at <= fresh;
+      if (silent > heartbeat_timeout_ && listening && silent <= slow_limit) {
+        if (!p.slow_said) {
+          p.slow_said = true;
+          std::fprintf(stderr,
+                       "coordinator: %s (%s) sent no heartbeat for %s, but it still listens at "
+                       "its health endpoint %s: slow (a loaded host, a slow start), not dead; "
+                       "waiting up to %s\n",
+                       name.c_str(), ep.c_str(), absl::FormatDuration(heartbeat_timeout_).c_str(),
+                       p.info.health_endpoint().c_str(), absl::FormatDuration(slow_limit).c_str());
+        }
+      } else if (silent > heartbeat_timeout_) {
         p.told = true;  // the dead hear nothing; do not wait for it
         p.lost = true;
-        const std::string ep =
-            p.info.data_endpoint().empty() ? p.info.host() : p.info.data_endpoint();
-        const std::string lost =
-            absl::StrCat(Name(role, static_cast<uint32_t>(i)), " (", ep, ") sent no heartbeat for ",
-                         absl::FormatDuration(heartbeat_timeout_));
-        std::string why_not;
-        if (!RollBackLocked(absl::StrCat(lost, ": presumed dead"), &why_not)) {
-          FailLocked(absl::StrCat(lost, ": presumed dead",
-                                  rejoin_timeout_ > absl::ZeroDuration()
-                                      ? absl::StrCat(" (the job cannot roll back: ", why_not, ")")
-                                      : std::string()));
-        }
+        LoseLocked(listening ? absl::StrCat(name, " (", ep, ") sent no heartbeat for ",
+                                            absl::FormatDuration(slow_limit),
+                                            ", although it still listens at its health endpoint "
+                                            "(hung?)")
+                             : absl::StrCat(name, " (", ep, ") sent no heartbeat for ",
+                                            absl::FormatDuration(heartbeat_timeout_)));
         return;
       }
+      // Probe it again every tenth of the timeout while it is silent.
+      if (!p.info.health_endpoint().empty() && now - p.probed_at >= heartbeat_timeout_ / 10) {
+        p.probed_at = now;
+        suspects->push_back(
+            Suspect{role, static_cast<uint32_t>(i), p.credential, p.info.health_endpoint()});
+      }
     }
+  }
+}
+
+void CoordinatorService::LoseLocked(const std::string& lost) {
+  std::string why_not;
+  if (!RollBackLocked(absl::StrCat(lost, ": presumed dead"), &why_not)) {
+    FailLocked(absl::StrCat(lost, ": presumed dead",
+                            rejoin_timeout_ > absl::ZeroDuration()
+                                ? absl::StrCat(" (the job cannot roll back: ", why_not, ")")
+                                : std::string()));
   }
 }
 

@@ -65,7 +65,13 @@ class CoordinatorService final : public control::Coordinator::Service {
                       control::StatusReply* reply) override;
 
   // Checks the registration deadline and heartbeat timeouts; call often.
+  // A process silent for half --heartbeat_timeout is probed (a TCP connect
+  // to its health endpoint, outside the lock, at most 1 s): one still
+  // listening is slow, not dead, and gets up to kSlowFactor times the
+  // timeout; one that is gone or does not answer is presumed dead at the
+  // timeout, as without the probe.
   void Tick();
+  static constexpr int kSlowFactor = 6;
 
   State state() const;
   std::string reason() const;
@@ -118,16 +124,33 @@ class CoordinatorService final : public control::Coordinator::Service {
     control::RegisterRequest info;
     absl::Time last_seen;
     uint64_t step = 0;
-    bool done = false;                 // sent Done (workers exit after it)
-    bool told = false;                 // got SHUTDOWN/ABORT/STOP in a heartbeat reply
-    bool reported_error = false;       // sent a heartbeat with its own error
-    bool lost = false;                 // presumed dead (no heartbeat in time)
+    bool done = false;            // sent Done (workers exit after it)
+    bool told = false;            // got SHUTDOWN/ABORT/STOP in a heartbeat reply
+    bool reported_error = false;  // sent a heartbeat with its own error
+    bool lost = false;            // presumed dead (no heartbeat in time)
+    // The liveness probe (net/liveness.h) of a silent process: when it was
+    // last probed, and last found still listening at its health endpoint.
+    absl::Time probed_at = absl::InfinitePast();
+    absl::Time listening_at = absl::InfinitePast();
+    bool slow_said = false;            // the log said it is slow, not dead
     std::optional<uint64_t> stop_ack;  // workers, while stopping: steps begun
     std::vector<control::ShardChecksum> checksums;
     std::string credential;  // issued at its registration (RegisterReply.credential)
   };
 
   static std::string Name(control::Role role, uint32_t rank);
+  // A process to probe: who, and where its health endpoint is.
+  struct Suspect {
+    control::Role role;
+    uint32_t rank;
+    std::string credential;
+    std::string endpoint;
+  };
+  // Tick's checks of the deadlines and the silent processes; the processes
+  // to probe before the next check go to *suspects.
+  void CheckTimeoutsLocked(std::vector<Suspect>* suspects) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The process presumed dead: roll back, or fail the job, naming `lost`.
+  void LoseLocked(const std::string& lost) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<Process>& Group(control::Role role) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailLocked(const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool AllRegisteredLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -1,7 +1,11 @@
 // Units of the runtime: data-plane header validation (each refusal names its
 // problem), chunking, the update rules, the synthetic model, the config
 // checks, and the coordinator's replica comparison.
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -23,6 +27,7 @@
 #include "net/control.h"
 #include "net/data_plane.h"
 #include "net/job_config.h"
+#include "net/liveness.h"
 #include "net/loss_watch.h"
 #include "net/run_folder.h"
 #include "server/coordinator.h"
@@ -531,6 +536,100 @@ TEST(CoordinatorService, ReplicasEqualOnlyWhenEveryChecksumMatches) {
   }
 }
 
+// A socket listening on 127.0.0.1, and a port on which nothing listens
+// (bound, then closed: nothing else on this machine takes it that fast).
+struct Ports {
+  int listening_fd = -1;
+  std::string listening, gone;
+  Ports() {
+    auto bound = [](bool listen_too, int* port) {
+      const int fd = socket(AF_INET, SOCK_STREAM, 0);
+      sockaddr_in a{};
+      a.sin_family = AF_INET;
+      a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+      if (listen_too) EXPECT_EQ(listen(fd, 128), 0);  // never accepted: room for every probe
+      socklen_t len = sizeof(a);
+      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+      *port = ntohs(a.sin_port);
+      return fd;
+    };
+    int port = 0;
+    listening_fd = bound(true, &port);
+    listening = absl::StrCat("127.0.0.1:", port);
+    close(bound(false, &port));
+    gone = absl::StrCat("127.0.0.1:", port);
+  }
+  ~Ports() { close(listening_fd); }
+};
+
+TEST(Liveness, AProbeTellsAListeningProcessFromAGoneOne) {
+  Ports ports;
+  const std::vector<Liveness> answers = ProbeListening(
+      {ports.listening, ports.gone, "", "no-port", "127.0.0.1:notaport", ports.listening},
+      absl::Seconds(1));
+  EXPECT_EQ(answers,
+            (std::vector<Liveness>{Liveness::kListening, Liveness::kGone, Liveness::kUnknown,
+                                   Liveness::kUnknown, Liveness::kUnknown, Liveness::kListening}));
+}
+
+// A worker that falls silent but still listens at its health endpoint (a
+// starved process, a slow start) gets kSlowFactor (6) times the heartbeat
+// timeout; one whose endpoint refuses connections is presumed dead at the
+// timeout, as before the probe.
+TEST(CoordinatorService, ASilentProcessThatStillListensIsSlowNotDead) {
+  Ports ports;
+  for (const bool listening : {true, false}) {
+    SCOPED_TRACE(listening ? "still listening" : "gone");
+    control::TrainingConfig cfg = testing::MakeConfig(1, 1, 100, 1, "sgd");
+    cfg.set_heartbeat_timeout_ms(1000);
+    CoordinatorService svc(cfg, {}, 42, absl::Seconds(10), Security{});
+    std::vector<std::thread> threads;
+    std::vector<control::RegisterReply> replies(2);
+    const absl::Time start = absl::Now();  // no later than the worker was last seen
+    for (int i = 0; i < 2; ++i) {
+      threads.emplace_back([&, i] {
+        grpc::ServerContext ctx;
+        control::RegisterRequest req;
+        req.set_role(i == 0 ? control::SERVER : control::WORKER);
+        req.set_requested_rank(0);
+        req.set_data_endpoint(i == 0 ? "tcp://s0:5" : "");
+        req.set_host("w0host");
+        if (i == 1) req.set_health_endpoint(listening ? ports.listening : ports.gone);
+        EXPECT_TRUE(svc.Register(&ctx, &req, &replies[i]).ok());
+      });
+    }
+    for (auto& t : threads) t.join();
+    absl::Duration failed_after = absl::InfiniteDuration();
+    while (absl::Now() - start < absl::Seconds(20)) {
+      absl::SleepFor(absl::Milliseconds(20));
+      grpc::ServerContext ctx;
+      control::HeartbeatRequest hb;  // the server keeps beating
+      hb.set_role(control::SERVER);
+      hb.set_job_id(42);
+      hb.set_credential(replies[0].credential());
+      control::HeartbeatReply reply;
+      ASSERT_TRUE(svc.Heartbeat(&ctx, &hb, &reply).ok());
+      svc.Tick();
+      if (svc.state() == CoordinatorService::State::kFailed) {
+        failed_after = absl::Now() - start;  // an upper bound on the worker's silence
+        break;
+      }
+    }
+    ASSERT_EQ(svc.state(), CoordinatorService::State::kFailed);
+    if (listening) {
+      EXPECT_GE(failed_after, absl::Seconds(6)) << "declared dead while it still listened";
+      EXPECT_THAT(svc.reason(),
+                  HasSubstr("worker 0 (w0host) sent no heartbeat for 6s, although it still "
+                            "listens at its health endpoint (hung?): presumed dead"));
+    } else {
+      EXPECT_LT(failed_after, absl::Seconds(6)) << "a gone process waited for as a slow one";
+      EXPECT_THAT(svc.reason(),
+                  HasSubstr("worker 0 (w0host) sent no heartbeat for 1s: presumed dead"));
+    }
+  }
+}
+
 TEST(CoordinatorService, SilentProcessIsDeclaredDeadByName) {
   control::TrainingConfig cfg = testing::MakeConfig(1, 1, 100, 1, "sgd");
   cfg.set_heartbeat_timeout_ms(100);
@@ -659,6 +758,63 @@ TEST(Heartbeater, DoneComesAfterTheHeartbeatInFlightIsAnswered) {
   EXPECT_EQ(before_done, (std::vector<uint64_t>{0, 1, 2, 3, 4}));
   EXPECT_EQ(with_done, (std::vector<uint64_t>{5}));
   local.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+}
+
+// A coordinator whose heartbeats do not come back in time (a crowded host):
+// each call waits until released, longer than the client's deadline.
+class UnansweringCoordinator final : public control::Coordinator::Service {
+ public:
+  grpc::Status Heartbeat(grpc::ServerContext*, const control::HeartbeatRequest*,
+                         control::HeartbeatReply*) override {
+    absl::MutexLock l(&mu_);
+    mu_.AwaitWithTimeout(absl::Condition(&released_), absl::Seconds(3));
+    return grpc::Status::OK;
+  }
+  void Release() {
+    absl::MutexLock l(&mu_);
+    released_ = true;
+  }
+  absl::Mutex mu_;
+  bool released_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// A heartbeat that runs out of time means a slow coordinator, not a lost
+// one: the process gives up after kSlowCoordinatorFactor (6) timeouts, not
+// one (a refused connection: one, as the next test's lost coordinator).
+TEST(Heartbeater, ACoordinatorThatAnswersTooLateIsSlowNotLost) {
+  UnansweringCoordinator svc;
+  const LocalCoordinator local = ServeLocally(&svc);
+  ASSERT_NE(local.server, nullptr);
+  const absl::Time start = absl::Now();
+  Heartbeater hb(local.stub.get(), local.target, control::WORKER, 0, 42, absl::Milliseconds(50),
+                 absl::Milliseconds(500));
+  hb.Start();
+  while (hb.command() == control::CONTINUE && absl::Now() - start < absl::Seconds(30)) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  const absl::Duration gave_up = absl::Now() - start;
+  EXPECT_EQ(hb.command(), control::ABORT);
+  EXPECT_GE(gave_up, absl::Seconds(3)) << "gave up on a slow coordinator after one timeout";
+  EXPECT_THAT(hb.reason(), HasSubstr("is unreachable (no heartbeat for 3s): Deadline Exceeded"));
+  svc.Release();
+  local.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+}
+
+TEST(Heartbeater, TheJobBeatsAtMostFiftyTimesASecondInAll) {
+  control::TrainingConfig c = testing::MakeConfig(2, 1, 100, 1, "sgd");
+  c.set_heartbeat_timeout_ms(10000);
+  EXPECT_EQ(HeartbeatInterval(c), absl::Seconds(1));  // 3 processes: the timeout's tenth
+  c.set_workers(128);
+  c.set_servers(32);
+  EXPECT_EQ(HeartbeatInterval(c), absl::Milliseconds(3200));  // 160 / 50 a second
+  c.set_workers(1000);
+  EXPECT_EQ(HeartbeatInterval(c), absl::Seconds(10) / 3);  // still three beats per timeout
+  c.set_workers(2);
+  c.set_servers(1);
+  c.set_heartbeat_timeout_ms(1000);
+  EXPECT_EQ(HeartbeatInterval(c), absl::Milliseconds(100));  // 3 / 50 s is less
+  c.set_heartbeat_timeout_ms(100);  // 3 / 50 s is more than the tenth, 20 ms; a third at most
+  EXPECT_EQ(HeartbeatInterval(c), absl::Milliseconds(100) / 3);
 }
 
 // A coordinator that records the heartbeats it is sent.
