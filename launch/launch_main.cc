@@ -64,7 +64,8 @@ ABSL_FLAG(int32_t, stall_worker, -1, "fault injection: this worker stops pushing
 ABSL_FLAG(int64_t, stall_at_step, -1, "... at this step");
 ABSL_FLAG(absl::Duration, grace, absl::Seconds(1),
           "after a child fails: how long the others get to exit on their own, then to "
-          "exit after SIGTERM before SIGKILL (0: no wait)");
+          "exit after SIGTERM before SIGKILL (0: no wait); the coordinator, which writes "
+          "summary.json as it stops, gets at least 10 s");
 ABSL_FLAG(int32_t, max_restarts, 0,
           "when a process fails mid-job, start it again, up to this many times in all: with "
           "--checkpoint_dir (and --rejoin_timeout > 0) that process alone, and the others roll "
@@ -329,6 +330,10 @@ int Main(int argc, char** argv) {
     const std::string tmp = tmpl;
     SetJobTmp(tmp);
     const std::string port_file = tmp + "/coordinator.port";
+    // Who stops the job, for the coordinator's summary (written before the
+    // SIGTERM that tells it).
+    const std::string stop_reason_file = tmp + "/stop_reason";
+    auto say_why = [&](const std::string& who) { std::ofstream(stop_reason_file) << who << "\n"; };
     std::string secret_file = security.secret_file;
     if (!security.insecure && secret_file.empty()) {
       secret_file = tmp + "/secret";  // the folder is the launcher's alone (0700)
@@ -343,8 +348,14 @@ int Main(int argc, char** argv) {
     const std::string reg_timeout =
         absl::FormatDuration(absl::GetFlag(FLAGS_launch_register_timeout));
     const absl::Duration grace = absl::GetFlag(FLAGS_grace);
+    // The coordinator writes the run folder's summary.json as it stops: on a
+    // crowded machine (160 processes on 2 cores) 1 s was too short for that,
+    // and the job was left with summary.json.tmp alone.
+    const absl::Duration coordinator_grace =
+        grace == absl::ZeroDuration() ? grace : std::max(grace, absl::Seconds(10));
 
     std::vector<Child> children(1 + cfg.servers() + cfg.workers());
+    auto grace_of = [&](const Child& c) { return &c == &children[0] ? coordinator_grace : grace; };
     int exit_code = 0;
     auto stop_all = [&](const std::string& why) {
       Log(why);
@@ -357,13 +368,13 @@ int Main(int argc, char** argv) {
       for (Child& c : children) {
         if (c.proc && !c.proc->Poll()) {
           Log(absl::StrCat("stopping ", c.name));
-          c.proc->Stop(grace);
+          c.proc->Stop(grace_of(c));
         }
       }
     };
     auto finish = [&](int code) {
       for (Child& c : children) {
-        if (c.proc && !c.proc->Poll()) c.proc->Stop(grace);
+        if (c.proc && !c.proc->Poll()) c.proc->Stop(grace_of(c));
         if (c.proc) TrackChild(c.proc->pid(), false);
         if (c.reader.joinable()) c.reader.join();
       }
@@ -384,15 +395,20 @@ int Main(int argc, char** argv) {
                        cfg.checkpoint_dir().empty()
                            ? "end the job (it has no --checkpoint_dir: the job fails)"
                            : "stop the job after a checkpoint"));
+      say_why(absl::StrCat(SignalName(sig), " to onebit-launch"));
       coord.proc->Signal(SIGTERM);
     };
 
     // The coordinator first: it picks its port and writes it to port_file.
     Child& coord = children[0];
     coord.name = "coordinator";
-    std::vector<std::string> args = {bin + "/onebit-coordinator",         "--port=0",
-                                     "--port_file=" + port_file,          "--bind_host=127.0.0.1",
-                                     "--register_timeout=" + reg_timeout, security_arg};
+    std::vector<std::string> args = {bin + "/onebit-coordinator",
+                                     "--port=0",
+                                     "--port_file=" + port_file,
+                                     "--stop_reason_file=" + stop_reason_file,
+                                     "--bind_host=127.0.0.1",
+                                     "--register_timeout=" + reg_timeout,
+                                     security_arg};
     if (!out.empty()) args.push_back("--out=" + out);
     for (const std::string& a : config_args) args.push_back(a);
     coord.argv = args;
@@ -564,6 +580,8 @@ int Main(int argc, char** argv) {
             continue;
           }
           if (!failed_while_stopping) exit_code = *c.code < 126 ? *c.code : 1;
+          say_why(
+              absl::StrCat("onebit-launch, as ", c.name, " failed (", DescribeExit(*c.code), ")"));
           stop_all(failed_while_stopping.value_or(why));
           return finish(exit_code);
         }

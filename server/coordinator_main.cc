@@ -21,6 +21,9 @@ ABSL_FLAG(int32_t, health_port, 0,
           "plaintext grpc.health.v1 port (health only, for probes such as Kubernetes' gRPC "
           "probes); 0: any free port");
 ABSL_FLAG(std::string, port_file, "", "write the bound port to this file once listening");
+ABSL_FLAG(std::string, stop_reason_file, "",
+          "on SIGTERM/SIGINT, the first line of this file (if any) says who stopped the job, "
+          "for summary.json (onebit-launch writes it)");
 ABSL_FLAG(std::string, out, "", "run folder: metrics.csv and summary.json");
 ABSL_FLAG(absl::Duration, register_timeout, absl::Seconds(60),
           "how long to wait for all servers and workers to register");
@@ -80,6 +83,7 @@ int Main(int argc, char** argv) {
   // unwritten.
   CatchStopSignals();
   o.stop_signal = StopSignalFlag();
+  o.stop_reason_file = absl::GetFlag(FLAGS_stop_reason_file);
   absl::Status st = RunCoordinatorJob(cfg, given, o);
   if (!port_written) ExitError(1, absl::StrCat("cannot write --port_file ", port_file));
   if (absl::IsCancelled(st)) return absl::GetFlag(FLAGS_exit_code_when_stopped);

@@ -4,6 +4,7 @@
 
 #include <csignal>
 #include <cstdio>
+#include <fstream>
 #include <optional>
 #include <set>
 
@@ -208,6 +209,7 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
     }
   };
   absl::Time trimmed = absl::Now();
+  bool stop_passed = false;  // the stop signal, to the service once
   while (true) {
     service.Tick();
     unauthenticated.Flush();
@@ -218,8 +220,12 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
       malloc_trim(0);
       trimmed = absl::Now();
     }
-    if (o.stop_signal != nullptr && o.stop_signal->load() != 0) {
-      service.RequestStop(absl::StrCat(SignalName(o.stop_signal->load()), " to the coordinator"));
+    if (!stop_passed && o.stop_signal != nullptr && o.stop_signal->load() != 0) {
+      stop_passed = true;
+      std::string who;
+      if (!o.stop_reason_file.empty()) std::getline(std::ifstream(o.stop_reason_file), who);
+      if (who.empty()) who = absl::StrCat(SignalName(o.stop_signal->load()), " to the coordinator");
+      service.RequestStop(who);
     }
     append_rows();
     write_manifests();

@@ -84,13 +84,18 @@ struct CoordinatorOptions {
   // CANCELLED; starting the job again resumes it), any other ends as failed
   // ("stopped by SIGTERM"); the run folder is written either way.
   const std::atomic<int>* stop_signal = nullptr;
+  // When not empty: a file whose first line, when stop_signal fires, says
+  // who stopped the job and why, for the summary ("stopped by <line>");
+  // onebit-launch writes it before it passes a stop on. Absent or empty:
+  // "stopped by SIGTERM to the coordinator".
+  std::string stop_reason_file;
   // How long to wait for every server and worker to register; > 0, finite.
   absl::Duration register_timeout = absl::Seconds(60);
 };
 
 // Forms the cluster, runs the job to its end and writes the run folder. OK:
 // every process finished and every replica equals the masters (or, under
-// --server-reply delta, trails them by design); CANCELLED: it stopped on
+// --server_reply delta, trails them by design); CANCELLED: it stopped on
 // request after a complete checkpoint; else the job's failure.
 absl::Status RunCoordinator(const CoordinatorOptions& options);
 

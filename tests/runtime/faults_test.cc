@@ -575,7 +575,9 @@ TEST(Faults, AKilledWorkerLeavesTheRunFolderWritten) {
     EXPECT_EQ(lines[i].rfind(absl::StrCat(i - 1, ","), 0), 0u) << "row " << i << ": " << lines[i];
   }
   const std::string summary = ReadFile(out + "/summary.json");
-  EXPECT_THAT(summary, HasSubstr("\"status\": \"failed: stopped by SIGTERM to the coordinator\""));
+  EXPECT_THAT(summary,
+              HasSubstr("\"status\": \"failed: stopped by onebit-launch, as worker1 failed "
+                        "(signal 9 (Killed))\""));
   EXPECT_THAT(summary, HasSubstr("\"replicas_equal\": false"));
 }
 

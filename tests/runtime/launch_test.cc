@@ -79,12 +79,14 @@ TEST(LaunchSignals, CtrlCReachesOnlyTheLauncherAndStopsTheJobAfterACheckpoint) {
   EXPECT_THAT(text, HasSubstr("launch: SIGINT: stopping the job"));
   EXPECT_THAT(text, HasSubstr("launch: job stopped after a checkpoint (summary.json says why); "
                               "run it again to resume"));
-  EXPECT_THAT(text, Not(HasSubstr("SIGINT to "))) << "a child got the terminal's SIGINT";
+  for (const char* child : {"SIGINT to the coordinator", "SIGINT to worker", "SIGINT to server"}) {
+    EXPECT_THAT(text, Not(HasSubstr(child))) << "a child got the terminal's SIGINT";
+  }
   const std::string summary = ReadFile(out + "/summary.json");
   uint64_t at = 0;
   ASSERT_TRUE(absl::SimpleAtoi(Field(summary, "stopped_at_step"), &at)) << summary;
   EXPECT_GE(at, 20u);
-  EXPECT_THAT(summary, HasSubstr(absl::StrCat("\"status\": \"stopped: SIGTERM to the coordinator; "
+  EXPECT_THAT(summary, HasSubstr(absl::StrCat("\"status\": \"stopped: SIGINT to onebit-launch; "
                                               "the checkpoint of step ",
                                               at, " is complete")));
   EXPECT_TRUE(VerifyCheckpoint(StepDir(dir + "/ckpt", at)).ok());
@@ -144,7 +146,7 @@ TEST(LaunchSignals, WithoutACheckpointDirAStopFailsTheJobWritesTheRunFolderAndRe
   EXPECT_THAT(text, Not(HasSubstr("restart 1 of 2")));
   EXPECT_THAT(text, HasSubstr("launch: not starting the job again: stopped by SIGTERM"));
   const std::string summary = ReadFile(out + "/summary.json");
-  EXPECT_THAT(summary, HasSubstr("\"status\": \"failed: stopped by SIGTERM to the coordinator\""));
+  EXPECT_THAT(summary, HasSubstr("\"status\": \"failed: stopped by SIGTERM to onebit-launch\""));
   EXPECT_EQ(Alive(text, out), 0u);
 }
 
@@ -190,7 +192,7 @@ TEST(LaunchSignals, AProcessLostWhileStoppingIsNotStartedAgain) {
   // The coordinator fails the job: the lost worker cannot be waited for.
   const std::string status = Field(ReadFile(out + "/summary.json"), "status");
   EXPECT_THAT(status, HasSubstr("\"failed: "));
-  EXPECT_THAT(status, HasSubstr("SIGTERM to the coordinator"));
+  EXPECT_THAT(status, HasSubstr("SIGTERM to onebit-launch"));
   EXPECT_EQ(Alive(done, out), 0u);
 }
 

@@ -424,9 +424,9 @@ TEST_P(Sigterm, StopsAfterACheckpointAndResumesBitForBit) {
   EXPECT_EQ(*code, 0) << stopped_log;
   EXPECT_THAT(stopped_log, HasSubstr("launch: job stopped after a checkpoint"));
   EXPECT_LT(took, absl::Seconds(10)) << "a Kubernetes grace period is 30 s";
-  const std::string who = (victim == "coordinator" || victim == "launcher")
-                              ? "SIGTERM to the coordinator"
-                              : "SIGTERM to " + victim;
+  const std::string who = victim == "coordinator" ? "SIGTERM to the coordinator"
+                          : victim == "launcher"  ? "SIGTERM to onebit-launch"
+                                                  : "SIGTERM to " + victim;
   const std::string summary = ReadFile(out + "/summary.json");
   uint64_t at = 0;
   ASSERT_TRUE(absl::SimpleAtoi(Field(summary, "stopped_at_step"), &at)) << summary;
