@@ -261,10 +261,13 @@ void Heartbeater::SendOnce() {
   ctx.set_deadline(std::chrono::system_clock::now() + kHeartbeatDeadline);
   control::HeartbeatReply reply;
   grpc::Status s = stub_->Heartbeat(&ctx, req, &reply);
-  // A call that ran out of time: a slow coordinator if its port still
-  // takes connections (net/liveness.h), else a host that is gone.
-  const bool slow = s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
-                    ProbeListening({target_}, absl::Seconds(1))[0] == Liveness::kListening;
+  // A call that ran out of time went out on an open connection: a slow
+  // coordinator. A dropped connection is one too if its port still takes
+  // connections (net/liveness.h; probed only then: each probe is a refused
+  // handshake in the coordinator's log); refused, it is gone.
+  const bool slow = s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ||
+                    (s.error_code() == grpc::StatusCode::UNAVAILABLE &&
+                     ProbeListening({target_}, absl::Seconds(1))[0] == Liveness::kListening);
   absl::MutexLock l(&mu_);
   in_flight_ = false;
   if (!s.ok()) {

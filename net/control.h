@@ -193,10 +193,11 @@ absl::Duration RejoinWait(const control::TrainingConfig& cfg);
 inline constexpr double kMaxHeartbeatsPerSecond = 50;
 absl::Duration HeartbeatInterval(const control::TrainingConfig& config);
 
-// A heartbeat whose call ran out of time, to a coordinator whose port still
-// takes connections (slow, not gone: net/liveness.h), waits this many
-// heartbeat timeouts before the process gives up on it, against one (or
-// RejoinWait) for a refused connection or a host that does not answer.
+// A heartbeat that failed (out of time, a dropped connection) to a
+// coordinator whose port still takes connections (slow, not gone:
+// net/liveness.h) waits this many heartbeat timeouts before the process
+// gives up on it, against one (or RejoinWait) for a refused connection or a
+// host that does not answer.
 inline constexpr int kSlowCoordinatorFactor = 6;
 
 // The heartbeat of a process registered as `reg` (role and reg.rank()):

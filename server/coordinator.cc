@@ -949,6 +949,7 @@ void CoordinatorService::Tick() {
     if (suspects[i].rank >= group.size()) continue;
     Process& p = group[suspects[i].rank];
     if (p.credential != suspects[i].credential || p.lost) continue;  // since replaced or lost
+    p.answered_at = now;
     if (answers[i] == Liveness::kListening) p.listening_at = now;
   }
 }
@@ -992,7 +993,13 @@ void CoordinatorService::CheckTimeoutsLocked(std::vector<Suspect>* suspects) {
       const std::string ep =
           p.info.data_endpoint().empty() ? p.info.host() : p.info.data_endpoint();
       const bool listening = now - p.listening_at <= fresh;
-      if (silent > heartbeat_timeout_ && listening && silent <= slow_limit) {
+      // No verdict on a process with an endpoint before a probe has answered
+      // since it went quiet (a starved coordinator may not have probed it).
+      const bool unprobed =
+          !p.info.health_endpoint().empty() && p.answered_at < p.last_seen + fresh;
+      if (silent > heartbeat_timeout_ && unprobed) {
+        // The probe below decides it by the next tick.
+      } else if (silent > heartbeat_timeout_ && listening && silent <= slow_limit) {
         if (!p.slow_said) {
           p.slow_said = true;
           std::fprintf(stderr,
@@ -1014,7 +1021,8 @@ void CoordinatorService::CheckTimeoutsLocked(std::vector<Suspect>* suspects) {
         return;
       }
       // Probe it again every tenth of the timeout while it is silent.
-      if (!p.info.health_endpoint().empty() && now - p.probed_at >= heartbeat_timeout_ / 10) {
+      if (!p.info.health_endpoint().empty() && (now - p.probed_at >= heartbeat_timeout_ / 10 ||
+                                                (unprobed && silent > heartbeat_timeout_))) {
         p.probed_at = now;
         suspects->push_back(
             Suspect{role, static_cast<uint32_t>(i), p.credential, p.info.health_endpoint()});

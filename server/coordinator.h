@@ -131,6 +131,7 @@ class CoordinatorService final : public control::Coordinator::Service {
     // The liveness probe (net/liveness.h) of a silent process: when it was
     // last probed, and last found still listening at its health endpoint.
     absl::Time probed_at = absl::InfinitePast();
+    absl::Time answered_at = absl::InfinitePast();  // any answer (listening, gone, unknown)
     absl::Time listening_at = absl::InfinitePast();
     bool slow_said = false;            // the log said it is slow, not dead
     std::optional<uint64_t> stop_ack;  // workers, while stopping: steps begun
