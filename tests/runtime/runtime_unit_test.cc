@@ -536,6 +536,41 @@ TEST(CoordinatorService, ReplicasEqualOnlyWhenEveryChecksumMatches) {
   }
 }
 
+// Registers server 0 ("tcp://s0:5") and worker 0 (no data endpoint, its
+// health endpoint `worker_health`), both of host w0host, at once (the
+// cluster forms when both are in); returns their replies.
+std::vector<control::RegisterReply> RegisterServerAndWorker(CoordinatorService* svc,
+                                                            const std::string& worker_health) {
+  std::vector<std::thread> threads;
+  std::vector<control::RegisterReply> replies(2);
+  for (int i = 0; i < 2; ++i) {
+    threads.emplace_back([&, i] {
+      grpc::ServerContext ctx;
+      control::RegisterRequest req;
+      req.set_role(i == 0 ? control::SERVER : control::WORKER);
+      req.set_requested_rank(0);
+      req.set_data_endpoint(i == 0 ? "tcp://s0:5" : "");
+      req.set_host("w0host");
+      if (i == 1) req.set_health_endpoint(worker_health);
+      EXPECT_TRUE(svc->Register(&ctx, &req, &replies[i]).ok());
+    });
+  }
+  for (auto& t : threads) t.join();
+  return replies;
+}
+
+// A heartbeat of server 0 (job 42) with `credential`; the reply.
+control::HeartbeatReply BeatAsServer(CoordinatorService* svc, const std::string& credential) {
+  grpc::ServerContext ctx;
+  control::HeartbeatRequest hb;
+  hb.set_role(control::SERVER);
+  hb.set_job_id(42);
+  hb.set_credential(credential);
+  control::HeartbeatReply reply;
+  EXPECT_TRUE(svc->Heartbeat(&ctx, &hb, &reply).ok());
+  return reply;
+}
+
 // A socket listening on 127.0.0.1, and a port on which nothing listens
 // (bound, then closed: nothing else on this machine takes it that fast).
 struct Ports {
@@ -584,32 +619,13 @@ TEST(CoordinatorService, ASilentProcessThatStillListensIsSlowNotDead) {
     control::TrainingConfig cfg = testing::MakeConfig(1, 1, 100, 1, "sgd");
     cfg.set_heartbeat_timeout_ms(1000);
     CoordinatorService svc(cfg, {}, 42, absl::Seconds(10), Security{});
-    std::vector<std::thread> threads;
-    std::vector<control::RegisterReply> replies(2);
     const absl::Time start = absl::Now();  // no later than the worker was last seen
-    for (int i = 0; i < 2; ++i) {
-      threads.emplace_back([&, i] {
-        grpc::ServerContext ctx;
-        control::RegisterRequest req;
-        req.set_role(i == 0 ? control::SERVER : control::WORKER);
-        req.set_requested_rank(0);
-        req.set_data_endpoint(i == 0 ? "tcp://s0:5" : "");
-        req.set_host("w0host");
-        if (i == 1) req.set_health_endpoint(listening ? ports.listening : ports.gone);
-        EXPECT_TRUE(svc.Register(&ctx, &req, &replies[i]).ok());
-      });
-    }
-    for (auto& t : threads) t.join();
+    const std::vector<control::RegisterReply> replies =
+        RegisterServerAndWorker(&svc, listening ? ports.listening : ports.gone);
     absl::Duration failed_after = absl::InfiniteDuration();
     while (absl::Now() - start < absl::Seconds(20)) {
       absl::SleepFor(absl::Milliseconds(20));
-      grpc::ServerContext ctx;
-      control::HeartbeatRequest hb;  // the server keeps beating
-      hb.set_role(control::SERVER);
-      hb.set_job_id(42);
-      hb.set_credential(replies[0].credential());
-      control::HeartbeatReply reply;
-      ASSERT_TRUE(svc.Heartbeat(&ctx, &hb, &reply).ok());
+      BeatAsServer(&svc, replies[0].credential());  // the server keeps beating
       svc.Tick();
       if (svc.state() == CoordinatorService::State::kFailed) {
         failed_after = absl::Now() - start;  // an upper bound on the worker's silence
@@ -634,20 +650,7 @@ TEST(CoordinatorService, SilentProcessIsDeclaredDeadByName) {
   control::TrainingConfig cfg = testing::MakeConfig(1, 1, 100, 1, "sgd");
   cfg.set_heartbeat_timeout_ms(100);
   CoordinatorService svc(cfg, {}, 42, absl::Seconds(10), Security{});
-  std::vector<std::thread> threads;
-  std::vector<control::RegisterReply> replies(2);
-  for (int i = 0; i < 2; ++i) {
-    threads.emplace_back([&, i] {
-      grpc::ServerContext ctx;
-      control::RegisterRequest req;
-      req.set_role(i == 0 ? control::SERVER : control::WORKER);
-      req.set_requested_rank(0);
-      req.set_data_endpoint(i == 0 ? "tcp://s0:5" : "");
-      req.set_host("w0host");
-      EXPECT_TRUE(svc.Register(&ctx, &req, &replies[i]).ok());
-    });
-  }
-  for (auto& t : threads) t.join();
+  const std::vector<control::RegisterReply> replies = RegisterServerAndWorker(&svc, "");
   // The server keeps beating, each beat just before the coordinator's check
   // (so a loaded machine's pauses fall between a check and the next beat);
   // the worker falls silent. Until the 100 ms run out, at most 10 s.
@@ -655,24 +658,12 @@ TEST(CoordinatorService, SilentProcessIsDeclaredDeadByName) {
   while (svc.state() != CoordinatorService::State::kFailed &&
          absl::Now() - start < absl::Seconds(10)) {
     absl::SleepFor(absl::Milliseconds(30));
-    grpc::ServerContext ctx;
-    control::HeartbeatRequest hb;
-    hb.set_role(control::SERVER);
-    hb.set_job_id(42);
-    hb.set_credential(replies[0].credential());
-    control::HeartbeatReply reply;
-    ASSERT_TRUE(svc.Heartbeat(&ctx, &hb, &reply).ok());
+    BeatAsServer(&svc, replies[0].credential());
     svc.Tick();
   }
   EXPECT_EQ(svc.state(), CoordinatorService::State::kFailed);
   EXPECT_THAT(svc.reason(), HasSubstr("worker 0 (w0host) sent no heartbeat"));
-  grpc::ServerContext ctx;
-  control::HeartbeatRequest hb;
-  hb.set_role(control::SERVER);
-  hb.set_job_id(42);
-  hb.set_credential(replies[0].credential());
-  control::HeartbeatReply reply;
-  ASSERT_TRUE(svc.Heartbeat(&ctx, &hb, &reply).ok());
+  const control::HeartbeatReply reply = BeatAsServer(&svc, replies[0].credential());
   EXPECT_EQ(reply.command(), control::ABORT);
   EXPECT_THAT(reply.reason(), HasSubstr("worker 0"));
 }
