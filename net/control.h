@@ -193,11 +193,11 @@ absl::Duration RejoinWait(const control::TrainingConfig& cfg);
 inline constexpr double kMaxHeartbeatsPerSecond = 50;
 absl::Duration HeartbeatInterval(const control::TrainingConfig& config);
 
-// A heartbeat that failed (out of time, a dropped connection) to a
-// coordinator whose port still takes connections (slow, not gone:
-// net/liveness.h) waits this many heartbeat timeouts before the process
-// gives up on it, against one (or RejoinWait) for a refused connection or a
-// host that does not answer.
+// A heartbeat that ran out of time (its connection was open), or failed on
+// a dropped connection while the coordinator's port still takes connections
+// (net/liveness.h), means a slow coordinator, not a gone one: the process
+// waits this many heartbeat timeouts before it gives up, against one (or
+// RejoinWait) for a refused connection.
 inline constexpr int kSlowCoordinatorFactor = 6;
 
 // The heartbeat of a process registered as `reg` (role and reg.rank()):

@@ -280,10 +280,14 @@ float ZeroOneVarianceCorrection(const OptimizerOptions& o, uint64_t step) {
 
 std::string DivergenceRemedy(const OptimizerOptions& o) {
   if (o.kind == OptimizerKind::kZeroOneAdam) {
-    return absl::StrCat("zero-one-adam: a smaller --block_size (this job's ", o.codec.block_size,
-                        "; 256 by default), a learning-rate warm-up (--lr_schedule warmup:N, N "
-                        "about a tenth of the job's steps), --v_floor 1e-6 or a lower --lr "
-                        "(docs/design.md §1.6)");
+    const std::string block =
+        o.codec.block_size > DefaultBlockSize(o.kind)
+            ? absl::StrCat("a smaller --block_size (this job's ", o.codec.block_size, "; ",
+                           DefaultBlockSize(o.kind), " by default), ")
+            : std::string();
+    return absl::StrCat("zero-one-adam: ", block,
+                        "a learning-rate warm-up (--lr_schedule warmup:N, N about a tenth of the "
+                        "job's steps), --v_floor 1e-6 or a lower --lr (docs/design.md §1.6)");
   }
   return "a lower --lr, a learning-rate warm-up (--lr_schedule warmup:N) or a larger --v_floor";
 }

@@ -17,6 +17,7 @@ namespace {
 
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 // The 1-bit codec of docs/design.md §1.3 for one block of n <= 32 elements: lane
 // l holds element l alone, then the halving tree; s = sum / n.
@@ -917,6 +918,9 @@ TEST(ZeroOneAdam, CombinationsThatMakeNoSenseAreRefusedNamingTheFlag) {
   EXPECT_THAT(remedy, HasSubstr("a smaller --block_size (this job's 2048; 256 by default)"));
   EXPECT_THAT(remedy, HasSubstr("--lr_schedule warmup:N"));
   EXPECT_THAT(remedy, HasSubstr("--v_floor 1e-6"));
+  zo.codec.block_size = 256;  // already the default: the remedy does not ask for it
+  EXPECT_THAT(DivergenceRemedy(zo), Not(HasSubstr("--block_size")));
+  EXPECT_THAT(DivergenceRemedy(zo), HasSubstr("--lr_schedule warmup:N"));
   EXPECT_THAT(DivergenceRemedy(OnebitOptions(OptimizerKind::kOnebitAdam)),
               AllOf(HasSubstr("a lower --lr"), HasSubstr("--v_floor")));
   EXPECT_EQ(DefaultBlockSize(OptimizerKind::kZeroOneAdam), 256u);
