@@ -15,7 +15,7 @@
 
 #include "absl/status/status.h"
 #include "checkpoint/state_file.h"
-#include "shard/optimizer.h"
+#include "optim/optimizer.h"
 
 namespace onebit {
 

@@ -24,7 +24,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "compress/codec.h"
-#include "shard/update_kernels.h"
+#include "optim/update_kernels.h"
 
 struct CUstream_st;  // cudaStream_t is CUstream_st*; no CUDA header needed here
 

@@ -7,7 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "compress/kernels.h"
 #include "cuda/backend.h"
-#include "shard/update_kernels.h"
+#include "optim/update_kernels.h"
 
 namespace onebit::cuda {
 namespace {

@@ -17,9 +17,9 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
+#include "optim/optimizer.h"
 #include "proto/control.grpc.pb.h"
 #include "security/job_secret.h"
-#include "shard/optimizer.h"
 
 namespace onebit {
 

@@ -6,7 +6,7 @@
 #include "absl/strings/str_format.h"
 #include "models/registry.h"
 #include "net/data_plane.h"
-#include "shard/optimizer.h"
+#include "optim/optimizer.h"
 
 namespace onebit {
 

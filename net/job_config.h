@@ -18,8 +18,8 @@
 #include "absl/status/statusor.h"
 #include "models/registry.h"
 #include "net/job_settings.h"
+#include "optim/optimizer.h"
 #include "proto/control.pb.h"
-#include "shard/optimizer.h"
 #include "shard/shard_map.h"
 
 namespace onebit {

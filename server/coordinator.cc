@@ -16,8 +16,8 @@
 #include "net/control.h"
 #include "net/job_config.h"
 #include "net/liveness.h"
+#include "optim/reference.h"
 #include "security/tls.h"
-#include "shard/reference.h"
 
 namespace onebit {
 

@@ -21,10 +21,10 @@
 #include "net/refusal_log.h"
 #include "net/run_folder.h"
 #include "onebit/server.h"
+#include "optim/optimizer.h"
 #include "proto/checkpoint.pb.h"
 #include "proto/control.grpc.pb.h"
 #include "security/job_secret.h"
-#include "shard/optimizer.h"
 #include "shard/shard_map.h"
 
 namespace onebit {

@@ -23,7 +23,7 @@
 #include "compress/codec.h"
 #include "net/data_plane.h"
 #include "net/refusal_log.h"
-#include "shard/optimizer.h"
+#include "optim/optimizer.h"
 #include "zmq.hpp"
 
 namespace onebit {

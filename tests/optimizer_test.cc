@@ -1,6 +1,6 @@
 // Tests of the optimizers (shard/optimizer.h) against the formulas of
 // docs/design.md §1, written out here by hand, on vectors small enough to follow.
-#include "shard/optimizer.h"
+#include "optim/optimizer.h"
 
 #include <cmath>
 #include <cstring>
@@ -10,7 +10,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "shard/reference.h"
+#include "optim/reference.h"
 
 namespace onebit {
 namespace {

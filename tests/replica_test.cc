@@ -16,7 +16,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "shard/optimizer.h"
+#include "optim/optimizer.h"
 #include "worker/device.h"
 
 namespace onebit {

@@ -7,7 +7,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "checkpoint/state_file.h"
-#include "shard/update_kernels.h"
+#include "optim/update_kernels.h"
 
 namespace onebit {
 namespace {

@@ -12,8 +12,8 @@
 #include "net/job_config.h"
 #include "net/loss_watch.h"
 #include "net/run_folder.h"
+#include "optim/reference.h"
 #include "shard/memory.h"
-#include "shard/reference.h"
 
 ABSL_FLAG(std::string, out, "",
           "folder for metrics.csv, summary.json and the final x (replica_w<R>.f32, "

@@ -19,7 +19,7 @@
 #include "checkpoint/state_file.h"
 #include "models/evaluator.h"
 #include "models/model.h"
-#include "shard/optimizer.h"
+#include "optim/optimizer.h"
 
 namespace onebit {
 

@@ -14,7 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cuda/kernels.h"
-#include "shard/update_kernels.h"
+#include "optim/update_kernels.h"
 #include "tests/cuda/test_util.h"
 
 namespace onebit::cuda {

@@ -11,7 +11,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "models/synthetic_model.h"
-#include "shard/reference.h"
+#include "optim/reference.h"
 
 namespace onebit {
 namespace {

@@ -12,7 +12,7 @@
 #include "gtest/gtest.h"
 #include "models/model.h"
 #include "net/data_plane.h"
-#include "shard/optimizer.h"
+#include "optim/optimizer.h"
 #include "shard/shard_map.h"
 #include "tests/runtime/test_util.h"
 

@@ -8,7 +8,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "net/job_config.h"
-#include "shard/reference.h"
+#include "optim/reference.h"
 #include "tests/runtime/test_util.h"
 
 namespace onebit::testing {

@@ -19,7 +19,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "net/job_config.h"
-#include "shard/optimizer.h"
+#include "optim/optimizer.h"
 #include "shard/shard_map.h"
 #include "tests/runtime/test_util.h"
 

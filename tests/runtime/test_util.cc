@@ -18,8 +18,8 @@
 #include "models/model.h"
 #include "net/data_plane.h"
 #include "net/job_config.h"
+#include "optim/reference.h"
 #include "security/job_secret.h"
-#include "shard/reference.h"
 #include "shard/shard_map.h"
 
 namespace onebit::testing {

@@ -10,8 +10,8 @@
 
 #include "absl/time/time.h"
 #include "net/subprocess.h"
+#include "optim/optimizer.h"
 #include "proto/control.pb.h"
-#include "shard/optimizer.h"
 
 namespace onebit::testing {
 

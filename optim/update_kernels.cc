@@ -1,4 +1,4 @@
-#include "shard/update_kernels.h"
+#include "optim/update_kernels.h"
 
 #include <cmath>
 

@@ -1,4 +1,4 @@
-#include "shard/reference.h"
+#include "optim/reference.h"
 
 #include "absl/strings/str_cat.h"
 #include "shard/memory.h"

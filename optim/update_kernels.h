@@ -2,8 +2,8 @@
 // the server, the workers and the reference, and the CPU twins of the CUDA
 // update kernels in cuda/kernels.h: both sides evaluate the same expressions
 // in the same order (no FMA contraction), so they agree bit for bit.
-#ifndef ONEBIT_SHARD_UPDATE_KERNELS_H_
-#define ONEBIT_SHARD_UPDATE_KERNELS_H_
+#ifndef ONEBIT_OPTIM_UPDATE_KERNELS_H_
+#define ONEBIT_OPTIM_UPDATE_KERNELS_H_
 
 #include <cmath>
 #include <cstddef>
@@ -51,4 +51,4 @@ void AdamUpdate(const AdamCoefficients& c, size_t n, float* g, float* m, float* 
 
 }  // namespace onebit
 
-#endif  // ONEBIT_SHARD_UPDATE_KERNELS_H_
+#endif  // ONEBIT_OPTIM_UPDATE_KERNELS_H_

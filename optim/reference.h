@@ -1,15 +1,15 @@
 // The single-process reference of docs/design.md §1.5: N workers and S server
 // shards in one process, no network, the same optimizer code. A distributed
 // run fed the same gradients must end with the same x, bit for bit.
-#ifndef ONEBIT_SHARD_REFERENCE_H_
-#define ONEBIT_SHARD_REFERENCE_H_
+#ifndef ONEBIT_OPTIM_REFERENCE_H_
+#define ONEBIT_OPTIM_REFERENCE_H_
 
 #include <cstdint>
 #include <functional>
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "shard/optimizer.h"
+#include "optim/optimizer.h"
 #include "shard/shard_map.h"
 
 namespace onebit {
@@ -58,4 +58,4 @@ uint64_t AutoFreezeStep(const FreezeOptions& freeze, uint64_t completed,
 
 }  // namespace onebit
 
-#endif  // ONEBIT_SHARD_REFERENCE_H_
+#endif  // ONEBIT_OPTIM_REFERENCE_H_

@@ -11,8 +11,8 @@
 // ServerOptimizer and WorkerOptimizer are immutable and thread-safe; the
 // state structs are plain values (vectors and counters) that can be saved and
 // restored as they are.
-#ifndef ONEBIT_SHARD_OPTIMIZER_H_
-#define ONEBIT_SHARD_OPTIMIZER_H_
+#ifndef ONEBIT_OPTIM_OPTIMIZER_H_
+#define ONEBIT_OPTIM_OPTIMIZER_H_
 
 #include <algorithm>
 #include <cstddef>
@@ -469,4 +469,4 @@ double FreezeCheckChange(const OptimizerOptions& o, uint64_t window, uint64_t do
 
 }  // namespace onebit
 
-#endif  // ONEBIT_SHARD_OPTIMIZER_H_
+#endif  // ONEBIT_OPTIM_OPTIMIZER_H_

@@ -1,4 +1,4 @@
-#include "shard/optimizer.h"
+#include "optim/optimizer.h"
 
 #include <algorithm>
 #include <cmath>
@@ -8,7 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "shard/update_kernels.h"
+#include "optim/update_kernels.h"
 
 namespace onebit {
 namespace {
