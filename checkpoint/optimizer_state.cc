@@ -190,9 +190,9 @@ WorkerFileOmits WorkerOmits(const OptimizerOptions& o, uint32_t rank) {
   WorkerFileOmits omit;
   // (A delta reply leaves each worker its own momentum; the naive variant
   // keeps none.)
-  omit.mbar = rank != 0 && o.reply == ReplyMode::kMomentum && HasCompressionPhase(o.kind) &&
-              o.kind != OptimizerKind::kNaiveOnebitAdam;
-  omit.den = o.kind == OptimizerKind::kOnebitAdam;
+  const AlgorithmTraits& t = TraitsOf(o.kind);
+  omit.mbar = rank != 0 && o.reply == ReplyMode::kMomentum && t.worker_momentum;
+  omit.den = t.den_of_frozen_v;
   return omit;
 }
 

@@ -14,6 +14,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "net/job_settings.h"
+#include "optim/options.h"
 
 namespace onebit {
 namespace {
@@ -62,7 +63,7 @@ std::string NameOf(absl::string_view arg) {
 }
 
 absl::Status FlagError(absl::string_view name, absl::string_view why) {
-  return absl::InvalidArgumentError(absl::StrCat("--", name, ": ", why));
+  return SettingError(name, why);
 }
 
 // The job setting `name` names (also as --noname for a bool), or "".

@@ -40,8 +40,8 @@ absl::Status ResolveConfig(const std::set<std::string>& given, control::Training
     if (c.server_reply().empty()) {
       c.set_server_reply(std::string(ReplyModeName(DefaultReplyMode(*kind))));
     }
-    // zero-one-adam's freeze is --var_freeze_step.
-    if (HasWarmup(*kind) && HasCompressionPhase(*kind) && *kind != OptimizerKind::kZeroOneAdam &&
+    // (zero-one-adam's freeze is --var_freeze_step.)
+    if (HasWarmup(*kind) && HasCompressionPhase(*kind) && !TraitsOf(*kind).schedule_freeze &&
         c.freeze_step() == 0 && c.freeze().empty()) {
       c.set_freeze("auto");
     }
@@ -93,13 +93,13 @@ absl::Status ApplyDeclaredSettings(const std::map<std::string, std::string>& dec
     }
     control::TrainingConfig mine = c;
     if (absl::Status st = SetJobSetting(*s, value, &mine); !st.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--", s->name, ": the workers declare '", value, "': ", st.message()));
+      return SettingError(s->name,
+                          absl::StrCat("the workers declare '", value, "': ", st.message()));
     }
     if (now.count(s->name) && JobSettingText(*s, mine) != JobSettingText(*s, c)) {
-      return absl::InvalidArgumentError(absl::StrCat("--", s->name, ": the job sets ", Shown(*s, c),
-                                                     " and the workers declare ", Shown(*s, mine),
-                                                     "; give it in one place"));
+      return SettingError(s->name,
+                          absl::StrCat("the job sets ", Shown(*s, c), " and the workers declare ",
+                                       Shown(*s, mine), "; give it in one place"));
     }
     c = std::move(mine);
     now.insert(s->name);
@@ -117,8 +117,7 @@ absl::Status ApplyDeclaredSettings(const std::map<std::string, std::string>& dec
 absl::StatusOr<OptimizerOptions> OptimizerOptionsFromConfig(const control::TrainingConfig& c) {
   OptimizerOptions o;
   auto kind = ParseOptimizerKind(c.optimizer());
-  if (!kind.ok())
-    return absl::InvalidArgumentError(absl::StrCat("--optimizer: ", kind.status().message()));
+  if (!kind.ok()) return SettingError("optimizer", kind.status().message());
   o.kind = *kind;
   o.lr = c.lr();
   if (absl::Status st = ParseLrSchedule(c.lr_schedule(), c.steps(), &o); !st.ok()) return st;
@@ -130,12 +129,10 @@ absl::StatusOr<OptimizerOptions> OptimizerOptionsFromConfig(const control::Train
   o.v_floor = c.v_floor();
   if (absl::Status st = ParseErrorFeedback(c.error_feedback(), &o); !st.ok()) return st;
   auto reply = ParseReplyMode(c.server_reply());
-  if (!reply.ok())
-    return absl::InvalidArgumentError(absl::StrCat("--server_reply: ", reply.status().message()));
+  if (!reply.ok()) return SettingError("server_reply", reply.status().message());
   o.reply = *reply;
   auto scale = ParseScaleRule(c.scale());
-  if (!scale.ok())
-    return absl::InvalidArgumentError(absl::StrCat("--scale: ", scale.status().message()));
+  if (!scale.ok()) return SettingError("scale", scale.status().message());
   o.codec.scale = *scale;
   o.codec.block_size = c.block_size();
   o.worker_codec = c.worker_codec();
@@ -175,7 +172,7 @@ absl::StatusOr<ShardMap> ShardMapForConfig(const control::TrainingConfig& c,
 std::string FreezeText(const control::TrainingConfig& c) {
   const absl::StatusOr<OptimizerKind> kind = ParseOptimizerKind(c.optimizer());
   if (kind.ok() && !HasCompressionPhase(*kind)) return "none";
-  if (kind.ok() && *kind == OptimizerKind::kZeroOneAdam) {
+  if (kind.ok() && TraitsOf(*kind).schedule_freeze) {
     return absl::StrCat("var_freeze_step:", c.var_freeze_step());
   }
   return c.freeze().empty() ? absl::StrCat("step:", c.freeze_step()) : c.freeze();
@@ -209,9 +206,7 @@ absl::StatusOr<FreezeOptions> FreezeOptionsFromConfig(const control::TrainingCon
 }
 
 absl::Status ValidateConfig(const control::TrainingConfig& c) {
-  auto bad = [](absl::string_view flag, absl::string_view why) {
-    return absl::InvalidArgumentError(absl::StrCat("--", flag, ": ", why));
-  };
+  auto bad = [](absl::string_view flag, absl::string_view why) { return SettingError(flag, why); };
   if (c.workers() < 1 || c.workers() > 4096) return bad("workers", "must be in [1, 4096]");
   if (c.servers() < 1 || c.servers() > 1024) return bad("servers", "must be in [1, 1024]");
   if (absl::Status st = ValidateModelConfig(c); !st.ok()) return st;
@@ -228,20 +223,13 @@ absl::Status ValidateConfig(const control::TrainingConfig& c) {
   if (!options.ok()) return options.status();
   auto freeze = FreezeOptionsFromConfig(c);
   if (!freeze.ok()) return freeze.status();
-  if (options->kind == OptimizerKind::kZeroOneAdam) {
-    if (c.steps() < 1) {
-      return bad("steps", "zero-one-adam needs the job's length: its last step synchronises");
-    }
-    if (!c.checkpoint_dir().empty()) {
-      return bad("checkpoint_dir",
-                 "checkpoints of zero-one-adam are not implemented yet (its workers' local "
-                 "models and moments are not saved)");
-    }
+  const AlgorithmTraits& traits = TraitsOf(options->kind);
+  if (traits.needs_job_length && c.steps() < 1) {
+    return bad("steps",
+               absl::StrCat(traits.name, " needs the job's length: its last step synchronises"));
   }
-  if (options->kind == OptimizerKind::kOnebitLamb && !c.checkpoint_dir().empty()) {
-    return bad("checkpoint_dir",
-               "checkpoints of onebit-lamb are not implemented yet (its layers' ratios and "
-               "second variance are not saved)");
+  if (traits.no_checkpoint_why != nullptr && !c.checkpoint_dir().empty()) {
+    return bad("checkpoint_dir", traits.no_checkpoint_why);
   }
   if (c.chunk_elems() != 0 &&
       (c.chunk_elems() < c.block_size() || c.chunk_elems() % c.block_size() != 0 ||
@@ -287,12 +275,8 @@ std::vector<std::string> ConfigFlagArgs(const control::TrainingConfig& config) {
 }
 
 std::string FlagOfError(const absl::Status& status) {
-  absl::string_view m = status.message();
-  if (m.size() > 2 && m.substr(0, 2) == "--") {
-    size_t colon = m.find(':');
-    if (colon != m.npos) return std::string(m.substr(2, colon - 2));
-  }
-  return "config";
+  const std::string flag = SettingOfError(status);
+  return flag.empty() ? "config" : flag;
 }
 
 }  // namespace onebit

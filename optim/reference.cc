@@ -46,10 +46,10 @@ absl::StatusOr<ReferenceResult> RunReference(const ReferenceOptions& o,
   const bool warmup = HasWarmup(o.optimizer.kind) && HasCompressionPhase(o.optimizer.kind);
 
   ReferenceResult out;
-  const bool zero_one = o.optimizer.kind == OptimizerKind::kZeroOneAdam;
+  const bool own_freeze = TraitsOf(o.optimizer.kind).schedule_freeze;
   out.freeze_step = !HasCompressionPhase(o.optimizer.kind) ? kNever
                     : !warmup                              ? 0
-                    : zero_one                             ? o.optimizer.zero_one.var_freeze_step
+                    : own_freeze                           ? o.optimizer.zero_one.var_freeze_step
                     : o.freeze.automatic                   ? kNever
                                                            : o.freeze.step;
   out.workers.resize(N);

@@ -274,10 +274,10 @@ absl::Status ServeIncarnation(const ServerOptions& o, const control::RegisterRep
       hb.ReportCheckpointPart(PartOf(s.step, dir.status()));
       return;
     }
-    // onebit-adam's den is made again from v on loading.
+    // A den of the frozen v is made again from v on loading.
     writer.Submit(
         s.step,
-        SaveServerShard(s, /*with_den=*/po.optimizer.kind != OptimizerKind::kOnebitAdam, buffers),
+        SaveServerShard(s, /*with_den=*/!TraitsOf(po.optimizer.kind).den_of_frozen_v, buffers),
         *dir, absl::StrCat("server-", s.shard, ".state"));
   };
   const uint64_t every = cfg.checkpoint_every();

@@ -100,6 +100,22 @@ TEST(OptimizerOptions, CombinationsAreCheckedNamingTheFlag) {
   }
 }
 
+// The flag a refused setting names travels as data: read back without
+// parsing the message, and not invented for a message that merely looks
+// like one.
+TEST(OptimizerOptions, ARefusedSettingNamesItsFlagAsData) {
+  OptimizerOptions o = OnebitOptions(OptimizerKind::kZeroOneAdam);
+  o.zero_one.local_step_clipper = 0;
+  const absl::Status st = ValidateOptimizerOptions(o);
+  EXPECT_EQ(SettingOfError(st), "local_step_clipper");
+  EXPECT_THAT(std::string(st.message()), HasSubstr("--local_step_clipper: must be >= 1"));
+  o = OnebitOptions(OptimizerKind::kOnebitAdam);
+  o.lr = -1;
+  EXPECT_EQ(SettingOfError(ValidateOptimizerOptions(o)), "lr");
+  EXPECT_EQ(SettingOfError(absl::InvalidArgumentError("--lr: looks like one")), "");
+  EXPECT_EQ(SettingOfError(absl::OkStatus()), "");
+}
+
 TEST(ServerOptimizer, AdamWarmupStepMatchesHandComputation) {
   OptimizerOptions o = OnebitOptions(OptimizerKind::kAdam);
   o.worker_codec = o.server_codec = "fp32";

@@ -81,7 +81,7 @@ class DeviceReplica final : public Replica {
         if (absl::Status st = Alloc(bytes, false, buf); !st.ok()) return st;
       }
     }
-    if (o_.kind == OptimizerKind::kOnebitAdam) {
+    if (TraitsOf(o_.kind).den_of_frozen_v) {
       if (absl::Status st = Alloc(bytes, false, &den_); !st.ok()) return st;
     }
     if (!make_model) return absl::OkStatus();  // the caller computes the gradient
@@ -124,7 +124,7 @@ class DeviceReplica final : public Replica {
       if (parts.mbar) copy(mbar_, &s.mbar);
       copy(e_[0], &s.e);  // chunks whose error is in e_[1] are copied over below
     }
-    const bool den = parts.den && o_.kind == OptimizerKind::kOnebitAdam && frozen_;
+    const bool den = parts.den && TraitsOf(o_.kind).den_of_frozen_v && frozen_;
     if (den) copy(den_, &s.den);
     for (const auto& [b, side] : e_side_) {
       if (side == 1 && st.ok()) {
@@ -196,7 +196,7 @@ class DeviceReplica final : public Replica {
     const Phase ph = phase();
     const Codec& codec = opt_->reply_codec(ph);
     if (absl::Status st = codec.CheckPayload(reply, n); !st.ok()) return st;
-    const bool hand_over = !frozen_ && last_warmup && o_.kind == OptimizerKind::kOnebitAdam;
+    const bool hand_over = !frozen_ && last_warmup && TraitsOf(o_.kind).den_of_frozen_v;
     std::vector<float> den;
     if (hand_over) {
       // Checked and computed here, as WorkerOptimizer::Apply does, before
@@ -214,8 +214,7 @@ class DeviceReplica final : public Replica {
     // The payload goes through this chunk's own pinned slot into g[b, b+n),
     // free since the chunk was pushed (every payload fits in 4n bytes); an
     // fp32 momentum goes straight to m̄.
-    const bool add =
-        !frozen_ || o_.kind == OptimizerKind::kNaiveOnebitAdam || o_.reply == ReplyMode::kDelta;
+    const bool add = !frozen_ || o_.reply == ReplyMode::kDelta;
     const bool direct = !add && codec.kind() == CodecKind::kFp32;
     const size_t bytes = codec.EncodedSize(n);
     auto slot = Slot(b, n);
@@ -239,7 +238,7 @@ class DeviceReplica final : public Replica {
     if (add) return DecodeTo(codec, p, n, /*add=*/true, x);
     if (!direct) st = DecodeTo(codec, p, n, /*add=*/false, mbar);
     if (!st.ok()) return st;
-    const float* dn = o_.kind == OptimizerKind::kOnebitAdam ? den_.f() + b : nullptr;
+    const float* dn = TraitsOf(o_.kind).den_of_frozen_v ? den_.f() + b : nullptr;
     absl::Status result;
     ForEachWeightDecay(o_, b, n, [&](size_t p, size_t m, float wd) {
       if (!result.ok()) return;
@@ -329,7 +328,7 @@ class DeviceReplica final : public Replica {
       if (*bad < n) return NonFinite(y, nullptr, *bad, "non-finite input");
       return static_cast<const void*>(y);  // fp32: the gradient is the payload
     }
-    if (o_.kind != OptimizerKind::kNaiveOnebitAdam) {
+    if (TraitsOf(o_.kind).worker_momentum) {
       float* m = mbar_.f() + b;
       absl::Status st = b_.update_momentum(y, o_.beta1, 1.0f - o_.beta1, n, m, push_);
       if (!st.ok()) return st;

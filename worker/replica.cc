@@ -126,7 +126,7 @@ absl::StatusOr<double> Replica::ComputeGradientInParts(uint32_t rank, uint64_t s
 absl::Status CheckStateFits(const WorkerState& s, uint64_t d, const WorkerOptimizer& opt) {
   const OptimizerKind kind = opt.options().kind;
   const bool moments = HasCompressionPhase(kind);
-  const bool den = kind == OptimizerKind::kOnebitAdam && s.frozen;
+  const bool den = opt.traits().den_of_frozen_v && s.frozen;
   if (s.x.size() != d || s.mbar.size() != (moments ? d : 0) || s.e.size() != (moments ? d : 0) ||
       s.den.size() != (den ? d : 0)) {
     return absl::InvalidArgumentError(absl::StrCat(

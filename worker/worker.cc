@@ -260,7 +260,7 @@ struct Worker::Impl {
 
 absl::Status Worker::Impl::CompleteFromCheckpoint(const control::ResumePoint& resume, uint32_t own,
                                                   const StateReader& file, WorkerState* s) const {
-  const bool needs_den = s->frozen && optimizer->options().kind == OptimizerKind::kOnebitAdam;
+  const bool needs_den = s->frozen && optimizer->traits().den_of_frozen_v;
   if (!(s->mbar.empty() && HasCompressionPhase(optimizer->options().kind)) &&
       !(needs_den && s->den.empty())) {
     return absl::OkStatus();

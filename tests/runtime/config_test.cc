@@ -623,7 +623,8 @@ TEST(Binaries, AJobTooLargeForMemoryIsRefusedNamingTheBytes) {
       here.bytes > 0 && here.bytes < (uint64_t{16} << 30)
           ? absl::StrCat(here.what, " is ", BytesText(here.bytes))
           : "this process's address-space limit (ulimit -v) is 17179869184 bytes (16 GiB)";
-  // x0, 2 workers' x, g, mbar, e_w, 2 shards' x, accumulators, m, v: 13 arrays.
+  // x0, 2 workers' x, g, mbar, e_w, den, and 2 half-shards' x,
+  // accumulators, m or e_s, v, den: 16 arrays of d.
   RunResult ref =
       RunCommand(WithAddressLimit(16, {Bin("onebit-reference"), absl::StrCat("--dim=", kHugeDim),
                                        "--workers=2", "--servers=2", "--optimizer=onebit-adam",
@@ -631,9 +632,9 @@ TEST(Binaries, AJobTooLargeForMemoryIsRefusedNamingTheBytes) {
                  absl::Seconds(20));
   EXPECT_EQ(ref.code, 2) << ref.output;
   EXPECT_THAT(ref.output, HasSubstr("onebit-reference: the reference of this job (d = 17179869184, "
-                                    "x0, 2 workers' x, g, mbar, e_w, 2 shards' x, the "
-                                    "accumulators, m, v) needs at least 893353197568 bytes (832 "
-                                    "GiB) of memory; " +
+                                    "x0, 2 workers' x, g, mbar, e_w, den, 2 shards' x, the "
+                                    "accumulators, m or e_s, v, den) needs at least "
+                                    "1099511627776 bytes (1 TiB) of memory; " +
                                     limit));
 
   // The server and the worker, each in a job whose other process the test

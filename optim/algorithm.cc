@@ -1,0 +1,57 @@
+#include "optim/algorithm.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace onebit {
+
+size_t Algorithm::ReplyBytes(StepKind kind, size_t n, bool last_warmup) const {
+  if (kind == StepKind::kLocal) return 0;
+  size_t bytes = reply_codec(kind).EncodedSize(n);
+  if (kind == StepKind::kFull && last_warmup && traits_.den_of_frozen_v) {
+    bytes += 2 * fp32_->EncodedSize(n);
+  }
+  return bytes;
+}
+
+void Algorithm::EnterCompression(ServerShardState* s) const {
+  s->frozen = true;
+  s->e.assign(s->x.size(), 0.0f);
+  s->v_check.clear();
+  s->v_check.shrink_to_fit();
+}
+
+absl::Status Algorithm::StepShard(uint64_t step, float lr, bool last_warmup,
+                                  const std::vector<ChunkSpan>& chunks, ServerShardState* s) const {
+  for (const ChunkSpan& c : chunks) {
+    if (absl::Status st = Step(step, lr, last_warmup, c.acc, c.off, c.n, s, c.reply); !st.ok()) {
+      return st;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Algorithm::LocalStep(uint64_t step, float lr, const float* g, uint64_t b, size_t n,
+                                  WorkerState* s) const {
+  (void)lr, (void)g, (void)b, (void)n, (void)s;
+  return absl::FailedPreconditionError(
+      absl::StrCat("step ", step, " synchronises: it is no local step"));
+}
+
+absl::StatusOr<std::unique_ptr<const Algorithm>> NewAlgorithm(const OptimizerOptions& o) {
+  if (absl::Status st = ValidateOptimizerOptions(o); !st.ok()) return st;
+  std::unique_ptr<Algorithm> a = RowOf(o.kind).make(o);
+  auto fp32 = NewCodec(CodecKind::kFp32, o.codec);
+  auto warmup = NewCodec(o.warmup_codec, o.codec);
+  auto w = NewCodec(o.worker_codec, o.codec);
+  auto s = NewCodec(o.server_codec, o.codec);
+  for (const auto* c : {&fp32, &warmup, &w, &s}) {
+    if (!c->ok()) return c->status();
+  }
+  a->fp32_ = std::move(*fp32);
+  a->warmup_codec_ = std::move(*warmup);
+  a->worker_codec_ = std::move(*w);
+  a->server_codec_ = std::move(*s);
+  return std::unique_ptr<const Algorithm>(std::move(a));
+}
+
+}  // namespace onebit

@@ -1,0 +1,111 @@
+// One optimizer in parameter-server form: its server rule (what a server
+// does with the mean of the workers' pushes for its shard) and its worker rule
+// (what a worker pushes and how it applies the reply), for both phases
+// (docs/design.md §1). Each algorithm is a subclass in a file of its own,
+// made through its row in optim/registry.h; servers, workers and the
+// reference reach it through ServerOptimizer and WorkerOptimizer
+// (optim/optimizer.h), whose contracts these calls share.
+//
+// Immutable once made, so thread-safe; the states it updates are the
+// caller's, one thread at a time per state.
+#ifndef ONEBIT_OPTIM_ALGORITHM_H_
+#define ONEBIT_OPTIM_ALGORITHM_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "compress/codec.h"
+#include "optim/options.h"
+#include "optim/registry.h"
+#include "optim/state.h"
+
+namespace onebit {
+
+class Algorithm {
+ public:
+  virtual ~Algorithm() = default;
+  Algorithm(const Algorithm&) = delete;
+  Algorithm& operator=(const Algorithm&) = delete;
+
+  const AlgorithmTraits& traits() const { return traits_; }
+  const OptimizerOptions& options() const { return o_; }
+  const Codec& fp32_codec() const { return *fp32_; }
+  // The warm-up codec for kFull steps; the worker / server codec for
+  // kCompressed ones.
+  const Codec& push_codec(StepKind kind) const {
+    return kind == StepKind::kFull ? *warmup_codec_ : *worker_codec_;
+  }
+  const Codec& reply_codec(StepKind kind) const {
+    return kind == StepKind::kFull ? *warmup_codec_ : *server_codec_;
+  }
+
+  // What step `step` sends when the state is in `phase`; by default kFull
+  // in the warm-up and kCompressed after it.
+  virtual StepKind KindOf(uint64_t step, Phase phase) const {
+    (void)step;
+    return phase == Phase::kWarmup ? StepKind::kFull : StepKind::kCompressed;
+  }
+  // Payload bytes of the reply of n elements; by default the reply codec's
+  // (none for kLocal), and at the last warm-up step m and v in fp32 after
+  // it when den_of_frozen_v (the hand-over).
+  virtual size_t ReplyBytes(StepKind kind, size_t n, bool last_warmup) const;
+  // The same for the chunk of global elements [b, b + n); by default as
+  // ReplyBytes.
+  virtual size_t ChunkReplyBytes(StepKind kind, uint64_t b, size_t n, bool last_warmup) const {
+    (void)b;
+    return ReplyBytes(kind, n, last_warmup);
+  }
+
+  // --- The server's rule (ServerOptimizer has the contracts) ---
+  // Adds the arrays of its own to a state whose x (and m, v for the Adam
+  // family) are sized; by default none.
+  virtual void InitServer(ServerShardState* s) const { (void)s; }
+  // Enters the compression phase: the base sets frozen, zeroes e and drops
+  // the freeze check's v; subclasses add theirs after calling it.
+  virtual void EnterCompression(ServerShardState* s) const;
+  virtual absl::Status Step(uint64_t step, float lr, bool last_warmup, float* acc, uint64_t off,
+                            size_t n, ServerShardState* s, uint8_t* reply) const = 0;
+  // By default Step for each chunk in turn.
+  virtual absl::Status StepShard(uint64_t step, float lr, bool last_warmup,
+                                 const std::vector<ChunkSpan>& chunks, ServerShardState* s) const;
+
+  // --- The worker's rule (WorkerOptimizer has the contracts) ---
+  // Adds the arrays of its own to a state whose x (and m̄, e for the
+  // compressing algorithms) are sized; by default none.
+  virtual void InitWorker(WorkerState* s) const { (void)s; }
+  // By default sets frozen; subclasses add theirs after calling it.
+  virtual void EnterCompression(WorkerState* s) const { s->frozen = true; }
+  virtual void BeginStep(uint64_t step, float lr, WorkerState* s) const {
+    (void)step, (void)lr, (void)s;
+  }
+  virtual void EndStep(uint64_t step, WorkerState* s) const { (void)step, (void)s; }
+  virtual absl::Status Push(uint64_t step, float lr, const float* g, uint64_t b, size_t n,
+                            WorkerState* s, uint8_t* out) const = 0;
+  // By default an error: only algorithms with kLocal steps have local steps.
+  virtual absl::Status LocalStep(uint64_t step, float lr, const float* g, uint64_t b, size_t n,
+                                 WorkerState* s) const;
+  virtual absl::Status Apply(uint64_t step, float lr, bool last_warmup, const uint8_t* reply,
+                             uint64_t b, size_t n, WorkerState* s) const = 0;
+
+ protected:
+  Algorithm(const AlgorithmTraits& traits, const OptimizerOptions& o) : traits_(traits), o_(o) {}
+
+  const AlgorithmTraits& traits_;
+  const OptimizerOptions o_;
+  std::unique_ptr<const Codec> fp32_, warmup_codec_, worker_codec_, server_codec_;
+
+ private:
+  friend absl::StatusOr<std::unique_ptr<const Algorithm>> NewAlgorithm(const OptimizerOptions& o);
+};
+
+// Validates `o` (ValidateOptimizerOptions) and makes the algorithm o.kind
+// names, with its codecs.
+absl::StatusOr<std::unique_ptr<const Algorithm>> NewAlgorithm(const OptimizerOptions& o);
+
+}  // namespace onebit
+
+#endif  // ONEBIT_OPTIM_ALGORITHM_H_

@@ -1,0 +1,159 @@
+#include "optim/momentum_family.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "optim/step_parts.h"
+#include "optim/update_kernels.h"
+
+namespace onebit {
+
+absl::Status MomentumFamily::WarmupUpdate(uint64_t step, float lr, float* d, uint64_t off, size_t n,
+                                          ServerShardState* s) const {
+  return AdamStepOnShard(o_, step, lr, d, off, n, s);
+}
+
+absl::Status MomentumFamily::MasterUpdate(uint64_t step, float lr, float* a, uint64_t off, size_t n,
+                                          ServerShardState* s) const {
+  (void)step;
+  const float* den = traits_.den_of_frozen_v ? s->den.data() + off : nullptr;
+  float* x = s->x.data() + off;
+  ForEachWeightDecay(o_, s->begin + off, n, [&](size_t p, size_t m, float wd) {
+    DeltaFromMomentum(a + p, den == nullptr ? nullptr : den + p, lr, wd, m, x + p, a + p);
+  });
+  return absl::OkStatus();
+}
+
+absl::Status MomentumFamily::Step(uint64_t step, float lr, bool last_warmup, float* acc,
+                                  uint64_t off, size_t n, ServerShardState* s,
+                                  uint8_t* reply) const {
+  float* x = s->x.data() + off;
+  if (!s->frozen) {
+    // Warm-up: the reply is Δ itself. Update and encode piece by piece, so Δ
+    // is still in L2 when it is copied out (fp32 and fp16 encode element by
+    // element: the pieces' encodings concatenate).
+    const Codec& codec = *warmup_codec_;
+    const bool exact = codec.kind() == CodecKind::kFp32;
+    constexpr size_t kPiece = 16384;
+    float* before = exact ? nullptr : Scratch(std::min(kPiece, n));
+    for (size_t p = 0; p < n; p += kPiece) {
+      const size_t m = std::min(kPiece, n - p);
+      float* d = acc + p;
+      // fp16: the master takes the rounded Δ the workers take.
+      if (!exact) std::copy(x + p, x + p + m, before);
+      if (absl::Status st = WarmupUpdate(step, lr, d, off + p, m, s); !st.ok()) return st;
+      uint8_t* out = reply + codec.EncodedSize(p);
+      absl::Status st = codec.Encode(d, m, out);
+      if (!st.ok()) return Diverged(o_, "the update", step, s->begin + off + p, st);
+      if (!exact) {
+        std::copy(before, before + m, x + p);
+        if (st = codec.DecodeAdd(out, m, 1.0f, x + p); !st.ok()) return st;
+      }
+    }
+    if (!last_warmup || !traits_.den_of_frozen_v) return absl::OkStatus();
+    // The hand-over (docs/design.md §1.1): freeze v, floored, and send m and v.
+    float* v = s->v.data() + off;
+    s->den.resize(s->x.size());
+    // With bias correction the frozen v is the corrected one, v / (1 - b2^t),
+    // divided by the same float the step itself used.
+    const float k2 = MakeAdamCoefficients(o_.beta1, o_.beta2, o_.eps, o_.weight_decay, lr,
+                                          o_.bias_correction, step)
+                         .k2;
+    for (size_t i = 0; i < n; ++i) {
+      if (o_.bias_correction) v[i] = v[i] / k2;
+      if (v[i] < o_.v_floor) {
+        v[i] = o_.v_floor;
+        ++s->floored;
+      }
+      s->den[off + i] = FrozenDenominator(v[i], o_.eps);
+    }
+    uint8_t* tail = reply + codec.EncodedSize(n);
+    std::memcpy(tail, s->m.data() + off, 4 * n);
+    std::memcpy(tail + 4 * n, v, 4 * n);
+    return absl::OkStatus();
+  }
+
+  // Compression phase: acc is the mean of the decoded pushes, a.
+  const Codec& codec = *server_codec_;
+  absl::Status st;
+  if (o_.reply == ReplyMode::kDelta) {
+    // Replicas equal the master until the first delta reply: mirror them
+    // from here (before any chunk of this step has moved the master).
+    if (s->replica.size() != s->x.size()) s->replica = s->x;
+    // The exact update on the master; reply C(Δ + e_s).
+    if (st = MasterUpdate(step, lr, acc, off, n, s); !st.ok()) return st;
+    st = EncodeMaybeWithFeedback(codec, o_.server_error_feedback, acc, s->e.data() + off, n, reply);
+    if (!st.ok()) return Diverged(o_, "the update", step, s->begin + off, st);
+    return codec.DecodeAdd(reply, n, 1.0f, s->replica.data() + off);
+  }
+  // Momentum reply: c_s = C(a + e_s); m̄ = D(c_s); x -= lr (m̄ / den + wd x).
+  const float* den = traits_.den_of_frozen_v ? s->den.data() + off : nullptr;
+  st = EncodeMaybeWithFeedback(codec, o_.server_error_feedback, acc, s->e.data() + off, n, reply);
+  if (!st.ok()) return Diverged(o_, "the averaged momentum", step, s->begin + off, st);
+  st = codec.Decode(reply, n, acc);
+  if (!st.ok()) return st;
+  ForEachWeightDecay(o_, s->begin + off, n, [&](size_t p, size_t m, float wd) {
+    ApplyMomentum(acc + p, den == nullptr ? nullptr : den + p, lr, wd, m, x + p);
+  });
+  return CheckFinite(o_, "the update", step, s->begin + off, x, n);
+}
+
+absl::Status MomentumFamily::Push(uint64_t step, float lr, const float* g, uint64_t b, size_t n,
+                                  WorkerState* s, uint8_t* out) const {
+  (void)lr;
+  if (KindOf(step, PhaseOf(*s)) == StepKind::kFull) return warmup_codec_->Encode(g + b, n, out);
+  const Codec& codec = *worker_codec_;
+  float* e = s->e.data() + b;
+  const float* y = g + b;
+  if (traits_.worker_momentum) {
+    // m_i = b1 m̄ + (1 - b1) g_i, kept in m̄ (a momentum reply overwrites it;
+    // a delta reply leaves the worker its own momentum).
+    float* m = s->mbar.data() + b;
+    UpdateMomentum(y, o_.beta1, 1.0f - o_.beta1, n, m);
+    y = m;
+  }
+  return EncodeMaybeWithFeedback(codec, o_.worker_error_feedback, y, e, n, out);
+}
+
+absl::Status MomentumFamily::ApplyWarmup(bool hand_over, const uint8_t* reply, uint64_t b, size_t n,
+                                         WorkerState* s) const {
+  // x += Δ: the same fp32 addition the server applied to its master.
+  float* x = s->x.data() + b;
+  const Codec& codec = *warmup_codec_;
+  if (!hand_over) return codec.DecodeAdd(reply, n, 1.0f, x);
+  // The hand-over: Δ, then m and v. Everything is checked before anything
+  // changes, so a bad reply leaves the state as it was.
+  const uint8_t* tail = reply + codec.EncodedSize(n);
+  absl::Status st = codec.CheckPayload(reply, n);
+  if (st.ok()) st = fp32_->CheckPayload(tail, n);
+  std::vector<float> den(n);
+  if (st.ok()) st = fp32_->Decode(tail + 4 * n, n, den.data());
+  if (st.ok()) st = HandOverDenominators(den.data(), n, b, o_.eps, den.data());
+  if (!st.ok()) return st;
+  if (s->den.size() != s->x.size()) s->den.assign(s->x.size(), 0.0f);
+  st = codec.DecodeAdd(reply, n, 1.0f, x);
+  if (st.ok()) st = fp32_->Decode(tail, n, s->mbar.data() + b);
+  if (!st.ok()) return st;  // not reached: both were checked
+  std::copy(den.begin(), den.end(), s->den.begin() + b);
+  return absl::OkStatus();
+}
+
+absl::Status MomentumFamily::Apply(uint64_t step, float lr, bool last_warmup, const uint8_t* reply,
+                                   uint64_t b, size_t n, WorkerState* s) const {
+  (void)step;
+  if (!s->frozen) return ApplyWarmup(last_warmup && traits_.den_of_frozen_v, reply, b, n, s);
+  const Codec& codec = *server_codec_;
+  float* x = s->x.data() + b;
+  if (o_.reply == ReplyMode::kDelta) return codec.DecodeAdd(reply, n, 1.0f, x);
+  float* mbar = s->mbar.data() + b;
+  absl::Status st = codec.Decode(reply, n, mbar);
+  if (!st.ok()) return st;
+  const float* den = traits_.den_of_frozen_v ? s->den.data() + b : nullptr;
+  ForEachWeightDecay(o_, b, n, [&](size_t p, size_t m, float wd) {
+    ApplyMomentum(mbar + p, den == nullptr ? nullptr : den + p, lr, wd, m, x + p);
+  });
+  return absl::OkStatus();
+}
+
+}  // namespace onebit

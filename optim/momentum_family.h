@@ -1,0 +1,57 @@
+// The rules shared by the algorithms that warm up in full precision and then
+// compress momenta (or, without a warm-up, compress from the start): sgd and
+// adam (a warm-up that never ends), onebit-adam, naive-onebit-adam and
+// ef-sgd, and the worker side of onebit-lamb (docs/design.md §1.1-§1.4).
+// Each of those files says only where it differs, through the hooks below.
+// Internal to optim/; thread-safety as Algorithm's.
+#ifndef ONEBIT_OPTIM_MOMENTUM_FAMILY_H_
+#define ONEBIT_OPTIM_MOMENTUM_FAMILY_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "optim/algorithm.h"
+
+namespace onebit {
+
+class MomentumFamily : public Algorithm {
+ public:
+  // Warm-up: Δ from the mean gradient (WarmupUpdate), replied in the warm-up
+  // codec, and at the last warm-up step the hand-over when den_of_frozen_v.
+  // Compression: a momentum reply C(a + e_s), which master and replicas
+  // apply alike, or a delta reply C(Δ + e_s) of the master's exact update
+  // (MasterUpdate).
+  absl::Status Step(uint64_t step, float lr, bool last_warmup, float* acc, uint64_t off, size_t n,
+                    ServerShardState* s, uint8_t* reply) const override;
+
+  // The gradient itself in the warm-up; after it the momentum m̄ = b1 m̄ +
+  // (1 - b1) g when worker_momentum, else the gradient, through the worker
+  // codec with error feedback.
+  absl::Status Push(uint64_t step, float lr, const float* g, uint64_t b, size_t n, WorkerState* s,
+                    uint8_t* out) const override;
+  absl::Status Apply(uint64_t step, float lr, bool last_warmup, const uint8_t* reply, uint64_t b,
+                     size_t n, WorkerState* s) const override;
+
+ protected:
+  using Algorithm::Algorithm;
+
+  // The warm-up's update of the shard-local elements [off, off + n) from
+  // the mean gradient d, which it overwrites with Δ; x += Δ. Adam by default.
+  virtual absl::Status WarmupUpdate(uint64_t step, float lr, float* d, uint64_t off, size_t n,
+                                    ServerShardState* s) const;
+  // A delta reply's exact update of the master from the mean a of the
+  // pushes, which it overwrites with Δ; x += Δ. By default the momentum step
+  // -lr (a / den + wd x), den null where the algorithm has none.
+  virtual absl::Status MasterUpdate(uint64_t step, float lr, float* a, uint64_t off, size_t n,
+                                    ServerShardState* s) const;
+  // The warm-up's reply applied by a worker: x += Δ, and with `hand_over`
+  // the m and v that follow Δ (the last warm-up step): m̄ = m, and den from
+  // v. All or nothing: a bad reply changes nothing.
+  absl::Status ApplyWarmup(bool hand_over, const uint8_t* reply, uint64_t b, size_t n,
+                           WorkerState* s) const;
+};
+
+}  // namespace onebit
+
+#endif  // ONEBIT_OPTIM_MOMENTUM_FAMILY_H_
