@@ -1,4 +1,4 @@
-// The coordinator's handlers of each RPC's request (server/coordinator.h
+// The coordinator's handlers of each RPC's request (coordinator/coordinator.h
 // CoordinatorService: Register, Heartbeat, Done, Status), called directly
 // with a default grpc::ServerContext on a fresh small job per input, as
 // gRPC would call them with the decoded request. After each call the
@@ -23,12 +23,12 @@
 #include <vector>
 
 #include "absl/time/time.h"
+#include "coordinator/coordinator.h"
 #include "fuzz/fuzz_input.h"
 #include "fuzz/fuzz_target.h"
 #include "google/protobuf/stubs/logging.h"
 #include "net/job_config.h"
 #include "net/job_settings.h"
-#include "server/coordinator.h"
 
 namespace onebit {
 namespace {

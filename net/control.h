@@ -54,7 +54,7 @@ std::vector<DecayRange> DecayRangesOf(
 
 // The most metrics rows one heartbeat, error report or Done carries (the
 // rest go with the next): what one call may carry is bounded
-// (server/control_limits.h).
+// (coordinator/control_limits.h).
 inline constexpr uint64_t kMaxMetricsPerHeartbeat = uint64_t{1} << 14;
 
 // Sends a heartbeat every `interval` from its own thread. Thread-safe.
@@ -151,6 +151,8 @@ class Heartbeater {
   const uint64_t job_id_;
   const absl::Duration interval_;
   const absl::Duration coordinator_timeout_;
+  // Set before Start() and only read after it (the thread starts after
+  // them): no lock.
   uint64_t incarnation_ = 0;
   std::string credential_;
   absl::Duration coordinator_wait_;
@@ -164,8 +166,8 @@ class Heartbeater {
   uint64_t freeze_step_ ABSL_GUARDED_BY(mu_) = 0;
   std::optional<uint64_t> end_step_ ABSL_GUARDED_BY(mu_);
   uint64_t step_ ABSL_GUARDED_BY(mu_) = 0;
-  const std::atomic<int>* stop_signal_ = nullptr;
-  bool stop_sent_ ABSL_GUARDED_BY(mu_) = false;  // the request reached the coordinator
+  const std::atomic<int>* stop_signal_ = nullptr;  // set before Start()
+  bool stop_sent_ ABSL_GUARDED_BY(mu_) = false;    // the request reached the coordinator
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::optional<uint64_t> stop_step_ ABSL_GUARDED_BY(mu_);
   uint64_t begun_ ABSL_GUARDED_BY(mu_) = 0;                // steps begun (workers)

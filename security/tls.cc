@@ -11,6 +11,7 @@
 #include <cstring>
 #include <mutex>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/escaping.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -112,8 +113,8 @@ void LogGrpc(gpr_log_func_args* a) {
     return;
   }
   static absl::Mutex mu(absl::kConstInit);
-  static uint64_t unsaid = 0;
-  static absl::Time said_at = absl::InfinitePast();
+  static uint64_t unsaid ABSL_GUARDED_BY(mu) = 0;
+  static absl::Time said_at ABSL_GUARDED_BY(mu) = absl::InfinitePast();
   absl::MutexLock l(&mu);
   const absl::Time now = absl::Now();
   ++unsaid;

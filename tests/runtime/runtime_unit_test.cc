@@ -20,6 +20,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "compress/codec.h"
+#include "coordinator/coordinator.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "models/synthetic_model.h"
@@ -30,7 +31,6 @@
 #include "net/liveness.h"
 #include "net/loss_watch.h"
 #include "net/run_folder.h"
-#include "server/coordinator.h"
 #include "tests/runtime/test_util.h"
 
 namespace onebit {

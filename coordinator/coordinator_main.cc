@@ -6,6 +6,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "coordinator/coordinator.h"
 #include "net/control.h"
 #include "net/flags.h"
 #include "net/job_config.h"
@@ -13,7 +14,6 @@
 #include "net/security_flags.h"
 #include "net/stop_signal.h"
 #include "onebit/server.h"
-#include "server/coordinator.h"
 
 ABSL_FLAG(std::string, bind_host, "0.0.0.0", "address to listen on");
 ABSL_FLAG(int32_t, port, 7070, "gRPC port; 0: any free port (see --port_file)");

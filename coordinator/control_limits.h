@@ -6,8 +6,8 @@
 // the job's size, not by what they send. Not bounded: how many connections
 // one peer opens (gRPC 1.51 has no hook for it); a burst of 1000 costs
 // about 40 MB until their handshakes fail or time out (10 s).
-#ifndef ONEBIT_SERVER_CONTROL_LIMITS_H_
-#define ONEBIT_SERVER_CONTROL_LIMITS_H_
+#ifndef ONEBIT_COORDINATOR_CONTROL_LIMITS_H_
+#define ONEBIT_COORDINATOR_CONTROL_LIMITS_H_
 
 #include <cstdint>
 
@@ -32,4 +32,4 @@ void BoundControlServer(const control::TrainingConfig& cfg, grpc::ServerBuilder*
 
 }  // namespace onebit
 
-#endif  // ONEBIT_SERVER_CONTROL_LIMITS_H_
+#endif  // ONEBIT_COORDINATOR_CONTROL_LIMITS_H_

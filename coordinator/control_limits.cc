@@ -1,4 +1,4 @@
-#include "server/control_limits.h"
+#include "coordinator/control_limits.h"
 
 #include <algorithm>
 #include <limits>

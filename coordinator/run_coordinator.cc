@@ -1,5 +1,5 @@
 // RunCoordinator (include/onebit/server.h): the coordinator's gRPC service
-// (server/coordinator.h), its watch loop, and the run folder.
+// (coordinator/coordinator.h), its watch loop, and the run folder.
 #include <malloc.h>
 
 #include <csignal>
@@ -13,6 +13,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "checkpoint/checkpoint_dir.h"
+#include "coordinator/control_limits.h"
+#include "coordinator/coordinator.h"
 #include "net/config_file.h"
 #include "net/control.h"
 #include "net/health.h"
@@ -23,8 +25,6 @@
 #include "net/stop_signal.h"
 #include "onebit/server.h"
 #include "security/tls.h"
-#include "server/control_limits.h"
-#include "server/coordinator.h"
 
 namespace onebit {
 namespace {
