@@ -30,7 +30,6 @@
 #include "coordinator/metrics_table.h"
 #include "coordinator/replica_verdict.h"
 #include "coordinator/stop_protocol.h"
-#include "net/refusal_log.h"
 #include "net/run_folder.h"
 #include "onebit/server.h"
 #include "optim/optimizer.h"
@@ -38,6 +37,7 @@
 #include "proto/control.grpc.pb.h"
 #include "security/job_secret.h"
 #include "shard/shard_map.h"
+#include "util/refusal_log.h"
 
 namespace onebit {
 

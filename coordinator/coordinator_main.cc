@@ -12,8 +12,8 @@
 #include "net/job_config.h"
 #include "net/run_folder.h"
 #include "net/security_flags.h"
-#include "net/stop_signal.h"
 #include "onebit/server.h"
+#include "util/stop_signal.h"
 
 ABSL_FLAG(std::string, bind_host, "0.0.0.0", "address to listen on");
 ABSL_FLAG(int32_t, port, 7070, "gRPC port; 0: any free port (see --port_file)");

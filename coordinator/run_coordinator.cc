@@ -20,11 +20,11 @@
 #include "net/health.h"
 #include "net/job_config.h"
 #include "net/job_settings.h"
-#include "net/refusal_log.h"
 #include "net/run_folder.h"
-#include "net/stop_signal.h"
 #include "onebit/server.h"
 #include "security/tls.h"
+#include "util/refusal_log.h"
+#include "util/stop_signal.h"
 
 namespace onebit {
 namespace {

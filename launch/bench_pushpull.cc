@@ -28,7 +28,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "net/flags.h"
-#include "net/subprocess.h"
+#include "util/subprocess.h"
 
 ABSL_FLAG(uint64_t, params, 10000000, "floats pushed and replied per worker per step");
 ABSL_FLAG(std::string, configs, "1x1,2x2,2x4", "comma-separated WORKERSxSERVERS");

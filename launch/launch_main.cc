@@ -36,9 +36,9 @@
 #include "net/job_config.h"
 #include "net/run_folder.h"
 #include "net/security_flags.h"
-#include "net/stop_signal.h"
-#include "net/subprocess.h"
 #include "security/job_secret.h"
+#include "util/stop_signal.h"
+#include "util/subprocess.h"
 
 ABSL_FLAG(std::string, out, "", "run folder (metrics.csv, summary.json, logs)");
 ABSL_FLAG(std::string, bin_dir, "", "where the onebit binaries are (default: next to this one)");

@@ -8,8 +8,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "net/liveness.h"
-#include "net/stop_signal.h"
 #include "security/tls.h"
+#include "util/stop_signal.h"
 
 namespace onebit {
 

@@ -1,7 +1,7 @@
 #include "optim/reference.h"
 
 #include "absl/strings/str_cat.h"
-#include "shard/memory.h"
+#include "util/memory.h"
 
 namespace onebit {
 

@@ -22,8 +22,8 @@
 #include "absl/time/time.h"
 #include "compress/codec.h"
 #include "net/data_plane.h"
-#include "net/refusal_log.h"
 #include "optim/optimizer.h"
+#include "util/refusal_log.h"
 #include "zmq.hpp"
 
 namespace onebit {

@@ -11,7 +11,6 @@
 #include "checkpoint/async_writer.h"
 #include "checkpoint/checkpoint_dir.h"
 #include "checkpoint/optimizer_state.h"
-#include "net/checksum.h"
 #include "net/control.h"
 #include "net/data_plane.h"
 #include "net/health.h"
@@ -20,7 +19,8 @@
 #include "onebit/server.h"
 #include "security/curve.h"
 #include "server/ps_server.h"
-#include "shard/memory.h"
+#include "util/checksum.h"
+#include "util/memory.h"
 
 namespace onebit {
 namespace {

@@ -11,8 +11,8 @@
 #include "net/data_plane.h"
 #include "net/flags.h"
 #include "net/security_flags.h"
-#include "net/stop_signal.h"
 #include "onebit/server.h"
+#include "util/stop_signal.h"
 
 ABSL_FLAG(std::string, coordinator, "", "coordinator address host:port (required)");
 ABSL_FLAG(int32_t, shard, -1, "the shard (server rank) to serve; -1: any free one");

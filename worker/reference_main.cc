@@ -13,7 +13,7 @@
 #include "net/loss_watch.h"
 #include "net/run_folder.h"
 #include "optim/reference.h"
-#include "shard/memory.h"
+#include "util/memory.h"
 
 ABSL_FLAG(std::string, out, "",
           "folder for metrics.csv, summary.json and the final x (replica_w<R>.f32, "

@@ -21,8 +21,8 @@
 #include "net/job_settings.h"
 #include "security/curve.h"
 #include "security/job_secret.h"
-#include "shard/memory.h"
 #include "tests/runtime/test_util.h"
+#include "util/memory.h"
 
 namespace onebit::testing {
 namespace {

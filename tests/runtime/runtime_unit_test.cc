@@ -24,7 +24,6 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "models/synthetic_model.h"
-#include "net/checksum.h"
 #include "net/control.h"
 #include "net/data_plane.h"
 #include "net/job_config.h"
@@ -32,6 +31,7 @@
 #include "net/loss_watch.h"
 #include "net/run_folder.h"
 #include "tests/runtime/test_util.h"
+#include "util/checksum.h"
 
 namespace onebit {
 namespace {

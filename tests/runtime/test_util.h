@@ -9,9 +9,9 @@
 #include <vector>
 
 #include "absl/time/time.h"
-#include "net/subprocess.h"
 #include "optim/optimizer.h"
 #include "proto/control.pb.h"
+#include "util/subprocess.h"
 
 namespace onebit::testing {
 

@@ -28,7 +28,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "compress/codec.h"
-#include "shard/memory.h"
+#include "util/memory.h"
 
 namespace {
 

@@ -3,8 +3,8 @@
 // shard) and the reference (everything) refuse a job too large for the
 // machine with an error naming the bytes, instead of being killed by the
 // kernel's OOM killer or dying of std::bad_alloc halfway through.
-#ifndef ONEBIT_SHARD_MEMORY_H_
-#define ONEBIT_SHARD_MEMORY_H_
+#ifndef ONEBIT_UTIL_MEMORY_H_
+#define ONEBIT_UTIL_MEMORY_H_
 
 #include <cstdint>
 #include <string>
@@ -34,4 +34,4 @@ absl::Status CheckMemory(absl::string_view what, uint64_t bytes);
 
 }  // namespace onebit
 
-#endif  // ONEBIT_SHARD_MEMORY_H_
+#endif  // ONEBIT_UTIL_MEMORY_H_

@@ -1,4 +1,4 @@
-#include "net/stop_signal.h"
+#include "util/stop_signal.h"
 
 #include <csignal>
 #include <mutex>

@@ -3,8 +3,8 @@
 // checkpoint instead of dying in the middle of a step.
 //
 // Process-wide. Thread-safe; the handler only stores the signal's number.
-#ifndef ONEBIT_NET_STOP_SIGNAL_H_
-#define ONEBIT_NET_STOP_SIGNAL_H_
+#ifndef ONEBIT_UTIL_STOP_SIGNAL_H_
+#define ONEBIT_UTIL_STOP_SIGNAL_H_
 
 #include <atomic>
 #include <string>
@@ -27,4 +27,4 @@ std::string SignalName(int sig);
 
 }  // namespace onebit
 
-#endif  // ONEBIT_NET_STOP_SIGNAL_H_
+#endif  // ONEBIT_UTIL_STOP_SIGNAL_H_

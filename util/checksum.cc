@@ -1,4 +1,4 @@
-#include "net/checksum.h"
+#include "util/checksum.h"
 
 #include <zlib.h>
 

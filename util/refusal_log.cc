@@ -1,4 +1,4 @@
-#include "net/refusal_log.h"
+#include "util/refusal_log.h"
 
 #include <cstdio>
 

@@ -1,4 +1,4 @@
-#include "shard/memory.h"
+#include "util/memory.h"
 
 #include <sys/resource.h>
 #include <unistd.h>

@@ -1,7 +1,7 @@
 // A stable checksum of parameter bytes for replicas_equal: zlib's crc32, the
 // same on every host and run (absl::Hash is seeded per process).
-#ifndef ONEBIT_NET_CHECKSUM_H_
-#define ONEBIT_NET_CHECKSUM_H_
+#ifndef ONEBIT_UTIL_CHECKSUM_H_
+#define ONEBIT_UTIL_CHECKSUM_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -12,4 +12,4 @@ uint32_t Crc32OfFloats(const float* x, size_t n);
 
 }  // namespace onebit
 
-#endif  // ONEBIT_NET_CHECKSUM_H_
+#endif  // ONEBIT_UTIL_CHECKSUM_H_

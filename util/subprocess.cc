@@ -1,4 +1,4 @@
-#include "net/subprocess.h"
+#include "util/subprocess.h"
 
 #include <signal.h>
 #include <sys/prctl.h>

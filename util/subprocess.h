@@ -6,8 +6,8 @@
 // starts with no signal blocked, whatever the parent blocks.
 // A Subprocess is not thread-safe; use it from the thread that spawned it
 // (the death signal follows that thread).
-#ifndef ONEBIT_NET_SUBPROCESS_H_
-#define ONEBIT_NET_SUBPROCESS_H_
+#ifndef ONEBIT_UTIL_SUBPROCESS_H_
+#define ONEBIT_UTIL_SUBPROCESS_H_
 
 #include <sys/types.h>
 
@@ -52,4 +52,4 @@ std::string DescribeExit(int code);
 
 }  // namespace onebit
 
-#endif  // ONEBIT_NET_SUBPROCESS_H_
+#endif  // ONEBIT_UTIL_SUBPROCESS_H_

@@ -1,8 +1,8 @@
 // Logging of refused requests with a rate limit: the first refusal is said
 // at once, later ones are counted and summed up every few seconds, so a
 // peer sending garbage cannot flood the log (or the disk under it).
-#ifndef ONEBIT_NET_REFUSAL_LOG_H_
-#define ONEBIT_NET_REFUSAL_LOG_H_
+#ifndef ONEBIT_UTIL_REFUSAL_LOG_H_
+#define ONEBIT_UTIL_REFUSAL_LOG_H_
 
 #include <cstdint>
 #include <string>
@@ -41,4 +41,4 @@ class RefusalLog {
 
 }  // namespace onebit
 
-#endif  // ONEBIT_NET_REFUSAL_LOG_H_
+#endif  // ONEBIT_UTIL_REFUSAL_LOG_H_
