@@ -1,4 +1,4 @@
-// The optimizers' state (shard/optimizer.h) in state files: a server's shard
+// The optimizers' state (optim/optimizer.h) in state files: a server's shard
 // by global range, so that a checkpoint of S servers restores onto any
 // other number of shards, and a worker's own state.
 //

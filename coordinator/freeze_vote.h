@@ -1,7 +1,7 @@
 // --freeze auto on the coordinator's side: each server reports, every
 // window of steps, how far v moved on its shard (FreezeCheck); a check is
 // decided once every server with a non-empty shard has reported it, in
-// order, by the rule of shard/reference.h AutoFreezeStep, until one fixes
+// order, by the rule of optim/reference.h AutoFreezeStep, until one fixes
 // the first compression step. Records each decided check for summary.json.
 //
 // Not thread-safe: CoordinatorService calls it under its mutex.

@@ -1,5 +1,5 @@
 // CUDA kernels: each computes what its CPU twin computes (compress/
-// kernels_scalar.cc, shard/update_kernels.cc), operation for operation.
+// kernels_scalar.cc, optim/update_kernels.cc), operation for operation.
 // Compiled with -fmad=false -prec-div=true -prec-sqrt=true -ftz=false (see
 // cuda/CMakeLists.txt), so every +, *, / and sqrtf rounds as on the CPU.
 #include <cuda_fp16.h>

@@ -1,5 +1,5 @@
 // GPU twins of the codec kernels (compress/kernels.h) and of the update loops
-// (shard/update_kernels.h). Same arguments as the CPU twins, plus a stream;
+// (optim/update_kernels.h). Same arguments as the CPU twins, plus a stream;
 // every pointer is a device pointer. Outputs equal the scalar CPU twins byte
 // for byte (docs/design.md §1.3: canonical reduction order, no FMA, no fast-math),
 // which tests/cuda/ checks element by element.
@@ -89,7 +89,7 @@ absl::StatusOr<size_t> FirstNonFinite(const float* y, const float* e, size_t n, 
 // acc += w * x.
 absl::Status Axpy(const float* x, size_t n, float w, float* acc, Stream stream);
 
-// Twins of shard/update_kernels.h: a worker's momentum update, the
+// Twins of optim/update_kernels.h: a worker's momentum update, the
 // compression-phase apply (den may be nullptr) and the warm-up Adam step (g
 // becomes the delta).
 absl::Status UpdateMomentum(const float* g, float b1, float c1, size_t n, float* m, Stream stream);

@@ -124,7 +124,7 @@ void Log(const std::string& msg) {
 }
 
 // Stop signals. SIGTERM and SIGINT are blocked in every thread of ours (the
-// children unblock them: net/subprocess.h) and taken by one thread, which
+// children unblock them: util/subprocess.h) and taken by one thread, which
 // records the first (the main thread passes it on to the coordinator as a
 // stop) and on a second one kills every process of the job at once.
 std::atomic<int> stop_signal{0};  // the first one's number; 0: none yet

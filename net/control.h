@@ -113,7 +113,7 @@ class Heartbeater {
   // sends it now; Done() carries any still queued. Thread-safe.
   void ReportCheckpointPart(const control::CheckpointPart& part);
 
-  // When *flag becomes non-zero (a signal's number, net/stop_signal.h),
+  // When *flag becomes non-zero (a signal's number, util/stop_signal.h),
   // asks the coordinator to stop the job after a checkpoint at the next
   // step boundary. Call before Start(); `flag` must outlive this.
   void WatchStopSignal(const std::atomic<int>* flag);

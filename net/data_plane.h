@@ -139,7 +139,7 @@ class ReservedPort {
 // dropped, and the caller counts it.
 bool SendOrDrop(zmq::socket_t* socket, std::vector<zmq::message_t>& frames);
 
-// zmq::poll, where a caught signal (net/stop_signal.h) interrupting the
+// zmq::poll, where a caught signal (util/stop_signal.h) interrupting the
 // wait counts as a timeout: the caller's loop looks at its flags next.
 int PollItems(zmq::pollitem_t* items, size_t n, std::chrono::milliseconds timeout);
 

@@ -37,7 +37,7 @@ struct ReferenceResult {
 };
 
 // What RunReference holds (x0, and every worker's and every shard's state)
-// and its caller must allocate first: check it (shard/memory.h) before
+// and its caller must allocate first: check it (util/memory.h) before
 // building the model and x0.
 StateSize ReferenceSize(const ReferenceOptions& options);
 

@@ -112,7 +112,7 @@ absl::Status ValidateOptimizerOptions(const OptimizerOptions& options);
 std::string DivergenceRemedy(const OptimizerOptions& o);
 
 // The fp32 arrays of n elements that a process holds for the whole job,
-// for the memory check before allocating them (shard/memory.h): at least
+// for the memory check before allocating them (util/memory.h): at least
 // this much, since buffers, snapshots and the model's own come on top.
 struct StateSize {
   uint64_t bytes = 0;

@@ -1,4 +1,4 @@
-// Tests of the optimizers (shard/optimizer.h) against the formulas of
+// Tests of the optimizers (optim/optimizer.h) against the formulas of
 // docs/design.md §1, written out here by hand, on vectors small enough to follow.
 #include "optim/optimizer.h"
 

@@ -6,7 +6,7 @@
 // into pinned memory; the reply stream copies each reply from pinned memory
 // and applies it, while the host goes on receiving the next.
 //
-// The arithmetic is CpuReplica's (shard/optimizer.h, WorkerOptimizer), kernel
+// The arithmetic is CpuReplica's (optim/optimizer.h, WorkerOptimizer), kernel
 // for kernel through the CPU twins' GPU versions, so a GPU replica equals a
 // CPU replica of the same job bit for bit (docs/design.md §1.3). Replies are
 // checked on the host, where they arrive (Codec::CheckPayload), before

@@ -1,6 +1,6 @@
 // What a worker trains: its replica of x, the optimizer state beside it and
 // the gradient of its model, wherever they live. CpuReplica keeps them in
-// host memory (shard/optimizer.h's WorkerOptimizer on a WorkerState);
+// host memory (optim/optimizer.h's WorkerOptimizer on a WorkerState);
 // DeviceReplica (worker/device_replica.h) keeps them on a GPU. PsClient drives
 // a replica chunk by chunk; every replica of a job, on any device, applies the
 // same replies with the same arithmetic, so replicas stay bitwise equal.

@@ -1,6 +1,6 @@
 // GPU kernels (cuda/kernels.h) against their CPU twins: the scalar codec
 // kernels (compress/kernels_scalar.cc, the definition) and the update loops
-// (shard/update_kernels.h). Every element must agree bit for bit, for sizes
+// (optim/update_kernels.h). Every element must agree bit for bit, for sizes
 // 0, 1, 31, 32, 33, B-1, B, B+1 and large. Skipped where no GPU is usable.
 #include "compress/kernels.h"
 

@@ -553,7 +553,7 @@ TEST(Binaries, BadDurationsAndCountsAreFlagErrors) {
 }
 
 // argv under an address-space limit (ulimit -v) of `gib` GiB, which the
-// memory check counts (shard/memory.h): the same refusal on any machine.
+// memory check counts (util/memory.h): the same refusal on any machine.
 std::vector<std::string> WithAddressLimit(int gib, const std::vector<std::string>& argv) {
   std::vector<std::string> sh = {"/bin/sh", "-c",
                                  absl::StrCat("ulimit -v ", gib << 20, " && exec \"$0\" \"$@\"")};

@@ -67,7 +67,7 @@ struct ReferenceResult {
   std::vector<uint64_t> reply_bytes;  // payload bytes per step, all workers
 };
 
-// The whole job in one process (shard/reference.h) on the synthetic model.
+// The whole job in one process (optim/reference.h) on the synthetic model.
 ReferenceResult Reference(const control::TrainingConfig& config);
 
 // The config the launcher would build from these flag values (defaults as in
