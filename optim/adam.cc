@@ -24,9 +24,7 @@ const AlgorithmRow& AdamRow() {
     r->traits.name = "adam";
     r->traits.fp16_warmup = true;
     r->traits.server_arrays = {"m", "v"};
-    r->make = [](const OptimizerOptions& o) -> std::unique_ptr<Algorithm> {
-      return std::make_unique<Adam>(AdamRow().traits, o);
-    };
+    r->make = MakeAlgorithm<Adam>;
     return r;
   }();
   return *row;

@@ -39,7 +39,8 @@ absl::Status Algorithm::LocalStep(uint64_t step, float lr, const float* g, uint6
 
 absl::StatusOr<std::unique_ptr<const Algorithm>> NewAlgorithm(const OptimizerOptions& o) {
   if (absl::Status st = ValidateOptimizerOptions(o); !st.ok()) return st;
-  std::unique_ptr<Algorithm> a = RowOf(o.kind).make(o);
+  const AlgorithmRow& row = RowOf(o.kind);
+  std::unique_ptr<Algorithm> a = row.make(row.traits, o);
   auto fp32 = NewCodec(CodecKind::kFp32, o.codec);
   auto warmup = NewCodec(o.warmup_codec, o.codec);
   auto w = NewCodec(o.worker_codec, o.codec);

@@ -61,8 +61,8 @@ class Algorithm {
   }
 
   // --- The server's rule (ServerOptimizer has the contracts) ---
-  // Adds the arrays of its own to a state whose x (and m, v for the Adam
-  // family) are sized; by default none.
+  // Sizes the arrays of its own (m and v for the Adam family) in a state
+  // whose x is sized; by default none.
   virtual void InitServer(ServerShardState* s) const { (void)s; }
   // Enters the compression phase: the base sets frozen, zeroes e and drops
   // the freeze check's v; subclasses add theirs after calling it.
@@ -101,6 +101,12 @@ class Algorithm {
  private:
   friend absl::StatusOr<std::unique_ptr<const Algorithm>> NewAlgorithm(const OptimizerOptions& o);
 };
+
+// A registry row's `make` for the algorithm class T.
+template <typename T>
+std::unique_ptr<Algorithm> MakeAlgorithm(const AlgorithmTraits& traits, const OptimizerOptions& o) {
+  return std::make_unique<T>(traits, o);
+}
 
 // Validates `o` (ValidateOptimizerOptions) and makes the algorithm o.kind
 // names, with its codecs.

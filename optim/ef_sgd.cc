@@ -25,9 +25,7 @@ const AlgorithmRow& EfSgdRow() {
     r->traits.worker_momentum = true;
     r->traits.worker_arrays = {"mbar", "e_w"};
     r->traits.server_arrays = {"e_s"};
-    r->make = [](const OptimizerOptions& o) -> std::unique_ptr<Algorithm> {
-      return std::make_unique<EfSgd>(EfSgdRow().traits, o);
-    };
+    r->make = MakeAlgorithm<EfSgd>;
     return r;
   }();
   return *row;

@@ -44,9 +44,7 @@ const AlgorithmRow& NaiveOnebitAdamRow() {
     r->traits.worker_arrays = {"mbar", "e_w"};
     r->traits.server_arrays = {"m", "v", "e_s"};
     r->validate = Validate;
-    r->make = [](const OptimizerOptions& o) -> std::unique_ptr<Algorithm> {
-      return std::make_unique<NaiveOnebitAdam>(NaiveOnebitAdamRow().traits, o);
-    };
+    r->make = MakeAlgorithm<NaiveOnebitAdam>;
     return r;
   }();
   return *row;

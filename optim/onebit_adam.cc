@@ -38,9 +38,7 @@ const AlgorithmRow& OnebitAdamRow() {
     r->traits.worker_arrays = {"mbar", "e_w", "den"};
     // e_s takes m's place at the freeze.
     r->traits.server_arrays = {"m or e_s", "v", "den"};
-    r->make = [](const OptimizerOptions& o) -> std::unique_ptr<Algorithm> {
-      return std::make_unique<OnebitAdam>(OnebitAdamRow().traits, o);
-    };
+    r->make = MakeAlgorithm<OnebitAdam>;
     return r;
   }();
   return *row;

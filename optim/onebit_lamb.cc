@@ -322,9 +322,7 @@ const AlgorithmRow& OnebitLambRow() {
     r->traits.worker_arrays = {"mbar", "e_w", "den"};
     r->traits.server_arrays = {"m", "v", "e_s", "den"};
     r->validate = Validate;
-    r->make = [](const OptimizerOptions& o) -> std::unique_ptr<Algorithm> {
-      return std::make_unique<OnebitLamb>(OnebitLambRow().traits, o);
-    };
+    r->make = MakeAlgorithm<OnebitLamb>;
     return r;
   }();
   return *row;

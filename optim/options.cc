@@ -7,9 +7,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "optim/state.h"
-#include "optim/step_parts.h"
-#include "optim/update_kernels.h"
 
 namespace onebit {
 namespace {
@@ -162,17 +159,6 @@ double FreezeCheckChange(const OptimizerOptions& o, uint64_t window, uint64_t do
                          const std::vector<float>& v, const std::vector<float>& v_before) {
   if (v_before.size() != v.size() || done <= window) return 1.0;
   return VarianceChange(v, v_before, FreezeCheckScale(o, done), FreezeCheckScale(o, done - window));
-}
-
-absl::Status HandOverDenominators(const float* v, size_t n, uint64_t first, float eps, float* den) {
-  for (size_t i = 0; i < n; ++i) {
-    if (!(v[i] >= 0)) {
-      return absl::DataLossError(
-          absl::StrCat("hand-over: negative second moment ", v[i], " at parameter ", first + i));
-    }
-  }
-  for (size_t i = 0; i < n; ++i) den[i] = FrozenDenominator(v[i], eps);
-  return absl::OkStatus();
 }
 
 }  // namespace onebit

@@ -1,6 +1,7 @@
 #include "optim/registry.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <utility>
 
 #include "absl/strings/str_cat.h"

@@ -77,8 +77,10 @@ struct AlgorithmRow {
   // What a diverged job of this algorithm should try; nullptr: the general
   // advice.
   std::string (*remedy)(const OptimizerOptions& o) = nullptr;
-  // The algorithm for options that passed ValidateOptimizerOptions.
-  std::unique_ptr<Algorithm> (*make)(const OptimizerOptions& o) = nullptr;
+  // The algorithm, with these traits, for options that passed
+  // ValidateOptimizerOptions (MakeAlgorithm<Its class>, optim/algorithm.h).
+  std::unique_ptr<Algorithm> (*make)(const AlgorithmTraits& traits,
+                                     const OptimizerOptions& o) = nullptr;
 };
 
 // Every row, in OptimizerKind's order.

@@ -33,9 +33,7 @@ const AlgorithmRow& SgdRow() {
     r->traits.kind = OptimizerKind::kSgd;
     r->traits.name = "sgd";
     r->traits.fp16_warmup = true;
-    r->make = [](const OptimizerOptions& o) -> std::unique_ptr<Algorithm> {
-      return std::make_unique<Sgd>(SgdRow().traits, o);
-    };
+    r->make = MakeAlgorithm<Sgd>;
     return r;
   }();
   return *row;

@@ -321,9 +321,7 @@ const AlgorithmRow& ZeroOneAdamRow() {
     r->traits.server_arrays = {"m", "v", "e_s", "den"};
     r->validate = Validate;
     r->remedy = Remedy;
-    r->make = [](const OptimizerOptions& o) -> std::unique_ptr<Algorithm> {
-      return std::make_unique<ZeroOneAdam>(ZeroOneAdamRow().traits, o);
-    };
+    r->make = MakeAlgorithm<ZeroOneAdam>;
     return r;
   }();
   return *row;

@@ -1,5 +1,6 @@
 // The optimizer registry: every row where its kind says, and traits that
 // agree with what the algorithm's states actually hold.
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -24,7 +25,7 @@ TEST(Registry, EveryRowSitsAtItsKindAndItsNameParsesBack) {
     EXPECT_EQ(*parsed, t.kind);
     EXPECT_EQ(OptimizerKindName(t.kind), t.name);
     EXPECT_NE(rows[i]->make, nullptr) << t.name;
-    // A layer-wise or warm-up-less algorithm still replies something.
+    // Every algorithm has a warm-up, a compression phase or both.
     EXPECT_TRUE(t.warmup || t.compression) << t.name;
   }
   // An unknown name is refused listing every known one.
