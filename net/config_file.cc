@@ -15,6 +15,7 @@
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 #include "net/job_settings.h"
+#include "optim/options.h"
 
 namespace onebit {
 namespace {
@@ -106,8 +107,7 @@ class Loader {
     Struct root;
     auto st = google::protobuf::util::JsonStringToMessage(text, &root);
     if (!st.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--config: ", path_, " is not a JSON object: ", st.ToString()));
+      return SettingError("config", absl::StrCat(path_, " is not a JSON object: ", st.ToString()));
     }
     const auto& fields = root.fields();
     // DeepSpeed's keys first, so that settings of our own win over them.
@@ -138,8 +138,8 @@ class Loader {
       for (const std::string& key : SortedKeys(section)) {
         const JobSetting* setting = FindJobSetting(key);
         if (setting == nullptr) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "--config: ", path_, ": unknown key 'onebit.", key, "' (not a job setting)"));
+          return SettingError("config", absl::StrCat(path_, ": unknown key 'onebit.", key,
+                                                     "' (not a job setting)"));
         }
         absl::Status s = Set(*setting, section.fields().at(key), "onebit." + key);
         if (!s.ok()) return s;
@@ -150,7 +150,7 @@ class Loader {
 
  private:
   absl::Status Bad(absl::string_view key, absl::string_view why) const {
-    return absl::InvalidArgumentError(absl::StrCat("--config: ", path_, ": ", key, ": ", why));
+    return SettingError("config", absl::StrCat(path_, ": ", key, ": ", why));
   }
 
   // Sets `setting` from the JSON value at `key` (a dotted path).
@@ -169,8 +169,8 @@ class Loader {
       case Value::kStructValue: {
         // {"name": value, ...}: a map setting (model_options), as its text.
         if (setting.type != SettingType::kStringMap) {
-          return absl::InvalidArgumentError(absl::StrCat("--", setting.name, ": ", path_, ": ", key,
-                                                         " must be a number, string or bool"));
+          return SettingError(setting.name,
+                              absl::StrCat(path_, ": ", key, " must be a number, string or bool"));
         }
         std::vector<std::string> items;
         for (const std::string& k : SortedKeys(v.struct_value())) {
@@ -183,13 +183,12 @@ class Loader {
           } else if (item.kind_case() == Value::kBoolValue) {
             t = item.bool_value() ? "true" : "false";
           } else {
-            return absl::InvalidArgumentError(absl::StrCat("--", setting.name, ": ", path_, ": ",
-                                                           key, ".", k,
+            return SettingError(setting.name, absl::StrCat(path_, ": ", key, ".", k,
                                                            " must be a string, number or bool"));
           }
           if (t.find(',') != t.npos || k.find_first_of(",=") != k.npos) {
-            return absl::InvalidArgumentError(absl::StrCat("--", setting.name, ": ", path_, ": ",
-                                                           key, ".", k, ": no ',' or '=' allowed"));
+            return SettingError(setting.name,
+                                absl::StrCat(path_, ": ", key, ".", k, ": no ',' or '=' allowed"));
           }
           items.push_back(absl::StrCat(k, "=", t));
         }
@@ -197,13 +196,12 @@ class Loader {
         break;
       }
       default:
-        return absl::InvalidArgumentError(absl::StrCat("--", setting.name, ": ", path_, ": ", key,
-                                                       " must be a number, string or bool"));
+        return SettingError(setting.name,
+                            absl::StrCat(path_, ": ", key, " must be a number, string or bool"));
     }
     if (absl::Status st = SetJobSetting(setting, text, config_); !st.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("--", setting.name, ": invalid value '", text,
-                                                     "' at ", path_, ": ", key, ": ",
-                                                     st.message()));
+      return SettingError(setting.name, absl::StrCat("invalid value '", text, "' at ", path_, ": ",
+                                                     key, ": ", st.message()));
     }
     given_->insert(setting.name);
     return absl::OkStatus();
@@ -277,9 +275,8 @@ class Loader {
                                      "pushes its gradient (give 1)"));
       }
     } else if (!In(key, kIgnoredDeepSpeedKeys)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--config: ", path_, ": unknown key '", key,
-                       "' (neither a job setting nor a DeepSpeed key)"));
+      return SettingError("config", absl::StrCat(path_, ": unknown key '", key,
+                                                 "' (neither a job setting nor a DeepSpeed key)"));
     }
     Ignore(key);
     return absl::OkStatus();

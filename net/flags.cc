@@ -62,10 +62,6 @@ std::string NameOf(absl::string_view arg) {
   return Normalize(arg.substr(0, arg.find('=')));
 }
 
-absl::Status FlagError(absl::string_view name, absl::string_view why) {
-  return SettingError(name, why);
-}
-
 // The job setting `name` names (also as --noname for a bool), or "".
 std::string JobSettingNamed(const std::string& name) {
   if (name == "config" || FindJobSetting(name) != nullptr) return name;
@@ -123,7 +119,7 @@ absl::Status ParseArgs(const std::vector<std::string>& args, bool use_absl, Extr
         return absl::InvalidArgumentError(absl::StrCat(
             "--", job, " is a job setting: give it to onebit-coordinator or onebit-launch"));
       }
-      return FlagError(name, "unknown flag (see --help)");
+      return SettingError(name, "unknown flag (see --help)");
     }
     if (negated) {
       value = "false";
@@ -133,27 +129,28 @@ absl::Status ParseArgs(const std::vector<std::string>& args, bool use_absl, Extr
       } else if (i + 1 < args.size()) {
         value = args[++i];
       } else {
-        return FlagError(name, "missing value");
+        return SettingError(name, "missing value");
       }
     }
     if (flag != nullptr) {
       std::string error;
       if (!flag->ParseFrom(value, &error)) {
-        return FlagError(name, absl::StrCat("invalid value '", value, "': ", error));
+        return SettingError(name, absl::StrCat("invalid value '", value, "': ", error));
       }
       // No duration flag of ours has a meaning for a negative or an endless
       // time ("-5s", "inf"): refused here, for every binary at once.
       if (auto d = flag->TryGet<absl::Duration>()) {
         if (*d < absl::ZeroDuration()) {
-          return FlagError(name, absl::StrCat("invalid value '", value, "': must not be negative"));
+          return SettingError(name,
+                              absl::StrCat("invalid value '", value, "': must not be negative"));
         }
         if (*d == absl::InfiniteDuration()) {
-          return FlagError(name, absl::StrCat("invalid value '", value, "': must be finite"));
+          return SettingError(name, absl::StrCat("invalid value '", value, "': must be finite"));
         }
       }
       absl_args->push_back(absl::StrCat("--", name, "=", value));
     } else if (absl::Status st = extra->Set(name, value); !st.ok()) {
-      return FlagError(name, st.message());
+      return SettingError(name, st.message());
     }
     specified->insert(name);
   }

@@ -206,18 +206,17 @@ absl::StatusOr<FreezeOptions> FreezeOptionsFromConfig(const control::TrainingCon
 }
 
 absl::Status ValidateConfig(const control::TrainingConfig& c) {
-  auto bad = [](absl::string_view flag, absl::string_view why) { return SettingError(flag, why); };
-  if (c.workers() < 1 || c.workers() > 4096) return bad("workers", "must be in [1, 4096]");
-  if (c.servers() < 1 || c.servers() > 1024) return bad("servers", "must be in [1, 1024]");
+  if (c.workers() < 1 || c.workers() > 4096) return SettingError("workers", "must be in [1, 4096]");
+  if (c.servers() < 1 || c.servers() > 1024) return SettingError("servers", "must be in [1, 1024]");
   if (absl::Status st = ValidateModelConfig(c); !st.ok()) return st;
   const bool external = c.model() == kExternalModel;
   // An external model's d is 0 until the workers have declared it.
   if ((!external || c.dim() > 0) && (c.dim() < 1 || c.dim() > kMaxParams)) {
-    return bad("dim", "must be in [1, 2^34]");
+    return SettingError("dim", "must be in [1, 2^34]");
   }
-  if (c.steps() < 1 && !external) return bad("steps", "must be >= 1");
+  if (c.steps() < 1 && !external) return SettingError("steps", "must be >= 1");
   if (c.block_size() < 32 || c.block_size() % 32 != 0 || c.block_size() > (1u << 24)) {
-    return bad("block_size", "must be a multiple of 32 in [32, 2^24]");
+    return SettingError("block_size", "must be a multiple of 32 in [32, 2^24]");
   }
   auto options = OptimizerOptionsFromConfig(c);
   if (!options.ok()) return options.status();
@@ -225,28 +224,29 @@ absl::Status ValidateConfig(const control::TrainingConfig& c) {
   if (!freeze.ok()) return freeze.status();
   const AlgorithmTraits& traits = TraitsOf(options->kind);
   if (traits.needs_job_length && c.steps() < 1) {
-    return bad("steps",
-               absl::StrCat(traits.name, " needs the job's length: its last step synchronises"));
+    return SettingError(
+        "steps", absl::StrCat(traits.name, " needs the job's length: its last step synchronises"));
   }
   if (traits.no_checkpoint_why != nullptr && !c.checkpoint_dir().empty()) {
-    return bad("checkpoint_dir", traits.no_checkpoint_why);
+    return SettingError("checkpoint_dir", traits.no_checkpoint_why);
   }
   if (c.chunk_elems() != 0 &&
       (c.chunk_elems() < c.block_size() || c.chunk_elems() % c.block_size() != 0 ||
        c.chunk_elems() > kMaxChunkElems)) {
-    return bad("chunk_elems",
-               "must be 0 (auto) or a positive multiple of --block_size, at most 2^24");
+    return SettingError("chunk_elems",
+                        "must be 0 (auto) or a positive multiple of --block_size, at most 2^24");
   }
-  if (c.step_timeout_ms() < 1) return bad("step_timeout", "must be >= 1ms");
-  if (c.heartbeat_timeout_ms() < 100) return bad("heartbeat_timeout", "must be >= 100ms");
+  if (c.step_timeout_ms() < 1) return SettingError("step_timeout", "must be >= 1ms");
+  if (c.heartbeat_timeout_ms() < 100) return SettingError("heartbeat_timeout", "must be >= 100ms");
   if (c.checkpoint_every() > 0 && c.checkpoint_dir().empty()) {
-    return bad("checkpoint_every", "needs --checkpoint_dir");
+    return SettingError("checkpoint_every", "needs --checkpoint_dir");
   }
-  if (c.resume() && c.checkpoint_dir().empty()) return bad("resume", "needs --checkpoint_dir");
+  if (c.resume() && c.checkpoint_dir().empty())
+    return SettingError("resume", "needs --checkpoint_dir");
   // Empty: a config made before the setting was (an old manifest's).
   if (!c.checkpoint_failure().empty() && c.checkpoint_failure() != "continue" &&
       c.checkpoint_failure() != "fail") {
-    return bad("checkpoint_failure", "must be continue or fail");
+    return SettingError("checkpoint_failure", "must be continue or fail");
   }
   return absl::OkStatus();
 }
@@ -272,11 +272,6 @@ std::vector<std::string> ConfigFlagArgs(const control::TrainingConfig& config) {
     out.push_back(absl::StrCat("--", s.name, "=", JobSettingText(s, config)));
   }
   return out;
-}
-
-std::string FlagOfError(const absl::Status& status) {
-  const std::string flag = SettingOfError(status);
-  return flag.empty() ? "config" : flag;
 }
 
 }  // namespace onebit

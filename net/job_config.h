@@ -103,10 +103,6 @@ absl::StatusOr<FreezeOptions> FreezeOptionsFromConfig(const control::TrainingCon
 // zero-one-adam, else "step:N" or the --freeze rule as given.
 std::string FreezeText(const control::TrainingConfig& config);
 
-// Extracts the flag name from a ValidateConfig/ConfigFromFlags error, for
-// ExitFlagError; "config" when none.
-std::string FlagOfError(const absl::Status& status);
-
 }  // namespace onebit
 
 #endif  // ONEBIT_NET_JOB_CONFIG_H_

@@ -181,6 +181,15 @@ TEST(DeepSpeedConfig, UnknownKeysAreRefusedNamingThem) {
   // A value of the wrong kind names the setting and where it was.
   EXPECT_THAT(ConfigError(R"({"optimizer": {"type": "Adam", "params": {"lr": "auto"}}})"),
               HasSubstr("--lr: invalid value 'auto'"));
+  // ...as data too, for whoever reports it; an unknown key is the file's.
+  auto bad = ConfigFromFlags(
+      {"--config=" +
+       WriteConfig("bad", R"({"optimizer": {"type": "Adam", "params": {"lr": "auto"}}})")});
+  EXPECT_EQ(SettingOfError(bad.status()), "lr");
+  bad = ConfigFromFlags({"--config=" + WriteConfig("bad", R"({"onebit": {"colour": "red"}})")});
+  EXPECT_EQ(SettingOfError(bad.status()), "config");
+  bad = ConfigFromFlags({"--dim=-5"});
+  EXPECT_EQ(SettingOfError(bad.status()), "dim");
 }
 
 TEST(ConfigFile, TheCommandLineWinsOverTheFileAndOursOverDeepSpeed) {

@@ -247,7 +247,7 @@ TEST(JobConfig, ValidationNamesTheFlag) {
   c = testing::MakeConfig(2, 2, 100, 3, "sgd");
   c.set_server_codec("onebit");
   EXPECT_THAT(std::string(ValidateConfig(c).message()), HasSubstr("--server_codec:"));
-  EXPECT_EQ(FlagOfError(ValidateConfig(c)), "server_codec");
+  EXPECT_EQ(SettingOfError(ValidateConfig(c)), "server_codec");
   c = testing::MakeConfig(2, 2, 100, 3, "sgd");
   c.set_checkpoint_every(5);
   EXPECT_THAT(std::string(ValidateConfig(c).message()),
