@@ -30,7 +30,7 @@
 #include "coordinator/metrics_table.h"
 #include "coordinator/replica_verdict.h"
 #include "coordinator/stop_protocol.h"
-#include "net/run_folder.h"
+#include "job/run_folder.h"
 #include "onebit/server.h"
 #include "optim/optimizer.h"
 #include "proto/checkpoint.pb.h"
@@ -124,7 +124,7 @@ class CoordinatorService final : public control::Coordinator::Service {
   std::vector<MetricsRow> MetricsRows() const ABSL_LOCKS_EXCLUDED(mu_);
   // The rows completed since the last call, in step order (a row is complete
   // once every worker reported its step); for appending to metrics.csv.
-  // Each passes the divergence watch (net/loss_watch.h), which logs a
+  // Each passes the divergence watch (job/loss_watch.h), which logs a
   // warning the first time the loss is found to have diverged.
   std::vector<MetricsRow> TakeNewRows() ABSL_LOCKS_EXCLUDED(mu_);
   // wall_s: from the cluster forming to the outcome.

@@ -6,9 +6,9 @@
 #include "absl/base/casts.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "job/config.h"
 #include "models/registry.h"
 #include "net/control.h"
-#include "net/job_config.h"
 
 namespace onebit {
 namespace {

@@ -1,5 +1,5 @@
 // The workers' metrics, step by step: each worker's report of a step, the
-// step's row once every worker has reported it (net/run_folder.h
+// step's row once every worker has reported it (job/run_folder.h
 // MetricsRow: mean loss, slowest times, summed bytes), which rows have been
 // taken for metrics.csv, and the divergence watch over them.
 //
@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "absl/functional/function_ref.h"
-#include "net/loss_watch.h"
-#include "net/run_folder.h"
+#include "job/loss_watch.h"
+#include "job/run_folder.h"
 #include "proto/control.pb.h"
 
 namespace onebit {
@@ -39,7 +39,7 @@ class MetricsTable {
   // The prior rows, then every complete row so far (step order).
   std::vector<MetricsRow> Rows(size_t workers) const;
   // The rows completed since the last call, in step order; each passes the
-  // divergence watch (net/loss_watch.h), which logs a warning naming
+  // divergence watch (job/loss_watch.h), which logs a warning naming
   // remedy() the first time the loss is found to have diverged.
   std::vector<MetricsRow> TakeNew(size_t workers, absl::FunctionRef<std::string()> remedy);
   // A roll-back: the rows not taken yet are reported again (those taken

@@ -1,5 +1,5 @@
-// The --config JSON parser (net/config_file.h) and what a binary does with
-// its result (net/job_flags.cc): LoadConfigJson over the defaults, then
+// The --config JSON parser (job/config_file.h) and what a binary does with
+// its result (job/config_flags.cc): LoadConfigJson over the defaults, then
 // ResolveConfig and ValidateConfig. A config that passes must also survive
 // forwarding (ConfigFlagArgs(): onebit-launch hands every setting the job
 // gave to the other binaries as --name=value with its resolved value): the
@@ -16,9 +16,9 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "fuzz/fuzz_target.h"
-#include "net/config_file.h"
-#include "net/job_config.h"
-#include "net/job_settings.h"
+#include "job/config.h"
+#include "job/config_file.h"
+#include "job/settings.h"
 
 namespace onebit {
 

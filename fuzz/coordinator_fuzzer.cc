@@ -27,8 +27,8 @@
 #include "fuzz/fuzz_input.h"
 #include "fuzz/fuzz_target.h"
 #include "google/protobuf/stubs/logging.h"
-#include "net/job_config.h"
-#include "net/job_settings.h"
+#include "job/config.h"
+#include "job/settings.h"
 
 namespace onebit {
 namespace {

@@ -27,7 +27,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "net/flags.h"
+#include "job/flags.h"
 #include "util/subprocess.h"
 
 ABSL_FLAG(uint64_t, params, 10000000, "floats pushed and replied per worker per step");

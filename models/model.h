@@ -40,7 +40,7 @@ class Model {
 };
 
 // The registered model named by config.model() (models/registry.h), from a
-// resolved config (net/job_config.h's ResolveConfig).
+// resolved config (job/config.h's ResolveConfig).
 absl::StatusOr<std::unique_ptr<Model>> NewModel(const control::TrainingConfig& config);
 
 }  // namespace onebit

@@ -10,7 +10,7 @@
 //     momenta), the check of its own settings and its row;
 //  3. its row's function in optim/algorithms.h and in the table of
 //     optim/registry.cc, and the file in optim/CMakeLists.txt;
-//  4. flags for settings of its own, if it has any (net/job_settings.cc),
+//  4. flags for settings of its own, if it has any (job/settings.cc),
 //     and its documentation (docs/design.md §1, README.md).
 // Nothing else names an algorithm: servers, workers, checkpoints and the
 // reference ask the traits.

@@ -7,10 +7,10 @@
 
 #include "absl/flags/flag.h"
 #include "absl/time/time.h"
+#include "job/flags.h"
+#include "job/security_flags.h"
 #include "net/control.h"
 #include "net/data_plane.h"
-#include "net/flags.h"
-#include "net/security_flags.h"
 #include "onebit/server.h"
 #include "util/stop_signal.h"
 

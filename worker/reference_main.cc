@@ -7,11 +7,11 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "job/config.h"
+#include "job/flags.h"
+#include "job/loss_watch.h"
+#include "job/run_folder.h"
 #include "models/model.h"
-#include "net/flags.h"
-#include "net/job_config.h"
-#include "net/loss_watch.h"
-#include "net/run_folder.h"
 #include "optim/reference.h"
 #include "util/memory.h"
 
@@ -27,7 +27,7 @@ int Main(int argc, char** argv) {
       argc, argv,
       "onebit-reference --workers N --servers S [--optimizer ...] [--out DIR]\n"
       "Runs the job in one process: the oracle a distributed run must equal bit for bit.");
-  // d is resolved (net/job_config.h), so the memory is checked before the
+  // d is resolved (job/config.h), so the memory is checked before the
   // model or anything else of d's size is built.
   auto layers = ModelLayerEnds(cfg);
   if (!layers.ok()) ExitError(2, std::string(layers.status().message()));

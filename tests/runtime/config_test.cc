@@ -1,5 +1,7 @@
 // The job settings: the table, the command line, --config files (ours and
 // DeepSpeed's), and which binary takes which flags.
+#include "job/config.h"
+
 #include <unistd.h>
 
 #include <fstream>
@@ -16,9 +18,8 @@
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "gtest/gtest.h"
+#include "job/settings.h"
 #include "net/control.h"
-#include "net/job_config.h"
-#include "net/job_settings.h"
 #include "security/curve.h"
 #include "security/job_secret.h"
 #include "tests/runtime/test_util.h"
@@ -221,7 +222,7 @@ TEST(JobSettings, TheTableCoversEveryTrainingConfigField) {
         EXPECT_EQ(s->type, SettingType::kDuration) << name;
       }
     }
-    EXPECT_NE(s, nullptr) << "TrainingConfig." << name << " has no row in net/job_settings.cc";
+    EXPECT_NE(s, nullptr) << "TrainingConfig." << name << " has no row in job/settings.cc";
   }
   EXPECT_EQ(JobSettings().size(), static_cast<size_t>(d->field_count()));
 }

@@ -7,7 +7,7 @@
 #include "examples/cpp/softmax.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "net/job_config.h"
+#include "job/config.h"
 #include "optim/reference.h"
 #include "tests/runtime/test_util.h"
 

@@ -18,7 +18,7 @@
 #include "cuda/device.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "net/job_config.h"
+#include "job/config.h"
 #include "optim/optimizer.h"
 #include "shard/shard_map.h"
 #include "tests/runtime/test_util.h"

@@ -23,13 +23,13 @@
 #include "coordinator/coordinator.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "job/config.h"
+#include "job/loss_watch.h"
+#include "job/run_folder.h"
 #include "models/synthetic_model.h"
 #include "net/control.h"
 #include "net/data_plane.h"
-#include "net/job_config.h"
 #include "net/liveness.h"
-#include "net/loss_watch.h"
-#include "net/run_folder.h"
 #include "tests/runtime/test_util.h"
 #include "util/checksum.h"
 
@@ -302,7 +302,7 @@ TEST(RunFolder, FloatSettingsAreWrittenAsGiven) {
   EXPECT_EQ(testing::Field(text, "diverged"), "true");
 }
 
-// The divergence rule (net/loss_watch.h) on hand-made losses.
+// The divergence rule (job/loss_watch.h) on hand-made losses.
 TEST(LossWatch, DivergedOnceTheMedianOfFiveStepsPassesAThousandTimesTheFirst) {
   LossWatch w;
   EXPECT_FALSE(w.Add(0, 2.0));  // the baseline: 1000x is 2000

@@ -71,7 +71,7 @@ struct ReferenceResult {
 ReferenceResult Reference(const control::TrainingConfig& config);
 
 // The config the launcher would build from these flag values (defaults as in
-// net/job_config.cc for the rest).
+// job/config.cc for the rest).
 control::TrainingConfig MakeConfig(uint32_t workers, uint32_t servers, uint64_t dim, uint64_t steps,
                                    const std::string& optimizer);
 

@@ -1,4 +1,4 @@
-#include "net/config_file.h"
+#include "job/config_file.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -14,7 +14,7 @@
 #include "absl/types/span.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
-#include "net/job_settings.h"
+#include "job/settings.h"
 #include "optim/options.h"
 
 namespace onebit {

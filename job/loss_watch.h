@@ -12,8 +12,8 @@
 // loss is 0 or negative is not watched.
 //
 // Not thread-safe (the coordinator holds its lock).
-#ifndef ONEBIT_NET_LOSS_WATCH_H_
-#define ONEBIT_NET_LOSS_WATCH_H_
+#ifndef ONEBIT_JOB_LOSS_WATCH_H_
+#define ONEBIT_JOB_LOSS_WATCH_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -46,4 +46,4 @@ class LossWatch {
 
 }  // namespace onebit
 
-#endif  // ONEBIT_NET_LOSS_WATCH_H_
+#endif  // ONEBIT_JOB_LOSS_WATCH_H_

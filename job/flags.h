@@ -3,11 +3,11 @@
 // unknown flag or an invalid value (for a duration flag also a negative or
 // an infinite one) exits with status 2 naming the flag; flag names may be
 // spelled with dashes (--step-timeout) or underscores
-// (--step_timeout). The job settings (net/job_settings.h) are not absl flags:
+// (--step_timeout). The job settings (job/settings.h) are not absl flags:
 // the binaries that take them pass them in as ExtraFlags, and the others
 // refuse them naming the binaries that take them.
-#ifndef ONEBIT_NET_FLAGS_H_
-#define ONEBIT_NET_FLAGS_H_
+#ifndef ONEBIT_JOB_FLAGS_H_
+#define ONEBIT_JOB_FLAGS_H_
 
 #include <set>
 #include <string>
@@ -60,4 +60,4 @@ const std::string& ProgramName();
 
 }  // namespace onebit
 
-#endif  // ONEBIT_NET_FLAGS_H_
+#endif  // ONEBIT_JOB_FLAGS_H_

@@ -4,8 +4,8 @@
 // field of the same name (a duration's field is <name>_ms), read and written
 // through protobuf reflection. No absl flags here: the worker library, which
 // users link into their programs, links this.
-#ifndef ONEBIT_NET_JOB_SETTINGS_H_
-#define ONEBIT_NET_JOB_SETTINGS_H_
+#ifndef ONEBIT_JOB_SETTINGS_H_
+#define ONEBIT_JOB_SETTINGS_H_
 
 #include <string>
 
@@ -48,4 +48,4 @@ control::TrainingConfig DefaultJobConfig();
 
 }  // namespace onebit
 
-#endif  // ONEBIT_NET_JOB_SETTINGS_H_
+#endif  // ONEBIT_JOB_SETTINGS_H_

@@ -1,4 +1,4 @@
-#include "net/job_config.h"
+#include "job/config.h"
 
 #include <cmath>
 

@@ -1,4 +1,4 @@
-#include "net/run_folder.h"
+#include "job/run_folder.h"
 
 #include <unistd.h>
 

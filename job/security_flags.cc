@@ -1,9 +1,9 @@
-#include "net/security_flags.h"
+#include "job/security_flags.h"
 
 #include <cstdlib>
 
 #include "absl/flags/flag.h"
-#include "net/flags.h"
+#include "job/flags.h"
 #include "security/job_secret.h"
 
 ABSL_FLAG(std::string, secret_file, "",

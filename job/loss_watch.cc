@@ -1,4 +1,4 @@
-#include "net/loss_watch.h"
+#include "job/loss_watch.h"
 
 #include <algorithm>
 #include <cmath>

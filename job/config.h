@@ -1,5 +1,5 @@
 // The one training config of a job (proto TrainingConfig): its settings are
-// the rows of net/job_settings.h, given as flags and/or a JSON file (--config,
+// the rows of job/settings.h, given as flags and/or a JSON file (--config,
 // which also reads DeepSpeed configs). Defined here because the coordinator
 // owns it and onebit-launch forwards it.
 //
@@ -7,8 +7,8 @@
 // optimizer and freeze options a worker needs); onebit_cli, linked only
 // by the binaries that take the job settings, has the command line and the
 // file (the functions marked so below).
-#ifndef ONEBIT_NET_JOB_CONFIG_H_
-#define ONEBIT_NET_JOB_CONFIG_H_
+#ifndef ONEBIT_JOB_CONFIG_H_
+#define ONEBIT_JOB_CONFIG_H_
 
 #include <map>
 #include <set>
@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "job/settings.h"
 #include "models/registry.h"
-#include "net/job_settings.h"
 #include "optim/optimizer.h"
 #include "proto/control.pb.h"
 #include "shard/shard_map.h"
@@ -34,7 +34,7 @@ absl::StatusOr<control::TrainingConfig> ConfigFromFlags(
     const std::vector<std::string>& args, std::vector<std::string>* ignored = nullptr);
 
 // onebit_cli: what the binaries that take the job settings start with:
-// parses the command line (net/flags.h: the binary's own flags and the job
+// parses the command line (job/flags.h: the binary's own flags and the job
 // settings) and builds the config; prints the ignored DeepSpeed keys once;
 // exits 2 naming the problem when either fails. *given (may be null): the
 // settings the command line or its --config file set.
@@ -105,4 +105,4 @@ std::string FreezeText(const control::TrainingConfig& config);
 
 }  // namespace onebit
 
-#endif  // ONEBIT_NET_JOB_CONFIG_H_
+#endif  // ONEBIT_JOB_CONFIG_H_

@@ -1,7 +1,7 @@
 // The run folder every launch writes (docs/design.md §2): metrics.csv, one row per
 // step, and summary.json.
-#ifndef ONEBIT_NET_RUN_FOLDER_H_
-#define ONEBIT_NET_RUN_FOLDER_H_
+#ifndef ONEBIT_JOB_RUN_FOLDER_H_
+#define ONEBIT_JOB_RUN_FOLDER_H_
 
 #include <cstdint>
 #include <cstdio>
@@ -43,7 +43,7 @@ struct Summary {
   uint64_t bytes_up_fp32 = 0;
   uint64_t bytes_down_fp32 = 0;
   std::optional<double> final_loss;
-  // The loss grew by orders of magnitude (net/loss_watch.h); the job may
+  // The loss grew by orders of magnitude (job/loss_watch.h); the job may
   // still be "ok".
   bool diverged = false;
   std::optional<double> test_accuracy;
@@ -142,4 +142,4 @@ std::string JsonQuote(const std::string& s);
 
 }  // namespace onebit
 
-#endif  // ONEBIT_NET_RUN_FOLDER_H_
+#endif  // ONEBIT_JOB_RUN_FOLDER_H_

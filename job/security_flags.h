@@ -1,8 +1,8 @@
 // --secret_file and --insecure, for the programs that join a job
 // (onebit-coordinator, -server, -worker) and onebit-launch. Linked only by
 // them (onebit_security_flags), so the others do not take the flags.
-#ifndef ONEBIT_NET_SECURITY_FLAGS_H_
-#define ONEBIT_NET_SECURITY_FLAGS_H_
+#ifndef ONEBIT_JOB_SECURITY_FLAGS_H_
+#define ONEBIT_JOB_SECURITY_FLAGS_H_
 
 #include <string>
 
@@ -24,4 +24,4 @@ SecurityFlags LauncherSecurityFlagsOrExit();
 
 }  // namespace onebit
 
-#endif  // ONEBIT_NET_SECURITY_FLAGS_H_
+#endif  // ONEBIT_JOB_SECURITY_FLAGS_H_

@@ -1,5 +1,5 @@
 // The job settings on the command line (onebit_cli): the functions of
-// net/job_config.h that only onebit-coordinator, onebit-launch and
+// job/config.h that only onebit-coordinator, onebit-launch and
 // onebit-reference link.
 #include <algorithm>
 #include <cstdio>
@@ -8,11 +8,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "job/config.h"
+#include "job/config_file.h"
+#include "job/flags.h"
+#include "job/settings.h"
 #include "models/registry.h"
-#include "net/config_file.h"
-#include "net/flags.h"
-#include "net/job_config.h"
-#include "net/job_settings.h"
 
 namespace onebit {
 namespace {

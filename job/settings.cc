@@ -1,4 +1,4 @@
-#include "net/job_settings.h"
+#include "job/settings.h"
 
 #include <cstdint>
 #include <limits>

@@ -5,8 +5,8 @@
 // here (the optimizer section), ignored where they do not (batch sizes,
 // logging, fp16 switched off), and refused where they contradict this job
 // (ZeRO, fp16/bf16 on, gradient clipping or accumulation).
-#ifndef ONEBIT_NET_CONFIG_FILE_H_
-#define ONEBIT_NET_CONFIG_FILE_H_
+#ifndef ONEBIT_JOB_CONFIG_FILE_H_
+#define ONEBIT_JOB_CONFIG_FILE_H_
 
 #include <set>
 #include <string>
@@ -30,4 +30,4 @@ absl::Status LoadConfigJson(const std::string& json, const std::string& where,
 
 }  // namespace onebit
 
-#endif  // ONEBIT_NET_CONFIG_FILE_H_
+#endif  // ONEBIT_JOB_CONFIG_FILE_H_

@@ -1,4 +1,4 @@
-#include "net/flags.h"
+#include "job/flags.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -13,7 +13,7 @@
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
-#include "net/job_settings.h"
+#include "job/settings.h"
 #include "optim/options.h"
 
 namespace onebit {
