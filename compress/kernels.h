@@ -1,6 +1,6 @@
 // Inner loops of the codecs, one table per instruction set. Internal to
 // compress/: the Codec classes validate and drive them. Every table produces
-// identical bytes; tests/compress_test.cc holds them to it. The CUDA twins in
+// identical bytes; tests/compress/compress_test.cc holds them to it. The CUDA twins in
 // cuda/ follow the same signatures and the same canonical reduction order.
 //
 // Conventions: n elements; z = y + e elementwise when e != nullptr, else z = y;

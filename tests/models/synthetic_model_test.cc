@@ -160,5 +160,29 @@ TEST(SyntheticModel, SkipLeavesGradientAlone) {
   EXPECT_EQ(g, std::vector<float>(10, 7.0f));
 }
 
+TEST(SyntheticModel, DeterministicPerSeedRankStep) {
+  SyntheticModel m({1000, 3, 0.5f, false});
+  std::vector<float> x(1000), g1(1000), g2(1000), g3(1000);
+  m.Init(x.data());
+  auto l1 = m.Gradient(x.data(), 1, 5, g1.data());
+  auto l2 = m.Gradient(x.data(), 1, 5, g2.data());
+  m.Gradient(x.data(), 2, 5, g3.data()).IgnoreError();
+  ASSERT_TRUE(l1.ok() && l2.ok());
+  EXPECT_EQ(*l1, *l2);
+  EXPECT_EQ(std::memcmp(g1.data(), g2.data(), 4000), 0);
+  EXPECT_NE(std::memcmp(g1.data(), g3.data(), 4000), 0);  // per-rank noise
+  for (float v : x) {
+    EXPECT_GE(v, -1.0f);
+    EXPECT_LT(v, 1.0f);
+  }
+  // Without noise, the gradient is a (x - c) with a in [0.5, 1.5): descending
+  // along it lowers the loss.
+  SyntheticModel quiet({1000, 3, 0.0f, false});
+  std::vector<float> g(1000);
+  const double before = *quiet.Gradient(x.data(), 0, 0, g.data());
+  for (size_t i = 0; i < x.size(); ++i) x[i] -= 0.5f * g[i];
+  EXPECT_LT(*quiet.Gradient(x.data(), 0, 1, g.data()), 0.5 * before);
+}
+
 }  // namespace
 }  // namespace onebit

@@ -29,7 +29,7 @@
 #include "security/curve.h"
 #include "security/job_secret.h"
 #include "security/tls.h"
-#include "tests/runtime/test_util.h"
+#include "tests/cluster/test_util.h"
 #include "zmq.hpp"
 #include "zmq_addon.hpp"
 

@@ -1,15 +1,19 @@
-// Helpers for the runtime tests: running the binaries, reading run folders,
+// Helpers for the tests: running the binaries, reading run folders,
+// in-process coordinators on loopback,
 // and the single-process reference of a job (the oracle of docs/design.md §1.5
 // for sgd/adam: same model, same codecs, same update rule, same order).
-#ifndef ONEBIT_TESTS_RUNTIME_TEST_UTIL_H_
-#define ONEBIT_TESTS_RUNTIME_TEST_UTIL_H_
+#ifndef ONEBIT_TESTS_CLUSTER_TEST_UTIL_H_
+#define ONEBIT_TESTS_CLUSTER_TEST_UTIL_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
 #include "optim/optimizer.h"
+#include "proto/control.grpc.pb.h"
 #include "proto/control.pb.h"
 #include "util/subprocess.h"
 
@@ -78,6 +82,25 @@ control::TrainingConfig MakeConfig(uint32_t workers, uint32_t servers, uint64_t 
 // Flags for onebit-launch / onebit-coordinator that express `config`.
 std::vector<std::string> ConfigArgs(const control::TrainingConfig& config);
 
+// A socket listening on 127.0.0.1, and a port on which nothing listens
+// (bound, then closed: nothing else on this machine takes it that fast).
+struct Ports {
+  int listening_fd = -1;
+  std::string listening, gone;
+  Ports();
+  ~Ports();
+};
+
+// A coordinator service served on a free loopback port, and a stub to it
+// (server null when it could not listen).
+struct LocalCoordinator {
+  std::unique_ptr<grpc::Server> server;
+  std::string target;
+  std::unique_ptr<control::Coordinator::Stub> stub;
+};
+
+LocalCoordinator ServeLocally(control::Coordinator::Service* svc);
+
 }  // namespace onebit::testing
 
-#endif  // ONEBIT_TESTS_RUNTIME_TEST_UTIL_H_
+#endif  // ONEBIT_TESTS_CLUSTER_TEST_UTIL_H_

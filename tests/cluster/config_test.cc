@@ -22,7 +22,7 @@
 #include "net/control.h"
 #include "security/curve.h"
 #include "security/job_secret.h"
-#include "tests/runtime/test_util.h"
+#include "tests/cluster/test_util.h"
 #include "util/memory.h"
 
 namespace onebit::testing {

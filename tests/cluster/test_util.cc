@@ -1,6 +1,9 @@
-#include "tests/runtime/test_util.h"
+#include "tests/cluster/test_util.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -235,5 +238,41 @@ std::string SecretFile() {
 }
 
 std::string SecretFlag() { return "--secret_file=" + SecretFile(); }
+
+Ports::Ports() {
+  auto bound = [](bool listen_too, int* port) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+    if (listen_too) EXPECT_EQ(listen(fd, 128), 0);  // never accepted: room for every probe
+    socklen_t len = sizeof(a);
+    getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+    *port = ntohs(a.sin_port);
+    return fd;
+  };
+  int port = 0;
+  listening_fd = bound(true, &port);
+  listening = absl::StrCat("127.0.0.1:", port);
+  close(bound(false, &port));
+  gone = absl::StrCat("127.0.0.1:", port);
+}
+
+Ports::~Ports() { close(listening_fd); }
+
+LocalCoordinator ServeLocally(control::Coordinator::Service* svc) {
+  LocalCoordinator local;
+  int port = 0;
+  grpc::ServerBuilder b;
+  b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  b.RegisterService(svc);
+  local.server = b.BuildAndStart();
+  if (port <= 0) local.server.reset();
+  local.target = absl::StrCat("127.0.0.1:", port);
+  local.stub = control::Coordinator::NewStub(
+      grpc::CreateChannel(local.target, grpc::InsecureChannelCredentials()));
+  return local;
+}
 
 }  // namespace onebit::testing

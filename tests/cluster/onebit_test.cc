@@ -21,7 +21,7 @@
 #include "job/config.h"
 #include "optim/optimizer.h"
 #include "shard/shard_map.h"
-#include "tests/runtime/test_util.h"
+#include "tests/cluster/test_util.h"
 
 namespace onebit::testing {
 namespace {

@@ -10,7 +10,7 @@
 #include "gtest/gtest.h"
 #include "onebit/server.h"
 #include "onebit/worker.h"
-#include "tests/runtime/test_util.h"
+#include "tests/cluster/test_util.h"
 
 namespace onebit::testing {
 namespace {

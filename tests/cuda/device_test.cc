@@ -1,10 +1,11 @@
 // Tests for GPU discovery (cuda/device.h): it never crashes, agrees with the
 // build, and on a machine without a GPU says 0 and why.
+#include "cuda/device.h"
+
 #include <sys/stat.h>
 
 #include <string>
 
-#include "cuda/device.h"
 #include "gtest/gtest.h"
 
 namespace onebit::cuda {

@@ -28,7 +28,7 @@
 #include "net/health.h"
 #include "security/curve.h"
 #include "security/job_secret.h"
-#include "tests/runtime/test_util.h"
+#include "tests/cluster/test_util.h"
 #include "util/checksum.h"
 #include "zmq.hpp"
 #include "zmq_addon.hpp"

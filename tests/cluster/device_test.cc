@@ -14,7 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/runtime/test_util.h"
+#include "tests/cluster/test_util.h"
 
 namespace onebit::testing {
 namespace {

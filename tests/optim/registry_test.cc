@@ -1,5 +1,7 @@
 // The optimizer registry: every row where its kind says, and traits that
 // agree with what the algorithm's states actually hold.
+#include "optim/registry.h"
+
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -8,7 +10,6 @@
 #include "gtest/gtest.h"
 #include "optim/optimizer.h"
 #include "optim/reference.h"
-#include "optim/registry.h"
 
 namespace onebit {
 namespace {

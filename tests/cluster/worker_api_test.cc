@@ -1,5 +1,5 @@
 // The library's Worker (include/onebit/worker.h) driven by a user's program
-// (tests/runtime/api_worker.cc) on real clusters through onebit-launch
+// (tests/cluster/api_worker.cc) on real clusters through onebit-launch
 // --worker_cmd: the broadcast of rank 0's parameters, declared parameter
 // counts, gradients released in pieces, and the per-step learning rate.
 #include <string>
@@ -8,7 +8,7 @@
 #include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/runtime/test_util.h"
+#include "tests/cluster/test_util.h"
 
 namespace onebit::testing {
 namespace {

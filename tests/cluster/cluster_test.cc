@@ -14,7 +14,7 @@
 #include "net/data_plane.h"
 #include "optim/optimizer.h"
 #include "shard/shard_map.h"
-#include "tests/runtime/test_util.h"
+#include "tests/cluster/test_util.h"
 
 namespace onebit::testing {
 namespace {

@@ -9,7 +9,7 @@
 #include "gtest/gtest.h"
 #include "job/config.h"
 #include "optim/reference.h"
-#include "tests/runtime/test_util.h"
+#include "tests/cluster/test_util.h"
 
 namespace onebit::testing {
 namespace {

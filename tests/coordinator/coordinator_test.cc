@@ -1,0 +1,239 @@
+// The coordinator service (coordinator/coordinator.h) driven in-process:
+// metrics rows, Done, the replica verdict, and how it tells a slow process
+// from a dead one.
+#include "coordinator/coordinator.h"
+
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/cluster/test_util.h"
+
+namespace onebit {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::Ports;
+
+// A job of 1 server and 1 worker on d = 100 (two shards' worth of checks
+// come from one server's map), registered; the replies by role.
+struct Formed {
+  std::unique_ptr<CoordinatorService> svc;
+  control::RegisterReply server, worker;
+};
+Formed FormOneByOne() {
+  Formed f;
+  f.svc = std::make_unique<CoordinatorService>(testing::MakeConfig(1, 1, 100, 10, "sgd"),
+                                               std::set<std::string>{}, 42, absl::Seconds(10),
+                                               Security{});
+  std::thread t([&] {
+    grpc::ServerContext ctx;
+    control::RegisterRequest req;
+    req.set_role(control::SERVER);
+    req.set_requested_rank(0);
+    req.set_data_endpoint("tcp://example:1");
+    EXPECT_TRUE(f.svc->Register(&ctx, &req, &f.server).ok());
+  });
+  grpc::ServerContext ctx;
+  control::RegisterRequest req;
+  req.set_role(control::WORKER);
+  req.set_requested_rank(0);
+  EXPECT_TRUE(f.svc->Register(&ctx, &req, &f.worker).ok());
+  t.join();
+  return f;
+}
+
+TEST(CoordinatorService, MetricsOfStepsNotRunAreRefused) {
+  Formed f = FormOneByOne();
+  grpc::ServerContext ctx;
+  control::HeartbeatRequest hb;
+  hb.set_role(control::WORKER);
+  hb.set_job_id(42);
+  hb.set_credential(f.worker.credential());
+  hb.set_step(2);  // steps 0 and 1 are done
+  for (uint64_t step : {0, 1, 2, 3, 9, 500000}) {
+    control::StepMetrics* m = hb.add_metrics();
+    m->set_step(step);
+    m->set_loss(1);
+  }
+  control::HeartbeatReply reply;
+  ASSERT_TRUE(f.svc->Heartbeat(&ctx, &hb, &reply).ok());
+  std::vector<uint64_t> steps;
+  for (const MetricsRow& r : f.svc->MetricsRows()) steps.push_back(r.step);
+  // Step 2's row may come with the count of 2 (sampled just before it); no later one.
+  EXPECT_EQ(steps, (std::vector<uint64_t>{0, 1, 2}));
+}
+
+TEST(CoordinatorService, DoneMustCoverTheShardMapAndCarryItsCredential) {
+  Formed f = FormOneByOne();
+  auto done = [&](control::Role role, const std::string& credential,
+                  const std::vector<std::pair<uint64_t, uint64_t>>& ranges) {
+    grpc::ServerContext ctx;
+    control::DoneRequest req;
+    req.set_role(role);
+    req.set_job_id(42);
+    req.set_credential(credential);
+    req.set_steps(10);
+    for (auto [b, e] : ranges) {
+      control::ShardChecksum* c = req.add_checksums();
+      c->set_begin(b);
+      c->set_end(e);
+    }
+    control::DoneReply reply;
+    return f.svc->Done(&ctx, &req, &reply);
+  };
+  EXPECT_EQ(done(control::WORKER, "", {{0, 100}}).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(done(control::WORKER, f.server.credential(), {{0, 100}}).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);  // the server's, not the worker's
+  for (const auto& ranges : std::vector<std::vector<std::pair<uint64_t, uint64_t>>>{
+           {}, {{0, 50}}, {{0, 100}, {0, 100}}, {{0, 101}}}) {
+    grpc::Status st = done(control::WORKER, f.worker.credential(), ranges);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << ranges.size();
+    EXPECT_THAT(st.error_message(), HasSubstr("Done of worker 0: ")) << st.error_message();
+  }
+  EXPECT_EQ(f.svc->state(), CoordinatorService::State::kRunning);  // nothing counted
+  EXPECT_TRUE(done(control::WORKER, f.worker.credential(), {{0, 100}}).ok());
+  EXPECT_TRUE(done(control::SERVER, f.server.credential(), {{0, 100}}).ok());
+  EXPECT_EQ(f.svc->state(), CoordinatorService::State::kFinished);
+}
+
+TEST(CoordinatorService, ReplicasEqualOnlyWhenEveryChecksumMatches) {
+  for (bool corrupt : {false, true}) {
+    control::TrainingConfig cfg = testing::MakeConfig(2, 1, 100, 1, "sgd");
+    CoordinatorService svc(cfg, {}, 42, absl::Seconds(10), Security{});
+    std::vector<std::thread> threads;
+    std::vector<control::RegisterReply> replies(3);
+    for (int i = 0; i < 3; ++i) {
+      threads.emplace_back([&, i] {
+        grpc::ServerContext ctx;
+        control::RegisterRequest req;
+        req.set_role(i == 0 ? control::SERVER : control::WORKER);
+        req.set_requested_rank(i == 0 ? 0 : i - 1);
+        req.set_data_endpoint("tcp://example:1");
+        EXPECT_TRUE(svc.Register(&ctx, &req, &replies[i]).ok());
+        EXPECT_EQ(replies[i].job_id(), 42u);
+      });
+    }
+    for (auto& t : threads) t.join();
+    EXPECT_EQ(svc.state(), CoordinatorService::State::kRunning);
+    for (int i = 0; i < 3; ++i) {
+      grpc::ServerContext ctx;
+      control::DoneRequest req;
+      req.set_role(i == 0 ? control::SERVER : control::WORKER);
+      req.set_rank(i == 0 ? 0 : i - 1);
+      req.set_job_id(42);
+      req.set_credential(replies[i].credential());
+      auto* c = req.add_checksums();
+      c->set_shard(0);
+      c->set_end(100);
+      c->set_crc32(corrupt && i == 2 ? 7 : 1234);
+      control::DoneReply reply;
+      EXPECT_TRUE(svc.Done(&ctx, &req, &reply).ok());
+    }
+    EXPECT_EQ(svc.state(), CoordinatorService::State::kFinished);
+    EXPECT_EQ(svc.MakeSummary().replicas_equal, !corrupt);
+  }
+}
+
+// Registers server 0 ("tcp://s0:5") and worker 0 (no data endpoint, its
+// health endpoint `worker_health`), both of host w0host, at once (the
+// cluster forms when both are in); returns their replies.
+std::vector<control::RegisterReply> RegisterServerAndWorker(CoordinatorService* svc,
+                                                            const std::string& worker_health) {
+  std::vector<std::thread> threads;
+  std::vector<control::RegisterReply> replies(2);
+  for (int i = 0; i < 2; ++i) {
+    threads.emplace_back([&, i] {
+      grpc::ServerContext ctx;
+      control::RegisterRequest req;
+      req.set_role(i == 0 ? control::SERVER : control::WORKER);
+      req.set_requested_rank(0);
+      req.set_data_endpoint(i == 0 ? "tcp://s0:5" : "");
+      req.set_host("w0host");
+      if (i == 1) req.set_health_endpoint(worker_health);
+      EXPECT_TRUE(svc->Register(&ctx, &req, &replies[i]).ok());
+    });
+  }
+  for (auto& t : threads) t.join();
+  return replies;
+}
+
+// A heartbeat of server 0 (job 42) with `credential`; the reply.
+control::HeartbeatReply BeatAsServer(CoordinatorService* svc, const std::string& credential) {
+  grpc::ServerContext ctx;
+  control::HeartbeatRequest hb;
+  hb.set_role(control::SERVER);
+  hb.set_job_id(42);
+  hb.set_credential(credential);
+  control::HeartbeatReply reply;
+  EXPECT_TRUE(svc->Heartbeat(&ctx, &hb, &reply).ok());
+  return reply;
+}
+
+// A worker that falls silent but still listens at its health endpoint (a
+// starved process, a slow start) gets kSlowFactor (6) times the heartbeat
+// timeout; one whose endpoint refuses connections is presumed dead at the
+// timeout, as before the probe.
+TEST(CoordinatorService, ASilentProcessThatStillListensIsSlowNotDead) {
+  Ports ports;
+  for (const bool listening : {true, false}) {
+    SCOPED_TRACE(listening ? "still listening" : "gone");
+    control::TrainingConfig cfg = testing::MakeConfig(1, 1, 100, 1, "sgd");
+    cfg.set_heartbeat_timeout_ms(1000);
+    CoordinatorService svc(cfg, {}, 42, absl::Seconds(10), Security{});
+    const absl::Time start = absl::Now();  // no later than the worker was last seen
+    const std::vector<control::RegisterReply> replies =
+        RegisterServerAndWorker(&svc, listening ? ports.listening : ports.gone);
+    absl::Duration failed_after = absl::InfiniteDuration();
+    while (absl::Now() - start < absl::Seconds(20)) {
+      absl::SleepFor(absl::Milliseconds(20));
+      BeatAsServer(&svc, replies[0].credential());  // the server keeps beating
+      svc.Tick();
+      if (svc.state() == CoordinatorService::State::kFailed) {
+        failed_after = absl::Now() - start;  // an upper bound on the worker's silence
+        break;
+      }
+    }
+    ASSERT_EQ(svc.state(), CoordinatorService::State::kFailed);
+    if (listening) {
+      EXPECT_GE(failed_after, absl::Seconds(6)) << "declared dead while it still listened";
+      EXPECT_THAT(svc.reason(),
+                  HasSubstr("worker 0 (w0host) sent no heartbeat for 6s, although it still "
+                            "listens at its health endpoint (hung?): presumed dead"));
+    } else {
+      EXPECT_LT(failed_after, absl::Seconds(6)) << "a gone process waited for as a slow one";
+      EXPECT_THAT(svc.reason(),
+                  HasSubstr("worker 0 (w0host) sent no heartbeat for 1s: presumed dead"));
+    }
+  }
+}
+
+TEST(CoordinatorService, SilentProcessIsDeclaredDeadByName) {
+  control::TrainingConfig cfg = testing::MakeConfig(1, 1, 100, 1, "sgd");
+  cfg.set_heartbeat_timeout_ms(100);
+  CoordinatorService svc(cfg, {}, 42, absl::Seconds(10), Security{});
+  const std::vector<control::RegisterReply> replies = RegisterServerAndWorker(&svc, "");
+  // The server keeps beating, each beat just before the coordinator's check
+  // (so a loaded machine's pauses fall between a check and the next beat);
+  // the worker falls silent. Until the 100 ms run out, at most 10 s.
+  const absl::Time start = absl::Now();
+  while (svc.state() != CoordinatorService::State::kFailed &&
+         absl::Now() - start < absl::Seconds(10)) {
+    absl::SleepFor(absl::Milliseconds(30));
+    BeatAsServer(&svc, replies[0].credential());
+    svc.Tick();
+  }
+  EXPECT_EQ(svc.state(), CoordinatorService::State::kFailed);
+  EXPECT_THAT(svc.reason(), HasSubstr("worker 0 (w0host) sent no heartbeat"));
+  const control::HeartbeatReply reply = BeatAsServer(&svc, replies[0].credential());
+  EXPECT_EQ(reply.command(), control::ABORT);
+  EXPECT_THAT(reply.reason(), HasSubstr("worker 0"));
+}
+
+}  // namespace
+}  // namespace onebit

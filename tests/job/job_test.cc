@@ -1,0 +1,202 @@
+// A job's settings and run folder (job/): validation that names the flag,
+// summary.json and metrics.csv written and read back, the loss watch.
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "job/config.h"
+#include "job/loss_watch.h"
+#include "job/run_folder.h"
+#include "tests/cluster/test_util.h"
+
+namespace onebit {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(JobConfig, ValidationNamesTheFlag) {
+  control::TrainingConfig c = testing::MakeConfig(2, 2, 100, 3, "sgd");
+  EXPECT_TRUE(ValidateConfig(c).ok()) << ValidateConfig(c);
+  c.set_chunk_elems(100);
+  EXPECT_THAT(std::string(ValidateConfig(c).message()), HasSubstr("--chunk_elems:"));
+  c = testing::MakeConfig(2, 2, 100, 3, "sgd");
+  c.set_block_size(48);
+  EXPECT_THAT(std::string(ValidateConfig(c).message()), HasSubstr("--block_size:"));
+  c = testing::MakeConfig(2, 2, 100, 3, "sgd");
+  c.set_server_codec("onebit");
+  EXPECT_THAT(std::string(ValidateConfig(c).message()), HasSubstr("--server_codec:"));
+  EXPECT_EQ(SettingOfError(ValidateConfig(c)), "server_codec");
+  c = testing::MakeConfig(2, 2, 100, 3, "sgd");
+  c.set_checkpoint_every(5);
+  EXPECT_THAT(std::string(ValidateConfig(c).message()),
+              HasSubstr("--checkpoint_every: needs --checkpoint_dir"));
+}
+
+// summary.json parses as JSON whatever the numbers (NaN, infinities, huge).
+TEST(RunFolder, SummaryIsValidJsonWhateverTheNumbers) {
+  const std::string dir = testing::TempDir("summary_json");
+  Summary s;
+  s.final_loss = std::numeric_limits<double>::infinity();
+  s.test_loss = std::nan("");
+  s.wall_s = 1.5;
+  s.status = "failed: \"quoted\"\n";
+  ASSERT_TRUE(WriteSummaryJson(dir + "/summary.json", s).ok());
+  const std::string text = testing::ReadFile(dir + "/summary.json");
+  EXPECT_THAT(text, HasSubstr("\"final_loss\": null,"));
+  EXPECT_THAT(text, HasSubstr("\"test_loss\": null,"));
+  EXPECT_THAT(text, HasSubstr("\"wall_s\": 1.5,"));
+  EXPECT_THAT(text, HasSubstr("\"status\": \"failed: \\\"quoted\\\"\\n\""));
+  EXPECT_THAT(text, ::testing::Not(HasSubstr("inf")));
+  EXPECT_THAT(text, ::testing::Not(HasSubstr("nan")));
+  // Not finished (status not ok): a new job may use the folder.
+  EXPECT_TRUE(CheckNotFinished(dir).ok());
+  s.status = "ok";
+  ASSERT_TRUE(WriteSummaryJson(dir + "/summary.json", s).ok());
+  absl::Status st = CheckNotFinished(dir);
+  EXPECT_THAT(std::string(st.message()),
+              HasSubstr(dir + "/summary.json is a finished job's (status ok): not overwriting"));
+  EXPECT_TRUE(CheckNotFinished(dir + "/nothing-here").ok());
+}
+
+// fp32 settings are written as the user typed them: the shortest text that
+// reads back as the same float, not its exact binary value.
+TEST(RunFolder, FloatSettingsAreWrittenAsGiven) {
+  const std::string dir = testing::TempDir("summary_floats");
+  Summary s;
+  s.lr = 2e-3f;  // exactly 0.0020000000949949026
+  s.v_floor = 1e-8f;
+  ASSERT_TRUE(WriteSummaryJson(dir + "/summary.json", s).ok());
+  std::string text = testing::ReadFile(dir + "/summary.json");
+  EXPECT_EQ(testing::Field(text, "lr"), "0.002");
+  EXPECT_EQ(testing::Field(text, "v_floor"), "1e-08");
+  EXPECT_EQ(testing::Field(text, "diverged"), "false");
+  s.lr = 0.1234567f;  // 7 digits needed
+  s.v_floor = 0;
+  s.diverged = true;
+  ASSERT_TRUE(WriteSummaryJson(dir + "/summary.json", s).ok());
+  text = testing::ReadFile(dir + "/summary.json");
+  EXPECT_EQ(testing::Field(text, "lr"), "0.1234567");
+  EXPECT_EQ(testing::Field(text, "v_floor"), "0");
+  EXPECT_EQ(testing::Field(text, "diverged"), "true");
+}
+
+// The divergence rule (job/loss_watch.h) on hand-made losses.
+TEST(LossWatch, DivergedOnceTheMedianOfFiveStepsPassesAThousandTimesTheFirst) {
+  LossWatch w;
+  EXPECT_FALSE(w.Add(0, 2.0));  // the baseline: 1000x is 2000
+  // One spike, or two, leave the median of five below 2000.
+  for (uint64_t t = 1; t <= 5; ++t) EXPECT_FALSE(w.Add(t, t % 3 == 0 ? 1e9 : 1.0)) << t;
+  EXPECT_FALSE(w.Add(6, 1e9));  // steps 2-6: 1, 1e9, 1, 1, 1e9
+  EXPECT_FALSE(w.diverged());
+  EXPECT_FALSE(w.Add(7, std::nan("")));  // no loss reported: skipped
+  EXPECT_FALSE(w.Add(8, 2000.0));        // steps 3-8: 1e9, 1, 1, 1e9, 2000: median 2000
+  EXPECT_FALSE(w.Add(9, 3000.0));        // 1, 1, 1e9, 2000, 3000: median 2000, not above
+  EXPECT_FALSE(w.diverged());
+  const std::optional<std::string> warning = w.Add(10, 5000.0);  // 1, 1e9, 2000, 3000, 5000
+  ASSERT_TRUE(warning.has_value());
+  EXPECT_EQ(*warning,
+            "the loss diverged: its median over steps 5-10 is 3000, more than 1000x step 0's 2 "
+            "(summary.json will say \"diverged\": true)");
+  EXPECT_TRUE(w.diverged());
+  EXPECT_FALSE(w.Add(11, 1e12)) << "warned once";
+
+  LossWatch from_start;  // too large a learning rate: no calm step after the first
+  from_start.Add(0, 0.33);
+  for (uint64_t t = 1; t < 5; ++t) EXPECT_FALSE(from_start.Add(t, 4e12));
+  EXPECT_TRUE(from_start.Add(5, 248.0).has_value());  // median 4e12
+
+  LossWatch not_positive;  // a first loss of 0 (or below) gives no scale
+  not_positive.Add(0, 0.0);
+  for (uint64_t t = 1; t < 10; ++t) EXPECT_FALSE(not_positive.Add(t, 1e30));
+  EXPECT_FALSE(not_positive.diverged());
+}
+
+// A resumed job keeps the rows before its checkpoint: read back as written,
+// a line a crash cut short dropped, another file refused by name.
+TEST(RunFolder, MetricsCsvReadsBackWhatWasWritten) {
+  const std::string dir = testing::TempDir("metrics_read");
+  const std::string path = dir + "/metrics.csv";
+  MetricsRow a;
+  a.step = 0;
+  a.phase = "warmup";
+  a.loss = 2.5;
+  a.wall_s = 0.125;
+  a.bytes_up = 1234;
+  a.bytes_down = 99;
+  a.epoch = 0.5;
+  MetricsRow b = a;
+  b.step = 1;
+  b.phase = "compress";
+  b.test_loss = 0.75;
+  b.test_accuracy = 0.875;
+  auto log = MetricsLog::Open(path, {a});
+  ASSERT_TRUE(log.ok()) << log.status();
+  ASSERT_TRUE(log->Append({b}).ok());
+  ASSERT_TRUE(log->Close().ok());
+  {
+    std::ofstream cut(path, std::ios::app);
+    cut << "2,compress,0.1";  // no newline: the crash came mid-line
+  }
+  auto rows = ReadMetricsCsv(path);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  ASSERT_EQ(rows->size(), 2u);
+  EXPECT_EQ((*rows)[0].step, 0u);
+  EXPECT_EQ((*rows)[0].phase, "warmup");
+  EXPECT_EQ((*rows)[0].loss, 2.5);
+  EXPECT_EQ((*rows)[0].wall_s, 0.125);
+  EXPECT_EQ((*rows)[0].bytes_up, 1234u);
+  EXPECT_EQ((*rows)[0].bytes_down, 99u);
+  EXPECT_EQ((*rows)[0].epoch, 0.5);
+  EXPECT_FALSE((*rows)[0].test_accuracy.has_value());
+  EXPECT_EQ((*rows)[1].phase, "compress");
+  EXPECT_EQ((*rows)[1].test_loss, 0.75);
+  EXPECT_EQ((*rows)[1].test_accuracy, 0.875);
+
+  EXPECT_TRUE(ReadMetricsCsv(dir + "/none.csv").value().empty());
+  {
+    std::ofstream other(dir + "/other.csv");
+    other << "a,b,c\n1,2,3\n";
+  }
+  EXPECT_THAT(std::string(ReadMetricsCsv(dir + "/other.csv").status().message()),
+              HasSubstr(dir + "/other.csv: not a metrics.csv of this version"));
+  {
+    std::ofstream bad(dir + "/bad.csv");
+    bad << "step,phase,loss,wall_s,bytes_up,bytes_down,step_s,push_s,reply_s,epoch,test_loss,"
+           "test_accuracy\n0,warmup,x,0,0,0,0,0,0,0,,\n";
+  }
+  EXPECT_THAT(std::string(ReadMetricsCsv(dir + "/bad.csv").status().message()),
+              HasSubstr(dir + "/bad.csv line 2: not a metrics row"));
+}
+
+TEST(RunFolder, MetricsLogHasEveryRowAppendedBeforeItIsClosed) {
+  const std::string path = testing::TempDir("metrics_log") + "/metrics.csv";
+  auto log = MetricsLog::Open(path);
+  ASSERT_TRUE(log.ok()) << log.status();
+  MetricsRow a;
+  a.step = 0;
+  a.phase = "warmup";
+  a.loss = 2.5;
+  MetricsRow b = a;
+  b.step = 1;
+  b.test_accuracy = 0.25;
+  ASSERT_TRUE(log->Append({a}).ok());
+  // Readable as it grows, before Close(): what a crash would leave.
+  std::string text = testing::ReadFile(path);
+  EXPECT_EQ(text.rfind("step,phase,loss,", 0), 0u);
+  EXPECT_THAT(text, HasSubstr("\n0,warmup,2.5,"));
+  ASSERT_TRUE(log->Append({b}).ok());
+  ASSERT_TRUE(log->Close().ok());
+  text = testing::ReadFile(path);
+  EXPECT_THAT(text, HasSubstr("\n1,warmup,2.5,"));
+  EXPECT_EQ(text.substr(text.size() - 6), ",0.25\n");
+  EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), 3);
+  EXPECT_FALSE(log->Append({a}).ok());
+}
+
+}  // namespace
+}  // namespace onebit

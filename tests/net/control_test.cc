@@ -1,0 +1,196 @@
+// The control-plane client (net/control.h, net/liveness.h): the liveness
+// probe, and the heartbeater against coordinators that answer slowly, late
+// or not at all, served in-process on 127.0.0.1.
+#include "net/control.h"
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "net/liveness.h"
+#include "tests/cluster/test_util.h"
+
+namespace onebit {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::LocalCoordinator;
+using testing::Ports;
+using testing::ServeLocally;
+
+TEST(Liveness, AProbeTellsAListeningProcessFromAGoneOne) {
+  Ports ports;
+  const std::vector<Liveness> answers = ProbeListening(
+      {ports.listening, ports.gone, "", "no-port", "127.0.0.1:notaport", ports.listening},
+      absl::Seconds(1));
+  EXPECT_EQ(answers,
+            (std::vector<Liveness>{Liveness::kListening, Liveness::kGone, Liveness::kUnknown,
+                                   Liveness::kUnknown, Liveness::kUnknown, Liveness::kListening}));
+}
+
+// A coordinator that answers heartbeats slowly and records, for Done, which
+// metrics had been counted when it came.
+class SlowCoordinator final : public control::Coordinator::Service {
+ public:
+  grpc::Status Heartbeat(grpc::ServerContext*, const control::HeartbeatRequest* req,
+                         control::HeartbeatReply*) override {
+    entered_ = true;
+    absl::SleepFor(absl::Milliseconds(400));
+    absl::MutexLock l(&mu_);
+    for (const auto& m : req->metrics()) counted_.push_back(m.step());
+    return grpc::Status::OK;
+  }
+  grpc::Status Done(grpc::ServerContext*, const control::DoneRequest* req,
+                    control::DoneReply*) override {
+    absl::MutexLock l(&mu_);
+    before_done_ = counted_;
+    for (const auto& m : req->metrics()) with_done_.push_back(m.step());
+    return grpc::Status::OK;
+  }
+  std::atomic<bool> entered_{false};  // a heartbeat has reached it
+  absl::Mutex mu_;
+  std::vector<uint64_t> counted_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> before_done_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> with_done_ ABSL_GUARDED_BY(mu_);
+};
+
+// The coordinator may end the job on Done: metrics a heartbeat still
+// carries must have been counted before Done comes, else they are lost.
+TEST(Heartbeater, DoneComesAfterTheHeartbeatInFlightIsAnswered) {
+  SlowCoordinator svc;
+  const LocalCoordinator local = ServeLocally(&svc);
+  ASSERT_NE(local.server, nullptr);
+  const std::string& target = local.target;
+  control::Coordinator::Stub* stub = local.stub.get();
+  Heartbeater hb(stub, target, control::WORKER, 0, 42, absl::Seconds(30), absl::Seconds(10));
+  hb.Start();
+  for (uint64_t step = 0; step < 5; ++step) {
+    control::StepMetrics m;
+    m.set_step(step);
+    hb.AddMetrics(m);
+  }
+  hb.Kick();
+  // That heartbeat is being answered when Done goes out.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (!svc.entered_ && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+  ASSERT_TRUE(svc.entered_);
+  control::StepMetrics last;
+  last.set_step(5);
+  hb.AddMetrics(last);
+  EXPECT_TRUE(hb.Done({}, 6).ok());
+  std::vector<uint64_t> before_done, with_done;
+  {
+    absl::MutexLock l(&svc.mu_);
+    before_done = svc.before_done_;
+    with_done = svc.with_done_;
+  }
+  EXPECT_EQ(before_done, (std::vector<uint64_t>{0, 1, 2, 3, 4}));
+  EXPECT_EQ(with_done, (std::vector<uint64_t>{5}));
+  local.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+}
+
+// A coordinator whose heartbeats do not come back in time (a crowded host):
+// each call waits until released, longer than the client's deadline.
+class UnansweringCoordinator final : public control::Coordinator::Service {
+ public:
+  grpc::Status Heartbeat(grpc::ServerContext*, const control::HeartbeatRequest*,
+                         control::HeartbeatReply*) override {
+    absl::MutexLock l(&mu_);
+    mu_.AwaitWithTimeout(absl::Condition(&released_), absl::Seconds(3));
+    return grpc::Status::OK;
+  }
+  void Release() {
+    absl::MutexLock l(&mu_);
+    released_ = true;
+  }
+  absl::Mutex mu_;
+  bool released_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// A heartbeat that runs out of time means a slow coordinator, not a lost
+// one: the process gives up after kSlowCoordinatorFactor (6) timeouts, not
+// one (a refused connection: one, as the next test's lost coordinator).
+TEST(Heartbeater, ACoordinatorThatAnswersTooLateIsSlowNotLost) {
+  UnansweringCoordinator svc;
+  const LocalCoordinator local = ServeLocally(&svc);
+  ASSERT_NE(local.server, nullptr);
+  const absl::Time start = absl::Now();
+  Heartbeater hb(local.stub.get(), local.target, control::WORKER, 0, 42, absl::Milliseconds(50),
+                 absl::Milliseconds(500));
+  hb.Start();
+  while (hb.command() == control::CONTINUE && absl::Now() - start < absl::Seconds(30)) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  const absl::Duration gave_up = absl::Now() - start;
+  EXPECT_EQ(hb.command(), control::ABORT);
+  EXPECT_GE(gave_up, absl::Seconds(3)) << "gave up on a slow coordinator after one timeout";
+  EXPECT_THAT(hb.reason(), HasSubstr("is unreachable (no heartbeat for 3s): Deadline Exceeded"));
+  svc.Release();
+  local.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+}
+
+TEST(Heartbeater, TheJobBeatsAtMostFiftyTimesASecondInAll) {
+  control::TrainingConfig c = testing::MakeConfig(2, 1, 100, 1, "sgd");
+  c.set_heartbeat_timeout_ms(10000);
+  EXPECT_EQ(HeartbeatInterval(c), absl::Seconds(1));  // 3 processes: the timeout's tenth
+  c.set_workers(128);
+  c.set_servers(32);
+  EXPECT_EQ(HeartbeatInterval(c), absl::Milliseconds(3200));  // 160 / 50 a second
+  c.set_workers(1000);
+  EXPECT_EQ(HeartbeatInterval(c), absl::Seconds(10) / 3);  // still three beats per timeout
+  c.set_workers(2);
+  c.set_servers(1);
+  c.set_heartbeat_timeout_ms(1000);
+  EXPECT_EQ(HeartbeatInterval(c), absl::Milliseconds(100));  // 3 / 50 s is less
+  c.set_heartbeat_timeout_ms(100);  // 3 / 50 s is more than the tenth, 20 ms; a third at most
+  EXPECT_EQ(HeartbeatInterval(c), absl::Milliseconds(100) / 3);
+}
+
+// A coordinator that records the heartbeats it is sent.
+class RecordingCoordinator final : public control::Coordinator::Service {
+ public:
+  grpc::Status Heartbeat(grpc::ServerContext*, const control::HeartbeatRequest* req,
+                         control::HeartbeatReply*) override {
+    absl::MutexLock l(&mu_);
+    seen_.push_back(*req);
+    return grpc::Status::OK;
+  }
+  absl::Mutex mu_;
+  std::vector<control::HeartbeatRequest> seen_ ABSL_GUARDED_BY(mu_);
+};
+
+// A failing process's report carries the metrics still queued, with the
+// steps done (without which the coordinator takes no row): metrics.csv
+// keeps every step completed before the failure.
+TEST(Heartbeater, AnErrorReportCarriesTheQueuedMetricsAndTheStepsDone) {
+  RecordingCoordinator svc;
+  const LocalCoordinator local = ServeLocally(&svc);
+  ASSERT_NE(local.server, nullptr);
+  const std::string& target = local.target;
+  control::Coordinator::Stub* stub = local.stub.get();
+  // Not started: no periodic heartbeat carries the metrics first.
+  Heartbeater hb(stub, target, control::WORKER, 1, 42, absl::Seconds(30), absl::Seconds(10));
+  for (uint64_t step = 0; step < 3; ++step) {
+    control::StepMetrics m;
+    m.set_step(step);
+    hb.AddMetrics(m);
+  }
+  hb.SetStep(3);
+  hb.ReportError("worker 1: loss is not finite (nan) at rank 1 step 3");
+  absl::MutexLock l(&svc.mu_);
+  ASSERT_EQ(svc.seen_.size(), 1u);
+  const control::HeartbeatRequest& req = svc.seen_[0];
+  EXPECT_EQ(req.error(), "worker 1: loss is not finite (nan) at rank 1 step 3");
+  EXPECT_EQ(req.step(), 3u);
+  std::vector<uint64_t> steps;
+  for (const auto& m : req.metrics()) steps.push_back(m.step());
+  EXPECT_EQ(steps, (std::vector<uint64_t>{0, 1, 2}));
+  local.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+}
+
+}  // namespace
+}  // namespace onebit
