@@ -1,6 +1,7 @@
 #include "coordinator/coordinator.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <utility>
 
@@ -861,73 +862,91 @@ double CoordinatorService::WallSeconds() const {
   return absl::ToDoubleSeconds(ended_.value_or(absl::Now()) - *started_);
 }
 
-Summary CoordinatorService::MakeSummary() const {
+run::Summary CoordinatorService::MakeSummary() const {
   std::vector<MetricsRow> rows = MetricsRows();
   const double wall_s = WallSeconds();
   absl::MutexLock l(&mu_);
-  Summary s;
-  s.optimizer = config_.optimizer();
-  s.workers = config_.workers();
-  s.servers = config_.servers();
-  s.params = config_.dim();
-  s.steps = config_.steps() > 0 ? config_.steps() : end_step_.value_or(0);
-  s.wall_s = wall_s;
+  run::Summary s;
+  s.set_optimizer(config_.optimizer());
+  s.set_workers(config_.workers());
+  s.set_servers(config_.servers());
+  s.set_params(config_.dim());
+  s.set_steps(config_.steps() > 0 ? config_.steps() : end_step_.value_or(0));
+  s.set_wall_s(wall_s);
   if (const std::optional<CompleteCheckpoint>& resume = history_.resume()) {
-    s.resumed_from_step = resume->manifest.step();
+    s.set_resumed_from_step(resume->manifest.step());
     // The training time before the checkpoint (the workers carry it on).
-    if (!metrics_.prior_rows().empty()) s.wall_s += metrics_.prior_rows().back().wall_s;
-  }
-  for (const MetricsRow& r : rows) {
-    s.bytes_up += r.bytes_up;
-    s.bytes_down += r.bytes_down;
-    const bool compress = r.phase == "compress";
-    (compress ? s.bytes_up_compress : s.bytes_up_warmup) += r.bytes_up;
-    (compress ? s.bytes_down_compress : s.bytes_down_warmup) += r.bytes_down;
-    s.compress_steps += compress;
-    s.rounds += r.bytes_up > 0;
-    if (compress && !s.freeze_step) s.freeze_step = r.step;
-  }
-  const absl::StatusOr<OptimizerKind> kind = ParseOptimizerKind(config_.optimizer());
-  s.lr = config_.lr();
-  s.freeze = FreezeText(config_);
-  s.freeze_checks = freeze_.history();
-  if (freeze_.options().automatic && !s.freeze_step && kind.ok() && HasCompressionPhase(*kind)) {
-    // A job meant to compress that ran plain Adam throughout: say why.
-    s.freeze_warning = freeze_.NeverFiredWarning();
-  }
-  s.error_feedback = config_.error_feedback();
-  s.server_reply = config_.server_reply();
-  s.v_floor = config_.v_floor();
-  s.v_floored = verdict_.floored;
-  s.workers_agree = state_ == State::kFinished && verdict_.workers_agree;
-  s.max_replica_master_diff = verdict_.max_replica_diff;
-  // What a plain fp32 parameter server moves: d floats each way per worker-step.
-  const uint64_t fp32 = config_.dim() * sizeof(float) * config_.workers() * rows.size();
-  s.bytes_up_fp32 = fp32;
-  s.bytes_down_fp32 = fp32;
-  if (!rows.empty()) s.final_loss = rows.back().loss;
-  s.diverged = metrics_.diverged();
-  for (const MetricsRow& r : rows) {
-    if (r.test_accuracy) {
-      s.test_accuracy = r.test_accuracy;
-      s.test_loss = r.test_loss;
+    if (!metrics_.prior_rows().empty()) {
+      s.set_wall_s(s.wall_s() + metrics_.prior_rows().back().wall_s);
     }
   }
-  s.replicas_equal = state_ == State::kFinished && verdict_.replicas_equal;
-  s.status = state_ == State::kFinished ? "ok" : absl::StrCat(StateName(state_), ": ", reason_);
-  s.stopped_at_step = state_ == State::kStopped ? stop_.step() : std::nullopt;
-  s.restarts = history_.restarts();
-  s.rolled_back_steps = history_.rolled_back_steps();
-  s.rollbacks = history_.rollbacks();
-  s.job_id = absl::StrFormat("%016x", job_id_);
-  s.worker_codec = config_.worker_codec();
-  s.server_codec = config_.server_codec();
-  for (const Process& w : members_.workers()) s.worker_devices.push_back(w.info.device());
-  s.checkpoints = checkpoints_.written();
-  s.last_checkpoint_step = checkpoints_.last_written();
-  s.checkpoint_errors = checkpoints_.errors();
-  s.last_checkpoint_error = checkpoints_.last_error();
-  if (!config_.checkpoint_dir().empty()) s.durable = checkpoints_.errors() == 0;
+  for (const MetricsRow& r : rows) {
+    s.set_bytes_up(s.bytes_up() + r.bytes_up);
+    s.set_bytes_down(s.bytes_down() + r.bytes_down);
+    if (r.phase == "compress") {
+      s.set_bytes_up_compress(s.bytes_up_compress() + r.bytes_up);
+      s.set_bytes_down_compress(s.bytes_down_compress() + r.bytes_down);
+      s.set_compress_steps(s.compress_steps() + 1);
+      if (!s.has_freeze_step()) s.set_freeze_step(r.step);
+    } else {
+      s.set_bytes_up_warmup(s.bytes_up_warmup() + r.bytes_up);
+      s.set_bytes_down_warmup(s.bytes_down_warmup() + r.bytes_down);
+    }
+    if (r.bytes_up > 0) s.set_rounds(s.rounds() + 1);
+  }
+  const absl::StatusOr<OptimizerKind> kind = ParseOptimizerKind(config_.optimizer());
+  s.set_lr(config_.lr());
+  s.set_freeze(FreezeText(config_));
+  for (const auto& [after, change] : freeze_.history()) {
+    google::protobuf::ListValue* check = s.add_freeze_checks();
+    check->add_values()->set_number_value(static_cast<double>(after));
+    if (std::isfinite(change)) {
+      check->add_values()->set_number_value(change);
+    } else {
+      check->add_values()->set_null_value(google::protobuf::NULL_VALUE);
+    }
+  }
+  if (freeze_.options().automatic && !s.has_freeze_step() && kind.ok() &&
+      HasCompressionPhase(*kind)) {
+    // A job meant to compress that ran plain Adam throughout: say why.
+    s.set_freeze_warning(freeze_.NeverFiredWarning());
+  }
+  s.set_error_feedback(config_.error_feedback());
+  s.set_server_reply(config_.server_reply());
+  s.set_v_floor(config_.v_floor());
+  s.set_v_floored(verdict_.floored);
+  s.set_workers_agree(state_ == State::kFinished && verdict_.workers_agree);
+  if (verdict_.max_replica_diff) s.set_max_replica_master_diff(*verdict_.max_replica_diff);
+  // What a plain fp32 parameter server moves: d floats each way per worker-step.
+  const uint64_t fp32 = config_.dim() * sizeof(float) * config_.workers() * rows.size();
+  s.set_bytes_up_fp32(fp32);
+  s.set_bytes_down_fp32(fp32);
+  if (!rows.empty()) s.set_final_loss(rows.back().loss);
+  s.set_diverged(metrics_.diverged());
+  for (const MetricsRow& r : rows) {
+    if (!r.test_accuracy) continue;
+    s.set_test_accuracy(*r.test_accuracy);
+    if (r.test_loss) {
+      s.set_test_loss(*r.test_loss);
+    } else {
+      s.clear_test_loss();
+    }
+  }
+  s.set_replicas_equal(state_ == State::kFinished && verdict_.replicas_equal);
+  s.set_status(state_ == State::kFinished ? "ok" : absl::StrCat(StateName(state_), ": ", reason_));
+  if (state_ == State::kStopped && stop_.step()) s.set_stopped_at_step(*stop_.step());
+  s.set_restarts(history_.restarts());
+  s.set_rolled_back_steps(history_.rolled_back_steps());
+  s.set_rollbacks(history_.rollbacks());
+  s.set_job_id(absl::StrFormat("%016x", job_id_));
+  s.set_worker_codec(config_.worker_codec());
+  s.set_server_codec(config_.server_codec());
+  for (const Process& w : members_.workers()) s.add_worker_devices(w.info.device());
+  s.set_checkpoints(checkpoints_.written());
+  if (checkpoints_.last_written()) s.set_last_checkpoint_step(*checkpoints_.last_written());
+  s.set_checkpoint_errors(checkpoints_.errors());
+  if (!checkpoints_.last_error().empty()) s.set_last_checkpoint_error(checkpoints_.last_error());
+  if (!config_.checkpoint_dir().empty()) s.set_durable(checkpoints_.errors() == 0);
   return s;
 }
 

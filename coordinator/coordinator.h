@@ -128,7 +128,7 @@ class CoordinatorService final : public control::Coordinator::Service {
   // warning the first time the loss is found to have diverged.
   std::vector<MetricsRow> TakeNewRows() ABSL_LOCKS_EXCLUDED(mu_);
   // wall_s: from the cluster forming to the outcome.
-  Summary MakeSummary() const ABSL_LOCKS_EXCLUDED(mu_);
+  run::Summary MakeSummary() const ABSL_LOCKS_EXCLUDED(mu_);
   double WallSeconds() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:

@@ -256,36 +256,37 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
   std::string verdict = "job finished";
   auto summarize = [&] {
     verdict = "job finished";  // (called again when late rows came)
-    Summary summary = service.MakeSummary();
+    run::Summary summary = service.MakeSummary();
     if (service.state() == CoordinatorService::State::kFailed) {
       result = absl::AbortedError(absl::StrCat("job failed: ", service.reason()));
       verdict = std::string(result.message());
     } else if (service.state() == CoordinatorService::State::kStopped) {
       verdict = absl::StrCat("job stopped: ", service.reason());
       result = absl::CancelledError(verdict);
-    } else if (!summary.workers_agree) {
+    } else if (!summary.workers_agree()) {
       verdict = "job finished but the replicas differ from the masters";
       result = absl::DataLossError(verdict);
-      summary.status = verdict;
-    } else if (!summary.replicas_equal) {
+      summary.set_status(verdict);
+    } else if (!summary.replicas_equal()) {
       // --server-reply delta with a lossy reply codec: by design (docs/design.md §1.4).
       verdict = absl::StrFormat(
           "job finished; replicas trail the masters by the server error (largest %g)",
-          summary.max_replica_master_diff.value_or(0.0));
+          summary.max_replica_master_diff());
     }
-    if (service.state() == CoordinatorService::State::kFinished && summary.durable == false) {
+    if (service.state() == CoordinatorService::State::kFinished && summary.has_durable() &&
+        !summary.durable()) {
       // Trained as it should have been, but losing a process would have
       // cost more than the user planned for: say so where they look.
       absl::StrAppend(
-          &verdict, "; not durable: ", summary.checkpoint_errors,
-          " checkpoint(s) could not be written (last: ", summary.last_checkpoint_error, "); ",
-          summary.last_checkpoint_step
-              ? absl::StrCat("the last complete one is of step ", *summary.last_checkpoint_step)
+          &verdict, "; not durable: ", summary.checkpoint_errors(),
+          " checkpoint(s) could not be written (last: ", summary.last_checkpoint_error(), "); ",
+          summary.has_last_checkpoint_step()
+              ? absl::StrCat("the last complete one is of step ", summary.last_checkpoint_step())
               : std::string("none is complete"));
     }
     return summary;
   };
-  Summary summary = summarize();
+  run::Summary summary = summarize();
   // Written at once, in case this process is killed while it waits below.
   absl::Status written;
   if (metrics) written = WriteSummaryJson(o.out + "/summary.json", summary);
@@ -327,8 +328,9 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
   server->Shutdown(
       absl::ToChronoTime(absl::Now() + (signalled ? absl::Milliseconds(200) : absl::Seconds(1))));
   (*health)->Shutdown(absl::ToChronoTime(absl::Now()));
-  std::fprintf(stderr, "coordinator: %s (%.3f s, final loss %s)\n", verdict.c_str(), wall,
-               summary.final_loss ? absl::StrFormat("%.6g", *summary.final_loss).c_str() : "n/a");
+  std::fprintf(
+      stderr, "coordinator: %s (%.3f s, final loss %s)\n", verdict.c_str(), wall,
+      summary.has_final_loss() ? absl::StrFormat("%.6g", summary.final_loss()).c_str() : "n/a");
   return result;
 }
 

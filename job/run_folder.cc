@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -10,7 +11,9 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -18,6 +21,9 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "checkpoint/state_file.h"
+#include "google/protobuf/descriptor.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
 
 namespace onebit {
 namespace {
@@ -82,14 +88,6 @@ std::string JsonQuote(const std::string& s) {
   }
   return out + "\"";
 }
-
-namespace {
-std::string JsonStrings(const std::vector<std::string>& v) {
-  std::string out = "[";
-  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + JsonQuote(v[i]);
-  return out + "]";
-}
-}  // namespace
 
 absl::Status WriteFloats(const std::string& path, const std::vector<float>& v) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
@@ -206,30 +204,37 @@ absl::Status MetricsLog::Close() {
   return absl::OkStatus();
 }
 
-std::optional<RestartHistory> ReadRestartHistory(const std::string& summary_path) {
-  std::ifstream in(summary_path);
-  if (!in) return std::nullopt;
+absl::StatusOr<run::Summary> ReadSummaryJson(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("no ", path));
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  auto count = [&](absl::string_view key, auto* out) {
-    const std::string tag = absl::StrCat("\"", key, "\": ");
-    const size_t at = text.find(tag);
-    if (at == std::string::npos) return false;
-    const size_t begin = at + tag.size();
-    return absl::SimpleAtoi(text.substr(begin, text.find_first_of(",\n}", begin) - begin), out);
-  };
-  RestartHistory h;
-  if (!count("restarts", &h.restarts) || !count("rolled_back_steps", &h.rolled_back_steps)) {
-    return std::nullopt;
+  run::Summary s;
+  google::protobuf::util::JsonParseOptions options;
+  options.ignore_unknown_fields = true;
+  const auto parsed = google::protobuf::util::JsonStringToMessage(text, &s, options);
+  if (!parsed.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, " is not a summary.json: ", parsed.ToString()));
   }
-  return h;
+  return s;
+}
+
+std::optional<RestartHistory> ReadRestartHistory(const std::string& summary_path) {
+  const absl::StatusOr<run::Summary> s = ReadSummaryJson(summary_path);
+  if (!s.ok()) return std::nullopt;
+  return RestartHistory{s->restarts(), s->rolled_back_steps()};
 }
 
 absl::Status CheckNotFinished(const std::string& dir) {
   const std::string path = dir + "/summary.json";
-  std::ifstream in(path);
-  if (!in) return absl::OkStatus();
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (text.find("\"status\": \"ok\"") == std::string::npos) return absl::OkStatus();
+  const absl::StatusOr<run::Summary> s = ReadSummaryJson(path);
+  if (absl::IsNotFound(s.status())) return absl::OkStatus();
+  if (!s.ok()) {
+    // Perhaps a finished job's, damaged: not ours to overwrite.
+    return absl::FailedPreconditionError(absl::StrCat(
+        s.status().message(), ": not overwriting it; remove the folder or choose another --out"));
+  }
+  if (s->status() != "ok") return absl::OkStatus();
   return absl::FailedPreconditionError(
       absl::StrCat(path,
                    " is a finished job's (status ok): not overwriting it; remove the "
@@ -237,70 +242,99 @@ absl::Status CheckNotFinished(const std::string& dir) {
 }
 
 namespace {
-// Bytes per compression-phase step over fp32's bytes per step; null when the
-// run never compressed.
-std::string CompressRatio(const Summary& s, uint64_t bytes) {
-  if (s.compress_steps == 0 || s.steps == 0 || s.bytes_up_fp32 == 0) return "null";
-  const double fp32_per_step = static_cast<double>(s.bytes_up_fp32) / static_cast<double>(s.steps);
-  return Num(static_cast<double>(bytes) / static_cast<double>(s.compress_steps) / fp32_per_step);
+
+using google::protobuf::FieldDescriptor;
+using google::protobuf::Message;
+using google::protobuf::Reflection;
+
+// Bytes per compression-phase step over fp32's bytes per step; nullopt when
+// the run never compressed.
+std::optional<double> CompressRatio(const run::Summary& s, uint64_t bytes) {
+  if (s.compress_steps() == 0 || s.steps() == 0 || s.bytes_up_fp32() == 0) return std::nullopt;
+  const double fp32_per_step =
+      static_cast<double>(s.bytes_up_fp32()) / static_cast<double>(s.steps());
+  return static_cast<double>(bytes) / static_cast<double>(s.compress_steps()) / fp32_per_step;
 }
-// [[steps completed, largest change], ...]
-std::string FreezeChecks(const Summary& s) {
-  std::vector<std::string> checks;
-  for (const auto& [after, change] : s.freeze_checks) {
-    checks.push_back(absl::StrCat("[", after, ", ", JsonNum(change), "]"));
+
+// Element i of a repeated field, or the singular field when i < 0, as JSON.
+absl::StatusOr<std::string> FieldJson(const Message& m, const FieldDescriptor* f, int i) {
+  const Reflection& r = *m.GetReflection();
+  const bool rep = i >= 0;
+  switch (f->cpp_type()) {
+    case FieldDescriptor::CPPTYPE_INT32:
+      return absl::StrCat(rep ? r.GetRepeatedInt32(m, f, i) : r.GetInt32(m, f));
+    case FieldDescriptor::CPPTYPE_INT64:
+      return absl::StrCat(rep ? r.GetRepeatedInt64(m, f, i) : r.GetInt64(m, f));
+    case FieldDescriptor::CPPTYPE_UINT32:
+      return absl::StrCat(rep ? r.GetRepeatedUInt32(m, f, i) : r.GetUInt32(m, f));
+    case FieldDescriptor::CPPTYPE_UINT64:
+      return absl::StrCat(rep ? r.GetRepeatedUInt64(m, f, i) : r.GetUInt64(m, f));
+    case FieldDescriptor::CPPTYPE_FLOAT:
+      return JsonFloat(rep ? r.GetRepeatedFloat(m, f, i) : r.GetFloat(m, f));
+    case FieldDescriptor::CPPTYPE_DOUBLE:
+      return JsonNum(rep ? r.GetRepeatedDouble(m, f, i) : r.GetDouble(m, f));
+    case FieldDescriptor::CPPTYPE_BOOL:
+      return std::string((rep ? r.GetRepeatedBool(m, f, i) : r.GetBool(m, f)) ? "true" : "false");
+    case FieldDescriptor::CPPTYPE_STRING:
+      return JsonQuote(rep ? r.GetRepeatedString(m, f, i) : r.GetString(m, f));
+    case FieldDescriptor::CPPTYPE_ENUM:
+      return JsonQuote((rep ? r.GetRepeatedEnum(m, f, i) : r.GetEnum(m, f))->name());
+    case FieldDescriptor::CPPTYPE_MESSAGE: {
+      const Message& sub = rep ? r.GetRepeatedMessage(m, f, i) : r.GetMessage(m, f);
+      // A list of numbers (a freeze check) spaced as the rest of the file.
+      if (const auto* list = dynamic_cast<const google::protobuf::ListValue*>(&sub);
+          list != nullptr && std::all_of(list->values().begin(), list->values().end(),
+                                         [](const google::protobuf::Value& v) {
+                                           return v.has_number_value() || v.has_null_value();
+                                         })) {
+        std::vector<std::string> items;
+        for (const google::protobuf::Value& v : list->values()) {
+          items.push_back(v.has_number_value() ? JsonNum(v.number_value()) : "null");
+        }
+        return absl::StrCat("[", absl::StrJoin(items, ", "), "]");
+      }
+      // Any other message in protobuf's own form.
+      std::string out;
+      const auto st = google::protobuf::util::MessageToJsonString(sub, &out);
+      if (!st.ok()) {
+        return absl::InternalError(absl::StrCat(f->name(), ": ", st.ToString()));
+      }
+      return out;
+    }
   }
-  return absl::StrCat("[", absl::StrJoin(checks, ", "), "]");
+  return absl::InternalError(absl::StrCat(f->name(), ": no JSON form for its type"));
 }
+
 }  // namespace
 
-absl::Status WriteSummaryJson(const std::string& path, const Summary& s) {
-  auto opt_u = [](const std::optional<uint64_t>& v) {
-    return v ? absl::StrCat(*v) : std::string("null");
-  };
-  auto opt_d = [](const std::optional<double>& v) { return v ? JsonNum(*v) : std::string("null"); };
-  auto opt_b = [](const std::optional<bool>& v) { return !v ? "null" : *v ? "true" : "false"; };
-  std::string text = absl::StrCat(
-      "{\n", "  \"optimizer\": ", JsonQuote(s.optimizer), ",\n", "  \"lr\": ", JsonFloat(s.lr),
-      ",\n", "  \"workers\": ", s.workers, ",\n", "  \"servers\": ", s.servers, ",\n",
-      "  \"params\": ", s.params, ",\n", "  \"steps\": ", s.steps, ",\n",
-      "  \"freeze_step\": ", opt_u(s.freeze_step), ",\n", "  \"wall_s\": ", JsonNum(s.wall_s),
-      ",\n", "  \"bytes_up\": ", s.bytes_up, ",\n", "  \"bytes_down\": ", s.bytes_down, ",\n",
-      "  \"bytes_up_fp32\": ", s.bytes_up_fp32, ",\n", "  \"bytes_down_fp32\": ", s.bytes_down_fp32,
-      ",\n", "  \"final_loss\": ", opt_d(s.final_loss), ",\n",
-      "  \"diverged\": ", s.diverged ? "true" : "false", ",\n",
-      "  \"test_accuracy\": ", opt_d(s.test_accuracy), ",\n",
-      "  \"test_loss\": ", opt_d(s.test_loss), ",\n",
-      "  \"replicas_equal\": ", s.replicas_equal ? "true" : "false", ",\n",
-      "  \"worker_codec\": ", JsonQuote(s.worker_codec), ",\n",
-      "  \"server_codec\": ", JsonQuote(s.server_codec), ",\n",
-      "  \"error_feedback\": ", JsonQuote(s.error_feedback), ",\n",
-      "  \"server_reply\": ", JsonQuote(s.server_reply), ",\n",
-      "  \"freeze\": ", JsonQuote(s.freeze), ",\n", "  \"freeze_checks\": ", FreezeChecks(s), ",\n",
-      "  \"freeze_warning\": ", s.freeze_warning.empty() ? "null" : JsonQuote(s.freeze_warning),
-      ",\n", "  \"v_floor\": ", JsonFloat(s.v_floor), ",\n", "  \"v_floored\": ", s.v_floored,
-      ",\n", "  \"compress_steps\": ", s.compress_steps, ",\n", "  \"rounds\": ", s.rounds, ",\n",
-      "  \"bytes_up_warmup\": ", s.bytes_up_warmup, ",\n",
-      "  \"bytes_up_compress\": ", s.bytes_up_compress, ",\n",
-      "  \"bytes_down_warmup\": ", s.bytes_down_warmup, ",\n",
-      "  \"bytes_down_compress\": ", s.bytes_down_compress, ",\n",
-      // Compression-phase bytes per step over what fp32 sends per step.
-      "  \"compress_ratio_up\": ", CompressRatio(s, s.bytes_up_compress), ",\n",
-      "  \"compress_ratio_down\": ", CompressRatio(s, s.bytes_down_compress), ",\n",
-      "  \"workers_agree\": ", s.workers_agree ? "true" : "false", ",\n",
-      "  \"max_replica_master_diff\": ", opt_d(s.max_replica_master_diff), ",\n",
-      "  \"worker_devices\": ", JsonStrings(s.worker_devices), ",\n",
-      "  \"checkpoints\": ", s.checkpoints, ",\n",
-      "  \"last_checkpoint_step\": ", opt_u(s.last_checkpoint_step), ",\n",
-      "  \"checkpoint_errors\": ", s.checkpoint_errors, ",\n", "  \"last_checkpoint_error\": ",
-      s.last_checkpoint_error.empty() ? "null" : JsonQuote(s.last_checkpoint_error), ",\n",
-      "  \"durable\": ", opt_b(s.durable), ",\n",
-      "  \"resumed_from_step\": ", opt_u(s.resumed_from_step), ",\n",
-      "  \"stopped_at_step\": ", opt_u(s.stopped_at_step), ",\n", "  \"restarts\": ", s.restarts,
-      ",\n", "  \"rolled_back_steps\": ", s.rolled_back_steps, ",\n",
-      "  \"rollbacks\": ", s.rollbacks, ",\n", "  \"job_id\": ", JsonQuote(s.job_id), ",\n",
-      "  \"status\": ", JsonQuote(s.status), "\n}\n");
-  return WriteAtomically(path, text);
+absl::Status WriteSummaryJson(const std::string& path, const run::Summary& summary) {
+  run::Summary s = summary;
+  if (auto r = CompressRatio(s, s.bytes_up_compress())) s.set_compress_ratio_up(*r);
+  if (auto r = CompressRatio(s, s.bytes_down_compress())) s.set_compress_ratio_down(*r);
+  const google::protobuf::Descriptor& d = *s.GetDescriptor();
+  const Reflection& r = *s.GetReflection();
+  std::vector<std::string> lines;
+  for (int k = 0; k < d.field_count(); ++k) {
+    const FieldDescriptor* f = d.field(k);
+    std::string value;
+    if (f->is_repeated()) {
+      std::vector<std::string> items;
+      for (int i = 0; i < r.FieldSize(s, f); ++i) {
+        absl::StatusOr<std::string> v = FieldJson(s, f, i);
+        if (!v.ok()) return v.status();
+        items.push_back(*std::move(v));
+      }
+      value = absl::StrCat("[", absl::StrJoin(items, ", "), "]");
+    } else if (f->has_presence() && !r.HasField(s, f)) {
+      value = "null";
+    } else {
+      absl::StatusOr<std::string> v = FieldJson(s, f, -1);
+      if (!v.ok()) return v.status();
+      value = *std::move(v);
+    }
+    lines.push_back(absl::StrCat("  ", JsonQuote(f->name()), ": ", value));
+  }
+  return WriteAtomically(path, absl::StrCat("{\n", absl::StrJoin(lines, ",\n"), "\n}\n"));
 }
 
 }  // namespace onebit

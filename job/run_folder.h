@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "proto/run.pb.h"
 
 namespace onebit {
 
@@ -27,67 +28,6 @@ struct MetricsRow {
   double epoch = 0;                 // fractional epochs done (mlp); 0 otherwise
   std::optional<double> test_loss;  // when the test set was scored after this step
   std::optional<double> test_accuracy;
-};
-
-struct Summary {
-  std::string optimizer;
-  float lr = 0;  // the base learning rate of the job's schedule
-  uint32_t workers = 0;
-  uint32_t servers = 0;
-  uint64_t params = 0;
-  uint64_t steps = 0;
-  std::optional<uint64_t> freeze_step;
-  double wall_s = 0;
-  uint64_t bytes_up = 0;
-  uint64_t bytes_down = 0;
-  uint64_t bytes_up_fp32 = 0;
-  uint64_t bytes_down_fp32 = 0;
-  std::optional<double> final_loss;
-  // The loss grew by orders of magnitude (job/loss_watch.h); the job may
-  // still be "ok".
-  bool diverged = false;
-  std::optional<double> test_accuracy;
-  std::optional<double> test_loss;
-  bool replicas_equal = false;
-  std::string status;  // "ok" or the failure
-  std::string job_id;
-  std::string worker_codec;
-  std::string server_codec;
-  std::string error_feedback;
-  std::string server_reply;
-  std::string freeze;  // "step:N", "auto:...", "var_freeze_step:N"; "none": never compresses
-  // --freeze auto: every decided check (steps completed, the largest change
-  // of v over the shards), and why the job ran without the freeze when it
-  // never fired (empty otherwise).
-  std::vector<std::pair<uint64_t, double>> freeze_checks;
-  std::string freeze_warning;
-  float v_floor = 0;
-  uint64_t v_floored = 0;  // coordinates the floor raised at the freeze
-  uint64_t compress_steps = 0;
-  uint64_t rounds = 0;  // steps that communicated (zero-one-adam's local steps do not)
-  uint64_t bytes_up_warmup = 0;
-  uint64_t bytes_up_compress = 0;
-  uint64_t bytes_down_warmup = 0;
-  uint64_t bytes_down_compress = 0;
-  bool workers_agree = false;                     // every worker's replica equals every other's
-  std::optional<double> max_replica_master_diff;  // --server-reply delta
-  std::vector<std::string> worker_devices;        // by rank: "cpu", "cuda:0 (NVIDIA H200)", ...
-  uint64_t checkpoints = 0;                       // complete checkpoints written
-  std::optional<uint64_t> last_checkpoint_step;
-  // Checkpoints that could not be written (each scheduled step at most
-  // once) and the last one's error ("step 40: worker 1: cannot write ...").
-  // durable: every scheduled checkpoint was written; nullopt without a
-  // --checkpoint_dir. A job may end "ok" and not durable.
-  uint64_t checkpoint_errors = 0;
-  std::string last_checkpoint_error;
-  std::optional<bool> durable;
-  std::optional<uint64_t> resumed_from_step;  // the checkpoint this run continued from
-  std::optional<uint64_t> stopped_at_step;    // stopped on request, checkpointed there
-  uint32_t restarts = 0;                      // times the job was started again from a checkpoint
-  uint64_t rolled_back_steps = 0;             // steps done after a checkpoint, lost and run again
-  // Of the restarts: those the running processes rolled back for, without
-  // being started again themselves (a lost process came back).
-  uint32_t rollbacks = 0;
 };
 
 // Creates dir (and parents) when missing.
@@ -120,13 +60,19 @@ absl::Status WriteMetricsCsv(const std::string& path, const std::vector<MetricsR
 // The rows of a metrics.csv this library wrote (a missing file: none).
 // Errors name the file and line.
 absl::StatusOr<std::vector<MetricsRow>> ReadMetricsCsv(const std::string& path);
-// Atomic (a temporary file, fsync, rename) and always valid JSON: a
-// non-finite number is written as null; fp32 settings (lr, v_floor) as the
-// shortest text that reads back as the same float (0.002, not
-// 0.0020000000949949026).
-absl::Status WriteSummaryJson(const std::string& path, const Summary& s);
+// summary.json (proto/run.proto), atomically (a temporary file, fsync,
+// rename): one line per field in field order, numbers as JSON numbers (not
+// protobuf's quoted 64-bit integers), an unset optional field and a
+// non-finite number as null; fp32 settings (lr, v_floor) as the shortest
+// text that reads back as the same float (0.002, not 0.0020000000949949026).
+// Fills in compress_ratio_up/down from the byte counts.
+absl::Status WriteSummaryJson(const std::string& path, const run::Summary& s);
+// A summary.json read with protobuf's JSON parser (fields it does not know
+// are skipped: a newer writer's). Errors: NotFound when there is no file;
+// InvalidArgument naming the file and the problem.
+absl::StatusOr<run::Summary> ReadSummaryJson(const std::string& path);
 // What an earlier run's summary.json says of the job's restarts; nullopt
-// when there is none or it does not say.
+// when there is none or it cannot be read.
 struct RestartHistory {
   uint32_t restarts = 0;
   uint64_t rolled_back_steps = 0;

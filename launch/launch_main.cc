@@ -16,7 +16,6 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <set>
 #include <string>
 #include <thread>
@@ -604,12 +603,12 @@ int Main(int argc, char** argv) {
     // Every process exited 0: the job finished, or stopped after a checkpoint.
     std::string outcome = "job finished";
     if (!out.empty()) {
-      std::ifstream in(out + "/summary.json");
-      const std::string text((std::istreambuf_iterator<char>(in)),
-                             std::istreambuf_iterator<char>());
-      if (text.find("\"status\": \"stopped: ") != std::string::npos) {
+      const absl::StatusOr<run::Summary> summary = ReadSummaryJson(out + "/summary.json");
+      if (!summary.ok()) {
+        outcome = absl::StrCat("job finished; ", summary.status().message());
+      } else if (absl::StartsWith(summary->status(), "stopped: ")) {
         outcome = "job stopped after a checkpoint (summary.json says why); run it again to resume";
-      } else if (text.find("\"durable\": false") != std::string::npos) {
+      } else if (summary->has_durable() && !summary->durable()) {
         // The last line is what a user reads: training went on without them.
         outcome =
             "job finished, but not durable: checkpoints failed (summary.json's "

@@ -69,21 +69,21 @@ int Main(int argc, char** argv) {
   if (out.empty()) return 0;
   absl::Status st = MakeDirs(out);
   std::vector<MetricsRow> rows;
-  Summary s;
-  s.optimizer = cfg.optimizer();
-  s.lr = cfg.lr();
-  s.workers = cfg.workers();
-  s.servers = cfg.servers();
-  s.params = map->num_params();
-  s.steps = cfg.steps();
-  s.worker_codec = cfg.worker_codec();
-  s.server_codec = cfg.server_codec();
-  s.error_feedback = cfg.error_feedback();
-  s.server_reply = cfg.server_reply();
-  s.v_floor = cfg.v_floor();
-  s.freeze = FreezeText(cfg);
-  s.rounds = r->rounds;
-  s.status = "ok";
+  run::Summary s;
+  s.set_optimizer(cfg.optimizer());
+  s.set_lr(cfg.lr());
+  s.set_workers(cfg.workers());
+  s.set_servers(cfg.servers());
+  s.set_params(map->num_params());
+  s.set_steps(cfg.steps());
+  s.set_worker_codec(cfg.worker_codec());
+  s.set_server_codec(cfg.server_codec());
+  s.set_error_feedback(cfg.error_feedback());
+  s.set_server_reply(cfg.server_reply());
+  s.set_v_floor(cfg.v_floor());
+  s.set_freeze(FreezeText(cfg));
+  s.set_rounds(r->rounds);
+  s.set_status("ok");
   LossWatch watch;
   for (uint64_t t = 0; t < cfg.steps(); ++t) {
     MetricsRow row;
@@ -97,24 +97,29 @@ int Main(int argc, char** argv) {
     row.bytes_up = r->push_bytes[t];  // payload only: no headers without a network
     row.bytes_down = r->reply_bytes[t];
     rows.push_back(row);
-    s.bytes_up += row.bytes_up;
-    s.bytes_down += row.bytes_down;
+    s.set_bytes_up(s.bytes_up() + row.bytes_up);
+    s.set_bytes_down(s.bytes_down() + row.bytes_down);
   }
-  s.bytes_up_fp32 = s.bytes_down_fp32 = map->num_params() * 4 * cfg.workers() * cfg.steps();
-  if (freeze != kNever && freeze < cfg.steps()) s.freeze_step = freeze;
-  s.final_loss = r->losses.back();
-  s.diverged = watch.diverged();
+  const uint64_t fp32 = map->num_params() * 4 * cfg.workers() * cfg.steps();
+  s.set_bytes_up_fp32(fp32);
+  s.set_bytes_down_fp32(fp32);
+  if (freeze != kNever && freeze < cfg.steps()) s.set_freeze_step(freeze);
+  s.set_final_loss(r->losses.back());
+  s.set_diverged(watch.diverged());
   bool equal = true;
+  uint64_t floored = 0;
   for (const ServerShardState& k : r->servers) {
-    s.v_floored += k.floored;
+    floored += k.floored;
     for (size_t i = 0; i < k.x.size(); ++i) equal &= k.x[i] == r->workers[0].x[k.begin + i];
   }
-  s.replicas_equal = equal;
-  s.workers_agree = true;
+  s.set_v_floored(floored);
+  s.set_replicas_equal(equal);
+  bool agree = true;
   for (uint32_t w = 0; st.ok() && w < r->workers.size(); ++w) {
-    s.workers_agree &= r->workers[w].x == r->workers[0].x;
+    agree &= r->workers[w].x == r->workers[0].x;
     st = WriteFloats(absl::StrCat(out, "/replica_w", w, ".f32"), r->workers[w].x);
   }
+  s.set_workers_agree(agree);
   for (uint32_t k = 0; st.ok() && k < r->servers.size(); ++k) {
     st = WriteFloats(absl::StrCat(out, "/master_s", k, ".f32"), r->servers[k].x);
     if (st.ok()) st = WriteFloats(absl::StrCat(out, "/error_s", k, ".f32"), r->servers[k].e);

@@ -136,7 +136,7 @@ TEST(CoordinatorService, ReplicasEqualOnlyWhenEveryChecksumMatches) {
       EXPECT_TRUE(svc.Done(&ctx, &req, &reply).ok());
     }
     EXPECT_EQ(svc.state(), CoordinatorService::State::kFinished);
-    EXPECT_EQ(svc.MakeSummary().replicas_equal, !corrupt);
+    EXPECT_EQ(svc.MakeSummary().replicas_equal(), !corrupt);
   }
 }
 

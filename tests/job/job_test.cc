@@ -40,11 +40,11 @@ TEST(JobConfig, ValidationNamesTheFlag) {
 // summary.json parses as JSON whatever the numbers (NaN, infinities, huge).
 TEST(RunFolder, SummaryIsValidJsonWhateverTheNumbers) {
   const std::string dir = testing::TempDir("summary_json");
-  Summary s;
-  s.final_loss = std::numeric_limits<double>::infinity();
-  s.test_loss = std::nan("");
-  s.wall_s = 1.5;
-  s.status = "failed: \"quoted\"\n";
+  run::Summary s;
+  s.set_final_loss(std::numeric_limits<double>::infinity());
+  s.set_test_loss(std::nan(""));
+  s.set_wall_s(1.5);
+  s.set_status("failed: \"quoted\"\n");
   ASSERT_TRUE(WriteSummaryJson(dir + "/summary.json", s).ok());
   const std::string text = testing::ReadFile(dir + "/summary.json");
   EXPECT_THAT(text, HasSubstr("\"final_loss\": null,"));
@@ -55,7 +55,7 @@ TEST(RunFolder, SummaryIsValidJsonWhateverTheNumbers) {
   EXPECT_THAT(text, ::testing::Not(HasSubstr("nan")));
   // Not finished (status not ok): a new job may use the folder.
   EXPECT_TRUE(CheckNotFinished(dir).ok());
-  s.status = "ok";
+  s.set_status("ok");
   ASSERT_TRUE(WriteSummaryJson(dir + "/summary.json", s).ok());
   absl::Status st = CheckNotFinished(dir);
   EXPECT_THAT(std::string(st.message()),
@@ -67,22 +67,73 @@ TEST(RunFolder, SummaryIsValidJsonWhateverTheNumbers) {
 // reads back as the same float, not its exact binary value.
 TEST(RunFolder, FloatSettingsAreWrittenAsGiven) {
   const std::string dir = testing::TempDir("summary_floats");
-  Summary s;
-  s.lr = 2e-3f;  // exactly 0.0020000000949949026
-  s.v_floor = 1e-8f;
+  run::Summary s;
+  s.set_lr(2e-3f);  // exactly 0.0020000000949949026
+  s.set_v_floor(1e-8f);
   ASSERT_TRUE(WriteSummaryJson(dir + "/summary.json", s).ok());
   std::string text = testing::ReadFile(dir + "/summary.json");
   EXPECT_EQ(testing::Field(text, "lr"), "0.002");
   EXPECT_EQ(testing::Field(text, "v_floor"), "1e-08");
   EXPECT_EQ(testing::Field(text, "diverged"), "false");
-  s.lr = 0.1234567f;  // 7 digits needed
-  s.v_floor = 0;
-  s.diverged = true;
+  s.set_lr(0.1234567f);  // 7 digits needed
+  s.set_v_floor(0);
+  s.set_diverged(true);
   ASSERT_TRUE(WriteSummaryJson(dir + "/summary.json", s).ok());
   text = testing::ReadFile(dir + "/summary.json");
   EXPECT_EQ(testing::Field(text, "lr"), "0.1234567");
   EXPECT_EQ(testing::Field(text, "v_floor"), "0");
   EXPECT_EQ(testing::Field(text, "diverged"), "true");
+}
+
+// Every field round-trips through the file; 64-bit counts are JSON numbers
+// (protobuf's own printer would quote them); unset optional fields are null;
+// the compression ratios are filled in from the byte counts.
+TEST(RunFolder, SummaryReadsBackWhatWasWritten) {
+  const std::string dir = testing::TempDir("summary_round_trip");
+  run::Summary s;
+  s.set_optimizer("onebit-adam");
+  s.set_steps(20);
+  s.set_params(uint64_t{5} << 40);  // beyond 32 bits
+  s.set_bytes_up_fp32(1000);
+  s.set_bytes_up_compress(10);  // 2 compression steps of 5 bytes; fp32 moves 50 a step
+  s.set_compress_steps(2);
+  s.set_freeze_step(18);
+  s.add_worker_devices("cpu");
+  s.add_worker_devices("cuda:0 (NVIDIA H200)");
+  google::protobuf::ListValue* check = s.add_freeze_checks();
+  check->add_values()->set_number_value(50);
+  check->add_values()->set_number_value(0.25);
+  s.set_durable(false);
+  s.set_status("ok");
+  ASSERT_TRUE(WriteSummaryJson(dir + "/summary.json", s).ok());
+  const std::string text = testing::ReadFile(dir + "/summary.json");
+  EXPECT_EQ(testing::Field(text, "params"), "5497558138880");
+  EXPECT_EQ(testing::Field(text, "steps"), "20");
+  EXPECT_EQ(testing::Field(text, "freeze_checks"), "[[50, 0.25]]");
+  EXPECT_EQ(testing::Field(text, "worker_devices"), "[\"cpu\", \"cuda:0 (NVIDIA H200)\"]");
+  EXPECT_EQ(testing::Field(text, "final_loss"), "null");
+  EXPECT_EQ(testing::Field(text, "resumed_from_step"), "null");
+  EXPECT_EQ(testing::Field(text, "durable"), "false");
+  EXPECT_EQ(testing::Field(text, "compress_ratio_up"), "0.1");
+  EXPECT_EQ(testing::Field(text, "compress_ratio_down"), "0");  // nothing came down
+  absl::StatusOr<run::Summary> back = ReadSummaryJson(dir + "/summary.json");
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->params(), uint64_t{5} << 40);
+  EXPECT_EQ(back->freeze_step(), 18u);
+  EXPECT_FALSE(back->has_final_loss());
+  EXPECT_TRUE(back->has_durable());
+  EXPECT_FALSE(back->durable());
+  EXPECT_DOUBLE_EQ(back->compress_ratio_up(), 0.1);
+  ASSERT_EQ(back->freeze_checks_size(), 1);
+  EXPECT_EQ(back->freeze_checks(0).values(1).number_value(), 0.25);
+  EXPECT_EQ(back->worker_devices(1), "cuda:0 (NVIDIA H200)");
+  // A damaged file is named, and a finished job's folder is not taken over
+  // on the strength of a file nobody can read.
+  std::ofstream(dir + "/summary.json") << "{\"status\": \"ok\", \"steps\": ";
+  EXPECT_THAT(std::string(ReadSummaryJson(dir + "/summary.json").status().message()),
+              HasSubstr(dir + "/summary.json is not a summary.json"));
+  EXPECT_FALSE(CheckNotFinished(dir).ok());
+  EXPECT_EQ(ReadSummaryJson(dir + "/none.json").status().code(), absl::StatusCode::kNotFound);
 }
 
 // The divergence rule (job/loss_watch.h) on hand-made losses.
