@@ -950,4 +950,24 @@ run::Summary CoordinatorService::MakeSummary() const {
   return s;
 }
 
+JobState CoordinatorService::Progress() const {
+  absl::MutexLock l(&mu_);
+  JobState s;
+  s.workers_expected = config_.workers();
+  s.servers_expected = config_.servers();
+  auto alive = [](const Process& p) { return p.registered && !p.done && !p.lost; };
+  for (const Process& w : members_.workers()) s.workers_alive += alive(w);
+  for (const Process& k : members_.servers()) s.servers_alive += alive(k);
+  s.restarts = history_.restarts();
+  s.rollbacks = history_.rollbacks();
+  s.rolled_back_steps = history_.rolled_back_steps();
+  s.checkpoints = checkpoints_.written();
+  s.checkpoint_errors = checkpoints_.errors();
+  s.last_checkpoint_step = checkpoints_.last_written();
+  if (!freeze_.history().empty()) s.freeze_change = freeze_.history().back().second;
+  s.finished = state_ == State::kFinished || state_ == State::kFailed || state_ == State::kStopped;
+  s.fp32_bytes_per_step = config_.dim() * sizeof(float) * config_.workers();
+  return s;
+}
+
 }  // namespace onebit

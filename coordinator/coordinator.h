@@ -26,6 +26,7 @@
 #include "coordinator/declared_settings.h"
 #include "coordinator/freeze_vote.h"
 #include "coordinator/job_history.h"
+#include "coordinator/job_state.h"
 #include "coordinator/membership.h"
 #include "coordinator/metrics_table.h"
 #include "coordinator/replica_verdict.h"
@@ -130,6 +131,8 @@ class CoordinatorService final : public control::Coordinator::Service {
   // wall_s: from the cluster forming to the outcome.
   run::Summary MakeSummary() const ABSL_LOCKS_EXCLUDED(mu_);
   double WallSeconds() const ABSL_LOCKS_EXCLUDED(mu_);
+  // The job's processes, restarts and checkpoints as of now, for its metrics.
+  JobState Progress() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   using Process = Membership::Process;

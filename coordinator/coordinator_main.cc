@@ -20,6 +20,13 @@ ABSL_FLAG(int32_t, port, 7070, "gRPC port; 0: any free port (see --port_file)");
 ABSL_FLAG(int32_t, health_port, 0,
           "plaintext grpc.health.v1 port (health only, for probes such as Kubernetes' gRPC "
           "probes); 0: any free port");
+ABSL_FLAG(int32_t, metrics_port, -1,
+          "serve Prometheus metrics of the job over HTTP at /metrics on this port; -1: none, "
+          "0: any free port (the log says which)");
+ABSL_FLAG(std::string, metrics_host, "", "address the metrics listen on; empty: --bind_host");
+ABSL_FLAG(absl::Duration, metrics_linger, absl::ZeroDuration(),
+          "after the job ends, keep serving its metrics this long, so that the next scrape sees "
+          "the outcome (e.g. the scrape interval); SIGTERM ends the wait");
 ABSL_FLAG(std::string, port_file, "", "write the bound port to this file once listening");
 ABSL_FLAG(std::string, stop_reason_file, "",
           "on SIGTERM/SIGINT, the first line of this file (if any) says who stopped the job, "
@@ -52,6 +59,15 @@ int Main(int argc, char** argv) {
   o.health_port = absl::GetFlag(FLAGS_health_port);
   if (o.health_port < 0 || o.health_port > 65535) {
     ExitFlagError("health_port", "must be in [0, 65535]");
+  }
+  o.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  if (o.metrics_port < -1 || o.metrics_port > 65535) {
+    ExitFlagError("metrics_port", "must be -1 (none) or in [0, 65535]");
+  }
+  o.metrics_host = absl::GetFlag(FLAGS_metrics_host);
+  o.metrics_linger = absl::GetFlag(FLAGS_metrics_linger);
+  if (o.metrics_linger < absl::ZeroDuration() || o.metrics_linger > absl::Hours(1)) {
+    ExitFlagError("metrics_linger", "must be in [0s, 1h]");
   }
   o.out = absl::GetFlag(FLAGS_out);
   if (!o.out.empty()) {

@@ -2,6 +2,7 @@
 // (coordinator/coordinator.h), its watch loop, and the run folder.
 #include <malloc.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <fstream>
@@ -15,10 +16,12 @@
 #include "checkpoint/checkpoint_dir.h"
 #include "coordinator/control_limits.h"
 #include "coordinator/coordinator.h"
+#include "coordinator/job_metrics.h"
 #include "job/config.h"
 #include "job/config_file.h"
 #include "job/run_folder.h"
 #include "job/settings.h"
+#include "metrics/endpoint.h"
 #include "net/control.h"
 #include "net/health.h"
 #include "onebit/server.h"
@@ -163,12 +166,30 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
   // After that line, so that whoever reads --port_file finds it in the log.
   if (o.on_listening) o.on_listening(bound);
 
+  // Prometheus: the job's metrics, refreshed at every turn of the loop below.
+  std::unique_ptr<MetricsEndpoint> endpoint;
+  std::unique_ptr<JobMetrics> job_metrics;
+  std::optional<uint64_t> checkpoint_bytes;  // of the checkpoint completed since the last refresh
+  if (o.metrics_port >= 0) {
+    const std::string host = o.metrics_host.empty() ? o.bind_host : o.metrics_host;
+    auto e = MetricsEndpoint::Start(host, o.metrics_port, {{"role", "coordinator"}});
+    if (!e.ok()) return e.status();
+    endpoint = *std::move(e);
+    job_metrics = std::make_unique<JobMetrics>(endpoint.get());
+    std::fprintf(stderr, "coordinator: metrics on http://%s:%d/metrics\n", host.c_str(),
+                 endpoint->port());
+  }
   absl::Status metrics_status;
   // Returns how many rows it took. (Taken with or without a run folder: the
   // divergence watch sees every row.)
   auto append_rows = [&] {
     const std::vector<MetricsRow> rows = service.TakeNewRows();
     if (metrics && metrics_status.ok()) metrics_status = metrics->Append(rows);
+    if (job_metrics != nullptr) {
+      job_metrics->Set(service.Progress(), checkpoint_bytes);
+      checkpoint_bytes.reset();
+      job_metrics->AddRows(rows);
+    }
     return rows.size();
   };
   // A checkpoint is complete once its manifest is written, last.
@@ -187,6 +208,9 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
                      static_cast<unsigned long long>(m.step()), std::string(st.message()).c_str());
       }
       service.CheckpointWritten(CompleteCheckpoint{dir, m});
+      uint64_t bytes = 0;
+      for (const checkpoint::ManifestFile& f : m.files()) bytes += f.size();
+      checkpoint_bytes = bytes;
       std::fprintf(stderr, "coordinator: checkpoint of step %llu complete (%d files) in %s\n",
                    static_cast<unsigned long long>(m.step()), m.files_size(), dir.c_str());
     }
@@ -331,6 +355,13 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
   std::fprintf(
       stderr, "coordinator: %s (%.3f s, final loss %s)\n", verdict.c_str(), wall,
       summary.has_final_loss() ? absl::StrFormat("%.6g", summary.final_loss()).c_str() : "n/a");
+  if (job_metrics != nullptr) {
+    job_metrics->Set(service.Progress(), checkpoint_bytes);
+    const absl::Time until = absl::Now() + o.metrics_linger;
+    while (absl::Now() < until && !(o.stop_signal != nullptr && o.stop_signal->load() != 0)) {
+      absl::SleepFor(std::min(absl::Milliseconds(50), until - absl::Now()));
+    }
+  }
   return result;
 }
 

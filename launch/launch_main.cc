@@ -41,6 +41,12 @@
 
 ABSL_FLAG(std::string, out, "", "run folder (metrics.csv, summary.json, logs)");
 ABSL_FLAG(std::string, bin_dir, "", "where the onebit binaries are (default: next to this one)");
+ABSL_FLAG(int32_t, metrics_port, -1,
+          "the coordinator serves the job's Prometheus metrics on 127.0.0.1 at this port "
+          "(onebit-coordinator --metrics_port); -1: none, 0: any free port (its log says which)");
+ABSL_FLAG(absl::Duration, metrics_linger, absl::ZeroDuration(),
+          "the coordinator keeps serving them this long after the job ends "
+          "(onebit-coordinator --metrics_linger)");
 ABSL_FLAG(bool, dump_params, false,
           "workers and servers write their final x to --out (replica_w<R>.f32, master_s<K>.f32, "
           "and the server error error_s<K>.f32)");
@@ -409,6 +415,11 @@ int Main(int argc, char** argv) {
                                      "--register_timeout=" + reg_timeout,
                                      security_arg};
     if (!out.empty()) args.push_back("--out=" + out);
+    if (const int p = absl::GetFlag(FLAGS_metrics_port); p >= 0) {
+      args.push_back(absl::StrCat("--metrics_port=", p));
+      args.push_back("--metrics_linger=" +
+                     absl::FormatDuration(absl::GetFlag(FLAGS_metrics_linger)));
+    }
     for (const std::string& a : config_args) args.push_back(a);
     coord.argv = args;
     if (absl::Status st = Start(&coord, args); !st.ok()) {

@@ -74,6 +74,15 @@ struct CoordinatorOptions {
   int health_port = 0;
   // Called once listening, with the port (useful with port 0).
   std::function<void(int port)> on_listening;
+  // Prometheus metrics of the job (steps, loss, bytes, step times, processes
+  // alive, restarts, checkpoints) over HTTP at /metrics on
+  // metrics_host:metrics_port; -1: none, 0: any free port (the log says
+  // which). metrics_host empty: bind_host.
+  int metrics_port = -1;
+  std::string metrics_host;
+  // After the job ends, the metrics stay up this long (ended early by
+  // stop_signal), so that the next scrape sees the outcome.
+  absl::Duration metrics_linger = absl::ZeroDuration();
   // When not empty: the run folder. metrics.csv is appended as steps
   // complete; summary.json is written at the end, ok or failed. A folder
   // holding a finished job's summary.json is refused, not overwritten.
