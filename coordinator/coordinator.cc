@@ -120,25 +120,44 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx,
                                             "32-byte CURVE public key (got ",
                                             req->curve_public_key().size(), " bytes)")));
   }
-  std::vector<Process>& group = members_.Group(req->role());
-  const char* what = req->role() == control::SERVER ? "server" : "worker";
   int rank = req->requested_rank();
-  if (rank >= static_cast<int>(group.size())) {
+  if (grpc::Status st = TakeRankLocked(*req, &rank); !st.ok()) return st;
+  if (grpc::Status st = AdmitLocked(static_cast<uint32_t>(rank), *req); !st.ok()) return st;
+  const absl::Time deadline = std::min(register_deadline_, absl::FromChrono(ctx->deadline()));
+  auto ready = [this]()
+                   ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return state_ != State::kRegistering; };
+  mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
+  if (state_ == State::kRegistering) {
+    return grpc::Status(
+        grpc::StatusCode::DEADLINE_EXCEEDED,
+        absl::StrCat("the cluster did not form in time; waiting for ", members_.Missing()));
+  }
+  if (state_ != State::kRunning) {
+    return grpc::Status(grpc::StatusCode::ABORTED, absl::StrCat("job failed: ", reason_));
+  }
+  FillRegisterReplyLocked(static_cast<uint32_t>(rank), *req, reply);
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::TakeRankLocked(const control::RegisterRequest& req, int* rank) {
+  std::vector<Process>& group = members_.Group(req.role());
+  const char* what = req.role() == control::SERVER ? "server" : "worker";
+  if (*rank >= static_cast<int>(group.size())) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        absl::StrCat(what, " rank ", rank, " out of range (job has ", group.size(),
+                        absl::StrCat(what, " rank ", *rank, " out of range (job has ", group.size(),
                                      " ", what, "s)"));
   }
-  if (state_ == State::kRunning && rank >= 0 && !req->has_rejoin_from()) {
+  if (state_ == State::kRunning && *rank >= 0 && !req.has_rejoin_from()) {
     // A process of this rank started again (its predecessor crashed or was
     // preempted, perhaps before its heartbeats stopped): the job rolls back.
     grpc::Status st;
-    if (req->role() == control::WORKER) {
-      if (absl::Status c = CheckDeclaredLocked(rank, *req); !c.ok()) {
+    if (req.role() == control::WORKER) {
+      if (absl::Status c = CheckDeclaredLocked(*rank, req); !c.ok()) {
         st = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(c.message()));
       }
     }
     std::string why_not;
-    const std::string why = absl::StrCat(what, " ", rank, " registered again (restarted)");
+    const std::string why = absl::StrCat(what, " ", *rank, " registered again (restarted)");
     if (st.ok() && !RollBackLocked(why, &why_not)) {
       // Its predecessor is gone, and the job cannot go on without it.
       FailLocked(absl::StrCat(why, ", but the job cannot roll back: ", why_not));
@@ -153,25 +172,27 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx,
                         absl::StrCat("job ", absl::StrFormat("%016x", job_id_), " is ",
                                      StateName(state_), ": registration is closed"));
   }
-  if (rank >= 0 && group[rank].registered) {
+  if (*rank >= 0 && group[*rank].registered) {
     return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
-                        absl::StrCat(what, " rank ", rank, " is already registered",
-                                     req->has_rejoin_from() ? " (by a restarted process)" : ""));
+                        absl::StrCat(what, " rank ", *rank, " is already registered",
+                                     req.has_rejoin_from() ? " (by a restarted process)" : ""));
   }
-  if (rank < 0) {
-    for (size_t i = 0; i < group.size() && rank < 0; ++i) {
-      if (!group[i].registered) rank = static_cast<int>(i);
-    }
-    if (rank < 0) {
-      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                          absl::StrCat("all ", group.size(), " ", what, " ranks are taken"));
-    }
+  for (size_t i = 0; i < group.size() && *rank < 0; ++i) {
+    if (!group[i].registered) *rank = static_cast<int>(i);
   }
-  if (req->role() == control::SERVER && req->data_endpoint().empty()) {
+  if (*rank < 0) {
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        absl::StrCat("all ", group.size(), " ", what, " ranks are taken"));
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::AdmitLocked(uint32_t rank, const control::RegisterRequest& req) {
+  if (req.role() == control::SERVER && req.data_endpoint().empty()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "a server must give its data_endpoint");
   }
-  if (req->role() == control::WORKER) {
-    absl::Status st = CheckDeclaredLocked(static_cast<uint32_t>(rank), *req);
+  if (req.role() == control::WORKER) {
+    absl::Status st = CheckDeclaredLocked(rank, req);
     // Once the job is set up, a worker that declares otherwise cannot join
     // it, and the job goes on without it.
     if (!st.ok() && formed_) {
@@ -183,33 +204,27 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx,
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(st.message()));
     }
   }
-  Process& p = group[rank];
+  Process& p = members_.Group(req.role())[rank];
   p.registered = true;
-  p.info = *req;
-  if (req->role() == control::WORKER && req->has_rejoin_from()) {
-    history_.CountRolledBack(req->rejoin_steps_done(), config_.steps());
+  p.info = req;
+  if (req.role() == control::WORKER && req.has_rejoin_from()) {
+    history_.CountRolledBack(req.rejoin_steps_done(), config_.steps());
   }
   p.last_seen = absl::Now();
   p.credential = RandomBytes(16);
-  std::fprintf(stderr, "coordinator: %s %d registered (%s)\n", what, rank,
-               req->data_endpoint().empty() ? req->host().c_str() : req->data_endpoint().c_str());
+  std::fprintf(stderr, "coordinator: %s %u registered (%s)\n",
+               req.role() == control::SERVER ? "server" : "worker", rank,
+               req.data_endpoint().empty() ? req.host().c_str() : req.data_endpoint().c_str());
   if (members_.AllRegistered()) formed_ ? ReformLocked() : FormLocked();
-  const absl::Time deadline = std::min(register_deadline_, absl::FromChrono(ctx->deadline()));
-  auto ready = [this]()
-                   ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return state_ != State::kRegistering; };
-  mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
-  if (state_ == State::kRegistering) {
-    return grpc::Status(
-        grpc::StatusCode::DEADLINE_EXCEEDED,
-        absl::StrCat("the cluster did not form in time; waiting for ", members_.Missing()));
-  }
-  if (state_ != State::kRunning) {
-    return grpc::Status(grpc::StatusCode::ABORTED, absl::StrCat("job failed: ", reason_));
-  }
+  return grpc::Status::OK;
+}
+
+void CoordinatorService::FillRegisterReplyLocked(uint32_t rank, const control::RegisterRequest& req,
+                                                 control::RegisterReply* reply) const {
   reply->set_job_id(job_id_);
   reply->set_incarnation(members_.incarnation());
-  reply->set_rank(static_cast<uint32_t>(rank));
-  reply->set_credential(group[rank].credential);
+  reply->set_rank(rank);
+  reply->set_credential(members_.Group(req.role())[rank].credential);
   *reply->mutable_config() = config_;
   reply->set_shard_map(map_.Serialize());
   for (uint64_t e : job_layers_) reply->add_layer_ends(e);
@@ -226,7 +241,7 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx,
     s->set_data_endpoint(servers[i].info.data_endpoint());
     s->set_curve_public_key(servers[i].info.curve_public_key());
   }
-  if (req->role() == control::SERVER) {
+  if (req.role() == control::SERVER) {
     for (const Process& w : members_.workers()) {
       reply->add_worker_curve_keys(w.info.curve_public_key());
     }
@@ -243,7 +258,6 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx,
       r->add_worker_files(absl::StrCat("worker-", w, ".state"));
     }
   }
-  return grpc::Status::OK;
 }
 
 absl::Status CoordinatorService::CheckDeclaredLocked(uint32_t rank,

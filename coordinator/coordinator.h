@@ -149,6 +149,17 @@ class CoordinatorService final : public control::Coordinator::Service {
   // The process presumed dead: roll back, or fail the job, naming `lost`.
   void LoseLocked(const std::string& lost) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailLocked(const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Register's parts: the rank the request may take (a requested one,
+  // which a running job rolls back for, or the first free one), then the
+  // process admitted under it (its declarations checked; the cluster formed
+  // when it was the last), then the reply once the cluster has formed.
+  grpc::Status TakeRankLocked(const control::RegisterRequest& req, int* rank)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  grpc::Status AdmitLocked(uint32_t rank, const control::RegisterRequest& req)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FillRegisterReplyLocked(uint32_t rank, const control::RegisterRequest& req,
+                               control::RegisterReply* reply) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A worker's declarations (DeclaredSettings::Check) against the job's.
   absl::Status CheckDeclaredLocked(uint32_t rank, const control::RegisterRequest& req)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
