@@ -36,11 +36,20 @@ ABSL_FLAG(absl::Duration, register_timeout, absl::Seconds(60),
           "how long to wait for all servers and workers to register");
 ABSL_FLAG(int32_t, exit_code_when_stopped, 0,
           "exit with this code when the job stopped on request (SIGTERM to one of its processes) "
-          "after a complete checkpoint; e.g. 75 so that a Kubernetes Job with restartPolicy "
-          "OnFailure starts the pod again and the job resumes");
+          "after a complete checkpoint; e.g. 75, which a Kubernetes Job's podFailurePolicy ignores "
+          "(deploy/k8s): the pod is started again and the job resumes");
 
 namespace onebit {
 namespace {
+
+// Exit status (sysexits' EX_CONFIG) when the coordinator refuses to run this
+// job against what it finds on disk: a finished run folder in --out
+// (summary.json "ok"), a checkpoint written under another config, --resume
+// without a complete checkpoint, or a config refused after parsing. Running
+// it again would be refused again, so deploy/k8s's podFailurePolicy fails the
+// job at once on it (as on 2, a refused command line or train.json) instead
+// of retrying; any other failure (1) is retried.
+constexpr int kExitRefused = 78;
 
 int Main(int argc, char** argv) {
   std::set<std::string> given;
@@ -103,6 +112,12 @@ int Main(int argc, char** argv) {
   absl::Status st = RunCoordinatorJob(cfg, given, o);
   if (!port_written) ExitError(1, absl::StrCat("cannot write --port_file ", port_file));
   if (absl::IsCancelled(st)) return absl::GetFlag(FLAGS_exit_code_when_stopped);
+  // RunCoordinatorJob refuses before it listens with these two codes (a
+  // finished run folder and a resume conflict are FailedPrecondition); the
+  // job's own failures are Aborted, DataLoss or Unavailable.
+  if (absl::IsFailedPrecondition(st) || absl::IsInvalidArgument(st)) {
+    ExitError(kExitRefused, st.message());
+  }
   if (!st.ok()) ExitError(1, st.message());
   return 0;
 }

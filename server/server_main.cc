@@ -29,8 +29,8 @@ ABSL_FLAG(std::string, dump_error, "",
 
 ABSL_FLAG(int32_t, exit_code_when_stopped, 0,
           "exit with this code when the job stopped on request (SIGTERM to one of its processes) "
-          "after a complete checkpoint; e.g. 75 so that a Kubernetes Job with restartPolicy "
-          "OnFailure starts the pod again and the job resumes");
+          "after a complete checkpoint; e.g. 75, which a Kubernetes Job's podFailurePolicy ignores "
+          "(deploy/k8s): the pod is started again and the job resumes");
 
 namespace onebit {
 namespace {

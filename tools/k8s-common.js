@@ -1,6 +1,7 @@
-// What tools/k8s-validate.js and tools/k8s-flags.js share: exit codes (0 fine,
-// 1 a problem found, 2 usage or input errors: a crash must not look like a
-// found problem) and reading the Kubernetes objects of rendered manifests.
+// What tools/k8s-validate.js, tools/k8s-flags.js and tests/deploy/*.js share:
+// exit codes (0 fine, 1 a problem found, 2 usage or input errors: a crash must
+// not look like a found problem), reading the Kubernetes objects of rendered
+// manifests, and a container's command line as the kubelet expands it.
 'use strict';
 
 const fs = require('fs');
@@ -59,4 +60,29 @@ function isObject(doc) {
   return typeof doc === 'object' && !Array.isArray(doc);
 }
 
-module.exports = {start, requirePackage, readDocuments, isObject};
+// The value of the env var `name` of container `c` as the manifests `docs`
+// give it (a value, or a key of a ConfigMap in them), or undefined (not set,
+// or known only on the cluster: a fieldRef, a Secret).
+function envValue(c, name, docs) {
+  const e = (c.env || []).find((v) => v.name === name);
+  if (!e) return undefined;
+  if (e.value !== undefined) return String(e.value);
+  const ref = e.valueFrom && e.valueFrom.configMapKeyRef;
+  if (!ref) return undefined;
+  const cm = docs.find((d) => isObject(d) && d.kind === 'ConfigMap' && d.metadata &&
+                              d.metadata.name === ref.name);
+  return cm && cm.data && cm.data[ref.key] !== undefined ? String(cm.data[ref.key]) : undefined;
+}
+
+// Container `c`'s command and args with $(VAR) expanded as the kubelet does
+// where envValue knows VAR ($$ escapes a $); unknown ones stay as written.
+function expandedArgv(c, docs) {
+  return [...(c.command || []), ...(c.args || [])].map((a) => String(a).replace(
+      /\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)/g, (m, name) => {
+        if (m === '$$') return '$';
+        const v = envValue(c, name, docs);
+        return v === undefined ? m : v;
+      }));
+}
+
+module.exports = {start, requirePackage, readDocuments, isObject, envValue, expandedArgv};

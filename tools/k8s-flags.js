@@ -6,9 +6,11 @@
 // The flags of a binary are read from `<bin-dir>/<binary> --helpfull`, the
 // binary from each container's command. Also checked: the keys of a JSON
 // training config passed with --config (from a mounted ConfigMap) are flags of
-// that binary; the config's "workers"/"servers" equal the worker Job's
-// completions/parallelism and the server StatefulSet's replicas (or the
-// completions of a Job whose pods run a server each); each binary
+// that binary; the coordinator's workers/servers (its --workers/--servers,
+// expanded from env and ConfigMaps, else its config's) equal the worker
+// Job's completions/parallelism and the servers' count (a Job's completions,
+// a StatefulSet's replicas, or one per pod of a Job whose pods run a server
+// each); each binary
 // is installed by the Dockerfile. Exit 0: all fine; 1: a problem, printed as
 // "<Kind>/<name> <container>: <what>"; 2: usage or input errors.
 'use strict';
@@ -16,7 +18,7 @@
 const fs = require('fs');
 const path = require('path');
 const {execFileSync} = require('child_process');
-const {start, readDocuments, isObject} = require('./k8s-common');
+const {start, readDocuments, isObject, expandedArgv} = require('./k8s-common');
 
 const die = start('k8s-flags');
 
@@ -155,7 +157,7 @@ for (const obj of docs) {
               problems.push(`${where}: ${r.from}: key "${key}" is not a flag of ${binary} (see ${binary} --helpfull)`);
             }
           }
-          configs.push({where, from: r.from, cfg: r.cfg});
+          configs.push({where, from: r.from, cfg: r.cfg, argv: expandedArgv(c, docs)});
         }
       }
     }
@@ -163,14 +165,26 @@ for (const obj of docs) {
 }
 
 // The config's cluster size must match the workloads that provide it.
-for (const {from, cfg} of configs) {
-  const workers = cfg.workers === undefined ? 1 : cfg.workers;
-  const servers = cfg.servers === undefined ? 1 : cfg.servers;
+// A count given on the command line (expanded from env and ConfigMaps as the
+// kubelet does: deploy/k8s sets it from the ConfigMap onebit-size) wins over
+// the config's, as in the binaries.
+function countOf(argv, cfg, key, from, where) {
+  for (const a of argv) {
+    const m = a.match(/^--?([A-Za-z0-9_-]+)=(.*)$/);
+    if (m && m[1].replace(/-/g, '_') === key) return {n: Number(m[2]), from: `${where} --${key}=${m[2]}`};
+  }
+  return {n: cfg[key] === undefined ? 1 : cfg[key], from: `${from} says ${key}=${cfg[key] === undefined ? 1 : cfg[key]}`};
+}
+for (const {where, from, cfg, argv} of configs) {
+  const w = countOf(argv, cfg, 'workers', from, where);
+  const s = countOf(argv, cfg, 'servers', from, where);
+  const workers = w.n;
+  const servers = s.n;
   for (const obj of byRole.get('onebit-worker') || []) {
     for (const field of ['completions', 'parallelism']) {
       const v = obj.kind === 'Job' ? obj.spec[field] : undefined;
       if (v !== workers) {
-        problems.push(`${obj.kind}/${obj.metadata.name}: spec.${field} is ${v}, but ${from} says workers=${workers}`);
+        problems.push(`${obj.kind}/${obj.metadata.name}: spec.${field} is ${v}, but ${w.from}`);
       }
     }
   }
@@ -186,7 +200,7 @@ for (const {from, cfg} of configs) {
     counts.push(`${obj.kind}/${obj.metadata.name}: spec.${field} is ${v}`);
   }
   if (serverObjs.length && total !== servers) {
-    problems.push(`${counts.join(', ')}, but ${from} says servers=${servers}`);
+    problems.push(`${counts.join(', ')}, but ${s.from}`);
   }
 }
 

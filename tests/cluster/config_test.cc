@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
@@ -678,6 +679,41 @@ TEST(Binaries, WorkerAndServerHelpListOnlyTheirOwnFlags) {
     EXPECT_THAT(r.output, Not(HasSubstr(".cc"))) << bin;
     EXPECT_THAT(r.output, Not(HasSubstr("--flagfile"))) << bin;  // absl's own
   }
+}
+
+// What a scheduler must not retry exits 78 (EX_CONFIG), apart from a failed
+// job (1) and a refused command line or config (2): a finished run folder
+// and --resume without a checkpoint (deploy/k8s's podFailurePolicy fails the
+// Job on it); onebit-launch passes the code on.
+TEST(Binaries, ARefusedRunFolderOrResumeExits78) {
+  const std::string dir = TempDir("refused");
+  ASSERT_TRUE(std::filesystem::create_directories(dir + "/run"));
+  std::ofstream(dir + "/run/summary.json") << "{\"status\": \"ok\"}\n";
+  const std::vector<std::string> coordinator = {Bin("onebit-coordinator"),
+                                                "--insecure",
+                                                "--port=0",
+                                                "--workers=1",
+                                                "--servers=1",
+                                                "--dim=64"};
+  auto with = [](std::vector<std::string> argv, std::vector<std::string> more) {
+    argv.insert(argv.end(), more.begin(), more.end());
+    return argv;
+  };
+  RunResult finished = RunCommand(with(coordinator, {"--out=" + dir + "/run"}), absl::Seconds(20));
+  EXPECT_EQ(finished.code, 78) << finished.output;
+  EXPECT_THAT(finished.output,
+              HasSubstr(dir + "/run/summary.json is a finished job's (status ok)"));
+  RunResult none = RunCommand(with(coordinator, {"--checkpoint_dir=" + dir + "/ck", "--resume"}),
+                              absl::Seconds(20));
+  EXPECT_EQ(none.code, 78) << none.output;
+  EXPECT_THAT(none.output, HasSubstr("--resume: no complete checkpoint under " + dir + "/ck"));
+  RunResult launched = RunCommand({Bin("onebit-launch"), "--workers=1", "--servers=1", "--dim=64",
+                                   "--steps=1", "--out=" + dir + "/run"},
+                                  absl::Seconds(30));
+  EXPECT_EQ(launched.code, 78) << launched.output;
+  // A refused flag stays 2.
+  RunResult flag = RunCommand(with(coordinator, {"--bogus"}), absl::Seconds(10));
+  EXPECT_EQ(flag.code, 2) << flag.output;
 }
 
 TEST(Binaries, AJobSettingGivenToWorkerOrServerNamesWhoTakesIt) {

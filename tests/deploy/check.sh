@@ -4,8 +4,14 @@
 #   check.sh render   OVERLAY            kubectl kustomize renders it
 #   check.sh validate OVERLAY            schema validation (tools/k8s-validate.js)
 #   check.sh flags    OVERLAY BIN_DIR    flag drift (tools/k8s-flags.js)
-#   check.sh durable  OVERLAY            restarts and the shared checkpoints claim
-#                                        (tests/deploy/durable.js)
+#   check.sh durable  OVERLAY            restarts (podFailurePolicy, per-index
+#                                        retries), grace periods and the shared
+#                                        checkpoints claim (tests/deploy/durable.js)
+#   check.sh restricted OVERLAY          Pod Security "restricted", read-only
+#                                        roots (tests/deploy/restricted.js)
+#   check.sh schedule OVERLAY            one size, Jobs with TTLs and a Kueue
+#                                        queue, priority, Guaranteed QoS, probes,
+#                                        images (tests/deploy/schedule.js)
 #   check.sh secure   OVERLAY            the job secret in every pod, the
 #                                        NetworkPolicy, nothing bound wider
 #                                        (tests/deploy/secure.js, against
@@ -13,7 +19,7 @@
 #   check.sh make-secret                 make-secret draws a new 64-hex-digit
 #                                        secret each time
 #   check.sh yamllint                    yamllint --strict on deploy/
-#   check.sh expect-fail validate|flags|durable|secure OVERLAY [BIN_DIR] REGEX
+#   check.sh expect-fail validate|flags|durable|secure|restricted|schedule OVERLAY [BIN_DIR] REGEX
 #                                        that check exits 1 and prints REGEX
 # Exit 77 (ctest: skipped) with a printed reason where kubectl is absent.
 set -euo pipefail
@@ -37,7 +43,8 @@ secret_value() {
   sed -n "s/^  $2: //p" "$1" | base64 -d
 }
 
-# run_check validate|flags|durable|secure OVERLAY [BIN_DIR]: prints the check's output, returns its status.
+# run_check validate|flags|durable|secure|restricted|schedule OVERLAY [BIN_DIR]: prints the
+# check's output, returns its status.
 run_check() {
   local what=$1 overlay=$2 rendered status=0
   rendered=$(kubectl kustomize "$overlay") || return 2
@@ -46,6 +53,8 @@ run_check() {
     flags) node tools/k8s-flags.js --bin-dir "$3" --dockerfile deploy/docker/Dockerfile \
              <<<"$rendered" || status=$? ;;
     durable) node tests/deploy/durable.js <<<"$rendered" || status=$? ;;
+    restricted) node tests/deploy/restricted.js <<<"$rendered" || status=$? ;;
+    schedule) node tests/deploy/schedule.js <<<"$rendered" || status=$? ;;
     secure)
       local secret
       secret=$(mktemp)
@@ -68,7 +77,7 @@ case $cmd in
     echo "$1: $n objects"
     ((n > 0))
     ;;
-  validate | flags | durable | secure)
+  validate | flags | durable | secure | restricted | schedule)
     need_kubectl
     run_check "$cmd" "$@"
     ;;
@@ -117,10 +126,10 @@ case $cmd in
     echo "ok: '$what' rejects $overlay with /$regex/"
     ;;
   -h | --help)
-    sed -n '2,19p' "$0"
+    sed -n '2,24p' "$0"
     ;;
   *)
-    sed -n '2,19p' "$0" >&2
+    sed -n '2,24p' "$0" >&2
     exit 2
     ;;
 esac

@@ -19,6 +19,12 @@
 //   for the kubelet's probes where the CNI filters them); the coordinator's gRPC
 //   port (--port) is admitted from the servers and the workers, the
 //   servers' data port (--data_port) from the workers;
+// - egress is denied by default: a NetworkPolicy with Egress selects the
+//   pods of each role, and every egress rule of one admits only the job's
+//   own pods or the cluster's DNS (kube-system's kube-dns, port 53 alone);
+//   the job's own connections (servers and workers to the coordinator's
+//   --port, workers to the servers' --data_port, the coordinator to the
+//   servers' and workers' --health_port) and DNS are admitted;
 // - no pod uses hostNetwork or a hostPort, and no Service is a NodePort or
 //   LoadBalancer or has externalIPs.
 // Exit 0: all fine; 1: a problem, printed as "<Kind>/<name> <container>:
@@ -189,7 +195,7 @@ function portAdmits(p, c, port) {
   if (p.protocol && p.protocol !== 'TCP') return false;
   if (p.port === undefined) return true;
   if (typeof p.port === 'number') return p.endPort !== undefined ? p.port <= port && port <= p.endPort : p.port === port;
-  for (const k of c.pod.containers || []) {
+  for (const k of [...(c.pod.initContainers || []), ...(c.pod.containers || [])]) {
     for (const cp of k.ports || []) if (cp.name === p.port && cp.containerPort === port) return true;
   }
   return false;
@@ -256,6 +262,73 @@ for (const c of containers) {
   }
 }
 
+// --- Egress: default deny, the job's own connections and DNS ---------------
+const egressPolicy = (np) => (np.spec.policyTypes || (np.spec.egress ? ['Ingress', 'Egress'] : ['Ingress']))
+    .includes('Egress');
+// The cluster's DNS pods: kube-system's k8s-app=kube-dns, on port 53 alone.
+const isDnsRule = (rule) => (rule.ports || []).length > 0 &&
+    rule.ports.every((p) => p.port === 53 || p.port === 'dns' || p.port === 'dns-tcp') &&
+    (rule.to || []).every((peer) => peer.namespaceSelector && peer.podSelector && !peer.ipBlock &&
+        ((peer.namespaceSelector.matchLabels || {})['kubernetes.io/metadata.name'] === 'kube-system') &&
+        !isEmptySelector(peer.podSelector));
+for (const c of jobPods) {
+  const where = `${nameOf(c.obj)} ${c.container.name}`;
+  const mine = policies.filter((np) => egressPolicy(np) && selects((np.spec || {}).podSelector, c.labels));
+  if (!mine.length) {
+    problems.push(`${where}: no NetworkPolicy restricts its egress: it may connect anywhere, the internet included`);
+    continue;
+  }
+  for (const np of mine) {
+    (np.spec.egress || []).forEach((rule, i) => {
+      const at = `NetworkPolicy/${np.metadata.name}: egress[${i}]`;
+      if (!rule.to || !rule.to.length) {
+        problems.push(`${at}: no "to": admits every destination`);
+        return;
+      }
+      if (!rule.ports || !rule.ports.length) problems.push(`${at}: no "ports": admits every port`);
+      if (isDnsRule(rule)) return;
+      for (const peer of rule.to) {
+        if (peer.ipBlock || peer.namespaceSelector || !peer.podSelector) {
+          problems.push(`${at}: admits ${peer.ipBlock ? `ipBlock ${peer.ipBlock.cidr}` : 'other namespaces'}, ` +
+                        'not only the job\'s pods and the cluster\'s DNS');
+        } else if (isEmptySelector(peer.podSelector)) {
+          problems.push(`${at}: an empty podSelector admits every pod of the namespace, not only the job's`);
+        } else if (!jobPods.some((j) => selects(peer.podSelector, j.labels))) {
+          problems.push(`${at}: podSelector ${JSON.stringify(peer.podSelector)} selects none of the job's pods`);
+        }
+      }
+    });
+  }
+  if (!mine.some((np) => (np.spec.egress || []).some(isDnsRule))) {
+    problems.push(`${where}: no NetworkPolicy admits DNS (kube-system's kube-dns, port 53) from its pods: ` +
+                  'it could not resolve the job\'s names');
+  }
+}
+// What the job itself connects to, container by container: [client role,
+// server role, port flag of the server, default].
+for (const [client, target, flag, dflt] of [
+  ['onebit-server', 'onebit-coordinator', 'port', 7070],
+  ['onebit-worker', 'onebit-coordinator', 'port', 7070],
+  ['onebit-worker', 'onebit-server', 'data_port', 5555],
+  ['onebit-coordinator', 'onebit-server', 'health_port', 8081],
+  ['onebit-coordinator', 'onebit-worker', 'health_port', 8081],
+]) {
+  for (const from of containers.filter((k) => k.role === client)) {
+    const mine = policies.filter((np) => egressPolicy(np) && selects((np.spec || {}).podSelector, from.labels));
+    if (!mine.length) continue;  // reported above
+    for (const to of containers.filter((k) => k.role === target)) {
+      const port = Number(flagValue(to.argv, flag) || dflt);
+      const ok = mine.some((np) => (np.spec.egress || []).some((rule) =>
+        (rule.to || []).some((peer) => peer.podSelector && !peer.namespaceSelector && selects(peer.podSelector, to.labels)) &&
+        (!rule.ports || rule.ports.some((p) => portAdmits(p, to, port)))));
+      if (!ok) {
+        problems.push(`${from.where}: no NetworkPolicy admits its egress to ${target} (${to.where}) ` +
+                      `--${flag} ${port}: the job could not run`);
+      }
+    }
+  }
+}
+
 // --- Nothing bound wider than the pod network ------------------------------
 for (const c of jobPods) {
   if (c.pod.hostNetwork) problems.push(`${nameOf(c.obj)}: hostNetwork: its ports would listen on the node's addresses`);
@@ -277,4 +350,4 @@ if (problems.length) {
   process.exit(1);
 }
 process.stdout.write(`secure: ${containers.length} containers read the job secret from Secret ${secretName}; ` +
-                     `${policies.length} NetworkPolicies admit only the job's pods\n`);
+                     `${policies.length} NetworkPolicies admit only the job's pods, in and out\n`);
