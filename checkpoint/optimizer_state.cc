@@ -6,6 +6,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 
 namespace onebit {
 namespace {
@@ -21,9 +22,47 @@ std::vector<std::pair<const char*, std::vector<float> ServerShardState::*>> Shar
           {"replica", &ServerShardState::replica}};
 }
 
+// A worker's arrays, by section name; x (the first) only where no other
+// file holds it (WorkerFileOmits).
 std::vector<std::pair<const char*, std::vector<float> WorkerState::*>> WorkerArrays() {
-  return {{"mbar", &WorkerState::mbar}, {"e", &WorkerState::e}, {"den", &WorkerState::den}};
+  return {{"x", &WorkerState::x}, {"mbar", &WorkerState::mbar},
+          {"e", &WorkerState::e}, {"den", &WorkerState::den},
+          {"v", &WorkerState::v}, {"x_sync", &WorkerState::x_sync}};
 }
+
+// A layer-wise shard's layers as global [first, second) pairs, 16
+// little-endian bytes each.
+std::string LayerBytes(const ServerShardState& s) {
+  std::string out;
+  out.reserve(16 * s.layers.size());
+  for (const auto& [first, second] : s.layers) {
+    for (uint64_t v : {s.begin + first, s.begin + second}) {
+      out += LittleEndianU32(static_cast<uint32_t>(v));
+      out += LittleEndianU32(static_cast<uint32_t>(v >> 32));
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<std::pair<uint64_t, uint64_t>>> ReadLayers(const StateReader& r) {
+  auto bytes = r.Bytes("layers");
+  if (!bytes.ok()) return bytes.status();
+  if (bytes->size() % 16 != 0) {
+    return absl::DataLossError(absl::StrCat("server ", r.header().rank(),
+                                            "'s state file: section 'layers' has ", bytes->size(),
+                                            " bytes, not a multiple of 16"));
+  }
+  std::vector<std::pair<uint64_t, uint64_t>> out(bytes->size() / 16);
+  auto u64 = [&bytes](size_t at) {
+    return ReadLittleEndianU32(bytes->data() + at) |
+           uint64_t{ReadLittleEndianU32(bytes->data() + at + 4)} << 32;
+  };
+  for (size_t j = 0; j < out.size(); ++j) out[j] = {u64(16 * j), u64(16 * j + 8)};
+  return out;
+}
+
+// A float as text that reads back as the same float (9 significant digits).
+std::string FloatText(float v) { return absl::StrFormat("%.9g", v); }
 
 bool HasSection(const StateReader& r, const char* name) {
   for (const auto& s : r.header().sections()) {
@@ -45,9 +84,11 @@ absl::StatusOr<uint64_t> U64Value(const StateReader& r, const char* key) {
 }  // namespace
 
 StateWriter SaveServerShard(const ServerShardState& s, bool with_den,
-                            std::shared_ptr<SnapshotBuffers> buffers) {
+                            std::shared_ptr<SnapshotBuffers> buffers,
+                            std::optional<uint64_t> step) {
+  const uint64_t of = step.value_or(s.step);
   checkpoint::StateHeader h;
-  h.set_step(s.step);
+  h.set_step(of);
   h.set_role("server");
   h.set_rank(s.shard);
   h.set_begin(s.begin);
@@ -58,8 +99,19 @@ StateWriter SaveServerShard(const ServerShardState& s, bool with_den,
     if ((s.*field).empty()) continue;
     w.AddFloats(name, buffers != nullptr ? buffers->Copy(s.*field) : SnapshotFloats(s.*field));
   }
+  // Per layer (onebit-lamb): the values and where each layer lies. Their
+  // floats go in as bytes, so that these few do not take the places of
+  // the shard's arrays among the buffers kept for the next snapshot.
+  if (!s.layers.empty()) {
+    for (const auto& [name, values] :
+         {std::pair{"lamb_coeff", &s.lamb_coeff}, std::pair{"lamb_factor", &s.lamb_factor}}) {
+      w.AddBytes(name, absl::string_view(reinterpret_cast<const char*>(values->data()),
+                                         sizeof(float) * values->size()));
+    }
+    w.AddBytes("layers", LayerBytes(s));
+  }
   w.ReturnBuffersTo(std::move(buffers));
-  w.SetValue("step", absl::StrCat(s.step));
+  w.SetValue("step", absl::StrCat(of));
   w.SetValue("frozen", s.frozen ? "1" : "0");
   w.SetValue("floored", absl::StrCat(s.floored));
   return w;
@@ -100,6 +152,13 @@ absl::Status LoadServerArrays(const std::vector<const StateReader*>& files, uint
   for (const auto& [name, field] : ShardArrays()) {
     if (HasSection(first, name) && wanted(name)) (out.*field).assign(n, 0.0f);
   }
+  // The layers of [begin, end) with their values, from whichever files hold them.
+  const bool layered = HasSection(first, "layers") && wanted("lamb_coeff");
+  struct Layer {
+    uint64_t first, second;
+    float coeff, factor;
+  };
+  std::vector<Layer> layers;
   uint64_t covered = 0;
   for (const StateReader* r : files) {
     const checkpoint::StateHeader& h = r->header();
@@ -120,6 +179,29 @@ absl::Status LoadServerArrays(const std::vector<const StateReader*>& files, uint
     }
     if (lo >= hi) continue;
     covered += hi - lo;
+    if (layered != (HasSection(*r, "layers") && wanted("lamb_coeff"))) {
+      return absl::DataLossError(absl::StrCat("server ", h.rank(), "'s state file ",
+                                              layered ? "lacks" : "has", " 'layers' where server ",
+                                              first.header().rank(), "'s does not"));
+    }
+    if (layered) {
+      auto ranges = ReadLayers(*r);
+      if (!ranges.ok()) return ranges.status();
+      auto coeff = r->Floats("lamb_coeff", ranges->size());
+      if (!coeff.ok()) return coeff.status();
+      auto factor = r->Floats("lamb_factor", ranges->size());
+      if (!factor.ok()) return factor.status();
+      for (size_t j = 0; j < ranges->size(); ++j) {
+        const auto [f, e] = (*ranges)[j];
+        if (!(e > begin && f < end)) continue;  // as LayerPieces decides
+        if (f < begin || e > end) {
+          return absl::DataLossError(absl::StrCat("server ", h.rank(), "'s state file has layer [",
+                                                  f, ", ", e, "), which crosses the shard [", begin,
+                                                  ", ", end, ")"));
+        }
+        layers.push_back({f, e, (*coeff)[j], (*factor)[j]});
+      }
+    }
     for (const auto& [name, field] : ShardArrays()) {
       if (!wanted(name)) continue;
       if ((out.*field).empty() != !HasSection(*r, name)) {
@@ -139,13 +221,23 @@ absl::Status LoadServerArrays(const std::vector<const StateReader*>& files, uint
     return absl::DataLossError(absl::StrCat("the server state files cover ", covered, " of the ", n,
                                             " elements of [", begin, ", ", end, ")"));
   }
+  std::sort(layers.begin(), layers.end(),
+            [](const Layer& a, const Layer& b) { return a.first < b.first; });
+  for (const Layer& l : layers) {
+    out.layers.emplace_back(l.first - begin, l.second - begin);
+    out.lamb_coeff.push_back(l.coeff);
+    out.lamb_factor.push_back(l.factor);
+  }
   *s = std::move(out);
   return absl::OkStatus();
 }
 
 StateWriter SaveWorkerState(const WorkerState& s, uint32_t rank, uint64_t step) {
   WorkerState copy;
-  for (const auto& [name, field] : WorkerArrays()) copy.*field = s.*field;
+  for (const auto& [name, field] : WorkerArrays()) {
+    if (field != &WorkerState::x) copy.*field = s.*field;
+  }
+  copy.lrs = s.lrs;
   copy.frozen = s.frozen;
   return SaveWorkerState(std::move(copy), rank, step, s.x.size());
 }
@@ -158,6 +250,9 @@ StateWriter SaveWorkerState(WorkerState&& s, uint32_t rank, uint64_t step, uint6
   h.set_begin(0);
   h.set_end(d);
   StateWriter w(std::move(h));
+  // The learning rates since the last synchronisation (a worker that keeps
+  // x_sync); not a function of the step where the program sets them.
+  if (!s.x_sync.empty()) w.SetValue("lrs", FloatText(s.lrs));
   for (const auto& [name, field] : WorkerArrays()) {
     if (!(s.*field).empty()) w.AddFloats(name, std::move(s.*field));
   }
@@ -181,6 +276,15 @@ absl::Status LoadWorkerState(const StateReader& file, uint64_t d, WorkerState* s
     if (!values.ok()) return values.status();
     out.*field = *std::move(values);
   }
+  if (!out.x_sync.empty()) {
+    auto lrs = file.Value("lrs");
+    if (!lrs.ok()) return lrs.status();
+    if (!absl::SimpleAtof(*lrs, &out.lrs)) {
+      return absl::DataLossError(absl::StrCat("worker ", file.header().rank(),
+                                              "'s state file: value 'lrs' is '", *lrs,
+                                              "', not a number"));
+    }
+  }
   out.frozen = *frozen == "1";
   *s = std::move(out);
   return absl::OkStatus();
@@ -191,8 +295,9 @@ WorkerFileOmits WorkerOmits(const OptimizerOptions& o, uint32_t rank) {
   // (A delta reply leaves each worker its own momentum; the naive variant
   // keeps none.)
   const AlgorithmTraits& t = TraitsOf(o.kind);
-  omit.mbar = rank != 0 && o.reply == ReplyMode::kMomentum && t.worker_momentum;
+  omit.mbar = rank != 0 && o.reply == ReplyMode::kMomentum && t.worker_momentum && !t.local_model;
   omit.den = t.den_of_frozen_v;
+  omit.x = !t.local_model;
   return omit;
 }
 

@@ -227,9 +227,6 @@ absl::Status ValidateConfig(const control::TrainingConfig& c) {
     return SettingError(
         "steps", absl::StrCat(traits.name, " needs the job's length: its last step synchronises"));
   }
-  if (traits.no_checkpoint_why != nullptr && !c.checkpoint_dir().empty()) {
-    return SettingError("checkpoint_dir", traits.no_checkpoint_why);
-  }
   if (c.chunk_elems() != 0 &&
       (c.chunk_elems() < c.block_size() || c.chunk_elems() % c.block_size() != 0 ||
        c.chunk_elems() > kMaxChunkElems)) {

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -58,6 +59,7 @@ class OnebitLamb final : public MomentumFamily {
     if (layers.ok()) {
       s->lamb_coeff.assign(layers->size(), 0.0f);
       s->lamb_factor.assign(layers->size(), 1.0f);
+      s->layers = *std::move(layers);
     }
   }
   // A whole shard only (StepShard with one chunk).
@@ -304,6 +306,15 @@ absl::Status Validate(const OptimizerOptions& o) {
   return absl::OkStatus();
 }
 
+// m̄ and e; den (from the hand-over) after the freeze with momentum replies,
+// which step by it.
+WorkerArraysHeld WorkerArraysHeldBy(const OptimizerOptions& o, Phase phase) {
+  WorkerArraysHeld held;
+  held.mbar = held.e = true;
+  held.den = phase == Phase::kCompress && o.reply == ReplyMode::kMomentum;
+  return held;
+}
+
 }  // namespace
 
 const AlgorithmRow& OnebitLambRow() {
@@ -315,13 +326,11 @@ const AlgorithmRow& OnebitLambRow() {
     r->traits.worker_momentum = true;
     r->traits.layerwise = true;
     r->traits.fp16_warmup = true;
-    r->traits.no_checkpoint_why =
-        "checkpoints of onebit-lamb are not implemented yet (its layers' ratios and second "
-        "variance are not saved)";
     // den from the hand-over, with momentum replies.
     r->traits.worker_arrays = {"mbar", "e_w", "den"};
     r->traits.server_arrays = {"m", "v", "e_s", "den"};
     r->validate = Validate;
+    r->worker_arrays_held = WorkerArraysHeldBy;
     r->make = MakeAlgorithm<OnebitLamb>;
     return r;
   }();

@@ -58,14 +58,27 @@ struct AlgorithmTraits {
   bool schedule_freeze = false;
   // Needs the job's length (--steps): its last step must synchronise.
   bool needs_job_length = false;
-  // Why --checkpoint_dir is refused; nullptr: checkpoints work.
-  const char* no_checkpoint_why = nullptr;
+  // After the freeze each worker trains a model of its own between
+  // synchronisations (x apart from x_sync, its own m̄): no other process
+  // holds them, so every worker's checkpoint file keeps its x and m̄.
+  bool local_model = false;
   ReplyMode default_reply = ReplyMode::kMomentum;
   uint32_t default_block_size = 0;  // 0: CodecOptions' default
   // The d-length fp32 arrays the state holds besides a worker's x and g, and
   // besides a server's x and chunk accumulators (for the memory check).
   std::vector<const char*> worker_arrays;
   std::vector<const char*> server_arrays;
+};
+
+// Which arrays of a worker's state hold d floats in one phase, besides x
+// (the others are empty): what a state restored from a checkpoint must
+// hold.
+struct WorkerArraysHeld {
+  bool mbar = false;
+  bool e = false;
+  bool den = false;
+  bool v = false;
+  bool x_sync = false;
 };
 
 struct AlgorithmRow {
@@ -77,6 +90,9 @@ struct AlgorithmRow {
   // What a diverged job of this algorithm should try; nullptr: the general
   // advice.
   std::string (*remedy)(const OptimizerOptions& o) = nullptr;
+  // The arrays its workers hold in `phase`; nullptr: m̄ and e where it
+  // compresses, den after the freeze where den_of_frozen_v.
+  WorkerArraysHeld (*worker_arrays_held)(const OptimizerOptions& o, Phase phase) = nullptr;
   // The algorithm, with these traits, for options that passed
   // ValidateOptimizerOptions (MakeAlgorithm<Its class>, optim/algorithm.h).
   std::unique_ptr<Algorithm> (*make)(const AlgorithmTraits& traits,
@@ -112,6 +128,9 @@ absl::Status ValidateOptimizerOptions(const OptimizerOptions& options);
 // What a diverged job should try, for its error or warning: a lower --lr
 // or a warm-up first, or for zero-one-adam a smaller block first.
 std::string DivergenceRemedy(const OptimizerOptions& o);
+
+// The arrays a worker of `o` holds in `phase` (its row's worker_arrays_held).
+WorkerArraysHeld WorkerArraysIn(const OptimizerOptions& o, Phase phase);
 
 // The fp32 arrays of n elements that a process holds for the whole job,
 // for the memory check before allocating them (util/memory.h): at least

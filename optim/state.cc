@@ -1,6 +1,11 @@
 #include "optim/state.h"
 
+#include <string>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "optim/registry.h"
 #include "optim/update_kernels.h"
 
 namespace onebit {
@@ -14,6 +19,27 @@ absl::Status HandOverDenominators(const float* v, size_t n, uint64_t first, floa
   }
   for (size_t i = 0; i < n; ++i) den[i] = FrozenDenominator(v[i], eps);
   return absl::OkStatus();
+}
+
+absl::Status CheckWorkerStateFits(const OptimizerOptions& o, uint64_t d, const WorkerState& s) {
+  const WorkerArraysHeld held = WorkerArraysIn(o, PhaseOf(s));
+  const std::pair<const char*, std::pair<const std::vector<float>*, bool>> arrays[] = {
+      {"x", {&s.x, true}},   {"mbar", {&s.mbar, held.mbar}},
+      {"e", {&s.e, held.e}}, {"den", {&s.den, held.den}},
+      {"v", {&s.v, held.v}}, {"x_sync", {&s.x_sync, held.x_sync}}};
+  std::vector<std::string> wrong;
+  for (const auto& [name, a] : arrays) {
+    const uint64_t want = a.second ? d : 0;
+    if (a.first->size() == want) continue;
+    wrong.push_back(a.first->empty() ? absl::StrCat("lacks '", name, "' (", want, " floats)")
+                                     : absl::StrCat("has ", a.first->size(), " floats of '", name,
+                                                    "' where ", want, " fit"));
+  }
+  if (wrong.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("the saved worker state ", absl::StrJoin(wrong, ", "), ": a worker of ",
+                   OptimizerKindName(o.kind), " with d = ", d, " in the ",
+                   s.frozen ? "compression phase" : "warm-up", " does not hold that"));
 }
 
 }  // namespace onebit

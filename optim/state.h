@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -41,6 +42,10 @@ struct ServerShardState {
   // step's factor on it.
   std::vector<float> lamb_coeff;
   std::vector<float> lamb_factor;
+  // The shard-local [first, second) of each of those layers (ShardLayers):
+  // a checkpoint places their values by global position, so that they
+  // restore onto another number of shards.
+  std::vector<std::pair<uint64_t, uint64_t>> layers;
 };
 
 // The replica a worker trains, and its state.
@@ -54,11 +59,17 @@ struct WorkerState {
   // the freeze); v its own second moment until the freeze; den refreshed
   // with v. After the freeze x is the local model the worker trains,
   // x_sync the replica as of the last synchronisation (equal to the
-  // master), lrs the sum of the learning rates since then.
+  // master), lrs the sum of the learning rates since then. (Which step
+  // refreshes v or synchronises is a function of the step number alone.)
   std::vector<float> v;
   std::vector<float> x_sync;
   float lrs = 0.0f;
 };
+
+// Whether a saved state fits d parameters under `o`: x and the arrays
+// WorkerArraysIn names for its phase of d floats, the others empty. The
+// error names each array that is missing or of another size.
+absl::Status CheckWorkerStateFits(const OptimizerOptions& o, uint64_t d, const WorkerState& s);
 
 inline Phase PhaseOf(const ServerShardState& s) {
   return s.frozen ? Phase::kCompress : Phase::kWarmup;

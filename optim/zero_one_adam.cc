@@ -287,6 +287,16 @@ absl::Status Validate(const OptimizerOptions& o) {
   return absl::OkStatus();
 }
 
+// Every worker keeps its own m and den; v until the freeze, x_sync after it.
+WorkerArraysHeld WorkerArraysHeldBy(const OptimizerOptions& o, Phase phase) {
+  (void)o;
+  WorkerArraysHeld held;
+  held.mbar = held.e = held.den = true;
+  held.v = phase == Phase::kWarmup;
+  held.x_sync = phase == Phase::kCompress;
+  return held;
+}
+
 std::string Remedy(const OptimizerOptions& o) {
   const uint32_t block = ZeroOneAdamRow().traits.default_block_size;
   const std::string smaller = o.codec.block_size > block
@@ -313,14 +323,13 @@ const AlgorithmRow& ZeroOneAdamRow() {
     r->traits.default_block_size = 256;
     r->traits.schedule_freeze = true;
     r->traits.needs_job_length = true;
-    r->traits.no_checkpoint_why =
-        "checkpoints of zero-one-adam are not implemented yet (its workers' local models and "
-        "moments are not saved)";
+    r->traits.local_model = true;
     // v before the freeze, x_sync after it; den throughout.
     r->traits.worker_arrays = {"mbar", "e_w", "v or x_sync", "den"};
     r->traits.server_arrays = {"m", "v", "e_s", "den"};
     r->validate = Validate;
     r->remedy = Remedy;
+    r->worker_arrays_held = WorkerArraysHeldBy;
     r->make = MakeAlgorithm<ZeroOneAdam>;
     return r;
   }();

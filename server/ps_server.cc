@@ -4,6 +4,9 @@
 #include <cstdio>
 #include <cstring>
 #include <iterator>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -12,6 +15,39 @@
 #include "zmq_addon.hpp"
 
 namespace onebit {
+namespace {
+
+// Whether a shard restored from a checkpoint holds every array a fresh one
+// of its phase does (`fresh`, which this call may change), of the same
+// size, and a layer-wise optimizer's values at the same layers: a
+// checkpoint that lacks one is an error, never a silent zero.
+absl::Status CheckRestoredFits(const ServerOptimizer& optimizer, const ServerShardState& restored,
+                               ServerShardState* fresh) {
+  if (restored.frozen && !fresh->frozen) optimizer.EnterCompression(fresh);
+  const std::pair<const char*, std::vector<float> ServerShardState::*> arrays[] = {
+      {"m", &ServerShardState::m},
+      {"v", &ServerShardState::v},
+      {"den", &ServerShardState::den},
+      {"e", &ServerShardState::e},
+      {"lamb_coeff", &ServerShardState::lamb_coeff},
+      {"lamb_factor", &ServerShardState::lamb_factor}};
+  std::vector<std::string> wrong;
+  for (const auto& [name, field] : arrays) {
+    const size_t want = (fresh->*field).size(), got = (restored.*field).size();
+    if (want == 0 || got == want) continue;
+    wrong.push_back(
+        got == 0 ? absl::StrCat("lacks '", name, "' (", want, " floats)")
+                 : absl::StrCat("has ", got, " floats of '", name, "' where ", want, " fit"));
+  }
+  if (restored.layers != fresh->layers) wrong.push_back("holds other layers than the shard's");
+  if (wrong.empty()) return absl::OkStatus();
+  return absl::DataLossError(absl::StrCat(
+      "the checkpoint's state of shard ", restored.shard, " ", absl::StrJoin(wrong, ", "), ": ",
+      OptimizerKindName(optimizer.options().kind), " keeps them",
+      restored.frozen ? " in the compression phase" : " in the warm-up"));
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Create(PsServerOptions options,
                                                            zmq::socket_t* socket) {
@@ -42,6 +78,9 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Create(PsServerOptions optio
     if (o.job.steps > 0 && o.restored->step > o.job.steps) {
       return absl::InvalidArgumentError(absl::StrCat(
           "the restored state is after ", o.restored->step, " steps; the job has ", o.job.steps));
+    }
+    if (absl::Status st = CheckRestoredFits(*s->optimizer_, *o.restored, &s->state_); !st.ok()) {
+      return st;
     }
     s->state_ = *std::move(o.restored);
     s->state_.shard = o.shard;
@@ -214,15 +253,17 @@ absl::Status PsServer::HandleRequest(const std::string& routing_id, const data::
       return absl::InvalidArgumentError(absl::StrCat("bad INIT payload: ", st.message()));
     c.initialized = true;
     for (uint32_t r = 0; r < options_.job.workers; ++r) {
-      if (c.waiting[r]) SendParams(r, c);
+      if (c.waiting[r]) SendParams(r, 0, c);
       c.waiting[r] = false;
     }
     return DrainInOrder(c, index);
   }
   if (h.kind() == data::PULL) {
     // x as of the start of the current step: the initial x at step 0 (once
-    // rank 0's INIT is in), a checkpoint's after a resume.
-    if (h.step() != state_.step) {
+    // rank 0's INIT is in), a checkpoint's after a resume. A checkpoint
+    // between zero-one-adam's synchronisations is of a local step, which
+    // the shard has skipped (SkipLocalSteps): its x is the same.
+    if (!StateIsOfStep(h.step())) {
       return absl::InvalidArgumentError(absl::StrCat("PULL for step ", h.step(), ", but shard ",
                                                      options_.shard, " is at step ", state_.step));
     }
@@ -237,7 +278,7 @@ absl::Status PsServer::HandleRequest(const std::string& routing_id, const data::
     }
     c.pulled[h.rank()] = true;
     if (c.initialized || state_.step > 0) {
-      SendParams(h.rank(), c);
+      SendParams(h.rank(), h.step(), c);
     } else {
       c.waiting[h.rank()] = true;  // at most one per rank: bounded
     }
@@ -337,7 +378,7 @@ absl::Status PsServer::AgreeOnLr(const Chunk& c, uint64_t index) {
   return absl::OkStatus();
 }
 
-void PsServer::SendParams(uint32_t rank, const Chunk& c) {
+void PsServer::SendParams(uint32_t rank, uint64_t step, const Chunk& c) {
   const uint64_t n = c.range.size();
   auto buf = std::make_shared<std::vector<uint8_t>>(init_codec_->EncodedSize(n));
   // Under --server-reply delta the workers' x is the replica, not the master.
@@ -353,7 +394,7 @@ void PsServer::SendParams(uint32_t rank, const Chunk& c) {
   h.set_job_id(options_.job.job_id);
   h.set_kind(data::PARAMS);
   h.set_rank(rank);
-  h.set_step(state_.step);
+  h.set_step(step);
   h.set_shard(options_.shard);
   h.set_begin(c.range.begin);
   h.set_count(n);
@@ -507,6 +548,14 @@ void PsServer::EndStep() {
   }
   if (options_.on_step_end) options_.on_step_end(state_);
   SkipLocalSteps();
+}
+
+bool PsServer::StateIsOfStep(uint64_t step) const {
+  if (step > state_.step) return false;
+  for (uint64_t t = step; t < state_.step; ++t) {
+    if (optimizer_->KindOf(t, PhaseOf(state_)) != StepKind::kLocal) return false;
+  }
+  return true;
 }
 
 void PsServer::SkipLocalSteps() {

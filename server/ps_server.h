@@ -67,6 +67,10 @@ class PsServer {
                      const std::function<void()>& on_finished);
 
   const ServerShardState& state() const { return state_; }
+  // Whether state() is also the state after `step` steps: `step` is its
+  // step, or one of the local steps (zero-one-adam's) it has skipped since
+  // the last step it served, which leave the shard as it was.
+  bool StateIsOfStep(uint64_t step) const;
   // Whether the job's last step is done here.
   bool finished() const { return end_step_ && state_.step >= *end_step_; }
   // A job without a fixed step count (job.steps 0): the workers have all
@@ -116,8 +120,9 @@ class PsServer {
   // The pushes of a complete chunk agree on the step's learning rate, and
   // with the chunks before them; else the step fails and nothing applies.
   absl::Status AgreeOnLr(const Chunk& c, uint64_t chunk_index);
-  // PARAMS: chunk c's initial x to worker `rank`.
-  void SendParams(uint32_t rank, const Chunk& c);
+  // PARAMS: chunk c's x to worker `rank`, as of `step`, the step its PULL
+  // named (the shard's, or one of the local steps it skipped).
+  void SendParams(uint32_t rank, uint64_t step, const Chunk& c);
   void SendError(const std::string& routing_id, const data::Header* request,
                  const std::string& error);
   void Send(const std::string& routing_id, const data::Header& h, zmq::message_t* payload);

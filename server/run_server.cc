@@ -266,24 +266,25 @@ absl::Status ServeIncarnation(const ServerOptions& o, const control::RegisterRep
   uint64_t checkpointed = 0;  // the last step written
   // The last snapshot's arrays, for the next (a shard has at most 7).
   auto buffers = std::make_shared<SnapshotBuffers>(7);
-  auto checkpoint = [&](const ServerShardState& s) {
-    if (s.step == 0 || s.step == checkpointed) return;
-    checkpointed = s.step;
-    auto dir = MakeStepDir(cfg.checkpoint_dir(), s.step);
+  // `step`: s.step, or a local step before it that left s as it was.
+  auto checkpoint = [&](const ServerShardState& s, uint64_t step) {
+    if (step == 0 || step == checkpointed) return;
+    checkpointed = step;
+    auto dir = MakeStepDir(cfg.checkpoint_dir(), step);
     if (!dir.ok()) {
-      hb.ReportCheckpointPart(PartOf(s.step, dir.status()));
+      hb.ReportCheckpointPart(PartOf(step, dir.status()));
       return;
     }
     // A den of the frozen v is made again from v on loading.
-    writer.Submit(
-        s.step,
-        SaveServerShard(s, /*with_den=*/!TraitsOf(po.optimizer.kind).den_of_frozen_v, buffers),
-        *dir, absl::StrCat("server-", s.shard, ".state"));
+    writer.Submit(step,
+                  SaveServerShard(s, /*with_den=*/!TraitsOf(po.optimizer.kind).den_of_frozen_v,
+                                  buffers, step),
+                  *dir, absl::StrCat("server-", s.shard, ".state"));
   };
   const uint64_t every = cfg.checkpoint_every();
   if (every > 0) {
     po.on_step_end = [&, every](const ServerShardState& s) {
-      if (s.step % every == 0) checkpoint(s);
+      if (s.step % every == 0) checkpoint(s, s.step);
     };
   }
   if (reg.has_resume()) {
@@ -308,8 +309,11 @@ absl::Status ServeIncarnation(const ServerOptions& o, const control::RegisterRep
   absl::Status st = ps.Serve(
       [&] {
         hb.SetStep(ps.state().step);
-        // Stopping: no push comes past the stop step; save the shard there.
-        if (auto stop = hb.stop_step(); stop && ps.state().step == *stop) checkpoint(ps.state());
+        // Stopping: no push comes past the stop step; save the shard there
+        // (zero-one-adam's: the stop may be a local step the shard skipped).
+        if (auto stop = hb.stop_step(); stop && ps.StateIsOfStep(*stop)) {
+          checkpoint(ps.state(), *stop);
+        }
         // A job without a fixed length ends where the workers finished.
         if (cfg.steps() == 0 && done_status.ok() && !ps.finished()) {
           if (auto end = hb.end_step()) done_status = ps.SetEndStep(*end);

@@ -71,7 +71,10 @@ class CpuReplica final : public Replica {
     if (b > state_.x.size() || n > state_.x.size() - b) {
       return absl::OutOfRangeError("WriteX: range outside the parameters");
     }
-    std::copy(host, host + n, state_.x.begin() + b);
+    // The master goes to the worker's copy of it, which is x_sync where
+    // the worker trains a local model apart from it.
+    std::vector<float>& to = state_.x_sync.empty() ? state_.x : state_.x_sync;
+    std::copy(host, host + n, to.begin() + b);
     return absl::OkStatus();
   }
   absl::StatusOr<WorkerState> SaveState(const Parts& parts) override {
@@ -83,6 +86,10 @@ class CpuReplica final : public Replica {
     if (parts.mbar) s.mbar = copy(state_.mbar);
     s.e = copy(state_.e);
     if (parts.den) s.den = copy(state_.den);
+    // Held by some optimizers only (zero-one-adam's), and then by no one else.
+    if (!state_.v.empty()) s.v = copy(state_.v);
+    if (!state_.x_sync.empty()) s.x_sync = copy(state_.x_sync);
+    s.lrs = state_.lrs;
     s.frozen = state_.frozen;
     return s;
   }
@@ -124,17 +131,7 @@ absl::StatusOr<double> Replica::ComputeGradientInParts(uint32_t rank, uint64_t s
 }
 
 absl::Status CheckStateFits(const WorkerState& s, uint64_t d, const WorkerOptimizer& opt) {
-  const OptimizerKind kind = opt.options().kind;
-  const bool moments = HasCompressionPhase(kind);
-  const bool den = opt.traits().den_of_frozen_v && s.frozen;
-  if (s.x.size() != d || s.mbar.size() != (moments ? d : 0) || s.e.size() != (moments ? d : 0) ||
-      s.den.size() != (den ? d : 0)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the saved worker state (x ", s.x.size(), ", mbar ", s.mbar.size(), ", e ", s.e.size(),
-        ", den ", s.den.size(), " floats", s.frozen ? ", compression phase" : "",
-        ") does not fit d = ", d, " under ", OptimizerKindName(kind)));
-  }
-  return absl::OkStatus();
+  return CheckWorkerStateFits(opt.options(), d, s);
 }
 
 std::unique_ptr<Replica> NewCpuReplica(uint64_t d, const Model* model,

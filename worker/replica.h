@@ -73,9 +73,13 @@ class Replica {
 
   // Copies x[0, d) to host memory.
   virtual absl::Status ReadX(float* x) = 0;
-  // x[b, b + n) = host[0, n).
+  // The master's parameters [b, b + n) = host[0, n), as a pull delivers
+  // them: into x, or where the worker trains a local model apart from the
+  // master (zero-one-adam after the freeze, WorkerState::x_sync) into
+  // x_sync, so that a resumed worker keeps the local x it restored.
   virtual absl::Status WriteX(uint64_t b, size_t n, const float* host) = 0;
-  // Which arrays SaveState copies (e and the phase always).
+  // Which arrays SaveState copies (e, the phase, and the arrays only some
+  // optimizers hold, v, x_sync and lrs, always).
   struct Parts {
     bool x = true;
     bool mbar = true;
@@ -96,9 +100,9 @@ class Replica {
   virtual absl::StatusOr<EvalResult> Evaluate() = 0;
 };
 
-// Whether a saved state fits d parameters under `optimizer` (x, and mbar
-// and e where the optimizer has a compression phase, of d floats; den of d
-// once onebit-adam has frozen, else empty); the error lists the sizes.
+// Whether a saved state fits d parameters under `optimizer`
+// (CheckWorkerStateFits: x and the arrays its workers hold in the state's
+// phase of d floats, the others empty); the error names the arrays.
 absl::Status CheckStateFits(const WorkerState& s, uint64_t d, const WorkerOptimizer& optimizer);
 
 // The replica of d parameters in host memory. `model` (may be null: the

@@ -122,7 +122,7 @@ struct Worker::Impl {
     // a momentum reply's mbar worker 0's (WorkerOmits).
     const WorkerFileOmits omit = WorkerOmits(optimizer->options(), job.rank);
     Replica::Parts parts;
-    parts.x = false;
+    parts.x = !omit.x;
     parts.mbar = !omit.mbar;
     parts.den = !omit.den;
     parts.buffers = snapshot_buffers.get();

@@ -12,6 +12,7 @@
 #include <iterator>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -436,6 +437,195 @@ TEST(OptimizerState, AnotherNumberOfWorkersKeepsTheMeanError) {
   EXPECT_EQ(t.mbar, Ramp(8, 10.0f));
   std::filesystem::remove(paths[2]);
   EXPECT_THAT(std::string(LoadWorkerStateResized(paths, 0, 8, &t).message()), HasSubstr(paths[2]));
+}
+
+OptimizerOptions OptionsOf(OptimizerKind kind, ReplyMode reply = ReplyMode::kMomentum) {
+  OptimizerOptions o;
+  o.kind = kind;
+  o.reply = reply;
+  return o;
+}
+
+// A zero-one-adam worker between two synchronisations: its local x, its own
+// m, x_sync and the learning rates since the sync; v is gone (frozen).
+WorkerState ZeroOneLocalState(size_t d) {
+  WorkerState w;
+  w.x = Ramp(d, 1.0f);
+  w.mbar = Ramp(d, -2.0f);
+  w.e = Ramp(d, 3.5f);
+  w.den = Ramp(d, 0.125f);
+  w.x_sync = Ramp(d, 0.5f);
+  // Not a short decimal: six significant digits would read back as
+  // another float.
+  w.lrs = 0.123456789f;
+  w.frozen = true;
+  return w;
+}
+
+TEST(OptimizerState, AZeroOneAdamWorkerRestoresItsLocalModelSyncCopyAndLearningRates) {
+  const std::string dir = TempRoot("zero_one");
+  const OptimizerOptions o = OptionsOf(OptimizerKind::kZeroOneAdam);
+  // Every rank keeps its x and m (its own between syncs); onebit-adam's
+  // rank 1 neither.
+  const WorkerFileOmits omit = WorkerOmits(o, 1);
+  EXPECT_FALSE(omit.x);
+  EXPECT_FALSE(omit.mbar);
+  EXPECT_FALSE(omit.den);
+  EXPECT_TRUE(WorkerOmits(OptionsOf(OptimizerKind::kOnebitAdam), 1).x);
+  EXPECT_TRUE(WorkerOmits(OptionsOf(OptimizerKind::kOnebitAdam), 1).mbar);
+
+  const WorkerState w = ZeroOneLocalState(500);
+  WorkerState copy = w;
+  ASSERT_TRUE(SaveWorkerState(std::move(copy), 1, 9, 500).WriteTo(dir, "worker-1.state").ok());
+  auto r = StateReader::Open(dir + "/worker-1.state");
+  ASSERT_TRUE(r.ok()) << r.status();
+  WorkerState back;
+  back.x = Ramp(500, 9.0f);  // the master from the servers: the file's local x wins
+  absl::Status loaded = LoadWorkerState(*r, 500, &back);
+  ASSERT_TRUE(loaded.ok()) << loaded;
+  EXPECT_EQ(back.x, w.x);
+  EXPECT_EQ(back.mbar, w.mbar);
+  EXPECT_EQ(back.e, w.e);
+  EXPECT_EQ(back.den, w.den);
+  EXPECT_EQ(back.x_sync, w.x_sync);
+  EXPECT_TRUE(back.v.empty());
+  EXPECT_EQ(back.lrs, 0.123456789f);
+  EXPECT_TRUE(back.frozen);
+  EXPECT_TRUE(CheckWorkerStateFits(o, 500, back).ok());
+
+  // Before the freeze: v instead of x_sync, and no lrs.
+  WorkerState warm = ZeroOneLocalState(64);
+  warm.frozen = false;
+  warm.x_sync.clear();
+  warm.v = Ramp(64, 7.0f);
+  copy = warm;
+  ASSERT_TRUE(SaveWorkerState(std::move(copy), 0, 3, 64).WriteTo(dir, "worker-0.state").ok());
+  r = StateReader::Open(dir + "/worker-0.state");
+  ASSERT_TRUE(r.ok()) << r.status();
+  WorkerState warm_back;
+  warm_back.x = Ramp(64, 9.0f);
+  ASSERT_TRUE(LoadWorkerState(*r, 64, &warm_back).ok());
+  EXPECT_EQ(warm_back.v, warm.v);
+  EXPECT_EQ(warm_back.x, warm.x);
+  EXPECT_TRUE(warm_back.x_sync.empty());
+  EXPECT_FALSE(warm_back.frozen);
+  EXPECT_TRUE(CheckWorkerStateFits(o, 64, warm_back).ok());
+  // The same arrays are wrong for the other phase.
+  warm_back.frozen = true;
+  EXPECT_THAT(std::string(CheckWorkerStateFits(o, 64, warm_back).message()),
+              HasSubstr("has 64 floats of 'v' where 0 fit, lacks 'x_sync' (64 floats)"));
+}
+
+TEST(OptimizerState, AWorkerFileLackingAnArrayOrValueItsOptimizerHoldsIsRefusedByName) {
+  const std::string dir = TempRoot("zero_one_missing");
+  const OptimizerOptions o = OptionsOf(OptimizerKind::kZeroOneAdam);
+  // Written without x_sync (as a build that did not save it would).
+  WorkerState w = ZeroOneLocalState(100);
+  w.x_sync.clear();
+  ASSERT_TRUE(SaveWorkerState(std::move(w), 2, 9, 100).WriteTo(dir, "worker-2.state").ok());
+  auto r = StateReader::Open(dir + "/worker-2.state");
+  ASSERT_TRUE(r.ok()) << r.status();
+  WorkerState back;
+  back.x = Ramp(100, 9.0f);
+  ASSERT_TRUE(LoadWorkerState(*r, 100, &back).ok());
+  absl::Status st = CheckWorkerStateFits(o, 100, back);
+  EXPECT_THAT(std::string(st.message()), HasSubstr("lacks 'x_sync' (100 floats)"));
+  EXPECT_THAT(std::string(st.message()), HasSubstr("zero-one-adam"));
+
+  // x_sync without the learning rates since the sync.
+  checkpoint::StateHeader h;
+  h.set_step(9);
+  h.set_role("worker");
+  h.set_rank(2);
+  h.set_end(100);
+  StateWriter no_lrs(h);
+  for (const char* name : {"x", "mbar", "e", "den", "x_sync"}) no_lrs.AddFloats(name, Ramp(100, 1));
+  no_lrs.SetValue("frozen", "1");
+  ASSERT_TRUE(no_lrs.WriteTo(dir, "no-lrs.state").ok());
+  r = StateReader::Open(dir + "/no-lrs.state");
+  ASSERT_TRUE(r.ok()) << r.status();
+  st = LoadWorkerState(*r, 100, &back);
+  EXPECT_THAT(std::string(st.message()), HasSubstr(dir + "/no-lrs.state has no value 'lrs'"));
+
+  // x_sync of another size.
+  StateWriter short_sync(h);
+  for (const char* name : {"x", "mbar", "e", "den"}) short_sync.AddFloats(name, Ramp(100, 1));
+  short_sync.AddFloats("x_sync", Ramp(99, 1));
+  short_sync.SetValue("frozen", "1");
+  short_sync.SetValue("lrs", "0.5");
+  ASSERT_TRUE(short_sync.WriteTo(dir, "short.state").ok());
+  r = StateReader::Open(dir + "/short.state");
+  ASSERT_TRUE(r.ok()) << r.status();
+  st = LoadWorkerState(*r, 100, &back);
+  EXPECT_THAT(std::string(st.message()), HasSubstr(dir + "/short.state"));
+  EXPECT_THAT(std::string(st.message()), HasSubstr("x_sync"));
+
+  // onebit-lamb's workers step by den after the freeze with momentum
+  // replies only.
+  WorkerState lamb;
+  lamb.x = Ramp(10, 0);
+  lamb.mbar = Ramp(10, 1);
+  lamb.e = Ramp(10, 2);
+  lamb.frozen = true;
+  EXPECT_TRUE(
+      CheckWorkerStateFits(OptionsOf(OptimizerKind::kOnebitLamb, ReplyMode::kDelta), 10, lamb)
+          .ok());
+  EXPECT_THAT(
+      std::string(CheckWorkerStateFits(OptionsOf(OptimizerKind::kOnebitLamb), 10, lamb).message()),
+      HasSubstr("lacks 'den' (10 floats)"));
+}
+
+// onebit-lamb's shards: [0, 100) with layers [0, 40) and [40, 100), and
+// [100, 160) with one layer. Their ratios and factors restore by global
+// position, onto other aligned boundaries too.
+ServerShardState LambShard(uint32_t shard, uint64_t begin, uint64_t n,
+                           std::vector<std::pair<uint64_t, uint64_t>> layers,
+                           std::vector<float> coeff, std::vector<float> factor) {
+  ServerShardState s = Shard(shard, begin, n, 12);
+  s.layers = std::move(layers);
+  s.lamb_coeff = std::move(coeff);
+  s.lamb_factor = std::move(factor);
+  return s;
+}
+
+TEST(OptimizerState, LambLayerValuesRestoreByGlobalPositionOntoOtherShards) {
+  const std::string dir = TempRoot("lamb");
+  const ServerShardState a =
+      LambShard(0, 0, 100, {{0, 40}, {40, 100}}, {1.5f, 2.25f}, {0.75f, 1.125f});
+  const ServerShardState b = LambShard(1, 100, 60, {{0, 60}}, {3.5f}, {0.5f});
+  ASSERT_TRUE(SaveServerShard(a).WriteTo(dir, "server-0.state").ok());
+  ASSERT_TRUE(SaveServerShard(b).WriteTo(dir, "server-1.state").ok());
+  auto ra = StateReader::Open(dir + "/server-0.state");
+  auto rb = StateReader::Open(dir + "/server-1.state");
+  ASSERT_TRUE(ra.ok() && rb.ok());
+
+  ServerShardState same;
+  ASSERT_TRUE(LoadServerShard({&*rb, &*ra}, 0, 100, &same).ok());
+  EXPECT_EQ(same.layers, a.layers);
+  EXPECT_EQ(same.lamb_coeff, a.lamb_coeff);
+  EXPECT_EQ(same.lamb_factor, a.lamb_factor);
+  EXPECT_EQ(same.v, a.v);  // the v that moves after the freeze
+  EXPECT_EQ(same.den, a.den);
+
+  // [40, 160): the second layer of one file, then the other file's.
+  ServerShardState moved;
+  ASSERT_TRUE(LoadServerShard({&*ra, &*rb}, 40, 160, &moved).ok());
+  const std::vector<std::pair<uint64_t, uint64_t>> want = {{0, 60}, {60, 120}};
+  EXPECT_EQ(moved.layers, want);
+  EXPECT_EQ(moved.lamb_coeff, (std::vector<float>{2.25f, 3.5f}));
+  EXPECT_EQ(moved.lamb_factor, (std::vector<float>{1.125f, 0.5f}));
+
+  // A boundary inside a layer, or a file without the layers: refused.
+  ServerShardState untouched = a;
+  absl::Status st = LoadServerShard({&*ra, &*rb}, 0, 120, &untouched);
+  EXPECT_THAT(std::string(st.message()), HasSubstr("layer [100, 160), which crosses the shard"));
+  EXPECT_EQ(untouched.lamb_coeff, a.lamb_coeff);
+  ASSERT_TRUE(SaveServerShard(Shard(1, 100, 60, 12)).WriteTo(dir, "plain.state").ok());
+  auto plain = StateReader::Open(dir + "/plain.state");
+  ASSERT_TRUE(plain.ok());
+  st = LoadServerShard({&*ra, &*plain}, 0, 160, &untouched);
+  EXPECT_THAT(std::string(st.message()),
+              HasSubstr("server 1's state file lacks 'layers' where server 0's does not"));
 }
 
 StateWriter Small(uint64_t step) {

@@ -370,12 +370,10 @@ INSTANTIATE_TEST_SUITE_P(Combinations, LambTest, ::testing::ValuesIn(AllLambComb
                                info.param.error_feedback, extra, "_s", info.param.servers);
                          });
 
-// onebit-lamb refuses checkpoints (not built), bias correction and bad
-// coefficients, naming the flag.
+// onebit-lamb refuses bias correction and bad coefficients, naming the
+// flag.
 TEST(Lamb, RefusalsNameTheProblem) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
-      {{"--checkpoint_dir=" + TempDir("lamb-ckpt")},
-       "--checkpoint_dir: checkpoints of onebit-lamb"},
       {{"--bias_correction"}, "--bias_correction: onebit-lamb has none"},
       {{"--factor_min=5"}, "--factor_min"},
   };

@@ -104,17 +104,31 @@ int64_t ChunksPushed(const std::string& output, uint32_t rank) {
   return -1;
 }
 
-// A resumed start of a `steps`-step job ran steps - at of them: its workers
-// pushed that share of the chunks the uninterrupted job's did (a start that
-// trained from scratch, ignoring the checkpoint, would push them all).
-void ExpectRanOnlyTheRest(const std::string& resumed, const std::string& plain, uint32_t workers,
-                          uint64_t steps, uint64_t at) {
+// A resumed start of a job ran the steps from `at` on: its workers pushed
+// the chunks of those of them that push (every step but zero-one-adam's
+// local steps, whose bytes_up is 0 in the metrics of the uninterrupted
+// job, run in `plain_dir`), the same number each (a start that trained
+// from scratch, ignoring the checkpoint, would push them all).
+void ExpectRanOnlyTheRest(const std::string& resumed, const std::string& plain,
+                          const std::string& plain_dir, uint32_t workers, uint64_t at) {
+  const std::string csv = ReadFile(plain_dir + "/metrics.csv");
+  const std::vector<std::string> names = absl::StrSplit(csv.substr(0, csv.find('\n')), ',');
+  const int up =
+      static_cast<int>(std::find(names.begin(), names.end(), "bytes_up") - names.begin());
+  ASSERT_LT(up, static_cast<int>(names.size())) << csv;
+  const std::vector<std::string> rows = Rows(plain_dir);
+  int64_t pushing = 0, pushing_after = 0;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (Column(rows[i], up) == "0") continue;
+    ++pushing;
+    if (i >= at) ++pushing_after;
+  }
+  ASSERT_GT(pushing, 0) << csv;
   for (uint32_t w = 0; w < workers; ++w) {
     const int64_t got = ChunksPushed(resumed, w), all = ChunksPushed(plain, w);
     ASSERT_GT(all, 0) << "worker " << w << ": no chunk count in\n" << plain;
-    ASSERT_EQ(all % static_cast<int64_t>(steps), 0) << all;
-    EXPECT_EQ(got, all / static_cast<int64_t>(steps) * static_cast<int64_t>(steps - at))
-        << "worker " << w << " of the resumed start";
+    ASSERT_EQ(all % pushing, 0) << all;
+    EXPECT_EQ(got, all / pushing * pushing_after) << "worker " << w << " of the resumed start";
   }
 }
 
@@ -222,7 +236,7 @@ TEST_P(Resume, EndsBitForBitWhereTheUninterruptedJobEnds) {
   ASSERT_TRUE(absl::SimpleAtoi(Field(want, "workers"), &workers));
   ASSERT_TRUE(absl::SimpleAtoi(Field(summary, "servers"), &servers));
   if (c.resume_flags.empty()) {  // another server count, another chunk grid
-    ExpectRanOnlyTheRest(resumed.output, plain.output, workers, c.steps, at);
+    ExpectRanOnlyTheRest(resumed.output, plain.output, dir + "/plain", workers, at);
   }
   for (uint32_t w = 0; w < workers; ++w) {
     const std::string f = absl::StrCat("/replica_w", w, ".f32");
@@ -273,6 +287,40 @@ std::vector<std::string> Synthetic(const std::string& optimizer, uint32_t server
   return f;
 }
 
+// zero-one-adam's schedule of 13 steps (onebit_test's ZeroOneTest): steps
+// 0, 1 and 3 refresh v, 2 compresses gradients; the freeze comes after 4;
+// steps 4, 5, 7, 11 and 12 synchronise, 6, 8, 9 and 10 are local.
+std::vector<std::string> ZeroOneSchedule() {
+  return {"--var_freeze_step=4",
+          "--var_update_scaler=1",
+          "--local_step_scaler=2",
+          "--local_step_clipper=4",
+          "--lr=0.05",
+          "--weight_decay=0.01"};
+}
+
+// onebit-lamb on the mlp's four tensors, 3 workers on 2 aligned shards.
+std::vector<std::string> LambJob(std::vector<std::string> more) {
+  std::vector<std::string> f = {"--workers=3",
+                                "--servers=2",
+                                "--model=mlp",
+                                "--layers=784-16-10",
+                                "--optimizer=onebit-lamb",
+                                "--lr=5e-3",
+                                "--weight_decay=0.01",
+                                "--batch=16",
+                                "--max_train=480",
+                                "--max_test=200",
+                                "--steps=12",
+                                "--freeze_step=3",
+                                "--block_size=256",
+                                "--chunk_elems=1024",
+                                "--factor_threshold=0.05",
+                                "--heartbeat_timeout=3s"};
+  f.insert(f.end(), more.begin(), more.end());
+  return f;
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Jobs, Resume,
     ::testing::Values(
@@ -316,7 +364,26 @@ INSTANTIATE_TEST_SUITE_P(
              24,
              8,
              13,
-             "server 1"}),
+             "server 1"},
+        // zero-one-adam (ZeroOneSchedule): after 9 steps the workers are
+        // between the syncs of steps 7 and 11, their local x one local step
+        // (8) away from x_sync, their m their own, lrs = lr(8).
+        Case{"zero_one_adam_between_syncs", Synthetic("zero-one-adam", 2, 13, ZeroOneSchedule()),
+             13, 3, 11, "worker 2"},
+        // After 10: two local steps (8, 9) into the interval; a server dies.
+        Case{"zero_one_adam_server_killed", Synthetic("zero-one-adam", 2, 13, ZeroOneSchedule()),
+             13, 5, 11, "server 0"},
+        // Before the freeze (after 3 steps, v refreshed at steps 0, 1 and
+        // about to be at 3): every worker's own v and den.
+        Case{"zero_one_adam_variance_phase", Synthetic("zero-one-adam", 1, 13, ZeroOneSchedule()),
+             13, 3, 4, "worker 0"},
+        // onebit-lamb after the freeze (the first compression step is 3): the
+        // frozen ratios, the factors (0.92-1.0 by then: one reset to 1
+        // changes the end) and the v that moved since, at 9.
+        Case{"onebit_lamb_frozen_ratios", LambJob({}), 12, 3, 10, "server 1"},
+        // Its layers' values by global position: 2 servers' files onto 3.
+        Case{"onebit_lamb_reshard_2_to_3", LambJob({}), 12, 4, 9, "worker 0", {"--servers=3"}},
+        Case{"onebit_lamb_delta_reply", LambJob({"--server_reply=delta"}), 12, 5, 7, "worker 1"}),
     [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
 
 // What a resumed job runs comes from its checkpoint: one master element
@@ -389,15 +456,13 @@ TEST(ResumeFromCheckpoint, AValidlyChangedCheckpointChangesTheResult) {
 // onebit-launch (which passes it on to the coordinator): the job checkpoints
 // at the next step boundary, every process exits 0, and the job run again
 // ends bit for bit where the uninterrupted one does.
-class Sigterm : public ::testing::TestWithParam<std::string> {};
-
-TEST_P(Sigterm, StopsAfterACheckpointAndResumesBitForBit) {
-  const std::string victim = GetParam();
-  std::string name = victim;
-  std::replace(name.begin(), name.end(), ' ', '_');
+// The job `flags` (3 workers, 2 servers, 3000 steps) stopped by SIGTERM to
+// `victim` after 100 steps and run again; *stopped_at: the stop step.
+void StopAndResume(const std::string& victim, const std::string& name,
+                   const std::vector<std::string>& flags, uint64_t* stopped_at) {
   const std::string dir = TempDir("sigterm_" + name);
   Case c;
-  c.flags = Synthetic("onebit-adam", 2, 3000, {"--freeze_step=40"});
+  c.flags = flags;
   const std::vector<std::string> ckpt = {"--checkpoint_dir=" + dir + "/ckpt",
                                          "--checkpoint_every=100000"};
   RunResult plain = RunCommand(Launch(c, dir + "/plain", {"--dump_params"}), absl::Seconds(60));
@@ -445,7 +510,7 @@ TEST_P(Sigterm, StopsAfterACheckpointAndResumesBitForBit) {
   ASSERT_EQ(resumed.code, 0) << resumed.output;
   EXPECT_THAT(resumed.output,
               HasSubstr(absl::StrCat("resuming from the checkpoint of step ", at, " in ")));
-  ExpectRanOnlyTheRest(resumed.output, plain.output, 3, 3000, at);
+  ExpectRanOnlyTheRest(resumed.output, plain.output, dir + "/plain", 3, at);
   for (const char* f : {"/replica_w0.f32", "/replica_w2.f32", "/master_s0.f32", "/master_s1.f32",
                         "/error_s0.f32"}) {
     ExpectSameDump(out + f, dir + "/plain" + f);
@@ -455,6 +520,31 @@ TEST_P(Sigterm, StopsAfterACheckpointAndResumesBitForBit) {
   EXPECT_EQ(Field(final_summary, "resumed_from_step"), absl::StrCat(at));
   EXPECT_EQ(Field(final_summary, "final_loss"),
             Field(ReadFile(dir + "/plain/summary.json"), "final_loss"));
+  *stopped_at = at;
+}
+
+class Sigterm : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(Sigterm, StopsAfterACheckpointAndResumesBitForBit) {
+  std::string name = GetParam();
+  std::replace(name.begin(), name.end(), ' ', '_');
+  uint64_t at = 0;
+  StopAndResume(GetParam(), name, Synthetic("onebit-adam", 2, 3000, {"--freeze_step=40"}), &at);
+}
+
+// zero-one-adam's servers skip the local steps between two syncs: a stop
+// at one of them (after the first 100 steps, 63 of every 64) is saved by
+// the servers too, and resumes bit for bit.
+TEST(Sigterm, ZeroOneAdamStopsAtALocalStepAndResumesBitForBit) {
+  uint64_t at = 0;
+  StopAndResume("worker 1", "zero_one_adam",
+                // (A larger model than the others': its local steps are fast.)
+                Synthetic("zero-one-adam", 2, 3000,
+                          {"--var_freeze_step=20", "--local_step_scaler=4",
+                           "--local_step_clipper=64", "--dim=400000"}),
+                &at);
+  std::cerr << "zero-one-adam stopped at step " << at << " (a local step unless 64 divides "
+            << at + 1 << ")\n";
 }
 
 INSTANTIATE_TEST_SUITE_P(AnyProcess, Sigterm,
@@ -592,6 +682,28 @@ TEST(Recovery, AKilledProcessComesBackAndTheOthersRollBackBitForBit) {
 
 // Without live recovery (--rejoin_timeout=0) the launcher starts the whole
 // job again, which resumes from the checkpoint.
+// zero-one-adam rolled back in place: a server killed after 500 steps comes
+// back, and the others go back to the checkpoint of step 400 (or 600),
+// between two syncs (each 64 steps by then, 447 and 511, or 639): the
+// workers restore their local models and pull the master for step 400 from
+// servers that skipped to 447.
+TEST(Recovery, ZeroOneAdamRollsBackBetweenSyncsBitForBit) {
+  const std::string dir = TempDir("recovery_zero_one");
+  Case c;
+  c.flags = Synthetic(
+      "zero-one-adam", 2, 3000,
+      {"--var_freeze_step=20", "--local_step_scaler=4", "--local_step_clipper=64", "--dim=400000"});
+  RunResult r = RunCommand(Launch(c, dir + "/plain", {"--dump_params"}), absl::Seconds(120));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string out = dir + "/run";
+  const std::string summary =
+      KillAndCompare(c, dir + "/plain", out, {"server 0", 500},
+                     {"--checkpoint_dir=" + out + "/ckpt", "--checkpoint_every=200",
+                      "--max_restarts=2", "--dump_params"});
+  EXPECT_EQ(Field(summary, "rollbacks"), "1");
+  EXPECT_THAT(ReadFile(out + ".log"), HasSubstr("worker 1: server 0 registered again"));
+}
+
 TEST(Recovery, WithoutRejoinTheWholeJobStartsAgainAndResumes) {
   const std::string dir = TempDir("recovery_whole");
   Case c;
