@@ -232,8 +232,411 @@ std::string OwnPythonPackageDir() {
   return "";
 }
 
-int Main(int argc, char** argv) {
-  CatchStopSignalsInOneThread();
+// What every start of the job shares: the command line, checked.
+struct LaunchPlan {
+  control::TrainingConfig cfg;
+  std::vector<std::string> config_args;  // the job's settings as coordinator flags
+  std::string out;                       // the run folder; "" none
+  std::string bin;                       // where the onebit binaries are
+  std::string worker_cmd;                // the user's worker program; "" onebit-worker
+  std::string python_path;               // PYTHONPATH for worker_cmd
+  std::vector<std::string> devices;      // --worker_devices
+  SecurityFlags security;
+  int stall_worker = -1;
+  int max_restarts = 0;
+  bool live = false;  // live recovery: a lost process alone is started again
+};
+
+// One start of the whole job: the coordinator, then the servers and the
+// workers, watched until they end; a failed process alone is started again
+// under live recovery. One thread.
+class Attempt {
+ public:
+  // *restarts_used counts every restart, of one process or of the job.
+  Attempt(const LaunchPlan& plan, int attempt, int* restarts_used)
+      : plan_(plan), attempt_(attempt), restarts_used_(*restarts_used) {}
+
+  // The exit code; *running: it got as far as starting every process (a
+  // job that fails before that is not worth restarting).
+  int Run(bool* running) {
+    Prepare();
+    if (std::optional<int> code = StartCoordinator()) return *code;
+    *running = true;
+    Log(absl::StrCat("coordinator at ", target_, " is serving; starting ", plan_.cfg.servers(),
+                     " servers and ", plan_.cfg.workers(), " workers"));
+    if (std::optional<int> code = StartServers()) return *code;
+    if (std::optional<int> code = StartWorkers()) return *code;
+    if (std::optional<int> code = Watch()) return *code;
+    return Outcome();
+  }
+
+ private:
+  // The job's temporary folder, its secret, and the arguments every process
+  // shares.
+  void Prepare() {
+    char tmpl[] = "/tmp/onebit-launch.XXXXXX";
+    if (mkdtemp(tmpl) == nullptr) ExitError(1, "cannot create a temporary folder");
+    tmp_ = tmpl;
+    SetJobTmp(tmp_);
+    port_file_ = tmp_ + "/coordinator.port";
+    stop_reason_file_ = tmp_ + "/stop_reason";
+    const SecurityFlags& security = plan_.security;
+    secret_file_ = security.secret_file;
+    if (!security.insecure && secret_file_.empty()) {
+      secret_file_ = tmp_ + "/secret";  // the folder is the launcher's alone (0700)
+      if (absl::Status st = JobSecret::Generate().WriteFile(secret_file_); !st.ok()) {
+        ExitError(1, st.message());
+      }
+    }
+    auto job_security = ResolveSecurity(secret_file_, security.insecure, "--secret_file");
+    if (!job_security.ok()) ExitError(1, job_security.status().message());
+    job_security_ = *std::move(job_security);
+    security_arg_ = security.insecure ? std::string("--insecure") : "--secret_file=" + secret_file_;
+    reg_timeout_ = absl::FormatDuration(absl::GetFlag(FLAGS_launch_register_timeout));
+    grace_ = absl::GetFlag(FLAGS_grace);
+    // The coordinator writes the run folder's summary.json as it stops: on a
+    // crowded machine (160 processes on 2 cores) 1 s was too short for that,
+    // and the job was left with summary.json.tmp alone.
+    coordinator_grace_ =
+        grace_ == absl::ZeroDuration() ? grace_ : std::max(grace_, absl::Seconds(10));
+    children_.resize(1 + plan_.cfg.servers() + plan_.cfg.workers());
+  }
+
+  // Starts the coordinator and waits until it serves; an exit code when it
+  // does not.
+  std::optional<int> StartCoordinator() {
+    const std::string& bin = plan_.bin;
+    const std::string& out = plan_.out;
+    const std::vector<std::string>& config_args = plan_.config_args;
+    Child& coord = children_[0];
+    coord.name = "coordinator";
+    std::vector<std::string> args = {bin + "/onebit-coordinator",
+                                     "--port=0",
+                                     "--port_file=" + port_file_,
+                                     "--stop_reason_file=" + stop_reason_file_,
+                                     "--bind_host=127.0.0.1",
+                                     "--register_timeout=" + reg_timeout_,
+                                     security_arg_};
+    if (!out.empty()) args.push_back("--out=" + out);
+    if (const int p = absl::GetFlag(FLAGS_metrics_port); p >= 0) {
+      args.push_back(absl::StrCat("--metrics_port=", p));
+      args.push_back("--metrics_linger=" +
+                     absl::FormatDuration(absl::GetFlag(FLAGS_metrics_linger)));
+    }
+    for (const std::string& a : config_args) args.push_back(a);
+    coord.argv = args;
+    if (absl::Status st = Start(&coord, args); !st.ok()) {
+      Log(std::string(st.message()));
+      return Finish(1);
+    }
+    int port = 0;
+    const absl::Time port_deadline = absl::Now() + absl::Seconds(30);
+    while (port == 0) {
+      std::ifstream in(port_file_);
+      std::string text;
+      if (in >> text && absl::SimpleAtoi(text, &port) && port > 0) break;
+      port = 0;
+      if (auto code = coord.proc->Poll()) {
+        Log(absl::StrCat("the coordinator exited before listening (", DescribeExit(*code), ")"));
+        return Finish(*code == 0 ? 1 : (*code < 126 ? *code : 1));
+      }
+      if (absl::Now() > port_deadline) {
+        Log("the coordinator did not start listening within 30s");
+        return Finish(1);
+      }
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    coordinator_listening_ = true;
+    target_ = absl::StrCat("127.0.0.1:", port);
+    // Started again, the coordinator must listen where everyone looks for it.
+    for (std::string& a : coord.argv) {
+      if (a == "--port=0") a = absl::StrCat("--port=", port);
+    }
+    if (absl::Status st = CheckHealth(target_, absl::Seconds(10), &job_security_); !st.ok()) {
+      Log(std::string(st.message()));
+      return Finish(1);
+    }
+    return std::nullopt;
+  }
+
+  std::optional<int> StartServers() {
+    const control::TrainingConfig& cfg = plan_.cfg;
+    const std::string& bin = plan_.bin;
+    const std::string& out = plan_.out;
+    // Stopped while starting: the coordinator ends the job; start no more.
+    for (uint32_t k = 0; k < cfg.servers() && stop_signal.load() == 0; ++k) {
+      Child& c = children_[1 + k];
+      c.name = absl::StrCat("server", k);
+      std::vector<std::string> a = {bin + "/onebit-server",
+                                    "--coordinator=" + target_,
+                                    absl::StrCat("--shard=", k),
+                                    "--bind_host=127.0.0.1",
+                                    "--advertise_host=127.0.0.1",
+                                    "--data_port=0",
+                                    "--health_port=0",
+                                    "--register_timeout=" + reg_timeout_,
+                                    security_arg_};
+      if (absl::GetFlag(FLAGS_dump_params)) {
+        a.push_back(absl::StrCat("--dump_x=", out, "/master_s", k, ".f32"));
+        a.push_back(absl::StrCat("--dump_error=", out, "/error_s", k, ".f32"));
+      }
+      c.argv = a;
+      if (absl::Status st = Start(&c, a); !st.ok()) {
+        StopAll(std::string(st.message()));
+        return Finish(1);
+      }
+    }
+    return std::nullopt;
+  }
+
+  std::optional<int> StartWorkers() {
+    const control::TrainingConfig& cfg = plan_.cfg;
+    const std::string& bin = plan_.bin;
+    const std::string& out = plan_.out;
+    const std::string& worker_cmd = plan_.worker_cmd;
+    const std::string& python_path = plan_.python_path;
+    const std::vector<std::string>& devices = plan_.devices;
+    const SecurityFlags& security = plan_.security;
+    const int stall_worker = plan_.stall_worker;
+    const int attempt = attempt_;
+    for (uint32_t i = 0; i < cfg.workers() && stop_signal.load() == 0; ++i) {
+      Child& c = children_[1 + cfg.servers() + i];
+      c.name = absl::StrCat("worker", i);
+      if (!worker_cmd.empty()) {
+        // The user's program: `exec` so that the child is the program itself
+        // (our signals reach it, and it dies with us).
+        std::vector<std::string> env = {"ONEBIT_COORDINATOR=" + target_,
+                                        absl::StrCat("ONEBIT_RANK=", i),
+                                        absl::StrCat("ONEBIT_WORLD_SIZE=", cfg.workers()),
+                                        absl::StrCat("RANK=", i),
+                                        absl::StrCat("WORLD_SIZE=", cfg.workers()),
+                                        absl::StrCat("LOCAL_RANK=", i),
+                                        "ONEBIT_ADVERTISE_HOST=127.0.0.1",
+                                        security.insecure ? std::string("ONEBIT_INSECURE=1")
+                                                          : "ONEBIT_SECRET_FILE=" + secret_file_};
+        if (!devices.empty()) {
+          env.push_back("ONEBIT_DEVICE=" + devices[std::min<size_t>(i, devices.size() - 1)]);
+        }
+        if (!python_path.empty()) env.push_back("PYTHONPATH=" + python_path);
+        if (absl::GetFlag(FLAGS_dump_params)) {
+          env.push_back(absl::StrCat("ONEBIT_DUMP_X=", out, "/replica_w", i, ".f32"));
+        }
+        c.argv = {"/bin/sh", "-c", "exec " + worker_cmd};
+        c.env = env;
+        if (absl::Status st = Start(&c, c.argv, env); !st.ok()) {
+          StopAll(std::string(st.message()));
+          return Finish(1);
+        }
+        continue;
+      }
+      std::vector<std::string> a = {bin + "/onebit-worker",
+                                    "--coordinator=" + target_,
+                                    absl::StrCat("--rank=", i),
+                                    "--bind_host=127.0.0.1",
+                                    "--advertise_host=127.0.0.1",
+                                    "--health_port=0",
+                                    "--register_timeout=" + reg_timeout_,
+                                    security_arg_};
+      if (absl::GetFlag(FLAGS_dump_params)) {
+        a.push_back(absl::StrCat("--dump_x=", out, "/replica_w", i, ".f32"));
+      }
+      if (!devices.empty()) {
+        a.push_back("--device=" + devices[std::min<size_t>(i, devices.size() - 1)]);
+      }
+      if (!absl::GetFlag(FLAGS_overlap)) a.push_back("--overlap=false");
+      c.argv = a;  // a restarted one does not stall again
+      if (static_cast<int>(i) == stall_worker && attempt == 0) {
+        a.push_back(absl::StrCat("--stall_at_step=", absl::GetFlag(FLAGS_stall_at_step)));
+      }
+      if (absl::Status st = Start(&c, a); !st.ok()) {
+        StopAll(std::string(st.message()));
+        return Finish(1);
+      }
+    }
+
+    return std::nullopt;
+  }
+
+  // Until every process has exited 0 (nullopt), or an exit code.
+  std::optional<int> Watch() {
+    const control::TrainingConfig& cfg = plan_.cfg;
+    const bool live = plan_.live;
+    const int max_restarts = plan_.max_restarts;
+    int* restarts_used = &restarts_used_;
+    Child& coord = children_[0];
+    // Watch: the first failure stops everyone; after the coordinator is done,
+    // the rest must follow promptly. Once a stop signal came, the coordinator
+    // ends the job (it writes the run folder): a process that fails meanwhile
+    // stops the others only after it (or after stop_bound), and nothing is
+    // started again.
+    std::optional<absl::Time> coordinator_exited;
+    const absl::Duration after_coordinator = absl::Seconds(10);
+    const absl::Duration stop_bound = std::max(
+        absl::Seconds(30), 3 * absl::Milliseconds(cfg.heartbeat_timeout_ms()) + absl::Seconds(20));
+    std::optional<std::string> failed_while_stopping;  // the first failure's message
+    while (true) {
+      if (!coordinator_listening_ && !coord.code && std::ifstream(port_file_).good()) {
+        coordinator_listening_ = true;  // started again, it listens again
+      }
+      PassOnStop(coord);
+      bool all_done = true;
+      for (Child& c : children_) {
+        if (c.code || !c.proc) continue;  // exited, or never started (stopped first)
+        c.code = c.proc->Poll();
+        if (!c.code) {
+          all_done = false;
+          continue;
+        }
+        // Live recovery: this process alone starts again and the job rolls
+        // back; the coordinator only when it was killed (a job that
+        // failed would fail again).
+        const bool coordinator_running = !coord.code;
+        if (*c.code != 0 && live && *restarts_used < max_restarts && stop_signal.load() == 0 &&
+            (&c == &coord ? *c.code > 128 : coordinator_running) &&
+            HasCompleteCheckpoint(cfg.checkpoint_dir())) {
+          ++*restarts_used;
+          Log(absl::StrCat(c.name, " failed (", DescribeExit(*c.code), "); restart ",
+                           *restarts_used, " of ", max_restarts, ": starting it again",
+                           &c == &coord ? "; the others wait for it"
+                                        : "; the job rolls back to its last complete checkpoint"));
+          if (&c == &coord) {
+            // Told to stop before it listens, it would die of the signal.
+            std::remove(port_file_.c_str());
+            coordinator_listening_ = false;
+          }
+          TrackChild(c.proc->pid(), false);
+          if (absl::Status st = Start(&c, c.argv, c.env); !st.ok()) {
+            StopAll(std::string(st.message()));
+            return Finish(1);
+          }
+          all_done = false;
+          continue;
+        }
+        if (&c == &coord) coordinator_exited = absl::Now();
+        if (*c.code != 0) {
+          const std::string why =
+              absl::StrCat(c.name, " failed (", DescribeExit(*c.code), "); stopping the others");
+          if (stop_signal.load() != 0 && !coord.code) {
+            if (!failed_while_stopping) {
+              exit_code_ = *c.code < 126 ? *c.code : 1;
+              failed_while_stopping = why;
+            }
+            continue;
+          }
+          if (!failed_while_stopping) exit_code_ = *c.code < 126 ? *c.code : 1;
+          SayWhy(
+              absl::StrCat("onebit-launch, as ", c.name, " failed (", DescribeExit(*c.code), ")"));
+          StopAll(failed_while_stopping.value_or(why));
+          return Finish(exit_code_);
+        }
+      }
+      if (failed_while_stopping &&
+          (coord.code || (stop_sent_ && absl::Now() - *stop_sent_ > stop_bound))) {
+        StopAll(coord.code ? *failed_while_stopping
+                           : absl::StrCat("the coordinator did not end the job within ",
+                                          absl::FormatDuration(stop_bound), " of the stop"));
+        return Finish(exit_code_);
+      }
+      if (all_done) break;
+      if (coordinator_exited && absl::Now() - *coordinator_exited > after_coordinator) {
+        StopAll(absl::StrCat("processes still running ", absl::FormatDuration(after_coordinator),
+                             " after the coordinator exited"));
+        return Finish(1);
+      }
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    return std::nullopt;
+  }
+
+  // Every process exited 0: the job finished, or stopped after a checkpoint.
+  int Outcome() {
+    const std::string& out = plan_.out;
+    // Every process exited 0: the job finished, or stopped after a checkpoint.
+    std::string outcome = "job finished";
+    if (!out.empty()) {
+      const absl::StatusOr<run::Summary> summary = ReadSummaryJson(out + "/summary.json");
+      if (!summary.ok()) {
+        outcome = absl::StrCat("job finished; ", summary.status().message());
+      } else if (absl::StartsWith(summary->status(), "stopped: ")) {
+        outcome = "job stopped after a checkpoint (summary.json says why); run it again to resume";
+      } else if (summary->has_durable() && !summary->durable()) {
+        // The last line is what a user reads: training went on without them.
+        outcome =
+            "job finished, but not durable: checkpoints failed (summary.json's "
+            "last_checkpoint_error says why)";
+      }
+    }
+    Log(out.empty() ? outcome : absl::StrCat(outcome, "; run folder ", out));
+    return Finish(0);
+  }
+
+  // Who stops the job, for the coordinator's summary (written before the
+  // SIGTERM that tells it).
+  void SayWhy(const std::string& who) { std::ofstream(stop_reason_file_) << who << "\n"; }
+
+  absl::Duration GraceOf(const Child& c) const {
+    return &c == &children_[0] ? coordinator_grace_ : grace_;
+  }
+
+  void StopAll(const std::string& why) {
+    Log(why);
+    // First let the others exit on their own (they may name the cause).
+    const absl::Time deadline = absl::Now() + grace_;
+    for (Child& c : children_) {
+      if (!c.proc) continue;
+      while (!c.proc->Poll() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
+    }
+    for (Child& c : children_) {
+      if (c.proc && !c.proc->Poll()) {
+        Log(absl::StrCat("stopping ", c.name));
+        c.proc->Stop(GraceOf(c));
+      }
+    }
+  }
+
+  int Finish(int code) {
+    for (Child& c : children_) {
+      if (c.proc && !c.proc->Poll()) c.proc->Stop(GraceOf(c));
+      if (c.proc) TrackChild(c.proc->pid(), false);
+      if (c.reader.joinable()) c.reader.join();
+    }
+    SetJobTmp("");
+    std::error_code ec;
+    if (!tmp_.empty()) std::filesystem::remove_all(tmp_, ec);
+    return code;
+  }
+
+  // A stop signal goes to the coordinator once it listens (it has caught
+  // stop signals by then), once: a second SIGTERM would kill it.
+  void PassOnStop(Child& coord) {
+    const int sig = stop_signal.load();
+    if (sig == 0 || stop_sent_ || !coordinator_listening_ || coord.code) return;
+    stop_sent_ = absl::Now();
+    Log(absl::StrCat("passing ", SignalName(sig), " on to the coordinator; waiting for it to ",
+                     plan_.cfg.checkpoint_dir().empty()
+                         ? "end the job (it has no --checkpoint_dir: the job fails)"
+                         : "stop the job after a checkpoint"));
+    SayWhy(absl::StrCat(SignalName(sig), " to onebit-launch"));
+    coord.proc->Signal(SIGTERM);
+  }
+
+  const LaunchPlan& plan_;
+  const int attempt_;
+  int& restarts_used_;
+  std::string tmp_, port_file_, stop_reason_file_, secret_file_;
+  Security job_security_;
+  std::string security_arg_, reg_timeout_;
+  absl::Duration grace_, coordinator_grace_;
+  std::vector<Child> children_;
+  std::string target_;  // the coordinator's address
+  int exit_code_ = 0;
+  bool coordinator_listening_ = false;
+  std::optional<absl::Time> stop_sent_;
+};
+
+// The plan from the command line; exits naming the flag at a bad one.
+LaunchPlan PlanFromCommandLine(int argc, char** argv) {
+  LaunchPlan plan;
   std::set<std::string> given;
   control::TrainingConfig job = ConfigFromCommandLineOrExit(
       argc, argv,
@@ -242,8 +645,9 @@ int Main(int argc, char** argv) {
       "SIGTERM or Ctrl-C: the job stops after a checkpoint (with --checkpoint_dir; without, it "
       "fails), run folder written; a second one kills every process at once.",
       &given);
-  std::vector<std::string> config_args = ConfigFlagArgs();
-  const std::string worker_cmd = absl::GetFlag(FLAGS_worker_cmd);
+  std::vector<std::string>& config_args = plan.config_args;
+  config_args = ConfigFlagArgs();
+  const std::string& worker_cmd = plan.worker_cmd = absl::GetFlag(FLAGS_worker_cmd);
   if (!worker_cmd.empty() && job.model() != kExternalModel) {
     // The workers are the user's program: an external model.
     if (given.count("model")) {
@@ -276,17 +680,18 @@ int Main(int argc, char** argv) {
         config_args.end());
     config_args.push_back(absl::StrCat("--servers=", servers));
   }
-  const control::TrainingConfig cfg = std::move(job);
-  const std::string out = absl::GetFlag(FLAGS_out);
+  plan.cfg = std::move(job);
+  const control::TrainingConfig& cfg = plan.cfg;
+  const std::string& out = plan.out = absl::GetFlag(FLAGS_out);
   if (absl::Status st = CheckTimeout(absl::GetFlag(FLAGS_launch_register_timeout)); !st.ok()) {
     ExitFlagError("launch_register_timeout", st.message());
   }
   if (absl::GetFlag(FLAGS_dump_params) && out.empty()) ExitFlagError("dump_params", "needs --out");
-  const int stall_worker = absl::GetFlag(FLAGS_stall_worker);
+  const int stall_worker = plan.stall_worker = absl::GetFlag(FLAGS_stall_worker);
   if (stall_worker >= static_cast<int>(cfg.workers())) {
     ExitFlagError("stall_worker", "no such worker");
   }
-  const std::vector<std::string> devices = absl::GetFlag(FLAGS_worker_devices);
+  const std::vector<std::string>& devices = plan.devices = absl::GetFlag(FLAGS_worker_devices);
   if (devices.size() > cfg.workers()) {
     ExitFlagError("worker_devices",
                   absl::StrCat(devices.size(), " devices for ", cfg.workers(), " workers"));
@@ -301,10 +706,10 @@ int Main(int argc, char** argv) {
   }
   // Secure by default: without --secret_file (or $ONEBIT_SECRET_FILE) or
   // --insecure, each start of the job gets a fresh secret of its own.
-  const SecurityFlags security = LauncherSecurityFlagsOrExit();
-  if (security.insecure)
+  plan.security = LauncherSecurityFlagsOrExit();
+  if (plan.security.insecure)
     Log("INSECURE (--insecure): the job's planes are neither authenticated nor encrypted");
-  std::string bin = absl::GetFlag(FLAGS_bin_dir);
+  std::string& bin = plan.bin = absl::GetFlag(FLAGS_bin_dir);
   if (bin.empty()) bin = SelfDir();
   for (const char* b : {"onebit-coordinator", "onebit-server", "onebit-worker"}) {
     if (!worker_cmd.empty() && std::string(b) == "onebit-worker") continue;
@@ -316,333 +721,36 @@ int Main(int argc, char** argv) {
     absl::Status st = MakeDirs(out);
     if (!st.ok()) ExitFlagError("out", st.message());
   }
-  const int max_restarts = absl::GetFlag(FLAGS_max_restarts);
-  if (max_restarts < 0) ExitFlagError("max_restarts", "must be >= 0");
+  plan.max_restarts = absl::GetFlag(FLAGS_max_restarts);
+  if (plan.max_restarts < 0) ExitFlagError("max_restarts", "must be >= 0");
   // A --worker_cmd program imports our onebit_ps first; its own PYTHONPATH
   // follows.
-  std::string python_path = OwnPythonPackageDir();
+  std::string& python_path = plan.python_path = OwnPythonPackageDir();
   if (const char* theirs = std::getenv("PYTHONPATH");
       theirs != nullptr && *theirs != '\0' && !python_path.empty()) {
     python_path = absl::StrCat(python_path, ":", theirs);
   }
-  const bool live = !cfg.checkpoint_dir().empty() && cfg.rejoin_timeout_ms() > 0;
-  // One start of the whole job; *running: it got as far as starting every
-  // process (a job that fails before that is not worth restarting).
-  // *restarts_used counts every restart, of one process or of the job.
-  auto run = [&](int attempt, bool* running, int* restarts_used) -> int {
-    char tmpl[] = "/tmp/onebit-launch.XXXXXX";
-    if (mkdtemp(tmpl) == nullptr) ExitError(1, "cannot create a temporary folder");
-    const std::string tmp = tmpl;
-    SetJobTmp(tmp);
-    const std::string port_file = tmp + "/coordinator.port";
-    // Who stops the job, for the coordinator's summary (written before the
-    // SIGTERM that tells it).
-    const std::string stop_reason_file = tmp + "/stop_reason";
-    auto say_why = [&](const std::string& who) { std::ofstream(stop_reason_file) << who << "\n"; };
-    std::string secret_file = security.secret_file;
-    if (!security.insecure && secret_file.empty()) {
-      secret_file = tmp + "/secret";  // the folder is the launcher's alone (0700)
-      if (absl::Status st = JobSecret::Generate().WriteFile(secret_file); !st.ok()) {
-        ExitError(1, st.message());
-      }
-    }
-    auto job_security = ResolveSecurity(secret_file, security.insecure, "--secret_file");
-    if (!job_security.ok()) ExitError(1, job_security.status().message());
-    const std::string security_arg =
-        security.insecure ? std::string("--insecure") : "--secret_file=" + secret_file;
-    const std::string reg_timeout =
-        absl::FormatDuration(absl::GetFlag(FLAGS_launch_register_timeout));
-    const absl::Duration grace = absl::GetFlag(FLAGS_grace);
-    // The coordinator writes the run folder's summary.json as it stops: on a
-    // crowded machine (160 processes on 2 cores) 1 s was too short for that,
-    // and the job was left with summary.json.tmp alone.
-    const absl::Duration coordinator_grace =
-        grace == absl::ZeroDuration() ? grace : std::max(grace, absl::Seconds(10));
+  plan.live = !cfg.checkpoint_dir().empty() && cfg.rejoin_timeout_ms() > 0;
+  return plan;
+}
 
-    std::vector<Child> children(1 + cfg.servers() + cfg.workers());
-    auto grace_of = [&](const Child& c) { return &c == &children[0] ? coordinator_grace : grace; };
-    int exit_code = 0;
-    auto stop_all = [&](const std::string& why) {
-      Log(why);
-      // First let the others exit on their own (they may name the cause).
-      const absl::Time deadline = absl::Now() + grace;
-      for (Child& c : children) {
-        if (!c.proc) continue;
-        while (!c.proc->Poll() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
-      }
-      for (Child& c : children) {
-        if (c.proc && !c.proc->Poll()) {
-          Log(absl::StrCat("stopping ", c.name));
-          c.proc->Stop(grace_of(c));
-        }
-      }
-    };
-    auto finish = [&](int code) {
-      for (Child& c : children) {
-        if (c.proc && !c.proc->Poll()) c.proc->Stop(grace_of(c));
-        if (c.proc) TrackChild(c.proc->pid(), false);
-        if (c.reader.joinable()) c.reader.join();
-      }
-      SetJobTmp("");
-      std::error_code ec;
-      std::filesystem::remove_all(tmp, ec);
-      return code;
-    };
-    // A stop signal goes to the coordinator once it listens (it has caught
-    // stop signals by then), once: a second SIGTERM would kill it.
-    bool coordinator_listening = false;
-    std::optional<absl::Time> stop_sent;
-    auto pass_on_stop = [&](Child& coord) {
-      const int sig = stop_signal.load();
-      if (sig == 0 || stop_sent || !coordinator_listening || coord.code) return;
-      stop_sent = absl::Now();
-      Log(absl::StrCat("passing ", SignalName(sig), " on to the coordinator; waiting for it to ",
-                       cfg.checkpoint_dir().empty()
-                           ? "end the job (it has no --checkpoint_dir: the job fails)"
-                           : "stop the job after a checkpoint"));
-      say_why(absl::StrCat(SignalName(sig), " to onebit-launch"));
-      coord.proc->Signal(SIGTERM);
-    };
-
-    // The coordinator first: it picks its port and writes it to port_file.
-    Child& coord = children[0];
-    coord.name = "coordinator";
-    std::vector<std::string> args = {bin + "/onebit-coordinator",
-                                     "--port=0",
-                                     "--port_file=" + port_file,
-                                     "--stop_reason_file=" + stop_reason_file,
-                                     "--bind_host=127.0.0.1",
-                                     "--register_timeout=" + reg_timeout,
-                                     security_arg};
-    if (!out.empty()) args.push_back("--out=" + out);
-    if (const int p = absl::GetFlag(FLAGS_metrics_port); p >= 0) {
-      args.push_back(absl::StrCat("--metrics_port=", p));
-      args.push_back("--metrics_linger=" +
-                     absl::FormatDuration(absl::GetFlag(FLAGS_metrics_linger)));
-    }
-    for (const std::string& a : config_args) args.push_back(a);
-    coord.argv = args;
-    if (absl::Status st = Start(&coord, args); !st.ok()) {
-      Log(std::string(st.message()));
-      return finish(1);
-    }
-    int port = 0;
-    const absl::Time port_deadline = absl::Now() + absl::Seconds(30);
-    while (port == 0) {
-      std::ifstream in(port_file);
-      std::string text;
-      if (in >> text && absl::SimpleAtoi(text, &port) && port > 0) break;
-      port = 0;
-      if (auto code = coord.proc->Poll()) {
-        Log(absl::StrCat("the coordinator exited before listening (", DescribeExit(*code), ")"));
-        return finish(*code == 0 ? 1 : (*code < 126 ? *code : 1));
-      }
-      if (absl::Now() > port_deadline) {
-        Log("the coordinator did not start listening within 30s");
-        return finish(1);
-      }
-      absl::SleepFor(absl::Milliseconds(10));
-    }
-    coordinator_listening = true;
-    const std::string target = absl::StrCat("127.0.0.1:", port);
-    // Started again, the coordinator must listen where everyone looks for it.
-    for (std::string& a : coord.argv) {
-      if (a == "--port=0") a = absl::StrCat("--port=", port);
-    }
-    if (absl::Status st = CheckHealth(target, absl::Seconds(10), &*job_security); !st.ok()) {
-      Log(std::string(st.message()));
-      return finish(1);
-    }
-    *running = true;
-    Log(absl::StrCat("coordinator at ", target, " is serving; starting ", cfg.servers(),
-                     " servers and ", cfg.workers(), " workers"));
-
-    // Stopped while starting: the coordinator ends the job; start no more.
-    for (uint32_t k = 0; k < cfg.servers() && stop_signal.load() == 0; ++k) {
-      Child& c = children[1 + k];
-      c.name = absl::StrCat("server", k);
-      std::vector<std::string> a = {
-          bin + "/onebit-server",  "--coordinator=" + target,           absl::StrCat("--shard=", k),
-          "--bind_host=127.0.0.1", "--advertise_host=127.0.0.1",        "--data_port=0",
-          "--health_port=0",       "--register_timeout=" + reg_timeout, security_arg};
-      if (absl::GetFlag(FLAGS_dump_params)) {
-        a.push_back(absl::StrCat("--dump_x=", out, "/master_s", k, ".f32"));
-        a.push_back(absl::StrCat("--dump_error=", out, "/error_s", k, ".f32"));
-      }
-      c.argv = a;
-      if (absl::Status st = Start(&c, a); !st.ok()) {
-        stop_all(std::string(st.message()));
-        return finish(1);
-      }
-    }
-    for (uint32_t i = 0; i < cfg.workers() && stop_signal.load() == 0; ++i) {
-      Child& c = children[1 + cfg.servers() + i];
-      c.name = absl::StrCat("worker", i);
-      if (!worker_cmd.empty()) {
-        // The user's program: `exec` so that the child is the program itself
-        // (our signals reach it, and it dies with us).
-        std::vector<std::string> env = {"ONEBIT_COORDINATOR=" + target,
-                                        absl::StrCat("ONEBIT_RANK=", i),
-                                        absl::StrCat("ONEBIT_WORLD_SIZE=", cfg.workers()),
-                                        absl::StrCat("RANK=", i),
-                                        absl::StrCat("WORLD_SIZE=", cfg.workers()),
-                                        absl::StrCat("LOCAL_RANK=", i),
-                                        "ONEBIT_ADVERTISE_HOST=127.0.0.1",
-                                        security.insecure ? std::string("ONEBIT_INSECURE=1")
-                                                          : "ONEBIT_SECRET_FILE=" + secret_file};
-        if (!devices.empty()) {
-          env.push_back("ONEBIT_DEVICE=" + devices[std::min<size_t>(i, devices.size() - 1)]);
-        }
-        if (!python_path.empty()) env.push_back("PYTHONPATH=" + python_path);
-        if (absl::GetFlag(FLAGS_dump_params)) {
-          env.push_back(absl::StrCat("ONEBIT_DUMP_X=", out, "/replica_w", i, ".f32"));
-        }
-        c.argv = {"/bin/sh", "-c", "exec " + worker_cmd};
-        c.env = env;
-        if (absl::Status st = Start(&c, c.argv, env); !st.ok()) {
-          stop_all(std::string(st.message()));
-          return finish(1);
-        }
-        continue;
-      }
-      std::vector<std::string> a = {bin + "/onebit-worker",
-                                    "--coordinator=" + target,
-                                    absl::StrCat("--rank=", i),
-                                    "--bind_host=127.0.0.1",
-                                    "--advertise_host=127.0.0.1",
-                                    "--health_port=0",
-                                    "--register_timeout=" + reg_timeout,
-                                    security_arg};
-      if (absl::GetFlag(FLAGS_dump_params)) {
-        a.push_back(absl::StrCat("--dump_x=", out, "/replica_w", i, ".f32"));
-      }
-      if (!devices.empty()) {
-        a.push_back("--device=" + devices[std::min<size_t>(i, devices.size() - 1)]);
-      }
-      if (!absl::GetFlag(FLAGS_overlap)) a.push_back("--overlap=false");
-      c.argv = a;  // a restarted one does not stall again
-      if (static_cast<int>(i) == stall_worker && attempt == 0) {
-        a.push_back(absl::StrCat("--stall_at_step=", absl::GetFlag(FLAGS_stall_at_step)));
-      }
-      if (absl::Status st = Start(&c, a); !st.ok()) {
-        stop_all(std::string(st.message()));
-        return finish(1);
-      }
-    }
-
-    // Watch: the first failure stops everyone; after the coordinator is done,
-    // the rest must follow promptly. Once a stop signal came, the coordinator
-    // ends the job (it writes the run folder): a process that fails meanwhile
-    // stops the others only after it (or after stop_bound), and nothing is
-    // started again.
-    std::optional<absl::Time> coordinator_exited;
-    const absl::Duration after_coordinator = absl::Seconds(10);
-    const absl::Duration stop_bound = std::max(
-        absl::Seconds(30), 3 * absl::Milliseconds(cfg.heartbeat_timeout_ms()) + absl::Seconds(20));
-    std::optional<std::string> failed_while_stopping;  // the first failure's message
-    while (true) {
-      if (!coordinator_listening && !coord.code && std::ifstream(port_file).good()) {
-        coordinator_listening = true;  // started again, it listens again
-      }
-      pass_on_stop(coord);
-      bool all_done = true;
-      for (Child& c : children) {
-        if (c.code || !c.proc) continue;  // exited, or never started (stopped first)
-        c.code = c.proc->Poll();
-        if (!c.code) {
-          all_done = false;
-          continue;
-        }
-        // Live recovery: this process alone starts again and the job rolls
-        // back; the coordinator only when it was killed (a job that
-        // failed would fail again).
-        const bool coordinator_running = !coord.code;
-        if (*c.code != 0 && live && *restarts_used < max_restarts && stop_signal.load() == 0 &&
-            (&c == &coord ? *c.code > 128 : coordinator_running) &&
-            HasCompleteCheckpoint(cfg.checkpoint_dir())) {
-          ++*restarts_used;
-          Log(absl::StrCat(c.name, " failed (", DescribeExit(*c.code), "); restart ",
-                           *restarts_used, " of ", max_restarts, ": starting it again",
-                           &c == &coord ? "; the others wait for it"
-                                        : "; the job rolls back to its last complete checkpoint"));
-          if (&c == &coord) {
-            // Told to stop before it listens, it would die of the signal.
-            std::remove(port_file.c_str());
-            coordinator_listening = false;
-          }
-          TrackChild(c.proc->pid(), false);
-          if (absl::Status st = Start(&c, c.argv, c.env); !st.ok()) {
-            stop_all(std::string(st.message()));
-            return finish(1);
-          }
-          all_done = false;
-          continue;
-        }
-        if (&c == &coord) coordinator_exited = absl::Now();
-        if (*c.code != 0) {
-          const std::string why =
-              absl::StrCat(c.name, " failed (", DescribeExit(*c.code), "); stopping the others");
-          if (stop_signal.load() != 0 && !coord.code) {
-            if (!failed_while_stopping) {
-              exit_code = *c.code < 126 ? *c.code : 1;
-              failed_while_stopping = why;
-            }
-            continue;
-          }
-          if (!failed_while_stopping) exit_code = *c.code < 126 ? *c.code : 1;
-          say_why(
-              absl::StrCat("onebit-launch, as ", c.name, " failed (", DescribeExit(*c.code), ")"));
-          stop_all(failed_while_stopping.value_or(why));
-          return finish(exit_code);
-        }
-      }
-      if (failed_while_stopping &&
-          (coord.code || (stop_sent && absl::Now() - *stop_sent > stop_bound))) {
-        stop_all(coord.code ? *failed_while_stopping
-                            : absl::StrCat("the coordinator did not end the job within ",
-                                           absl::FormatDuration(stop_bound), " of the stop"));
-        return finish(exit_code);
-      }
-      if (all_done) break;
-      if (coordinator_exited && absl::Now() - *coordinator_exited > after_coordinator) {
-        stop_all(absl::StrCat("processes still running ", absl::FormatDuration(after_coordinator),
-                              " after the coordinator exited"));
-        return finish(1);
-      }
-      absl::SleepFor(absl::Milliseconds(20));
-    }
-    // Every process exited 0: the job finished, or stopped after a checkpoint.
-    std::string outcome = "job finished";
-    if (!out.empty()) {
-      const absl::StatusOr<run::Summary> summary = ReadSummaryJson(out + "/summary.json");
-      if (!summary.ok()) {
-        outcome = absl::StrCat("job finished; ", summary.status().message());
-      } else if (absl::StartsWith(summary->status(), "stopped: ")) {
-        outcome = "job stopped after a checkpoint (summary.json says why); run it again to resume";
-      } else if (summary->has_durable() && !summary->durable()) {
-        // The last line is what a user reads: training went on without them.
-        outcome =
-            "job finished, but not durable: checkpoints failed (summary.json's "
-            "last_checkpoint_error says why)";
-      }
-    }
-    Log(out.empty() ? outcome : absl::StrCat(outcome, "; run folder ", out));
-    return finish(0);
-  };
+int Main(int argc, char** argv) {
+  CatchStopSignalsInOneThread();
+  const LaunchPlan plan = PlanFromCommandLine(argc, argv);
   int restarts_used = 0;
   for (int attempt = 0;; ++attempt) {
     bool running = false;
-    const int code = run(attempt, &running, &restarts_used);
-    if (code == 0 || restarts_used >= max_restarts || !running) return code;
+    const int code = Attempt(plan, attempt, &restarts_used).Run(&running);
+    if (code == 0 || restarts_used >= plan.max_restarts || !running) return code;
     if (const int sig = stop_signal.load(); sig != 0) {
       Log(absl::StrCat("not starting the job again: stopped by ", SignalName(sig)));
       return code;
     }
     ++restarts_used;
     Log(absl::StrCat(
-        "restart ", restarts_used, " of ", max_restarts, ": starting the whole job again",
-        cfg.checkpoint_dir().empty() ? " from the start (it has no --checkpoint_dir)"
-                                     : "; it resumes from its last complete checkpoint"));
+        "restart ", restarts_used, " of ", plan.max_restarts, ": starting the whole job again",
+        plan.cfg.checkpoint_dir().empty() ? " from the start (it has no --checkpoint_dir)"
+                                          : "; it resumes from its last complete checkpoint"));
   }
 }
 
