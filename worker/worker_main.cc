@@ -48,12 +48,8 @@ ABSL_FLAG(absl::Duration, progress_interval, absl::Seconds(1),
 namespace onebit {
 namespace {
 
-int Main(int argc, char** argv) {
-  KeepLargeBuffers();
-  ParseFlagsOrExit(argc, argv,
-                   "onebit-worker --coordinator HOST:PORT [--rank R] [--device D]\n"
-                   "Trains the job's built-in model: computes gradients, pushes them to the "
-                   "servers, applies the replies.");
+// The worker's options from its flags; exits naming the flag at a bad one.
+WorkerOptions OptionsFromFlags() {
   WorkerOptions o;
   o.coordinator = absl::GetFlag(FLAGS_coordinator);
   if (o.coordinator.empty()) ExitFlagError("coordinator", "required");
@@ -82,124 +78,152 @@ int Main(int argc, char** argv) {
   const SecurityFlags security = SecurityFlagsOrExit();
   o.secret_file = security.secret_file;
   o.insecure = security.insecure;
-  // SIGTERM (Kubernetes, onebit-launch): stop the job after a checkpoint.
-  o.stop_signal = StopOnSignals();
-  auto connected = ConnectWithModel(o, NewModel);
-  if (!connected.ok()) ExitError(1, std::string(connected.status().message()));
-  Worker& w = **connected;
-  const uint32_t rank = w.rank();
-  auto fail = [&](absl::string_view what, const absl::Status& st) {
-    ExitError(1, absl::StrCat("worker ", rank, ": ", what, st.message()));
-  };
-  Replica& rep = WorkerAccess::replica(w);
-  const control::TrainingConfig& cfg = WorkerAccess::config(w);
-  std::fprintf(stderr, "worker %u: training on %s\n", rank, w.device().c_str());
-  if (absl::Status st = w.BroadcastParameters(); !st.ok() && !IsRolledBack(st)) fail("", st);
+  return o;
+}
 
-  const uint64_t steps = cfg.steps();
-  const uint64_t per_epoch = WorkerAccess::model(w)->steps_per_epoch();
-  const bool evaluate = rank == 0 && cfg.eval_every() > 0 && rep.can_evaluate();
-  double last_accuracy = -1;
-  const int64_t stall = absl::GetFlag(FLAGS_stall_at_step);
-  const bool overlap = absl::GetFlag(FLAGS_overlap);
-  const absl::Duration progress_every = absl::GetFlag(FLAGS_progress_interval);
-  const absl::Time t0 = absl::Now();
-  absl::Time last_progress = t0;
-  uint64_t total_up = 0, total_down = 0, total_chunks = 0, overlapped = 0;
-  // Seconds of forward + backward per step (pushes excluded), by phase.
-  std::vector<double> fwd_bwd_warmup, fwd_bwd_compress;
-  // A resumed job continues at its checkpoint's step; the data order is the
-  // step's. So does a job that rolled back (then steps_done() went back).
-  const uint64_t first = w.steps_done();
+// The job's built-in model trained step by step, with its progress lines;
+// a failure exits the process. One thread.
+class TrainingLoop {
+ public:
+  explicit TrainingLoop(Worker* w)
+      : w_(*w),
+        rank_(w->rank()),
+        rep_(WorkerAccess::replica(*w)),
+        cfg_(WorkerAccess::config(*w)),
+        per_epoch_(WorkerAccess::model(*w)->steps_per_epoch()),
+        evaluate_(rank_ == 0 && cfg_.eval_every() > 0 && rep_.can_evaluate()),
+        stall_(absl::GetFlag(FLAGS_stall_at_step)),
+        overlap_(absl::GetFlag(FLAGS_overlap)),
+        progress_every_(absl::GetFlag(FLAGS_progress_interval)) {}
+
+  // The process's exit code.
+  int Run() {
+    std::fprintf(stderr, "worker %u: training on %s\n", rank_, w_.device().c_str());
+    if (absl::Status st = w_.BroadcastParameters(); !st.ok() && !IsRolledBack(st)) Fail(st);
+    t0_ = last_progress_ = absl::Now();
+    // A resumed job continues at its checkpoint's step; the data order is
+    // the step's. So does a job that rolled back (then steps_done() went
+    // back).
+    first_ = w_.steps_done();
+    // Finish() too may find that the job rolled back.
+    while (true) {
+      for (uint64_t step = w_.steps_done(); step < cfg_.steps(); step = w_.steps_done()) {
+        if (stall_ >= 0 && step == static_cast<uint64_t>(stall_)) Stall(step);
+        if (TrainStep(step) == Next::kStop) return absl::GetFlag(FLAGS_exit_code_when_stopped);
+      }
+      Report();
+      DumpX();
+      absl::Status finished = w_.Finish();
+      if (IsRolledBack(finished)) {
+        std::fprintf(stderr, "worker %u: %s\n", rank_, std::string(finished.message()).c_str());
+        continue;
+      }
+      if (!finished.ok()) Fail(finished);
+      return 0;
+    }
+  }
+
+ private:
   // What the worker said about a push or a step: the job rolled back (that
   // step again), stopped on request, or failed (which exits here).
   enum class Next { kGoOn, kRetry, kStop };
-  auto outcome = [&](const absl::Status& st) {
+  Next OutcomeOf(const absl::Status& st) {
     if (st.ok()) return Next::kGoOn;
     if (IsRolledBack(st) || absl::IsCancelled(st)) {
-      std::fprintf(stderr, "worker %u: %s\n", rank, std::string(st.message()).c_str());
+      std::fprintf(stderr, "worker %u: %s\n", rank_, std::string(st.message()).c_str());
       return IsRolledBack(st) ? Next::kRetry : Next::kStop;
     }
-    fail("", st);
-    return Next::kStop;  // not reached
-  };
-  // Finish() too may find that the job rolled back.
-  while (true) {
-    for (uint64_t step = w.steps_done(); step < steps; step = w.steps_done()) {
-      if (stall >= 0 && step == static_cast<uint64_t>(stall)) {
-        std::fprintf(stderr, "worker %u: stalling at step %llu (--stall_at_step)\n", rank,
-                     static_cast<unsigned long long>(step));
-        absl::Status st;
-        while ((st = WorkerAccess::WaitForJobEnd(w, absl::Seconds(1))).ok()) {
-        }
-        fail("", WorkerAccess::Fail(w, st));  // with the rows of the steps before
-      }
-      absl::Status pushed;       // a push's error: the worker has handled it already
-      absl::Duration in_pushes;  // of the backward's time, the releases' (encoding, sending)
-      auto release = [&](uint64_t b, uint64_t e) {
-        const absl::Time p0 = absl::Now();
-        pushed = w.GradientsReady(b, e);
-        in_pushes += absl::Now() - p0;
-        return pushed;
-      };
-      const absl::Time g0 = absl::Now();
-      auto loss = overlap ? rep.ComputeGradientInParts(rank, step, release)
-                          : rep.ComputeGradient(rank, step);
-      const double fwd_bwd_s = absl::ToDoubleSeconds(absl::Now() - g0 - in_pushes);
-      if (Next n = outcome(pushed); n != Next::kGoOn) {
-        if (n == Next::kRetry) continue;
-        return absl::GetFlag(FLAGS_exit_code_when_stopped);
-      }
-      if (!loss.ok()) fail("", WorkerAccess::Fail(w, loss.status()));
-      StepOptions so;
-      so.loss = *loss;
-      if (per_epoch > 0) so.epoch = static_cast<double>(step + 1) / per_epoch;
-      auto stats = w.Step(so);
-      if (Next n = outcome(stats.status()); n != Next::kGoOn) {
-        if (n == Next::kRetry) continue;
-        return absl::GetFlag(FLAGS_exit_code_when_stopped);
-      }
-      // Rank 0 scores its replica (equal to every other) on the test set.
-      if (evaluate && ((step + 1) % cfg.eval_every() == 0 || step + 1 == steps)) {
-        auto eval = rep.Evaluate();
-        if (!eval.ok()) {
-          fail("", WorkerAccess::Fail(
-                       w, absl::Status(eval.status().code(),
-                                       absl::StrCat("evaluation: ", eval.status().message()))));
-        }
-        if (absl::Status st = w.ReportEvaluation(eval->loss, eval->accuracy); !st.ok())
-          fail("", st);
-        last_accuracy = eval->accuracy;
-      }
-      total_up += stats->bytes_up;
-      total_down += stats->bytes_down;
-      total_chunks += stats->chunks;
-      (stats->compressed ? fwd_bwd_compress : fwd_bwd_warmup).push_back(fwd_bwd_s);
-      overlapped += stats->chunks_overlapped;
-      const absl::Time now = absl::Now();
-      if (now - last_progress >= progress_every || step + 1 == steps) {
-        last_progress = now;
-        const double elapsed = absl::ToDoubleSeconds(now - t0);
-        const double rate = static_cast<double>(step + 1 - first) / std::max(elapsed, 1e-9);
-        const std::string epoch =
-            per_epoch > 0 ? absl::StrFormat(" epoch %.2f", so.epoch) : std::string();
-        const std::string acc =
-            last_accuracy >= 0 ? absl::StrFormat(" test acc %.4f", last_accuracy) : std::string();
-        std::fprintf(stderr,
-                     "worker %u: step %llu/%llu%s loss %.6g%s %s %.2f steps/s up %.1f MB down %.1f "
-                     "MB ETA %.0fs\n",
-                     rank, static_cast<unsigned long long>(step + 1),
-                     static_cast<unsigned long long>(steps), epoch.c_str(), *loss, acc.c_str(),
-                     stats->compressed ? "compress" : "warmup", rate, total_up / 1e6,
-                     total_down / 1e6, static_cast<double>(steps - step - 1) / rate);
-      }
-    }
+    Fail(st);
+  }
 
-    std::fprintf(
-        stderr, "worker %u: %llu of %llu chunks (%.1f %%) went out during the backward%s\n", rank,
-        static_cast<unsigned long long>(overlapped), static_cast<unsigned long long>(total_chunks),
-        total_chunks > 0 ? 100.0 * overlapped / total_chunks : 0.0,
-        overlap ? "" : " (--overlap=false)");
+  [[noreturn]] void Fail(const absl::Status& st) {
+    ExitError(1, absl::StrCat("worker ", rank_, ": ", st.message()));
+  }
+  // Fails the job with `st` (the worker reports it with the rows of the
+  // steps before), then exits.
+  [[noreturn]] void FailJob(const absl::Status& st) { Fail(WorkerAccess::Fail(w_, st)); }
+
+  // --stall_at_step: stops pushing until the job ends without it.
+  [[noreturn]] void Stall(uint64_t step) {
+    std::fprintf(stderr, "worker %u: stalling at step %llu (--stall_at_step)\n", rank_,
+                 static_cast<unsigned long long>(step));
+    absl::Status st;
+    while ((st = WorkerAccess::WaitForJobEnd(w_, absl::Seconds(1))).ok()) {
+    }
+    FailJob(st);
+  }
+
+  Next TrainStep(uint64_t step) {
+    absl::Status pushed;       // a push's error: the worker has handled it already
+    absl::Duration in_pushes;  // of the backward's time, the releases' (encoding, sending)
+    auto release = [&](uint64_t b, uint64_t e) {
+      const absl::Time p0 = absl::Now();
+      pushed = w_.GradientsReady(b, e);
+      in_pushes += absl::Now() - p0;
+      return pushed;
+    };
+    const absl::Time g0 = absl::Now();
+    auto loss = overlap_ ? rep_.ComputeGradientInParts(rank_, step, release)
+                         : rep_.ComputeGradient(rank_, step);
+    const double fwd_bwd_s = absl::ToDoubleSeconds(absl::Now() - g0 - in_pushes);
+    if (Next n = OutcomeOf(pushed); n != Next::kGoOn) return n;
+    if (!loss.ok()) FailJob(loss.status());
+    StepOptions so;
+    so.loss = *loss;
+    if (per_epoch_ > 0) so.epoch = static_cast<double>(step + 1) / per_epoch_;
+    auto stats = w_.Step(so);
+    if (Next n = OutcomeOf(stats.status()); n != Next::kGoOn) return n;
+    MaybeEvaluate(step);
+    total_up_ += stats->bytes_up;
+    total_down_ += stats->bytes_down;
+    total_chunks_ += stats->chunks;
+    (stats->compressed ? fwd_bwd_compress_ : fwd_bwd_warmup_).push_back(fwd_bwd_s);
+    overlapped_ += stats->chunks_overlapped;
+    MaybeShowProgress(step, so, *loss, stats->compressed);
+    return Next::kGoOn;
+  }
+
+  // Rank 0 scores its replica (equal to every other) on the test set.
+  void MaybeEvaluate(uint64_t step) {
+    const uint64_t steps = cfg_.steps();
+    if (!evaluate_ || ((step + 1) % cfg_.eval_every() != 0 && step + 1 != steps)) return;
+    auto eval = rep_.Evaluate();
+    if (!eval.ok()) {
+      FailJob(absl::Status(eval.status().code(),
+                           absl::StrCat("evaluation: ", eval.status().message())));
+    }
+    if (absl::Status st = w_.ReportEvaluation(eval->loss, eval->accuracy); !st.ok()) Fail(st);
+    last_accuracy_ = eval->accuracy;
+  }
+
+  void MaybeShowProgress(uint64_t step, const StepOptions& so, double loss, bool compressed) {
+    const uint64_t steps = cfg_.steps();
+    const absl::Time now = absl::Now();
+    if (now - last_progress_ < progress_every_ && step + 1 != steps) return;
+    last_progress_ = now;
+    const double elapsed = absl::ToDoubleSeconds(now - t0_);
+    const double rate = static_cast<double>(step + 1 - first_) / std::max(elapsed, 1e-9);
+    const std::string epoch =
+        per_epoch_ > 0 ? absl::StrFormat(" epoch %.2f", so.epoch) : std::string();
+    const std::string acc =
+        last_accuracy_ >= 0 ? absl::StrFormat(" test acc %.4f", last_accuracy_) : std::string();
+    std::fprintf(stderr,
+                 "worker %u: step %llu/%llu%s loss %.6g%s %s %.2f steps/s up %.1f MB down %.1f "
+                 "MB ETA %.0fs\n",
+                 rank_, static_cast<unsigned long long>(step + 1),
+                 static_cast<unsigned long long>(steps), epoch.c_str(), loss, acc.c_str(),
+                 compressed ? "compress" : "warmup", rate, total_up_ / 1e6, total_down_ / 1e6,
+                 static_cast<double>(steps - step - 1) / rate);
+  }
+
+  // The overlap achieved, and the forward + backward time per step.
+  void Report() const {
+    std::fprintf(stderr,
+                 "worker %u: %llu of %llu chunks (%.1f %%) went out during the backward%s\n", rank_,
+                 static_cast<unsigned long long>(overlapped_),
+                 static_cast<unsigned long long>(total_chunks_),
+                 total_chunks_ > 0 ? 100.0 * overlapped_ / total_chunks_ : 0.0,
+                 overlap_ ? "" : " (--overlap=false)");
     // Under the same load as the steps: what a step cannot be faster than.
     auto median_ms = [](std::vector<double> v) {
       if (v.empty()) return std::string("-");
@@ -208,26 +232,48 @@ int Main(int argc, char** argv) {
     };
     std::fprintf(stderr,
                  "worker %u: forward + backward per step (median ms): warm-up %s, compression %s\n",
-                 rank, median_ms(fwd_bwd_warmup).c_str(), median_ms(fwd_bwd_compress).c_str());
-    const std::string dump = absl::GetFlag(FLAGS_dump_x);
-    if (!dump.empty()) {
-      std::vector<float> x(w.num_params());
-      absl::Status st = w.ReadParams(x.data());
-      if (st.ok()) st = WriteFloats(dump, x);
-      if (!st.ok()) {
-        fail("", WorkerAccess::Fail(
-                     w, absl::Status(st.code(), absl::StrCat("--dump_x: ", st.message()))));
-      }
-    }
-    absl::Status finished = w.Finish();
-    if (IsRolledBack(finished)) {
-      std::fprintf(stderr, "worker %u: %s\n", rank, std::string(finished.message()).c_str());
-      continue;
-    }
-    if (!finished.ok()) fail("", finished);
-    break;
+                 rank_, median_ms(fwd_bwd_warmup_).c_str(), median_ms(fwd_bwd_compress_).c_str());
   }
-  return 0;
+
+  // --dump_x: the final replica.
+  void DumpX() {
+    const std::string dump = absl::GetFlag(FLAGS_dump_x);
+    if (dump.empty()) return;
+    std::vector<float> x(w_.num_params());
+    absl::Status st = w_.ReadParams(x.data());
+    if (st.ok()) st = WriteFloats(dump, x);
+    if (!st.ok()) FailJob(absl::Status(st.code(), absl::StrCat("--dump_x: ", st.message())));
+  }
+
+  Worker& w_;
+  const uint32_t rank_;
+  Replica& rep_;
+  const control::TrainingConfig& cfg_;
+  const uint64_t per_epoch_;
+  const bool evaluate_;
+  const int64_t stall_;
+  const bool overlap_;
+  const absl::Duration progress_every_;
+  absl::Time t0_, last_progress_;
+  uint64_t first_ = 0;
+  double last_accuracy_ = -1;
+  uint64_t total_up_ = 0, total_down_ = 0, total_chunks_ = 0, overlapped_ = 0;
+  // Seconds of forward + backward per step (pushes excluded), by phase.
+  std::vector<double> fwd_bwd_warmup_, fwd_bwd_compress_;
+};
+
+int Main(int argc, char** argv) {
+  KeepLargeBuffers();
+  ParseFlagsOrExit(argc, argv,
+                   "onebit-worker --coordinator HOST:PORT [--rank R] [--device D]\n"
+                   "Trains the job's built-in model: computes gradients, pushes them to the "
+                   "servers, applies the replies.");
+  WorkerOptions o = OptionsFromFlags();
+  // SIGTERM (Kubernetes, onebit-launch): stop the job after a checkpoint.
+  o.stop_signal = StopOnSignals();
+  auto connected = ConnectWithModel(o, NewModel);
+  if (!connected.ok()) ExitError(1, std::string(connected.status().message()));
+  return TrainingLoop(connected->get()).Run();
 }
 
 }  // namespace
