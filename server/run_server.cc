@@ -1,17 +1,20 @@
-// RunServer (include/onebit/server.h): registration, the data port, the
-// heartbeat, and PsServer (server/ps_server.h) serving one shard.
+// RunServer (include/onebit/server.h): the data port, PsServer
+// (server/ps_server.h) serving one shard, and the shard's checkpoints; the
+// job's control plane (registering, the heartbeat, rejoining, reporting
+// checkpoint files) is job/member.h's.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <map>
 #include <optional>
+#include <tuple>
+#include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "checkpoint/async_writer.h"
-#include "checkpoint/checkpoint_dir.h"
 #include "checkpoint/optimizer_state.h"
 #include "job/config.h"
+#include "job/member.h"
 #include "job/run_folder.h"
 #include "net/control.h"
 #include "net/data_plane.h"
@@ -88,7 +91,7 @@ struct DataPort {
   std::string bind_host;
   int port = 0;
   uint64_t frame_limit = 0;  // 0: not bound yet
-  std::string bound_endpoint;
+  std::string bound_endpoint = {};
 
   // Binds with `limit`; again after a roll-back whose job has another.
   absl::Status Open(uint64_t limit) {
@@ -110,13 +113,236 @@ struct DataPort {
   }
 };
 
-// One forming of the cluster, from its RegisterReply to the end of the job
-// or to the coordinator's REJOIN (then *rejoin is set and this returns OK).
-// `zap`: the data port's ZAP handler; null under --insecure.
-absl::Status ServeIncarnation(const ServerOptions& o, const control::RegisterReply& reg,
-                              DataPort& data_port, ZapHandler* zap,
-                              control::Coordinator::Stub* stub, const std::string& advertise,
-                              const std::vector<uint64_t>& earlier, bool* rejoin);
+// What a server keeps across the job's incarnations (formings of the
+// cluster: a roll-back makes a new one).
+struct ServerProcess {
+  const ServerOptions& options;
+  std::string advertise;
+  DataPort data_port;
+  ZapHandler* zap;  // the data port's; null under --insecure
+  JobMember member;
+  std::vector<uint64_t> earlier;  // the data-plane ids of the incarnations before
+};
+
+// What a server registers as.
+control::RegisterRequest ServerRequest(const ServerOptions& o, const std::string& advertise,
+                                       const CurveKeys& keys, int data_port, int health_port) {
+  control::RegisterRequest req;
+  req.set_role(control::SERVER);
+  req.set_curve_public_key(keys.public_key);
+  req.set_requested_rank(o.shard);
+  req.set_data_endpoint(absl::StrCat("tcp://", advertise, ":", data_port));
+  req.set_health_endpoint(absl::StrCat(advertise, ":", health_port));
+  req.set_host(Hostname());
+  return req;
+}
+
+// Admits this incarnation's workers to the data port (their CURVE keys).
+absl::Status AdmitWorkers(const control::RegisterReply& reg, ZapHandler* zap) {
+  const uint32_t workers = reg.config().workers();
+  if (reg.worker_curve_keys_size() != static_cast<int>(workers)) {
+    return absl::DataLossError(absl::StrCat("the coordinator sent ", reg.worker_curve_keys_size(),
+                                            " workers' keys for ", workers, " workers"));
+  }
+  std::map<std::string, std::string> clients;
+  for (uint32_t w = 0; w < workers; ++w) clients[reg.worker_curve_keys(w)] = WorkerPeerId(w);
+  zap->Allow(std::move(clients));
+  return absl::OkStatus();
+}
+
+// The optimizer of shard `rank` (`range`), once its state fits in memory:
+// too large for this machine is an error naming the bytes, not the OOM
+// killer.
+absl::StatusOr<OptimizerOptions> ShardOptimizer(const control::RegisterReply& reg,
+                                                const Range& range) {
+  auto optimizer = OptimizerOptionsFromConfig(reg.config());
+  if (!optimizer.ok()) return optimizer.status();
+  const StateSize size = ServerShardSize(*optimizer, range.size());
+  if (absl::Status st = CheckMemory(absl::StrCat("shard ", reg.rank(), " of ", range.size(),
+                                                 " parameters (", size.arrays, ")"),
+                                    size.bytes);
+      !st.ok()) {
+    return st;
+  }
+  optimizer->weight_decay_ranges = DecayRangesOf(reg.weight_decay_ranges());
+  optimizer->layer_ends.assign(reg.layer_ends().begin(), reg.layer_ends().end());
+  return optimizer;
+}
+
+// PsServer's options for the incarnation p.member registered in, but for
+// checkpoints; binds the data port with the job's frame limit.
+absl::StatusOr<PsServerOptions> IncarnationOptions(ServerProcess& p) {
+  const control::RegisterReply& reg = p.member.registration();
+  const control::TrainingConfig& cfg = reg.config();
+  auto map = ShardMap::Deserialize(reg.shard_map());
+  if (!map.ok()) {
+    return absl::DataLossError(
+        absl::StrCat("bad shard map from the coordinator: ", map.status().message()));
+  }
+  auto optimizer = ShardOptimizer(reg, map->shard(reg.rank()));
+  if (!optimizer.ok()) return optimizer.status();
+  auto freeze = FreezeOptionsFromConfig(cfg);
+  if (!freeze.ok()) return freeze.status();
+  PsServerOptions po;
+  if (p.zap != nullptr) {
+    if (absl::Status st = AdmitWorkers(reg, p.zap); !st.ok()) return st;
+    po.authenticated = true;
+  }
+  po.job.job_id = p.member.data_plane_id();
+  po.earlier_job_ids = p.earlier;
+  po.job.workers = cfg.workers();
+  po.job.steps = cfg.steps();
+  po.job.map = *map;
+  po.job.chunk_elems = ChunkElemsFor(cfg.chunk_elems(), po.job.map);
+  if (absl::Status st = p.data_port.Open(ServerFrameLimit(po.job.chunk_elems)); !st.ok()) {
+    return st;
+  }
+  po.shard = reg.rank();
+  po.optimizer = *optimizer;
+  po.freeze = *freeze;
+  po.step_timeout = absl::Milliseconds(cfg.step_timeout_ms());
+  Heartbeater& hb = p.member.heartbeat();
+  po.report_freeze_check = [&hb](uint64_t completed, double change) {
+    hb.ReportFreezeCheck(completed, change);
+  };
+  const uint64_t window = po.freeze.window;
+  po.freeze_decision = [&hb, window](uint64_t completed) {
+    return hb.FreezeDecision(completed, window);
+  };
+  return po;
+}
+
+// Saves the shard after its step, written beside serving. A den of the
+// frozen v is left out where loading makes it again from v.
+// `step`: s.step, or a local step before it that left s as it was
+// (zero-one-adam's servers skip local steps).
+void CheckpointShard(JobMember& member, const ServerShardState& s, uint64_t step,
+                     OptimizerKind kind) {
+  const bool with_den = !TraitsOf(kind).den_of_frozen_v;
+  // Only a snapshot's error comes back, and copying the shard cannot fail.
+  member
+      .Checkpoint(step,
+                  [&](std::shared_ptr<SnapshotBuffers> buffers) -> absl::StatusOr<StateWriter> {
+                    return SaveServerShard(s, with_den, std::move(buffers), step);
+                  })
+      .IgnoreError();
+}
+
+// Checkpoints: the scheduled ones at the step's end, and the state to go
+// on from where the coordinator names a checkpoint (po->restored).
+absl::Status AddCheckpoints(JobMember& member, PsServerOptions* po) {
+  if (member.registration().config().checkpoint_every() > 0) {
+    po->on_step_end = [&member, kind = po->optimizer.kind](const ServerShardState& s) {
+      if (member.CheckpointDue(s.step)) CheckpointShard(member, s, s.step, kind);
+    };
+  }
+  return member.LoadCheckpoint([po](const control::ResumePoint& resume) -> absl::Status {
+    auto restored = LoadShardFromCheckpoint(resume, po->job.map.shard(po->shard), po->shard);
+    if (!restored.ok()) return restored.status();
+    if (absl::Status st = RestoreDenominators(po->optimizer.eps, &*restored); !st.ok()) return st;
+    po->restored = *std::move(restored);
+    return absl::OkStatus();
+  });
+}
+
+// Serves steps until the job ends or the coordinator says otherwise
+// (STOP, REJOIN, ABORT): OK, or the data plane's failure, else Done's or
+// the end step's.
+absl::Status ServeSteps(JobMember& member, PsServer& ps, const PsServerOptions& po) {
+  Heartbeater& hb = member.heartbeat();
+  absl::Status done_status;
+  uint64_t last_step = 0;
+  absl::Time last_change = absl::Now(), last_kick = absl::Now();
+  absl::Status st = ps.Serve(
+      [&] {
+        hb.SetStep(ps.state().step);
+        // Stopping: no push comes past the stop step; save the shard there
+        // (zero-one-adam's: the stop may be a local step the shard skipped).
+        if (auto stop = hb.stop_step(); stop && ps.StateIsOfStep(*stop)) {
+          CheckpointShard(member, ps.state(), *stop, po.optimizer.kind);
+        }
+        // A job without a fixed length ends where the workers finished.
+        if (po.job.steps == 0 && done_status.ok() && !ps.finished()) {
+          if (auto end = hb.end_step()) done_status = ps.SetEndStep(*end);
+          // Idle: the workers may have finished; ask now rather than at the
+          // next heartbeat (up to a second later).
+          const absl::Time now = absl::Now();
+          if (ps.state().step != last_step) {
+            last_step = ps.state().step;
+            last_change = now;
+          } else if (now - last_change > absl::Milliseconds(100) &&
+                     now - last_kick > absl::Milliseconds(100)) {
+            last_kick = now;
+            hb.Kick();
+          }
+        }
+        return hb.command() != control::CONTINUE || !done_status.ok();
+      },
+      [&] {
+        member.FlushCheckpoints();  // the last checkpoint's part goes with Done
+        done_status = hb.Done({ChecksumOf(ps.state(), po.shard, po.job.map.shard(po.shard))});
+      });
+  return st.ok() ? done_status : st;
+}
+
+// How serving ended, the coordinator not having said REJOIN: OK when the
+// job finished; else why not, reported to the coordinator where it is this
+// server's failure. Writes --dump_x and --dump_error of a job that ran.
+absl::Status Ended(const ServerOptions& o, JobMember& member, const PsServer& ps,
+                   const absl::Status& served) {
+  if (!served.ok()) {
+    member.ReportFailure(served);
+    return member.Named(served);
+  }
+  const Heartbeater& hb = member.heartbeat();
+  if (hb.command() == control::STOP) {
+    member.FlushCheckpoints();
+    return absl::CancelledError(
+        absl::StrCat("server ", member.rank(), ": the job stopped: ", hb.reason()));
+  }
+  for (auto [name, path, v] : {std::tuple{"dump_x", &o.dump_x, &ps.state().x},
+                               {"dump_error", &o.dump_error, &ps.state().e}}) {
+    if (path->empty()) continue;
+    if (absl::Status w = WriteFloats(*path, *v); !w.ok()) {
+      return absl::Status(w.code(), absl::StrCat(name, ": ", w.message()));
+    }
+  }
+  if (hb.command() == control::SHUTDOWN && ps.finished()) {
+    std::fprintf(stderr, "server %u: done after %llu steps\n", member.rank(),
+                 static_cast<unsigned long long>(ps.state().step));
+    return absl::OkStatus();
+  }
+  return absl::AbortedError(absl::StrCat("server ", member.rank(), ": job aborted: ",
+                                         hb.command() == control::SHUTDOWN
+                                             ? "the coordinator ended the job before the last step"
+                                             : hb.reason()));
+}
+
+// One incarnation, from its registration to the end of the job (false) or
+// to the coordinator's REJOIN (true: register again).
+absl::StatusOr<bool> ServeIncarnation(ServerProcess& p) {
+  JobMember& member = p.member;
+  // From here on a failure is the job's: the coordinator hears why.
+  auto fail = [&member](const absl::Status& st) {
+    member.ReportFailure(st);
+    return member.Named(st);
+  };
+  auto po = IncarnationOptions(p);
+  if (!po.ok()) return fail(po.status());
+  if (absl::Status st = AddCheckpoints(member, &*po); !st.ok()) return fail(st);
+  auto server = PsServer::Create(*po, p.data_port.socket);
+  if (!server.ok()) return fail(server.status());
+  const Range r = po->job.map.shard(po->shard);
+  std::fprintf(stderr, "server %u: shard [%llu, %llu) on tcp://%s:%d, job %016llx\n", po->shard,
+               static_cast<unsigned long long>(r.begin), static_cast<unsigned long long>(r.end),
+               p.advertise.c_str(), p.data_port.port,
+               static_cast<unsigned long long>(member.registration().job_id()));
+  const absl::Status served = ServeSteps(member, **server, *po);
+  // Whatever failed meanwhile came of the loss the job rolls back for.
+  if (member.rolling_back()) return true;
+  if (absl::Status st = Ended(p.options, member, **server, served); !st.ok()) return st;
+  return false;
+}
 
 }  // namespace
 
@@ -149,223 +375,32 @@ absl::Status RunServer(const ServerOptions& o) {
   auto reserved = ReservedPort::Reserve(o.bind_host, o.data_port);
   if (!reserved.ok()) return reserved.status();
   const int bound_port = reserved->port();
-  DataPort data_port{&socket, *std::move(reserved), o.bind_host, bound_port};
   int health_bound = 0;
   auto health = StartHealthServer(o.bind_host, o.health_port, &health_bound);
   if (!health.ok()) return health.status();
 
-  auto stub = control::Coordinator::NewStub(MakeChannel(o.coordinator, *security));
-  control::RegisterRequest req;
-  req.set_role(control::SERVER);
-  req.set_curve_public_key(keys.public_key);
-  req.set_requested_rank(o.shard);
-  req.set_data_endpoint(absl::StrCat("tcp://", advertise, ":", bound_port));
-  req.set_health_endpoint(absl::StrCat(advertise, ":", health_bound));
-  req.set_host(Hostname());
-  std::optional<uint64_t> rejoin_from;  // the incarnation this server was told to leave
-  std::vector<uint64_t> earlier;        // and the data-plane ids of all before
-  absl::Duration wait = o.register_timeout;
+  JobMemberOptions mo;
+  mo.coordinator = o.coordinator;
+  mo.register_timeout = o.register_timeout;
+  mo.stop_signal = o.stop_signal;
+  mo.snapshot_arrays = 7;  // a shard's state has at most 7
+  ServerProcess p{
+      o,
+      advertise,
+      DataPort{&socket, *std::move(reserved), o.bind_host, bound_port},
+      zap.get(),
+      JobMember(mo, *security, ServerRequest(o, advertise, keys, bound_port, health_bound)),
+      {}};
+  if (absl::Status st = p.member.Join(); !st.ok()) return st;
   while (true) {
-    if (rejoin_from) req.set_rejoin_from(*rejoin_from);
-    auto reg = RegisterWithCoordinator(stub.get(), o.coordinator, req, wait);
-    if (!reg.ok()) {
-      if (!rejoin_from) return reg.status();
-      return absl::Status(reg.status().code(),
-                          absl::StrCat("server ", req.requested_rank(),
-                                       ": registering again: ", reg.status().message()));
+    absl::StatusOr<bool> rejoin = ServeIncarnation(p);
+    if (!rejoin.ok() || !*rejoin) return rejoin.status();
+    p.earlier.push_back(p.member.data_plane_id());
+    if (absl::Status st = p.member.Rejoin(); !st.ok()) {
+      p.member.ReportFailure(st);
+      return p.member.Named(st);
     }
-    bool rejoin = false;
-    absl::Status st =
-        ServeIncarnation(o, *reg, data_port, zap.get(), stub.get(), advertise, earlier, &rejoin);
-    if (!rejoin) return st;
-    earlier.push_back(DataPlaneId(reg->job_id(), reg->incarnation()));
-    rejoin_from = reg->incarnation();
-    req.set_requested_rank(static_cast<int>(reg->rank()));
-    wait = std::max(o.register_timeout, RejoinWait(reg->config()));
   }
 }
 
-namespace {
-
-absl::Status ServeIncarnation(const ServerOptions& o, const control::RegisterReply& reg,
-                              DataPort& data_port, ZapHandler* zap,
-                              control::Coordinator::Stub* stub, const std::string& advertise,
-                              const std::vector<uint64_t>& earlier, bool* rejoin) {
-  const control::TrainingConfig& cfg = reg.config();
-  const uint32_t rank = reg.rank();
-  const std::unique_ptr<Heartbeater> heartbeat =
-      MakeHeartbeater(stub, o.coordinator, control::SERVER, reg);
-  Heartbeater& hb = *heartbeat;
-  hb.WatchStopSignal(o.stop_signal);
-  hb.Start();
-  // From here on a failure is the job's: the coordinator hears why.
-  auto fail = [&](const absl::Status& st) {
-    absl::Status named(st.code(), absl::StrCat("server ", rank, ": ", st.message()));
-    hb.ReportError(std::string(named.message()));
-    return named;
-  };
-
-  auto map = ShardMap::Deserialize(reg.shard_map());
-  if (!map.ok()) {
-    return fail(absl::DataLossError(
-        absl::StrCat("bad shard map from the coordinator: ", map.status().message())));
-  }
-  auto optimizer = OptimizerOptionsFromConfig(cfg);
-  if (!optimizer.ok()) return fail(optimizer.status());
-  // Before the shard is allocated: too large for this machine is an error
-  // naming the bytes, not the OOM killer.
-  const Range shard_range = map->shard(rank);
-  const StateSize size = ServerShardSize(*optimizer, shard_range.size());
-  if (absl::Status st = CheckMemory(absl::StrCat("shard ", rank, " of ", shard_range.size(),
-                                                 " parameters (", size.arrays, ")"),
-                                    size.bytes);
-      !st.ok()) {
-    return fail(st);
-  }
-  optimizer->weight_decay_ranges = DecayRangesOf(reg.weight_decay_ranges());
-  optimizer->layer_ends.assign(reg.layer_ends().begin(), reg.layer_ends().end());
-  auto freeze = FreezeOptionsFromConfig(cfg);
-  if (!freeze.ok()) return fail(freeze.status());
-  PsServerOptions po;
-  if (zap != nullptr) {
-    if (reg.worker_curve_keys_size() != static_cast<int>(cfg.workers())) {
-      return fail(
-          absl::DataLossError(absl::StrCat("the coordinator sent ", reg.worker_curve_keys_size(),
-                                           " workers' keys for ", cfg.workers(), " workers")));
-    }
-    std::map<std::string, std::string> clients;
-    for (uint32_t w = 0; w < cfg.workers(); ++w)
-      clients[reg.worker_curve_keys(w)] = WorkerPeerId(w);
-    zap->Allow(std::move(clients));
-    po.authenticated = true;
-  }
-  po.job.job_id = DataPlaneId(reg.job_id(), reg.incarnation());
-  po.earlier_job_ids = earlier;
-  po.job.workers = cfg.workers();
-  po.job.steps = cfg.steps();
-  po.job.map = *map;
-  po.job.chunk_elems = ChunkElemsFor(cfg.chunk_elems(), po.job.map);
-  if (absl::Status st = data_port.Open(ServerFrameLimit(po.job.chunk_elems)); !st.ok()) {
-    return fail(st);
-  }
-  po.shard = rank;
-  po.optimizer = *optimizer;
-  po.freeze = *freeze;
-  po.step_timeout = absl::Milliseconds(cfg.step_timeout_ms());
-  po.report_freeze_check = [&hb](uint64_t completed, double change) {
-    hb.ReportFreezeCheck(completed, change);
-  };
-  const uint64_t window = po.freeze.window;
-  po.freeze_decision = [&hb, window](uint64_t completed) {
-    return hb.FreezeDecision(completed, window);
-  };
-  // Checkpoints: a snapshot at the step boundary, written beside serving.
-  AsyncStateWriter writer([&hb](uint64_t step, const absl::StatusOr<WrittenFile>& written) {
-    hb.ReportCheckpointPart(PartOf(step, written));
-  });
-  uint64_t checkpointed = 0;  // the last step written
-  // The last snapshot's arrays, for the next (a shard has at most 7).
-  auto buffers = std::make_shared<SnapshotBuffers>(7);
-  // `step`: s.step, or a local step before it that left s as it was.
-  auto checkpoint = [&](const ServerShardState& s, uint64_t step) {
-    if (step == 0 || step == checkpointed) return;
-    checkpointed = step;
-    auto dir = MakeStepDir(cfg.checkpoint_dir(), step);
-    if (!dir.ok()) {
-      hb.ReportCheckpointPart(PartOf(step, dir.status()));
-      return;
-    }
-    // A den of the frozen v is made again from v on loading.
-    writer.Submit(step,
-                  SaveServerShard(s, /*with_den=*/!TraitsOf(po.optimizer.kind).den_of_frozen_v,
-                                  buffers, step),
-                  *dir, absl::StrCat("server-", s.shard, ".state"));
-  };
-  const uint64_t every = cfg.checkpoint_every();
-  if (every > 0) {
-    po.on_step_end = [&, every](const ServerShardState& s) {
-      if (s.step % every == 0) checkpoint(s, s.step);
-    };
-  }
-  if (reg.has_resume()) {
-    auto restored = LoadShardFromCheckpoint(reg.resume(), map->shard(rank), rank);
-    if (!restored.ok()) return fail(restored.status());
-    if (absl::Status st = RestoreDenominators(po.optimizer.eps, &*restored); !st.ok()) {
-      return fail(st);
-    }
-    po.restored = *std::move(restored);
-  }
-  auto server = PsServer::Create(po, data_port.socket);
-  if (!server.ok()) return fail(server.status());
-  const Range r = map->shard(rank);
-  std::fprintf(stderr, "server %u: shard [%llu, %llu) on tcp://%s:%d, job %016llx\n", rank,
-               static_cast<unsigned long long>(r.begin), static_cast<unsigned long long>(r.end),
-               advertise.c_str(), data_port.port, static_cast<unsigned long long>(reg.job_id()));
-
-  absl::Status done_status;
-  PsServer& ps = **server;
-  uint64_t last_step = 0;
-  absl::Time last_change = absl::Now(), last_kick = absl::Now();
-  absl::Status st = ps.Serve(
-      [&] {
-        hb.SetStep(ps.state().step);
-        // Stopping: no push comes past the stop step; save the shard there
-        // (zero-one-adam's: the stop may be a local step the shard skipped).
-        if (auto stop = hb.stop_step(); stop && ps.StateIsOfStep(*stop)) {
-          checkpoint(ps.state(), *stop);
-        }
-        // A job without a fixed length ends where the workers finished.
-        if (cfg.steps() == 0 && done_status.ok() && !ps.finished()) {
-          if (auto end = hb.end_step()) done_status = ps.SetEndStep(*end);
-          // Idle: the workers may have finished; ask now rather than at the
-          // next heartbeat (up to a second later).
-          const absl::Time now = absl::Now();
-          if (ps.state().step != last_step) {
-            last_step = ps.state().step;
-            last_change = now;
-          } else if (now - last_change > absl::Milliseconds(100) &&
-                     now - last_kick > absl::Milliseconds(100)) {
-            last_kick = now;
-            hb.Kick();
-          }
-        }
-        return hb.command() != control::CONTINUE || !done_status.ok();
-      },
-      [&] {
-        writer.Flush();  // the last checkpoint's part goes with Done
-        done_status = hb.Done({ChecksumOf(ps.state(), rank, r)});
-      });
-  if (hb.command() == control::REJOIN) {
-    // Whatever failed meanwhile came of the loss the job rolls back for.
-    writer.Flush();
-    std::fprintf(stderr, "server %u: %s: registering again\n", rank, hb.reason().c_str());
-    *rejoin = true;
-    return absl::OkStatus();
-  }
-  if (!st.ok()) return fail(st);
-  if (!done_status.ok()) return fail(done_status);
-  if (hb.command() == control::STOP) {
-    writer.Flush();
-    return absl::CancelledError(absl::StrCat("server ", rank, ": the job stopped: ", hb.reason()));
-  }
-
-  for (auto [name, path, v] : {std::tuple{"dump_x", &o.dump_x, &ps.state().x},
-                               {"dump_error", &o.dump_error, &ps.state().e}}) {
-    if (path->empty()) continue;
-    if (absl::Status w = WriteFloats(*path, *v); !w.ok()) {
-      return absl::Status(w.code(), absl::StrCat(name, ": ", w.message()));
-    }
-  }
-  if (hb.command() == control::SHUTDOWN && ps.finished()) {
-    std::fprintf(stderr, "server %u: done after %llu steps\n", rank,
-                 static_cast<unsigned long long>(ps.state().step));
-    return absl::OkStatus();
-  }
-  return absl::AbortedError(absl::StrCat("server ", rank, ": job aborted: ",
-                                         hb.command() == control::SHUTDOWN
-                                             ? "the coordinator ended the job before the last step"
-                                             : hb.reason()));
-}
-
-}  // namespace
 }  // namespace onebit

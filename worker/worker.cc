@@ -1,6 +1,7 @@
-// The Worker of include/onebit/worker.h: registration and heartbeat
-// (net/control.h), the data plane (worker/ps_client.h) and the replica that
-// holds x, the gradient and the optimizer state (worker/replica.h).
+// The Worker of include/onebit/worker.h: its part in the job (registering,
+// the heartbeat, rejoining, checkpoint files: job/member.h), the data plane
+// (worker/ps_client.h) and the replica that holds x, the gradient and the
+// optimizer state (worker/replica.h).
 #include "onebit/worker.h"
 
 #include <algorithm>
@@ -15,13 +16,11 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
-#include "checkpoint/async_writer.h"
-#include "checkpoint/checkpoint_dir.h"
 #include "checkpoint/optimizer_state.h"
 #include "checkpoint/state_file.h"
 #include "google/protobuf/util/json_util.h"
 #include "job/config.h"
+#include "job/member.h"
 #include "net/control.h"
 #include "net/data_plane.h"
 #include "net/health.h"
@@ -64,28 +63,20 @@ bool IsRolledBack(const absl::Status& status) { return HasMark(status, kRolledBa
 struct Worker::Impl {
   // Declared in the order they are built; destroyed in reverse, so the
   // sockets go before their context and the replica before its model.
-  WorkerOptions options;
   JobInfo job;
   control::TrainingConfig cfg;
   std::string device;
   bool on_device = false;
   ShardMap map = ShardMap::Create(0, 1, 32).value();  // the job's, from the coordinator
   std::unique_ptr<grpc::Server> health;
-  Security security;
   std::optional<CurveKeys> keys;  // the data plane's, unless --insecure
-  std::unique_ptr<control::Coordinator::Stub> stub;
-  control::RegisterRequest registration;  // as sent, for registering again
-  uint64_t incarnation = 0;               // RegisterReply.incarnation
-  std::unique_ptr<Heartbeater> hb;
+  // Registration, heartbeat, rejoining and checkpoint files.
+  std::unique_ptr<JobMember> member;
   std::unique_ptr<WorkerOptimizer> optimizer;
   std::unique_ptr<zmq::context_t> ctx;
   std::unique_ptr<PsClient> client;
   std::unique_ptr<Model> model;
   std::unique_ptr<Replica> replica;
-  // Writes this worker's checkpoint files; reports through hb.
-  std::unique_ptr<AsyncStateWriter> writer;
-  // The last snapshot's arrays, for the next (mbar, e, den at most).
-  std::shared_ptr<SnapshotBuffers> snapshot_buffers = std::make_shared<SnapshotBuffers>(3);
 
   bool broadcast = false;
   bool resumed = false;        // from a checkpoint: x comes from the servers
@@ -101,41 +92,30 @@ struct Worker::Impl {
   // evaluation can join them.
   std::optional<control::StepMetrics> last;
 
-  uint64_t checkpointed = 0;  // the last step saved
-  absl::Status stopped;       // CANCELLED once it has stopped
+  absl::Status stopped;  // CANCELLED once it has stopped
 
   // After a step: the snapshot of a checkpoint step, handed to the writer.
   absl::Status MaybeCheckpoint() {
-    const uint64_t every = cfg.checkpoint_every();
-    if (every == 0 || step % every != 0) return absl::OkStatus();
+    if (!member->CheckpointDue(step)) return absl::OkStatus();
     return Checkpoint();
   }
   absl::Status Checkpoint() {
-    if (step == 0 || step == checkpointed) return absl::OkStatus();
-    checkpointed = step;
-    auto dir = MakeStepDir(cfg.checkpoint_dir(), step);
-    if (!dir.ok()) {
-      hb->ReportCheckpointPart(PartOf(step, dir.status()));
-      return absl::OkStatus();  // the coordinator says the checkpoint failed
-    }
-    // Not what the checkpoint holds elsewhere: x and den are the servers',
-    // a momentum reply's mbar worker 0's (WorkerOmits).
-    const WorkerFileOmits omit = WorkerOmits(optimizer->options(), job.rank);
-    Replica::Parts parts;
-    parts.x = !omit.x;
-    parts.mbar = !omit.mbar;
-    parts.den = !omit.den;
-    parts.buffers = snapshot_buffers.get();
-    auto state = replica->SaveState(parts);
-    if (!state.ok()) {
-      return absl::Status(state.status().code(), absl::StrCat("checkpoint of step ", step, ": ",
-                                                              state.status().message()));
-    }
-    StateWriter file = SaveWorkerState(*std::move(state), job.rank, step, job.num_params);
-    file.ReturnBuffersTo(snapshot_buffers);
-    file.SetValue("wall_s", absl::StrCat(absl::ToDoubleSeconds(absl::Now() - *t0)));
-    writer->Submit(step, std::move(file), *dir, absl::StrCat("worker-", job.rank, ".state"));
-    return absl::OkStatus();
+    return member->Checkpoint(
+        step, [this](std::shared_ptr<SnapshotBuffers> buffers) -> absl::StatusOr<StateWriter> {
+          // Not what the checkpoint holds elsewhere: x and den are the servers',
+          // a momentum reply's mbar worker 0's (WorkerOmits).
+          const WorkerFileOmits omit = WorkerOmits(optimizer->options(), job.rank);
+          Replica::Parts parts;
+          parts.x = !omit.x;
+          parts.mbar = !omit.mbar;
+          parts.den = !omit.den;
+          parts.buffers = buffers.get();
+          auto state = replica->SaveState(parts);
+          if (!state.ok()) return state.status();
+          StateWriter file = SaveWorkerState(*std::move(state), job.rank, step, job.num_params);
+          file.SetValue("wall_s", absl::StrCat(absl::ToDoubleSeconds(absl::Now() - *t0)));
+          return file;
+        });
   }
 
   // Records the first fatal error and tells the coordinator: the job fails.
@@ -144,9 +124,9 @@ struct Worker::Impl {
   absl::Status Fail(const absl::Status& st) {
     if (failure.ok()) {
       failure = st;
-      if (hb != nullptr) {
+      if (member != nullptr && member->has_heartbeat()) {
         FlushMetrics();
-        hb->ReportError(absl::StrCat("worker ", job.rank, ": ", st.message()));
+        member->ReportFailure(st);
       }
     }
     return failure;
@@ -160,12 +140,13 @@ struct Worker::Impl {
   absl::Status StopHere() {
     FlushMetrics();
     if (absl::Status st = Checkpoint(); !st.ok()) return Fail(st);
-    writer->Flush();
-    hb->Kick();
-    const control::Command c = hb->WaitForCommand(StopWait());
+    member->FlushCheckpoints();
+    Heartbeater& hb = member->heartbeat();
+    hb.Kick();
+    const control::Command c = hb.WaitForCommand(StopWait());
     if (c == control::STOP) {
       finished = true;
-      stopped = absl::CancelledError(absl::StrCat("the job stopped: ", hb->reason()));
+      stopped = absl::CancelledError(absl::StrCat("the job stopped: ", hb.reason()));
       return stopped;
     }
     if (c == control::CONTINUE) {
@@ -183,31 +164,29 @@ struct Worker::Impl {
     return absl::OkStatus();
   }
   absl::Status CheckJob() const {
-    const control::Command c = hb->command();
+    const Heartbeater& hb = member->heartbeat();
+    const control::Command c = hb.command();
     if (c == control::CONTINUE) return absl::OkStatus();
     if (c == control::REJOIN) {
-      absl::Status st = absl::AbortedError(absl::StrCat("the job rolls back: ", hb->reason()));
+      absl::Status st = absl::AbortedError(absl::StrCat("the job rolls back: ", hb.reason()));
       st.SetPayload(kRejoinMark, absl::Cord("1"));
       return st;
     }
-    return absl::AbortedError(absl::StrCat("job aborted by the coordinator: ", hb->reason()));
+    return absl::AbortedError(absl::StrCat("job aborted by the coordinator: ", hb.reason()));
   }
   // A call failed with `st`: when the coordinator has said REJOIN (the
   // failure may have come of the loss it rolls back for), rejoins and
   // returns the IsRolledBack status; else fails the worker with `st`.
   absl::Status FailOrRejoin(const absl::Status& st) {
     if (!failure.ok() || !stopped.ok()) return Usable();
-    if (HasMark(st, kRejoinMark) || (hb != nullptr && hb->command() == control::REJOIN)) {
-      return Rejoin();
-    }
+    if (HasMark(st, kRejoinMark) || (member != nullptr && member->rolling_back())) return Rejoin();
     return Fail(st);
   }
   // Registers again under this rank and continues from the checkpoint the
   // job rolls back to.
   absl::Status Rejoin();
-  // Parts of Connect that a rejoin does again, for the reply `reg`.
-  void StartHeartbeat(const control::RegisterReply& reg);
-  absl::Status ConnectToServers(const control::RegisterReply& reg);
+  // Part of Connect that a rejoin does again, for the last registration.
+  absl::Status ConnectToServers();
   absl::Status ReadyToStep() const {
     if (absl::Status st = Usable(); !st.ok()) return st;
     if (!broadcast) {
@@ -225,7 +204,7 @@ struct Worker::Impl {
   absl::Status BeginStepIfNeeded(bool may_wait, bool* deferred = nullptr) {
     if (client->in_step()) return absl::OkStatus();
     const Heartbeater::StepGate gate =
-        hb->BeginStep(step, may_wait ? StopWait() : absl::ZeroDuration());
+        member->heartbeat().BeginStep(step, may_wait ? StopWait() : absl::ZeroDuration());
     if (gate != Heartbeater::StepGate::kGo && !may_wait) {
       *deferred = true;
       return absl::OkStatus();
@@ -244,7 +223,7 @@ struct Worker::Impl {
     return client->BeginStep(step, lr);
   }
   void FlushMetrics() {
-    if (last) hb->AddMetrics(*last);
+    if (last) member->heartbeat().AddMetrics(*last);
     last.reset();
   }
 
@@ -317,7 +296,7 @@ absl::Status Worker::Impl::Restore(const control::ResumePoint& resume) {
     wall_before = absl::Seconds(wall);
   }
   step = resume.step();
-  hb->SetStep(step);
+  member->heartbeat().SetStep(step);
   resumed = true;
   std::fprintf(stderr, "worker %u: resuming from %s (step %llu)\n", job.rank, resume.dir().c_str(),
                static_cast<unsigned long long>(step));
@@ -334,7 +313,6 @@ absl::Status Invalid(absl::string_view field, absl::string_view why) {
 }  // namespace
 
 absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& make_model) {
-  options = o;
   if (o.coordinator.empty()) return Invalid("coordinator", "required (host:port)");
   if (o.num_params > kMaxParams) {
     return Invalid("num_params", absl::StrCat(o.num_params, " is above the limit of ", kMaxParams));
@@ -360,15 +338,13 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
   health = std::move(*h);
   const std::string advertise = o.advertise_host.empty() ? Hostname() : o.advertise_host;
 
-  auto sec = ResolveSecurity(o.secret_file, o.insecure, "WorkerOptions.secret_file");
-  if (!sec.ok()) return sec.status();
-  security = *std::move(sec);
-  if (security.insecure()) {
-    std::fprintf(stderr, "%s\n", SecurityNotice(security, "worker").c_str());
+  auto security = ResolveSecurity(o.secret_file, o.insecure, "WorkerOptions.secret_file");
+  if (!security.ok()) return security.status();
+  if (security->insecure()) {
+    std::fprintf(stderr, "%s\n", SecurityNotice(*security, "worker").c_str());
   } else {
     keys = NewCurveKeys();
   }
-  stub = control::Coordinator::NewStub(MakeChannel(o.coordinator, security));
   control::RegisterRequest req;
   req.set_role(control::WORKER);
   if (keys) req.set_curve_public_key(keys->public_key);
@@ -390,12 +366,17 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
     l->set_crc32(t.crc32);
   }
   req.mutable_settings()->insert(o.settings.begin(), o.settings.end());
-  registration = req;
-  auto reg = RegisterWithCoordinator(stub.get(), o.coordinator, req, o.register_timeout);
-  if (!reg.ok()) return reg.status();
-  cfg = reg->config();
-  job.job_id = reg->job_id();
-  job.rank = reg->rank();
+  JobMemberOptions mo;
+  mo.coordinator = o.coordinator;
+  mo.register_timeout = o.register_timeout;
+  mo.stop_signal = o.stop_signal;
+  mo.snapshot_arrays = 3;  // mbar, e, den at most
+  member = std::make_unique<JobMember>(mo, *security, std::move(req));
+  if (absl::Status st = member->Join(); !st.ok()) return st;
+  const control::RegisterReply& reg = member->registration();
+  cfg = reg.config();
+  job.job_id = reg.job_id();
+  job.rank = reg.rank();
   job.workers = cfg.workers();
   job.servers = cfg.servers();
   job.steps = cfg.steps();
@@ -407,10 +388,8 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
   json.always_print_primitive_fields = true;
   (void)google::protobuf::util::MessageToJsonString(cfg, &job.config_json, json);
 
-  StartHeartbeat(*reg);
-
   // From here on a failure is the job's: Fail() tells the coordinator.
-  auto map = ShardMap::Deserialize(reg->shard_map());
+  auto map = ShardMap::Deserialize(reg.shard_map());
   if (!map.ok())
     return Fail(absl::DataLossError(absl::StrCat("bad shard map: ", map.status().message())));
   job.num_params = map->num_params();
@@ -441,14 +420,14 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
                                                    " parameters; the job has ", job.num_params)));
     }
   }
-  opt_options->weight_decay_ranges = DecayRangesOf(reg->weight_decay_ranges());
-  opt_options->layer_ends.assign(reg->layer_ends().begin(), reg->layer_ends().end());
+  opt_options->weight_decay_ranges = DecayRangesOf(reg.weight_decay_ranges());
+  opt_options->layer_ends.assign(reg.layer_ends().begin(), reg.layer_ends().end());
   auto opt = WorkerOptimizer::Create(*opt_options);
   if (!opt.ok()) return Fail(opt.status());
   optimizer = std::move(*opt);
 
   ctx = std::make_unique<zmq::context_t>(static_cast<int>(std::min<uint32_t>(cfg.servers(), 2)));
-  if (absl::Status st = ConnectToServers(*reg); !st.ok()) return Fail(st);
+  if (absl::Status st = ConnectToServers(); !st.ok()) return Fail(st);
 
   auto r = NewReplica(*choice, job.num_params, model.get(), optimizer.get());
   if (!r.ok()) {
@@ -461,27 +440,18 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
     return Fail(
         absl::Status(st.code(), absl::StrCat("initialising on ", device, ": ", st.message())));
   }
-  if (reg->has_resume()) {
-    if (absl::Status st = Restore(reg->resume()); !st.ok()) return Fail(st);
+  if (absl::Status st = member->LoadCheckpoint(
+          [this](const control::ResumePoint& resume) { return Restore(resume); });
+      !st.ok()) {
+    return Fail(st);
   }
   return absl::OkStatus();
 }
 
-void Worker::Impl::StartHeartbeat(const control::RegisterReply& reg) {
-  incarnation = reg.incarnation();
-  hb = MakeHeartbeater(stub.get(), options.coordinator, control::WORKER, reg);
-  hb->WatchStopSignal(options.stop_signal);
-  hb->SetStep(step);
-  hb->Start();
-  writer = std::make_unique<AsyncStateWriter>(
-      [hb = hb.get()](uint64_t step, const absl::StatusOr<WrittenFile>& written) {
-        hb->ReportCheckpointPart(PartOf(step, written));
-      });
-}
-
-absl::Status Worker::Impl::ConnectToServers(const control::RegisterReply& reg) {
+absl::Status Worker::Impl::ConnectToServers() {
+  const control::RegisterReply& reg = member->registration();
   PsClientOptions po;
-  po.job_id = DataPlaneId(job.job_id, reg.incarnation());
+  po.job_id = member->data_plane_id();
   po.rank = job.rank;
   po.map = map;
   po.chunk_elems = ChunkElemsFor(cfg.chunk_elems(), po.map);
@@ -501,34 +471,16 @@ absl::Status Worker::Impl::ConnectToServers(const control::RegisterReply& reg) {
 }
 
 absl::Status Worker::Impl::Rejoin() {
-  const std::string why = hb->reason();
-  std::fprintf(stderr, "worker %u: %s: registering again\n", job.rank, why.c_str());
-  // The old incarnation's sockets, heartbeat and pending writes go first
-  // (the writer reports through the heartbeat).
-  writer->Flush();
-  writer.reset();
+  const std::string why = member->heartbeat().reason();
+  // The old incarnation's sockets go first; the member finishes its files
+  // and heartbeat.
   client.reset();
-  hb.reset();
-  control::RegisterRequest req = registration;
-  req.set_requested_rank(static_cast<int>(job.rank));
-  req.set_rejoin_from(incarnation);
-  // Exact, unlike the last heartbeat's step: what the roll-back costs.
-  req.set_rejoin_steps_done(step);
-  const absl::Duration wait = std::max(options.register_timeout, RejoinWait(cfg));
-  auto reg = RegisterWithCoordinator(stub.get(), options.coordinator, req, wait);
-  if (!reg.ok()) {
-    return Fail(absl::Status(reg.status().code(),
-                             absl::StrCat("registering again: ", reg.status().message())));
+  if (absl::Status st = member->Rejoin(step); !st.ok()) return Fail(st);
+  absl::Status st = ConnectToServers();
+  if (st.ok()) {
+    st = member->LoadCheckpoint(
+        [this](const control::ResumePoint& resume) { return Restore(resume); });
   }
-  StartHeartbeat(*reg);
-  if (reg->job_id() != job.job_id || reg->rank() != job.rank || !reg->has_resume() ||
-      reg->shard_map() != map.Serialize()) {
-    return Fail(absl::InternalError(absl::StrCat(
-        "registered again, but not as before: job ", absl::StrFormat("%016x", reg->job_id()),
-        ", rank ", reg->rank(), reg->has_resume() ? "" : ", no checkpoint to continue from")));
-  }
-  absl::Status st = ConnectToServers(*reg);
-  if (st.ok()) st = Restore(reg->resume());
   if (st.ok()) st = client->PullParams(step, replica.get(), [this] { return CheckJob(); });
   if (!st.ok()) {
     if (HasMark(st, kRejoinMark)) return Rejoin();  // rolled back again meanwhile
@@ -537,7 +489,6 @@ absl::Status Worker::Impl::Rejoin() {
   broadcast = true;
   last.reset();
   t0.reset();
-  checkpointed = step;
   absl::Status rolled =
       absl::AbortedError(absl::StrCat("the job rolled back to the checkpoint of step ", step, " (",
                                       why, "); continue at steps_done()"));
@@ -710,7 +661,7 @@ absl::StatusOr<StepStats> Worker::Step(const StepOptions& options) {
   m.set_epoch(options.epoch);
   w.last = m;
   ++w.step;
-  w.hb->SetStep(w.step);
+  w.member->heartbeat().SetStep(w.step);
   if (absl::Status st = w.MaybeCheckpoint(); !st.ok()) return w.Fail(st);
   return s;
 }
@@ -743,7 +694,7 @@ absl::Status Worker::Finish() {
         absl::StrCat("Finish() after ", w.step, " of the job's ", w.cfg.steps(), " steps")));
   }
   w.FlushMetrics();
-  w.writer->Flush();  // the last checkpoint's part goes with Done
+  w.member->FlushCheckpoints();  // the last checkpoint's part goes with Done
   std::vector<float> x(w.job.num_params);
   if (absl::Status st = w.replica->ReadX(x.data()); !st.ok()) {
     return w.Fail(
@@ -759,12 +710,13 @@ absl::Status Worker::Finish() {
     c.set_crc32(Crc32OfFloats(x.data() + r.begin, r.size()));
     sums.push_back(c);
   }
-  if (w.hb->command() == control::REJOIN) return w.Rejoin();
-  if (absl::Status st = w.hb->Done(sums, w.step); !st.ok()) {
+  if (w.member->rolling_back()) return w.Rejoin();
+  Heartbeater& hb = w.member->heartbeat();
+  if (absl::Status st = hb.Done(sums, w.step); !st.ok()) {
     // Refused by a coordinator that has rolled the job back: its REJOIN
     // comes with the next heartbeat.
-    w.hb->Kick();
-    w.hb->WaitForCommand(absl::Milliseconds(w.cfg.heartbeat_timeout_ms()));
+    hb.Kick();
+    hb.WaitForCommand(absl::Milliseconds(w.cfg.heartbeat_timeout_ms()));
     return w.FailOrRejoin(st);
   }
   w.finished = true;
@@ -786,7 +738,7 @@ const Model* WorkerAccess::model(const Worker& w) { return w.impl_->model.get();
 absl::Status WorkerAccess::Fail(Worker& w, const absl::Status& st) { return w.impl_->Fail(st); }
 
 absl::Status WorkerAccess::WaitForJobEnd(Worker& w, absl::Duration timeout) {
-  w.impl_->hb->WaitForCommand(timeout);
+  w.impl_->member->heartbeat().WaitForCommand(timeout);
   return w.impl_->CheckJob();
 }
 

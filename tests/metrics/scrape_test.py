@@ -84,9 +84,9 @@ scrape_configs:
 
         out = f"{work}/run"
         job = subprocess.Popen(
-            [f"{bin_dir}/onebit-launch", "--workers=2", "--servers=2", "--dim=100000",
+            [f"{bin_dir}/onebit-launch", "--workers=2", "--servers=2", "--dim=200000",
              "--steps=3000", "--optimizer=onebit-adam", "--freeze_step=300",
-             f"--metrics_port={metrics_port}", "--metrics_linger=3s", f"--out={out}"],
+             f"--metrics_port={metrics_port}", "--metrics_linger=8s", f"--out={out}"],
             stdout=open(f"{work}/launch.log", "w"), stderr=subprocess.STDOUT)
         # While it runs: the endpoint answers, in Prometheus' text format,
         # and shows nothing of the job's identity or secret.
@@ -114,8 +114,18 @@ scrape_configs:
         def last(expr):
             return f"last_over_time({expr}[10m])"
 
-        time.sleep(1.0)  # its last scrape's samples committed
         steps = int(summary["steps"])
+        # Its scrapes during the linger saw the end (a loaded machine may
+        # have delayed them: wait for them, bounded).
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                if (one(prom_port, last("onebit_job_ended")) == 1 and
+                        one(prom_port, last("onebit_steps")) == steps):
+                    break
+            except AssertionError:
+                pass
+            time.sleep(0.5)
         assert steps == 3000 and len(rows) == steps
         assert one(prom_port, last("onebit_steps")) == steps
         assert one(prom_port, last("onebit_step_seconds_count")) == steps
@@ -124,7 +134,8 @@ scrape_configs:
         assert one(prom_port, last('onebit_processes_expected{member="worker"}')) == 2
         # Scraped while it ran, not only at the end.
         assert one(prom_port, "count_over_time(onebit_steps[10m])") >= 3
-        assert one(prom_port, "min_over_time(onebit_steps[10m])") < steps
+        if summary["wall_s"] > 3:  # some 6 scrape intervals: one saw it mid-way
+            assert one(prom_port, "min_over_time(onebit_steps[10m])") < steps
         for direction in ("up", "down"):
             for phase in ("warmup", "compress"):
                 got = one(prom_port, last(
@@ -132,13 +143,13 @@ scrape_configs:
                 assert got == summary[f"bytes_{direction}_{phase}"], (direction, phase, got)
                 want = sum(int(r[f"bytes_{direction}"]) for r in rows if r["phase"] == phase)
                 assert got == want, (direction, phase, got, want)
-        fp32 = 100000 * 4 * 2
+        fp32 = 200000 * 4 * 2
         ratio = one(prom_port, last('onebit_compression_ratio{direction="up"}'))
         assert abs(ratio - int(rows[-1]["bytes_up"]) / fp32) < 1e-12, ratio
         assert ratio < 1 / 25, ratio
         assert one(prom_port, last("onebit_compression_phase")) == 1
         assert abs(one(prom_port, last("onebit_loss")) - float(rows[-1]["loss"])) <= \
-            1e-9 * abs(float(rows[-1]["loss"]))
+            1e-8 * abs(float(rows[-1]["loss"]))  # the csv keeps 9 digits
         # Absent, not zero: nothing reported a test accuracy, no checkpoint.
         assert query(prom_port, last("onebit_test_accuracy_ratio")) == {}
         assert query(prom_port, last("onebit_checkpoint_last_step")) == {}
