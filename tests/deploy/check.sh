@@ -16,10 +16,18 @@
 #                                        NetworkPolicy, nothing bound wider
 #                                        (tests/deploy/secure.js, against
 #                                        deploy/k8s/make-secret --dry-run)
+#   check.sh dashboard JSON              a Grafana dashboard: panels laid out,
+#                                        datasource, only the metrics and labels
+#                                        that coordinator/job_metrics.cc defines
+#                                        (tests/deploy/dashboard.js; no kubectl),
+#                                        its PromQL parsed by promtool where found
+#   check.sh expect-fail dashboard-promql JSON REGEX
+#                                        as expect-fail dashboard, but skipped
+#                                        where promtool is not installed
 #   check.sh make-secret                 make-secret draws a new 64-hex-digit
 #                                        secret each time
 #   check.sh yamllint                    yamllint --strict on deploy/
-#   check.sh expect-fail validate|flags|durable|secure|restricted|schedule OVERLAY [BIN_DIR] REGEX
+#   check.sh expect-fail validate|flags|durable|secure|restricted|schedule|dashboard OVERLAY|JSON [BIN_DIR] REGEX
 #                                        that check exits 1 and prints REGEX
 # Exit 77 (ctest: skipped) with a printed reason where kubectl is absent.
 set -euo pipefail
@@ -47,6 +55,10 @@ secret_value() {
 # check's output, returns its status.
 run_check() {
   local what=$1 overlay=$2 rendered status=0
+  if [ "$what" = dashboard ] || [ "$what" = dashboard-promql ]; then
+    node tests/deploy/dashboard.js --metrics coordinator/job_metrics.cc "$overlay" || status=$?
+    return $status
+  fi
   rendered=$(kubectl kustomize "$overlay") || return 2
   case $what in
     validate) node tools/k8s-validate.js <<<"$rendered" || status=$? ;;
@@ -81,6 +93,9 @@ case $cmd in
     need_kubectl
     run_check "$cmd" "$@"
     ;;
+  dashboard)
+    run_check dashboard "$1"
+    ;;
   make-secret)
     need_kubectl
     tmp=$(mktemp -d)
@@ -111,7 +126,16 @@ case $cmd in
   expect-fail)
     what=$1 overlay=$2
     regex=${*: -1}
-    need_kubectl
+    case $what in
+      dashboard) ;;
+      dashboard-promql)
+        if ! command -v promtool >/dev/null; then
+          echo "SKIP: promtool (Debian's prometheus) is not installed, so PromQL cannot be parsed"
+          exit 77
+        fi
+        ;;
+      *) need_kubectl ;;
+    esac
     status=0
     out=$(run_check "${@:1:$#-1}" 2>&1) || status=$?
     echo "$out"
@@ -126,10 +150,10 @@ case $cmd in
     echo "ok: '$what' rejects $overlay with /$regex/"
     ;;
   -h | --help)
-    sed -n '2,24p' "$0"
+    sed -n '2,32p' "$0"
     ;;
   *)
-    sed -n '2,24p' "$0" >&2
+    sed -n '2,32p' "$0" >&2
     exit 2
     ;;
 esac

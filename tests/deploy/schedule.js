@@ -16,7 +16,9 @@
 // - resources: every container sets cpu and memory requests equal to its
 //   limits (Guaranteed QoS: the last to be evicted under node pressure);
 // - probes: a liveness probe waits at least 5 s for an answer and gives up
-//   only after at least 60 s of failures (a busy CPU answers late);
+//   only after at least 60 s of failures (a busy CPU answers late); a
+//   coordinator's --metrics_linger ends before its liveness probe gives up
+//   (the health port closes when the job ends, the metrics linger after);
 // - images: a container's image is pinned by digest (@sha256:), or is pulled
 //   only where the node lacks it (imagePullPolicy IfNotPresent or Never), so
 //   a pod started again mid-job does not pull another build of its tag.
@@ -36,6 +38,22 @@ const problems = [];
 const nameOf = (obj) => `${obj.kind}/${obj.metadata && obj.metadata.name}`;
 const QUEUE = 'kueue.x-k8s.io/queue-name';
 const SAFE_TO_EVICT = 'cluster-autoscaler.kubernetes.io/safe-to-evict';
+
+// Seconds of the absl duration flag --name (45s, 1m30s, 500ms) in argv;
+// undefined where absent, NaN where not a duration.
+function flagDuration(argv, name) {
+  let v;
+  for (let i = 0; i < argv.length; i++) {
+    const m = argv[i].match(/^--?([A-Za-z0-9_-]+)(?:=(.*))?$/);
+    if (m && m[1].replace(/-/g, '_') === name) v = m[2] !== undefined ? m[2] : argv[i + 1];
+  }
+  if (v === undefined) return undefined;
+  const UNITS = {h: 3600, m: 60, s: 1, ms: 1e-3, us: 1e-6, ns: 1e-9};
+  const parts = [...String(v).matchAll(/([0-9]*\.?[0-9]+)(h|ms|us|ns|m|s)/g)];
+  if (v === '0') return 0;
+  if (!parts.length || parts.map((p) => p[0]).join('') !== v) return NaN;
+  return parts.reduce((t, p) => t + Number(p[1]) * UNITS[p[2]], 0);
+}
 
 function podOf(obj) {
   const s = obj.spec || {};
@@ -182,6 +200,22 @@ for (const {obj, pod, roles} of workloads) {
       if (period * failures < 60) {
         problems.push(`${where}: livenessProbe gives up after ${period * failures} s of failures ` +
                       '(periodSeconds x failureThreshold; needs >= 60)');
+      }
+    }
+    // The coordinator closes its health port when the job ends and then
+    // serves its metrics for --metrics_linger: a liveness probe that gives
+    // up first kills the finished coordinator (a failed pod, a retry).
+    const linger = flagDuration([...(c.command || []), ...(c.args || [])].map(String), 'metrics_linger');
+    if (live && linger !== undefined) {
+      const period = live.periodSeconds === undefined ? 10 : live.periodSeconds;
+      const failures = live.failureThreshold === undefined ? 3 : live.failureThreshold;
+      const budget = period * (failures - 1);
+      if (Number.isNaN(linger)) {
+        problems.push(`${where}: --metrics_linger is not a duration`);
+      } else if (linger >= budget) {
+        problems.push(`${where}: --metrics_linger of ${linger} s outlasts the liveness probe ` +
+                      `(${budget} s: periodSeconds x (failureThreshold - 1)), which fails once the job has ` +
+                      'ended and the health port closed: the kubelet would kill the finished coordinator');
       }
     }
     const image = String(c.image || '');

@@ -16,15 +16,22 @@
 //   the job's pod templates: no ipBlock, no namespaceSelector, no empty
 //   selector, no rule without `from` or `ports`; a rule for the health port
 //   alone may admit an ipBlock other than everything, the nodes' addresses
-//   for the kubelet's probes where the CNI filters them); the coordinator's gRPC
-//   port (--port) is admitted from the servers and the workers, the
-//   servers' data port (--data_port) from the workers;
+//   for the kubelet's probes where the CNI filters them; a rule for the
+//   metrics port (--metrics_port, the container port named metrics) alone
+//   may admit a scraper's pods in another namespace, each peer a non-empty
+//   namespaceSelector AND a non-empty podSelector, no ipBlock); the
+//   coordinator's gRPC port (--port) is admitted from the servers and the
+//   workers, the servers' data port (--data_port) from the workers, and a
+//   --metrics_port from such a scraper;
 // - egress is denied by default: a NetworkPolicy with Egress selects the
 //   pods of each role, and every egress rule of one admits only the job's
 //   own pods or the cluster's DNS (kube-system's kube-dns, port 53 alone);
 //   the job's own connections (servers and workers to the coordinator's
 //   --port, workers to the servers' --data_port, the coordinator to the
 //   servers' and workers' --health_port) and DNS are admitted;
+// - a --metrics_port is the container port named metrics and the pod's
+//   prometheus.io/port annotation (where it has one), and every PodMonitor
+//   selects the job's pods on such a port;
 // - no pod uses hostNetwork or a hostPort, and no Service is a NodePort or
 //   LoadBalancer or has externalIPs.
 // Exit 0: all fine; 1: a problem, printed as "<Kind>/<name> <container>:
@@ -201,6 +208,19 @@ function portAdmits(p, c, port) {
   return false;
 }
 
+// The metrics ports (--metrics_port > 0) that the containers of pod `obj` serve.
+const metricsPortsOf = (obj) => containers.filter((k) => k.obj === obj)
+    .map((k) => Number(flagValue(k.argv, 'metrics_port'))).filter((p) => p > 0);
+// Does every port of `rule` admit a metrics port of pod c, and nothing else
+// (no port left open, no range)?
+const metricsOnlyRule = (rule, c) => (rule.ports || []).length > 0 &&
+    rule.ports.every((p) => p.port !== undefined && p.endPort === undefined &&
+                            metricsPortsOf(c.obj).some((mp) => portAdmits(p, c, mp)));
+// A peer naming a scraper's pods: a non-empty namespaceSelector and a
+// non-empty podSelector, no ipBlock.
+const isScraperPeer = (peer) => !peer.ipBlock && isObject(peer.namespaceSelector) && isObject(peer.podSelector) &&
+    !isEmptySelector(peer.namespaceSelector) && !isEmptySelector(peer.podSelector);
+
 for (const c of jobPods) {
   const where = `${nameOf(c.obj)} ${c.container.name}`;
   const mine = policies.filter((np) => ingressPolicy(np) && selects((np.spec || {}).podSelector, c.labels));
@@ -221,8 +241,29 @@ for (const c of jobPods) {
       const healthOnly = (rule.ports || []).length > 0 &&
           rule.ports.every((p) => portAdmits(p, c, Number(flagValue(c.argv, 'health_port') || -1)) ||
                                   p.port === 'health');
+      // A rule for the metrics port alone may admit a scraper's pods in
+      // another namespace (both selectors, neither empty), nothing wider.
+      const metricsOnly = metricsOnlyRule(rule, c);
+      const metricsToo = !metricsOnly && metricsPortsOf(c.obj).length > 0 &&
+          (!rule.ports || !rule.ports.length ||
+           rule.ports.some((p) => metricsPortsOf(c.obj).some((mp) => portAdmits(p, c, mp))));
       for (const peer of rule.from) {
         if (peer.ipBlock && healthOnly && !['0.0.0.0/0', '::/0'].includes(peer.ipBlock.cidr)) continue;
+        if (metricsOnly && (peer.ipBlock || peer.namespaceSelector)) {
+          if (isScraperPeer(peer)) continue;
+          const why = peer.ipBlock ? `ipBlock ${peer.ipBlock.cidr}` :
+              isEmptySelector(peer.namespaceSelector) ? 'every namespace (an empty namespaceSelector)' :
+                `every pod of the namespaces ${JSON.stringify(peer.namespaceSelector)} (no podSelector)`;
+          problems.push(`${at}: admits ${why} to the metrics port: only the scraper's pods may ` +
+                        '(a namespaceSelector and a podSelector naming them)');
+          continue;
+        }
+        if (metricsToo && peer.namespaceSelector && !peer.ipBlock) {
+          problems.push(`${at}: admits other namespaces on a port other than the metrics port ` +
+                        `(${(rule.ports || []).map((p) => p.port).join(', ') || 'every port'}): ` +
+                        'a scraper may reach the metrics port alone');
+          continue;
+        }
         if (peer.ipBlock || peer.namespaceSelector || !peer.podSelector) {
           problems.push(`${at}: admits ${peer.ipBlock ? `ipBlock ${peer.ipBlock.cidr}` : 'other namespaces'}, not only the job's pods`);
         } else if (isEmptySelector(peer.podSelector)) {
@@ -260,6 +301,60 @@ for (const c of containers) {
       }
     }
   }
+}
+
+// A coordinator that serves metrics is scraped: some rule admits a
+// scraper's pods (as above) to its --metrics_port.
+for (const c of containers) {
+  const port = Number(flagValue(c.argv, 'metrics_port'));
+  if (!(port > 0)) continue;
+  const mine = policies.filter((np) => ingressPolicy(np) && selects((np.spec || {}).podSelector, c.labels));
+  if (!mine.length) continue;  // reported above
+  const ok = mine.some((np) => (np.spec.ingress || []).some((rule) =>
+    metricsOnlyRule(rule, c) && (rule.from || []).some(isScraperPeer) &&
+    rule.ports.some((p) => portAdmits(p, c, port))));
+  if (!ok) {
+    problems.push(`${c.where}: no NetworkPolicy admits a scraper (a namespaceSelector and a podSelector ` +
+                  `naming the Prometheus pods) to its --metrics_port ${port}: Prometheus could not scrape it`);
+  }
+}
+
+// --- Scraping: the names that point at the metrics port agree with it --------
+// The container port named metrics (the NetworkPolicy's and the PodMonitor's
+// name for it), the pod's prometheus.io/port annotation, and every
+// PodMonitor's endpoint port.
+const annotationsOf = (obj) => (obj.kind === 'Pod' ? obj.metadata : ((obj.spec || {}).template || {}).metadata) || {};
+for (const c of containers) {
+  const port = Number(flagValue(c.argv, 'metrics_port'));
+  if (!(port > 0)) continue;
+  const named = (c.container.ports || []).find((p) => p.name === 'metrics');
+  if (!named || named.containerPort !== port) {
+    problems.push(`${c.where}: --metrics_port ${port} is not its container port named metrics ` +
+                  `(${named ? named.containerPort : 'none'}): the NetworkPolicy and the PodMonitor name that port`);
+  }
+  const ann = annotationsOf(c.obj).annotations || {};
+  if (ann['prometheus.io/port'] !== undefined && Number(ann['prometheus.io/port']) !== port) {
+    problems.push(`${c.where}: annotation prometheus.io/port is ${ann['prometheus.io/port']}, ` +
+                  `but --metrics_port is ${port}: Prometheus would scrape the wrong port`);
+  }
+}
+for (const pm of docs.filter((d) => d.kind === 'PodMonitor')) {
+  const sel = (pm.spec || {}).selector;
+  const pods = jobPods.filter((j) => sel && selects(sel, j.labels));
+  if (!pods.length) {
+    problems.push(`PodMonitor/${pm.metadata.name}: its selector selects none of the job's pods`);
+    continue;
+  }
+  ((pm.spec || {}).podMetricsEndpoints || []).forEach((ep, i) => {
+    for (const j of pods) {
+      const ports = [...(j.pod.initContainers || []), ...(j.pod.containers || [])].flatMap((k) => k.ports || []);
+      const port = ports.find((p) => p.name === ep.port);
+      if (!port || !metricsPortsOf(j.obj).includes(port.containerPort)) {
+        problems.push(`PodMonitor/${pm.metadata.name}: podMetricsEndpoints[${i}]: port ${ep.port} is not a ` +
+                      `--metrics_port of ${nameOf(j.obj)}'s containers`);
+      }
+    }
+  });
 }
 
 // --- Egress: default deny, the job's own connections and DNS ---------------
@@ -350,4 +445,5 @@ if (problems.length) {
   process.exit(1);
 }
 process.stdout.write(`secure: ${containers.length} containers read the job secret from Secret ${secretName}; ` +
-                     `${policies.length} NetworkPolicies admit only the job's pods, in and out\n`);
+                     `${policies.length} NetworkPolicies admit only the job's pods, in and out ` +
+                     '(and a scraper to the metrics port)\n');
