@@ -124,15 +124,15 @@ absl::StatusOr<double> Replica::ComputeGradientInParts(uint32_t rank, uint64_t s
 }
 
 absl::Status CheckStateFits(const WorkerState& s, uint64_t d, const WorkerOptimizer& opt) {
-  const OptimizerKind kind = opt.options().kind;
-  const bool moments = HasCompressionPhase(kind);
-  const bool den = opt.traits().den_of_frozen_v && s.frozen;
-  if (s.x.size() != d || s.mbar.size() != (moments ? d : 0) || s.e.size() != (moments ? d : 0) ||
-      s.den.size() != (den ? d : 0)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the saved worker state (x ", s.x.size(), ", mbar ", s.mbar.size(), ", e ", s.e.size(),
-        ", den ", s.den.size(), " floats", s.frozen ? ", compression phase" : "",
-        ") does not fit d = ", d, " under ", OptimizerKindName(kind)));
+  const WorkerArraySet held = opt.WorkerArraysIn(PhaseOf(s), false);
+  auto fits = [d](const std::vector<float>& v, bool in) { return v.size() == (in ? d : 0); };
+  if (s.x.size() != d || !fits(s.mbar, held.mbar) || !fits(s.e, held.e) || !fits(s.den, held.den) ||
+      !fits(s.v, held.v) || !fits(s.x_sync, held.x_sync)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the saved worker state (x ", s.x.size(), ", mbar ", s.mbar.size(), ", e ",
+                     s.e.size(), ", den ", s.den.size(), ", v ", s.v.size(), ", x_sync ",
+                     s.x_sync.size(), " floats", s.frozen ? ", compression phase" : "",
+                     ") does not fit d = ", d, " under ", OptimizerKindName(opt.options().kind)));
   }
   return absl::OkStatus();
 }

@@ -96,9 +96,10 @@ class Replica {
   virtual absl::StatusOr<EvalResult> Evaluate() = 0;
 };
 
-// Whether a saved state fits d parameters under `optimizer` (x, and mbar
-// and e where the optimizer has a compression phase, of d floats; den of d
-// once onebit-adam has frozen, else empty); the error lists the sizes.
+// Whether a saved state fits d parameters under `optimizer`: x, and each
+// array the optimizer holds in the state's phase
+// (WorkerOptimizer::WorkerArraysIn), of d floats, the others empty; the
+// error lists the sizes.
 absl::Status CheckStateFits(const WorkerState& s, uint64_t d, const WorkerOptimizer& optimizer);
 
 // The replica of d parameters in host memory. `model` (may be null: the
