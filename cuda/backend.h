@@ -9,7 +9,8 @@
 // Every pointer a kernel or copy takes is a "device pointer" of the backend
 // (host memory for the twin); `pinned` memory is host memory the device can
 // copy from and to asynchronously (cudaHostAlloc; plain memory for the twin).
-// Kernels have the signatures and semantics of cuda/kernels.h.
+// Kernels have the signatures and semantics of cuda/kernels.h. A worker's
+// rule reaches them through cuda/array_ops.h.
 //
 // The tables are immutable; the functions are thread-safe as cuda/kernels.h.
 #ifndef ONEBIT_CUDA_BACKEND_H_
@@ -41,12 +42,16 @@ struct Backend {
   absl::Status (*copy_to_device)(void* dst, const void* src, size_t bytes, Stream s);
   absl::Status (*copy_to_host)(void* dst, const void* src, size_t bytes, Stream s);
   absl::Status (*set_zero)(void* dst, size_t bytes, Stream s);
+  // Device memory to device memory (any alignment).
+  absl::Status (*copy_on_device)(void* dst, const void* src, size_t bytes, Stream s);
   // Waits for the work enqueued on s; returns the first error of it.
   absl::Status (*synchronize)(Stream s);
 
   // The kernels (cuda/kernels.h).
   absl::Status (*onebit_encode)(const float* y, const float* e_in, float* e_out, size_t n,
                                 uint32_t block, ScaleRule rule, uint8_t* out, Stream s);
+  absl::Status (*onebit_signs)(const float* y, float* e, size_t n, uint32_t block,
+                               const float* scales, uint8_t* bits, Stream s);
   absl::Status (*onebit_decode)(const float* scales, const uint8_t* bits, size_t n, uint32_t block,
                                 float* out, Stream s);
   absl::Status (*onebit_decode_add)(const float* scales, const uint8_t* bits, size_t n,
@@ -60,6 +65,17 @@ struct Backend {
   absl::Status (*update_momentum)(const float* g, float b1, float c1, size_t n, float* m, Stream s);
   absl::Status (*apply_momentum)(const float* mbar, const float* den, float lr, float wd, size_t n,
                                  float* x, Stream s);
+  absl::Status (*update_moments)(const float* g, float b1, float c1, float b2, float c2, size_t n,
+                                 float* m, float* v, Stream s);
+  absl::Status (*frozen_denominators)(const float* v, float eps, size_t n, float* den, Stream s);
+  absl::Status (*variance_denominators)(const float* v, float c, float floor, float eps, size_t n,
+                                        float* den, Stream s);
+  absl::Status (*update_since_sync)(const float* x, const float* x_sync, const float* den, size_t n,
+                                    float* u, Stream s);
+  absl::Status (*apply_sync)(const float* a, const float* den, float lrs, size_t n, float* x_sync,
+                             float* m, float* x, Stream s);
+  absl::Status (*lamb_apply)(const float* mbar, const float* den, float k, float wd, size_t n,
+                             float* x, Stream s);
 };
 
 // The CPU twin: always available.

@@ -53,14 +53,44 @@ absl::Status SetZero(void* dst, size_t bytes, Stream s) {
   if (bytes == 0) return absl::OkStatus();
   return CudaError(cudaMemsetAsync(dst, 0, bytes, s), "cudaMemsetAsync");
 }
+absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes, Stream s) {
+  if (bytes == 0) return absl::OkStatus();
+  return CudaError(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s),
+                   "cudaMemcpyAsync on the device");
+}
 absl::Status Sync(Stream s) { return CudaError(cudaStreamSynchronize(s), "cudaStreamSynchronize"); }
 
 const Backend kCuda = {
-    "cuda",         Alloc,         Free,          AllocPinned,     FreePinned,
-    CreateStream,   DestroyStream, CopyToDev,     CopyToHostAsync, SetZero,
-    Sync,           OnebitEncode,  OnebitDecode,  OnebitDecodeAdd, Fp16Check,
-    Fp16Encode,     Fp16Decode,    Fp16DecodeAdd, FirstNonFinite,  Axpy,
-    UpdateMomentum, ApplyMomentum,
+    "cuda",
+    Alloc,
+    Free,
+    AllocPinned,
+    FreePinned,
+    CreateStream,
+    DestroyStream,
+    CopyToDev,
+    CopyToHostAsync,
+    SetZero,
+    CopyOnDevice,
+    Sync,
+    OnebitEncode,
+    OnebitSigns,
+    OnebitDecode,
+    OnebitDecodeAdd,
+    Fp16Check,
+    Fp16Encode,
+    Fp16Decode,
+    Fp16DecodeAdd,
+    FirstNonFinite,
+    Axpy,
+    UpdateMomentum,
+    ApplyMomentum,
+    UpdateMoments,
+    FrozenDenominators,
+    VarianceDenominators,
+    UpdateSinceSync,
+    ApplySync,
+    LambApply,
 };
 
 }  // namespace

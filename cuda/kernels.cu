@@ -421,6 +421,51 @@ __global__ void AdamKernel(AdamCoefficients c, size_t n, float* g, float* m, flo
   }
 }
 
+__global__ void UpdateMomentsKernel(const float* g, float b1, float c1, float b2, float c2,
+                                    size_t n, float* m, float* v) {
+  for (size_t i = GlobalThread(); i < n; i += GridThreads()) {
+    const float gi = g[i];
+    m[i] = b1 * m[i] + c1 * gi;
+    v[i] = b2 * v[i] + c2 * gi * gi;
+  }
+}
+
+__global__ void FrozenDenominatorsKernel(const float* v, float eps, size_t n, float* den) {
+  for (size_t i = GlobalThread(); i < n; i += GridThreads()) den[i] = sqrtf(v[i]) + eps;
+}
+
+// max as std::max(q, floor): a NaN q stays NaN (fmaxf would drop it).
+__global__ void VarianceDenominatorsKernel(const float* v, float c, float floor, float eps,
+                                           size_t n, float* den) {
+  for (size_t i = GlobalThread(); i < n; i += GridThreads()) {
+    const float q = v[i] / c;
+    den[i] = sqrtf(q < floor ? floor : q) + eps;
+  }
+}
+
+__global__ void UpdateSinceSyncKernel(const float* x, const float* x_sync, const float* den,
+                                      size_t n, float* u) {
+  for (size_t i = GlobalThread(); i < n; i += GridThreads()) u[i] = (x[i] - x_sync[i]) * den[i];
+}
+
+__global__ void ApplySyncKernel(const float* a, const float* den, float lrs, size_t n,
+                                float* x_sync, float* m, float* x) {
+  for (size_t i = GlobalThread(); i < n; i += GridThreads()) {
+    const float xs = x_sync[i] + a[i] / den[i];
+    x_sync[i] = xs;
+    m[i] = lrs > 0.0f ? -(a[i] / lrs) : 0.0f;
+    x[i] = xs;
+  }
+}
+
+__global__ void LambApplyKernel(const float* mbar, const float* den, float k, float wd, size_t n,
+                                float* x) {
+  for (size_t i = GlobalThread(); i < n; i += GridThreads()) {
+    const float p = mbar[i] / den[i];
+    x[i] += k * (wd == 0.0f ? p : p + wd * x[i]);
+  }
+}
+
 // ------------------------------------------------------------------ host side
 
 absl::Status CheckBlock(uint32_t block) {
@@ -700,6 +745,54 @@ absl::Status AdamUpdate(const AdamCoefficients& c, size_t n, float* g, float* m,
   if (!grid.ok()) return grid.status();
   AdamKernel<<<*grid, kThreads, 0, stream>>>(c, n, g, m, v, x);
   return Launched("adam_update");
+}
+
+namespace {
+
+// Launches an elementwise kernel over n elements.
+template <typename... Params, typename... Args>
+absl::Status LaunchElementwise(void (*kernel)(Params...), const char* what, size_t n, Stream stream,
+                               Args... args) {
+  if (n == 0) return absl::OkStatus();
+  absl::StatusOr<unsigned> grid = GridFor(n, kThreads);
+  if (!grid.ok()) return grid.status();
+  kernel<<<*grid, kThreads, 0, stream>>>(args...);
+  return Launched(what);
+}
+
+}  // namespace
+
+absl::Status UpdateMoments(const float* g, float b1, float c1, float b2, float c2, size_t n,
+                           float* m, float* v, Stream stream) {
+  return LaunchElementwise(UpdateMomentsKernel, "update_moments", n, stream, g, b1, c1, b2, c2, n,
+                           m, v);
+}
+
+absl::Status FrozenDenominators(const float* v, float eps, size_t n, float* den, Stream stream) {
+  return LaunchElementwise(FrozenDenominatorsKernel, "frozen_denominators", n, stream, v, eps, n,
+                           den);
+}
+
+absl::Status VarianceDenominators(const float* v, float c, float floor, float eps, size_t n,
+                                  float* den, Stream stream) {
+  return LaunchElementwise(VarianceDenominatorsKernel, "variance_denominators", n, stream, v, c,
+                           floor, eps, n, den);
+}
+
+absl::Status UpdateSinceSync(const float* x, const float* x_sync, const float* den, size_t n,
+                             float* u, Stream stream) {
+  return LaunchElementwise(UpdateSinceSyncKernel, "update_since_sync", n, stream, x, x_sync, den, n,
+                           u);
+}
+
+absl::Status ApplySync(const float* a, const float* den, float lrs, size_t n, float* x_sync,
+                       float* m, float* x, Stream stream) {
+  return LaunchElementwise(ApplySyncKernel, "apply_sync", n, stream, a, den, lrs, n, x_sync, m, x);
+}
+
+absl::Status LambApply(const float* mbar, const float* den, float k, float wd, size_t n, float* x,
+                       Stream stream) {
+  return LaunchElementwise(LambApplyKernel, "lamb_apply", n, stream, mbar, den, k, wd, n, x);
 }
 
 }  // namespace onebit::cuda

@@ -97,6 +97,20 @@ absl::Status ApplyMomentum(const float* mbar, const float* den, float lr, float 
                            float* x, Stream stream);
 absl::Status AdamUpdate(const AdamCoefficients& c, size_t n, float* g, float* m, float* v, float* x,
                         Stream stream);
+// Twins of the other worker loops of optim/update_kernels.h: the hand-over's
+// den, zero-one-adam's variance steps, sync pushes and syncs, and
+// onebit-lamb's momentum replies. Elementwise, so no reduction order to keep.
+absl::Status UpdateMoments(const float* g, float b1, float c1, float b2, float c2, size_t n,
+                           float* m, float* v, Stream stream);
+absl::Status FrozenDenominators(const float* v, float eps, size_t n, float* den, Stream stream);
+absl::Status VarianceDenominators(const float* v, float c, float floor, float eps, size_t n,
+                                  float* den, Stream stream);
+absl::Status UpdateSinceSync(const float* x, const float* x_sync, const float* den, size_t n,
+                             float* u, Stream stream);
+absl::Status ApplySync(const float* a, const float* den, float lrs, size_t n, float* x_sync,
+                       float* m, float* x, Stream stream);
+absl::Status LambApply(const float* mbar, const float* den, float k, float wd, size_t n, float* x,
+                       Stream stream);
 
 }  // namespace onebit::cuda
 

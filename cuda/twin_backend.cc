@@ -49,6 +49,11 @@ absl::Status OnebitEncodeTwin(const float* y, const float* e_in, float* e_out, s
                               uint32_t block, ScaleRule rule, uint8_t* out, Stream) {
   return OnebitEncodeCpu(y, e_in, e_out, n, block, rule, out);
 }
+absl::Status OnebitSignsTwin(const float* y, float* e, size_t n, uint32_t block,
+                             const float* scales, uint8_t* bits, Stream) {
+  K().onebit_signs(y, e, n, block, scales, bits);
+  return absl::OkStatus();
+}
 absl::Status OnebitDecodeTwin(const float* scales, const uint8_t* bits, size_t n, uint32_t block,
                               float* out, Stream) {
   K().onebit_decode(scales, bits, n, block, out);
@@ -91,6 +96,36 @@ absl::Status ApplyMomentumTwin(const float* mbar, const float* den, float lr, fl
   return absl::OkStatus();
 }
 
+absl::Status UpdateMomentsTwin(const float* g, float b1, float c1, float b2, float c2, size_t n,
+                               float* m, float* v, Stream) {
+  onebit::UpdateMoments(g, b1, c1, b2, c2, n, m, v);
+  return absl::OkStatus();
+}
+absl::Status FrozenDenominatorsTwin(const float* v, float eps, size_t n, float* den, Stream) {
+  onebit::FrozenDenominators(v, eps, n, den);
+  return absl::OkStatus();
+}
+absl::Status VarianceDenominatorsTwin(const float* v, float c, float floor, float eps, size_t n,
+                                      float* den, Stream) {
+  onebit::VarianceDenominators(v, c, floor, eps, n, den);
+  return absl::OkStatus();
+}
+absl::Status UpdateSinceSyncTwin(const float* x, const float* x_sync, const float* den, size_t n,
+                                 float* u, Stream) {
+  onebit::UpdateSinceSync(x, x_sync, den, n, u);
+  return absl::OkStatus();
+}
+absl::Status ApplySyncTwin(const float* a, const float* den, float lrs, size_t n, float* x_sync,
+                           float* m, float* x, Stream) {
+  onebit::ApplySync(a, den, lrs, n, x_sync, m, x);
+  return absl::OkStatus();
+}
+absl::Status LambApplyTwin(const float* mbar, const float* den, float k, float wd, size_t n,
+                           float* x, Stream) {
+  onebit::LambApply(mbar, den, k, wd, n, x);
+  return absl::OkStatus();
+}
+
 const Backend kTwin = {
     "cuda-twin",
     Alloc,
@@ -102,8 +137,10 @@ const Backend kTwin = {
     Copy,
     Copy,
     SetZero,
+    Copy,
     Synchronize,
     OnebitEncodeTwin,
+    OnebitSignsTwin,
     OnebitDecodeTwin,
     OnebitDecodeAddTwin,
     Fp16CheckTwin,
@@ -114,6 +151,12 @@ const Backend kTwin = {
     AxpyTwin,
     UpdateMomentumTwin,
     ApplyMomentumTwin,
+    UpdateMomentsTwin,
+    FrozenDenominatorsTwin,
+    VarianceDenominatorsTwin,
+    UpdateSinceSyncTwin,
+    ApplySyncTwin,
+    LambApplyTwin,
 };
 
 }  // namespace

@@ -30,9 +30,16 @@ absl::Status Algorithm::StepShard(uint64_t step, float lr, bool last_warmup,
   return absl::OkStatus();
 }
 
+WorkerArraySet Algorithm::WorkerArraysIn(Phase phase, bool hand_over) const {
+  WorkerArraySet set;
+  set.mbar = set.e = traits_.compression;
+  set.den = traits_.den_of_frozen_v && (phase == Phase::kCompress || hand_over);
+  return set;
+}
+
 absl::Status Algorithm::LocalStep(uint64_t step, float lr, const float* g, uint64_t b, size_t n,
-                                  WorkerState* s) const {
-  (void)lr, (void)g, (void)b, (void)n, (void)s;
+                                  const ArrayOps& ops, WorkerView* s) const {
+  (void)lr, (void)g, (void)b, (void)n, (void)ops, (void)s;
   return absl::FailedPreconditionError(
       absl::StrCat("step ", step, " synchronises: it is no local step"));
 }

@@ -19,6 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "compress/codec.h"
+#include "optim/array_ops.h"
 #include "optim/options.h"
 #include "optim/registry.h"
 #include "optim/state.h"
@@ -74,22 +75,33 @@ class Algorithm {
                                  const std::vector<ChunkSpan>& chunks, ServerShardState* s) const;
 
   // --- The worker's rule (WorkerOptimizer has the contracts) ---
-  // Adds the arrays of its own to a state whose x (and m̄, e for the
-  // compressing algorithms) are sized; by default none.
-  virtual void InitWorker(WorkerState* s) const { (void)s; }
-  // By default sets frozen; subclasses add theirs after calling it.
-  virtual void EnterCompression(WorkerState* s) const { s->frozen = true; }
-  virtual void BeginStep(uint64_t step, float lr, WorkerState* s) const {
+  // Written once against ArrayOps, so CPU workers run it on host memory and
+  // GPU workers on the device's (optim/array_ops.h).
+  //
+  // The arrays a worker holds in `phase`; `hand_over`: while the last
+  // warm-up step's replies are applied. By default m̄ and e for the
+  // compressing algorithms, and den after the hand-over when
+  // den_of_frozen_v.
+  virtual WorkerArraySet WorkerArraysIn(Phase phase, bool hand_over) const;
+  // Enters the compression phase, on a state that holds the arrays of both
+  // phases: by default sets frozen; subclasses add theirs after calling it.
+  virtual absl::Status EnterCompression(const ArrayOps& ops, WorkerView* s) const {
+    (void)ops;
+    s->frozen = true;
+    return absl::OkStatus();
+  }
+  virtual void BeginStep(uint64_t step, float lr, WorkerView* s) const {
     (void)step, (void)lr, (void)s;
   }
-  virtual void EndStep(uint64_t step, WorkerState* s) const { (void)step, (void)s; }
+  virtual void EndStep(uint64_t step, WorkerView* s) const { (void)step, (void)s; }
+  // `out`: in the memory of ops.
   virtual absl::Status Push(uint64_t step, float lr, const float* g, uint64_t b, size_t n,
-                            WorkerState* s, uint8_t* out) const = 0;
+                            const ArrayOps& ops, WorkerView* s, uint8_t* out) const = 0;
   // By default an error: only algorithms with kLocal steps have local steps.
   virtual absl::Status LocalStep(uint64_t step, float lr, const float* g, uint64_t b, size_t n,
-                                 WorkerState* s) const;
-  virtual absl::Status Apply(uint64_t step, float lr, bool last_warmup, const uint8_t* reply,
-                             uint64_t b, size_t n, WorkerState* s) const = 0;
+                                 const ArrayOps& ops, WorkerView* s) const;
+  virtual absl::Status Apply(uint64_t step, float lr, bool last_warmup, Payload reply, uint64_t b,
+                             size_t n, const ArrayOps& ops, WorkerView* s) const = 0;
 
  protected:
   Algorithm(const AlgorithmTraits& traits, const OptimizerOptions& o) : traits_(traits), o_(o) {}

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <vector>
 
 #include "optim/step_parts.h"
 #include "optim/update_kernels.h"
@@ -100,60 +99,69 @@ absl::Status MomentumFamily::Step(uint64_t step, float lr, bool last_warmup, flo
 }
 
 absl::Status MomentumFamily::Push(uint64_t step, float lr, const float* g, uint64_t b, size_t n,
-                                  WorkerState* s, uint8_t* out) const {
+                                  const ArrayOps& ops, WorkerView* s, uint8_t* out) const {
   (void)lr;
-  if (KindOf(step, PhaseOf(*s)) == StepKind::kFull) return warmup_codec_->Encode(g + b, n, out);
-  const Codec& codec = *worker_codec_;
-  float* e = s->e.data() + b;
+  if (KindOf(step, PhaseOf(*s)) == StepKind::kFull) {
+    return ops.Encode(*warmup_codec_, g + b, nullptr, n, out);
+  }
   const float* y = g + b;
   if (traits_.worker_momentum) {
     // m_i = b1 m̄ + (1 - b1) g_i, kept in m̄ (a momentum reply overwrites it;
     // a delta reply leaves the worker its own momentum).
-    float* m = s->mbar.data() + b;
-    UpdateMomentum(y, o_.beta1, 1.0f - o_.beta1, n, m);
+    float* m = s->mbar + b;
+    if (absl::Status st = ops.UpdateMomentum(y, o_.beta1, 1.0f - o_.beta1, n, m); !st.ok()) {
+      return st;
+    }
     y = m;
   }
-  return EncodeMaybeWithFeedback(codec, o_.worker_error_feedback, y, e, n, out);
+  return ops.Encode(*worker_codec_, y, o_.worker_error_feedback ? s->e + b : nullptr, n, out);
 }
 
-absl::Status MomentumFamily::ApplyWarmup(bool hand_over, const uint8_t* reply, uint64_t b, size_t n,
-                                         WorkerState* s) const {
+absl::Status MomentumFamily::ApplyWarmup(bool hand_over, Payload reply, uint64_t b, size_t n,
+                                         const ArrayOps& ops, WorkerView* s) const {
   // x += Δ: the same fp32 addition the server applied to its master.
-  float* x = s->x.data() + b;
+  float* x = s->x + b;
   const Codec& codec = *warmup_codec_;
-  if (!hand_over) return codec.DecodeAdd(reply, n, 1.0f, x);
-  // The hand-over: Δ, then m and v. Everything is checked before anything
-  // changes, so a bad reply leaves the state as it was.
-  const uint8_t* tail = reply + codec.EncodedSize(n);
-  absl::Status st = codec.CheckPayload(reply, n);
-  if (st.ok()) st = fp32_->CheckPayload(tail, n);
-  std::vector<float> den(n);
-  if (st.ok()) st = fp32_->Decode(tail + 4 * n, n, den.data());
-  if (st.ok()) st = HandOverDenominators(den.data(), n, b, o_.eps, den.data());
+  if (!hand_over) return ops.DecodeAdd(codec, reply, n, x);
+  // The hand-over: Δ, then m and v. Everything is checked, on the host,
+  // before anything changes, so a bad reply leaves the state as it was.
+  const Payload m = reply.At(codec.EncodedSize(n));
+  const Payload v = m.At(4 * n);
+  absl::Status st = codec.CheckPayload(reply.host, n);
+  if (st.ok()) st = fp32_->CheckPayload(m.host, n);
+  if (st.ok()) st = fp32_->CheckPayload(v.host, n);
+  if (st.ok()) st = CheckHandOverMoments(v.host, n, b);
   if (!st.ok()) return st;
-  if (s->den.size() != s->x.size()) s->den.assign(s->x.size(), 0.0f);
-  st = codec.DecodeAdd(reply, n, 1.0f, x);
-  if (st.ok()) st = fp32_->Decode(tail, n, s->mbar.data() + b);
-  if (!st.ok()) return st;  // not reached: both were checked
-  std::copy(den.begin(), den.end(), s->den.begin() + b);
-  return absl::OkStatus();
+  float* den = s->den + b;
+  st = ops.DecodeAdd(codec, reply, n, x);
+  if (st.ok()) st = ops.Decode(*fp32_, m, n, s->mbar + b);
+  if (st.ok()) st = ops.Decode(*fp32_, v, n, den);
+  if (st.ok()) st = ops.FrozenDenominators(den, o_.eps, n, den);
+  return st;
 }
 
-absl::Status MomentumFamily::Apply(uint64_t step, float lr, bool last_warmup, const uint8_t* reply,
-                                   uint64_t b, size_t n, WorkerState* s) const {
-  (void)step;
-  if (!s->frozen) return ApplyWarmup(last_warmup && traits_.den_of_frozen_v, reply, b, n, s);
-  const Codec& codec = *server_codec_;
-  float* x = s->x.data() + b;
-  if (o_.reply == ReplyMode::kDelta) return codec.DecodeAdd(reply, n, 1.0f, x);
-  float* mbar = s->mbar.data() + b;
-  absl::Status st = codec.Decode(reply, n, mbar);
-  if (!st.ok()) return st;
-  const float* den = traits_.den_of_frozen_v ? s->den.data() + b : nullptr;
+absl::Status MomentumFamily::ApplyMomentumRanges(float lr, const float* den, uint64_t b, size_t n,
+                                                 const ArrayOps& ops, WorkerView* s) const {
+  const float* mbar = s->mbar + b;
+  float* x = s->x + b;
+  absl::Status st;
   ForEachWeightDecay(o_, b, n, [&](size_t p, size_t m, float wd) {
-    ApplyMomentum(mbar + p, den == nullptr ? nullptr : den + p, lr, wd, m, x + p);
+    if (!st.ok()) return;
+    st = ops.ApplyMomentum(mbar + p, den == nullptr ? nullptr : den + p, lr, wd, m, x + p);
   });
-  return absl::OkStatus();
+  return st;
+}
+
+absl::Status MomentumFamily::Apply(uint64_t step, float lr, bool last_warmup, Payload reply,
+                                   uint64_t b, size_t n, const ArrayOps& ops, WorkerView* s) const {
+  (void)step;
+  if (!s->frozen) {
+    return ApplyWarmup(last_warmup && traits_.den_of_frozen_v, reply, b, n, ops, s);
+  }
+  const Codec& codec = *server_codec_;
+  if (o_.reply == ReplyMode::kDelta) return ops.DecodeAdd(codec, reply, n, s->x + b);
+  if (absl::Status st = ops.Decode(codec, reply, n, s->mbar + b); !st.ok()) return st;
+  return ApplyMomentumRanges(lr, traits_.den_of_frozen_v ? s->den + b : nullptr, b, n, ops, s);
 }
 
 }  // namespace onebit

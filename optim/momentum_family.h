@@ -28,10 +28,10 @@ class MomentumFamily : public Algorithm {
   // The gradient itself in the warm-up; after it the momentum m̄ = b1 m̄ +
   // (1 - b1) g when worker_momentum, else the gradient, through the worker
   // codec with error feedback.
-  absl::Status Push(uint64_t step, float lr, const float* g, uint64_t b, size_t n, WorkerState* s,
-                    uint8_t* out) const override;
-  absl::Status Apply(uint64_t step, float lr, bool last_warmup, const uint8_t* reply, uint64_t b,
-                     size_t n, WorkerState* s) const override;
+  absl::Status Push(uint64_t step, float lr, const float* g, uint64_t b, size_t n,
+                    const ArrayOps& ops, WorkerView* s, uint8_t* out) const override;
+  absl::Status Apply(uint64_t step, float lr, bool last_warmup, Payload reply, uint64_t b, size_t n,
+                     const ArrayOps& ops, WorkerView* s) const override;
 
  protected:
   using Algorithm::Algorithm;
@@ -48,8 +48,12 @@ class MomentumFamily : public Algorithm {
   // The warm-up's reply applied by a worker: x += Δ, and with `hand_over`
   // the m and v that follow Δ (the last warm-up step): m̄ = m, and den from
   // v. All or nothing: a bad reply changes nothing.
-  absl::Status ApplyWarmup(bool hand_over, const uint8_t* reply, uint64_t b, size_t n,
-                           WorkerState* s) const;
+  absl::Status ApplyWarmup(bool hand_over, Payload reply, uint64_t b, size_t n, const ArrayOps& ops,
+                           WorkerView* s) const;
+  // x += -lr (m̄ / den + wd x) over [b, b + n), den null where the
+  // algorithm has none, each weight-decay range with its own wd.
+  absl::Status ApplyMomentumRanges(float lr, const float* den, uint64_t b, size_t n,
+                                   const ArrayOps& ops, WorkerView* s) const;
 };
 
 }  // namespace onebit

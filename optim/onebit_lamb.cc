@@ -20,12 +20,6 @@
 namespace onebit {
 namespace {
 
-// onebit-lamb's update direction of one element, u = p + wd x with p =
-// m / den, and its step -lr * ratio * u with k = -lr * ratio: the server's
-// norms and steps and the workers' steps all go through these.
-inline float LambUpdate(float p, float wd, float x) { return wd == 0.0f ? p : p + wd * x; }
-inline float LambDelta(float p, float wd, float x, float k) { return k * LambUpdate(p, wd, x); }
-
 // The worker side pushes as onebit-adam's; the server side and the replies
 // are its own.
 class OnebitLamb final : public MomentumFamily {
@@ -74,8 +68,14 @@ class OnebitLamb final : public MomentumFamily {
   absl::Status StepShard(uint64_t step, float lr, bool last_warmup,
                          const std::vector<ChunkSpan>& chunks, ServerShardState* s) const override;
 
-  absl::Status Apply(uint64_t step, float lr, bool last_warmup, const uint8_t* reply, uint64_t b,
-                     size_t n, WorkerState* s) const override;
+  // den from the hand-over with momentum replies; delta replies need none.
+  WorkerArraySet WorkerArraysIn(Phase phase, bool hand_over) const override {
+    WorkerArraySet set = MomentumFamily::WorkerArraysIn(phase, hand_over);
+    set.den = o_.reply == ReplyMode::kMomentum && (phase == Phase::kCompress || hand_over);
+    return set;
+  }
+  absl::Status Apply(uint64_t step, float lr, bool last_warmup, Payload reply, uint64_t b, size_t n,
+                     const ArrayOps& ops, WorkerView* s) const override;
 };
 
 // onebit-lamb's server (docs/design.md §1.7): the whole shard, whose layers
@@ -241,30 +241,30 @@ absl::Status OnebitLamb::StepShard(uint64_t step, float lr, bool last_warmup,
   return CheckFinite(o_, "the update", step, s->begin, x, n);
 }
 
-absl::Status OnebitLamb::Apply(uint64_t step, float lr, bool last_warmup, const uint8_t* reply,
-                               uint64_t b, size_t n, WorkerState* s) const {
-  float* x = s->x.data() + b;
+absl::Status OnebitLamb::Apply(uint64_t step, float lr, bool last_warmup, Payload reply, uint64_t b,
+                               size_t n, const ArrayOps& ops, WorkerView* s) const {
+  float* x = s->x + b;
   if (!s->frozen) {
     if (last_warmup && o_.reply == ReplyMode::kDelta) {
       // Δ, then the momentum the worker's own starts from.
       const Codec& codec = *warmup_codec_;
-      const uint8_t* tail = reply + codec.EncodedSize(n);
-      absl::Status st = codec.CheckPayload(reply, n);
-      if (st.ok()) st = fp32_->CheckPayload(tail, n);
-      if (st.ok()) st = codec.DecodeAdd(reply, n, 1.0f, x);
-      if (st.ok()) st = fp32_->Decode(tail, n, s->mbar.data() + b);
+      const Payload m = reply.At(codec.EncodedSize(n));
+      absl::Status st = codec.CheckPayload(reply.host, n);
+      if (st.ok()) st = fp32_->CheckPayload(m.host, n);
+      if (st.ok()) st = ops.DecodeAdd(codec, reply, n, x);
+      if (st.ok()) st = ops.Decode(*fp32_, m, n, s->mbar + b);
       return st;
     }
-    return ApplyWarmup(last_warmup && o_.reply == ReplyMode::kMomentum, reply, b, n, s);
+    return ApplyWarmup(last_warmup && o_.reply == ReplyMode::kMomentum, reply, b, n, ops, s);
   }
   const Codec& codec = *server_codec_;
-  if (o_.reply == ReplyMode::kDelta) return codec.DecodeAdd(reply, n, 1.0f, x);
-  float* mbar = s->mbar.data() + b;
+  if (o_.reply == ReplyMode::kDelta) return ops.DecodeAdd(codec, reply, n, x);
+  float* mbar = s->mbar + b;
   // onebit-lamb: m̄ = D(c_s), then every layer's piece of [b, b + n) steps
-  // by the ratio the server sent for it (StepShard).
+  // by the ratio the server sent for it (StepShard), read on the host.
   const auto pieces = LayerPieces(o_.layer_ends, b, n);
   std::vector<float> ratios(pieces.size());
-  std::memcpy(ratios.data(), reply + codec.EncodedSize(n), 4 * ratios.size());
+  std::memcpy(ratios.data(), reply.host + codec.EncodedSize(n), 4 * ratios.size());
   for (size_t j = 0; j < ratios.size(); ++j) {
     if (!std::isfinite(ratios[j])) {
       return absl::DataLossError(absl::StrCat("reply of step ", step,
@@ -272,18 +272,16 @@ absl::Status OnebitLamb::Apply(uint64_t step, float lr, bool last_warmup, const 
                                               " is not finite"));
     }
   }
-  if (absl::Status st = codec.Decode(reply, n, mbar); !st.ok()) return st;
-  const float* den = s->den.data() + b;
-  for (size_t j = 0; j < pieces.size(); ++j) {
+  absl::Status st = ops.Decode(codec, reply, n, mbar);
+  const float* den = s->den + b;
+  for (size_t j = 0; j < pieces.size() && st.ok(); ++j) {
     const float k = -lr * ratios[j];
     const uint64_t first = pieces[j].first;
     ForEachWeightDecay(o_, b + first, pieces[j].second - first, [&](size_t p, size_t c, float wd) {
-      for (size_t i = first + p; i < first + p + c; ++i) {
-        x[i] += LambDelta(mbar[i] / den[i], wd, x[i], k);
-      }
+      if (st.ok()) st = ops.LambApply(mbar + first + p, den + first + p, k, wd, c, x + first + p);
     });
   }
-  return absl::OkStatus();
+  return st;
 }
 
 absl::Status Validate(const OptimizerOptions& o) {
@@ -306,15 +304,6 @@ absl::Status Validate(const OptimizerOptions& o) {
   return absl::OkStatus();
 }
 
-// m̄ and e; den (from the hand-over) after the freeze with momentum replies,
-// which step by it.
-WorkerArraysHeld WorkerArraysHeldBy(const OptimizerOptions& o, Phase phase) {
-  WorkerArraysHeld held;
-  held.mbar = held.e = true;
-  held.den = phase == Phase::kCompress && o.reply == ReplyMode::kMomentum;
-  return held;
-}
-
 }  // namespace
 
 const AlgorithmRow& OnebitLambRow() {
@@ -330,7 +319,6 @@ const AlgorithmRow& OnebitLambRow() {
     r->traits.worker_arrays = {"mbar", "e_w", "den"};
     r->traits.server_arrays = {"m", "v", "e_s", "den"};
     r->validate = Validate;
-    r->worker_arrays_held = WorkerArraysHeldBy;
     r->make = MakeAlgorithm<OnebitLamb>;
     return r;
   }();

@@ -87,37 +87,111 @@ absl::StatusOr<std::unique_ptr<WorkerOptimizer>> WorkerOptimizer::Create(
   return std::unique_ptr<WorkerOptimizer>(new WorkerOptimizer(*std::move(algorithm)));
 }
 
+namespace {
+
+// The state's arrays, nullptr where it holds none.
+WorkerView ViewOf(WorkerState* s) {
+  auto at = [](std::vector<float>& v) { return v.empty() ? nullptr : v.data(); };
+  WorkerView a;
+  a.d = s->x.size();
+  a.x = at(s->x);
+  a.mbar = at(s->mbar);
+  a.e = at(s->e);
+  a.den = at(s->den);
+  a.v = at(s->v);
+  a.x_sync = at(s->x_sync);
+  a.frozen = s->frozen;
+  a.lrs = s->lrs;
+  return a;
+}
+
+// fn(the WorkerArraySet member, the state's vector) for each array but x.
+template <typename Fn>
+void ForEachArray(WorkerState* s, Fn fn) {
+  fn(&WorkerArraySet::mbar, &s->mbar);
+  fn(&WorkerArraySet::e, &s->e);
+  fn(&WorkerArraySet::den, &s->den);
+  fn(&WorkerArraySet::v, &s->v);
+  fn(&WorkerArraySet::x_sync, &s->x_sync);
+}
+
+// Sizes the arrays `set` names that the state lacks (zero); returns those.
+WorkerArraySet Grow(const WorkerArraySet& set, WorkerState* s) {
+  WorkerArraySet grown;
+  ForEachArray(s, [&](bool WorkerArraySet::*which, std::vector<float>* v) {
+    if (set.*which && v->size() != s->x.size()) {
+      v->assign(s->x.size(), 0.0f);
+      grown.*which = true;
+    }
+  });
+  return grown;
+}
+
+// Drops the arrays `set` names.
+void Drop(const WorkerArraySet& set, WorkerState* s) {
+  ForEachArray(s, [&](bool WorkerArraySet::*which, std::vector<float>* v) {
+    if (set.*which) {
+      v->clear();
+      v->shrink_to_fit();
+    }
+  });
+}
+
+WorkerArraySet Without(const WorkerArraySet& keep) {
+  WorkerArraySet drop;
+  drop.mbar = !keep.mbar;
+  drop.e = !keep.e;
+  drop.den = !keep.den;
+  drop.v = !keep.v;
+  drop.x_sync = !keep.x_sync;
+  return drop;
+}
+
+}  // namespace
+
 void WorkerOptimizer::InitState(uint64_t d, WorkerState* s) const {
   *s = WorkerState{};
   s->x.assign(d, 0.0f);
-  if (traits().compression) {
-    s->mbar.assign(d, 0.0f);
-    s->e.assign(d, 0.0f);
-  }
-  algorithm_->InitWorker(s);
-  if (!traits().warmup) s->frozen = true;
+  s->frozen = !traits().warmup;
+  Grow(WorkerArraysIn(PhaseOf(*s), false), s);
 }
 
-void WorkerOptimizer::EnterCompression(WorkerState* s) const { algorithm_->EnterCompression(s); }
+WorkerArraySet WorkerOptimizer::WorkerArraysIn(Phase phase, bool hand_over) const {
+  return algorithm_->WorkerArraysIn(phase, hand_over);
+}
+
+void WorkerOptimizer::EnterCompression(WorkerState* s) const {
+  Grow(WorkerArraysIn(Phase::kCompress, false), s);
+  WorkerView a = ViewOf(s);
+  // The host's operations do not fail.
+  algorithm_->EnterCompression(HostArrayOps(), &a).IgnoreError();
+  s->frozen = a.frozen;
+  s->lrs = a.lrs;
+  Drop(Without(WorkerArraysIn(Phase::kCompress, false)), s);
+}
 
 void WorkerOptimizer::BeginStep(uint64_t step, float lr, WorkerState* s) const {
-  algorithm_->BeginStep(step, lr, s);
+  WorkerView a = ViewOf(s);
+  BeginStep(step, lr, &a);
+  s->lrs = a.lrs;
 }
 
-void WorkerOptimizer::EndStep(uint64_t step, WorkerState* s) const { algorithm_->EndStep(step, s); }
+void WorkerOptimizer::EndStep(uint64_t step, WorkerState* s) const {
+  WorkerView a = ViewOf(s);
+  EndStep(step, &a);
+  s->lrs = a.lrs;
+}
 
 absl::Status WorkerOptimizer::LocalStep(uint64_t step, float lr, const float* g, uint64_t b,
                                         size_t n, WorkerState* s) const {
-  return algorithm_->LocalStep(step, lr, g, b, n, s);
+  WorkerView a = ViewOf(s);
+  return LocalStep(step, lr, g, b, n, HostArrayOps(), &a);
 }
 
 absl::Status WorkerOptimizer::Push(uint64_t step, float lr, const float* g, uint64_t b, size_t n,
                                    WorkerState* s, uint8_t* out) const {
-  if (KindOf(step, PhaseOf(*s)) == StepKind::kLocal) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("step ", step, " is a local step: it sends nothing"));
-  }
-  return algorithm_->Push(step, lr, g, b, n, s, out);
+  WorkerView a = ViewOf(s);
+  return Push(step, lr, g, b, n, HostArrayOps(), &a, out);
 }
 
 absl::Status WorkerOptimizer::Apply(uint64_t step, bool last_warmup, const uint8_t* reply,
@@ -127,11 +201,47 @@ absl::Status WorkerOptimizer::Apply(uint64_t step, bool last_warmup, const uint8
 
 absl::Status WorkerOptimizer::Apply(uint64_t step, float lr, bool last_warmup, const uint8_t* reply,
                                     uint64_t b, size_t n, WorkerState* s) const {
+  // The hand-over's den appears with its first reply; a refused one leaves
+  // the state as it was.
+  const WorkerArraySet grown = Grow(WorkerArraysIn(PhaseOf(*s), last_warmup), s);
+  WorkerView a = ViewOf(s);
+  absl::Status st = Apply(step, lr, last_warmup, Payload{reply, reply}, b, n, HostArrayOps(), &a);
+  if (!st.ok()) Drop(grown, s);
+  return st;
+}
+
+void WorkerOptimizer::BeginStep(uint64_t step, float lr, WorkerView* s) const {
+  algorithm_->BeginStep(step, lr, s);
+}
+
+void WorkerOptimizer::EndStep(uint64_t step, WorkerView* s) const { algorithm_->EndStep(step, s); }
+
+absl::Status WorkerOptimizer::EnterCompression(const ArrayOps& ops, WorkerView* s) const {
+  return algorithm_->EnterCompression(ops, s);
+}
+
+absl::Status WorkerOptimizer::LocalStep(uint64_t step, float lr, const float* g, uint64_t b,
+                                        size_t n, const ArrayOps& ops, WorkerView* s) const {
+  return algorithm_->LocalStep(step, lr, g, b, n, ops, s);
+}
+
+absl::Status WorkerOptimizer::Push(uint64_t step, float lr, const float* g, uint64_t b, size_t n,
+                                   const ArrayOps& ops, WorkerView* s, uint8_t* out) const {
+  if (KindOf(step, PhaseOf(*s)) == StepKind::kLocal) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", step, " is a local step: it sends nothing"));
+  }
+  return algorithm_->Push(step, lr, g, b, n, ops, s, out);
+}
+
+absl::Status WorkerOptimizer::Apply(uint64_t step, float lr, bool last_warmup, Payload reply,
+                                    uint64_t b, size_t n, const ArrayOps& ops,
+                                    WorkerView* s) const {
   if (KindOf(step, PhaseOf(*s)) == StepKind::kLocal) {
     return absl::FailedPreconditionError(
         absl::StrCat("step ", step, " is a local step: there is no reply to apply"));
   }
-  return algorithm_->Apply(step, lr, last_warmup, reply, b, n, s);
+  return algorithm_->Apply(step, lr, last_warmup, reply, b, n, ops, s);
 }
 
 }  // namespace onebit

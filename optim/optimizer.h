@@ -24,6 +24,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "compress/codec.h"
+#include "optim/array_ops.h"
 #include "optim/options.h"
 #include "optim/registry.h"
 #include "optim/state.h"
@@ -116,12 +117,22 @@ class ServerOptimizer : public OptimizerCodecs {
   using OptimizerCodecs::OptimizerCodecs;
 };
 
+// A worker's rule, in two forms: on a WorkerState in host memory (CPU
+// workers, the reference), and on WorkerView anywhere with the ArrayOps
+// of their memory (GPU workers; optim/array_ops.h). The first is the second
+// with HostArrayOps(), sizing the state's vectors as WorkerArraysIn says:
+// the same arithmetic either way.
 class WorkerOptimizer : public OptimizerCodecs {
  public:
   static absl::StatusOr<std::unique_ptr<WorkerOptimizer>> Create(const OptimizerOptions& options);
 
   // Sizes the state to d parameters, x zero (the model initialises it).
   void InitState(uint64_t d, WorkerState* s) const;
+
+  // The arrays a worker holds besides x in `phase`; `hand_over`: while
+  // the replies of the last warm-up step are applied (den appears then
+  // where the hand-over sends v).
+  WorkerArraySet WorkerArraysIn(Phase phase, bool hand_over) const;
 
   // Once per step, before its pushes (or its local step), with the step's
   // learning rate; EndStep once after its last reply is applied (or after
@@ -154,6 +165,22 @@ class WorkerOptimizer : public OptimizerCodecs {
 
   // Called once every reply of the last warm-up step has been applied.
   void EnterCompression(WorkerState* s) const;
+
+  // The same rule on a state in the memory of `ops`, which holds the
+  // arrays WorkerArraysIn names for its phase (and, for Apply, with
+  // hand_over = last_warmup). g and Push's out are in that memory; Apply's
+  // reply is on the host and in that memory (Payload).
+  void BeginStep(uint64_t step, float lr, WorkerView* s) const;
+  void EndStep(uint64_t step, WorkerView* s) const;
+  absl::Status Push(uint64_t step, float lr, const float* g, uint64_t b, size_t n,
+                    const ArrayOps& ops, WorkerView* s, uint8_t* out) const;
+  absl::Status LocalStep(uint64_t step, float lr, const float* g, uint64_t b, size_t n,
+                         const ArrayOps& ops, WorkerView* s) const;
+  absl::Status Apply(uint64_t step, float lr, bool last_warmup, Payload reply, uint64_t b, size_t n,
+                     const ArrayOps& ops, WorkerView* s) const;
+  // With the arrays of both phases held; afterwards the state needs only
+  // WorkerArraysIn(Phase::kCompress, false).
+  absl::Status EnterCompression(const ArrayOps& ops, WorkerView* s) const;
 
  private:
   using OptimizerCodecs::OptimizerCodecs;

@@ -75,15 +75,6 @@ std::string DivergenceRemedy(const OptimizerOptions& o) {
   return "a lower --lr, a learning-rate warm-up (--lr_schedule warmup:N) or a larger --v_floor";
 }
 
-WorkerArraysHeld WorkerArraysIn(const OptimizerOptions& o, Phase phase) {
-  const AlgorithmRow& row = RowOf(o.kind);
-  if (row.worker_arrays_held != nullptr) return row.worker_arrays_held(o, phase);
-  WorkerArraysHeld held;
-  held.mbar = held.e = row.traits.compression;
-  held.den = phase == Phase::kCompress && row.traits.den_of_frozen_v;
-  return held;
-}
-
 StateSize WorkerStateSize(const OptimizerOptions& o, uint64_t d) {
   std::vector<const char*> arrays = {"x", "g"};
   const auto& own = TraitsOf(o.kind).worker_arrays;

@@ -70,17 +70,6 @@ struct AlgorithmTraits {
   std::vector<const char*> server_arrays;
 };
 
-// Which arrays of a worker's state hold d floats in one phase, besides x
-// (the others are empty): what a state restored from a checkpoint must
-// hold.
-struct WorkerArraysHeld {
-  bool mbar = false;
-  bool e = false;
-  bool den = false;
-  bool v = false;
-  bool x_sync = false;
-};
-
 struct AlgorithmRow {
   AlgorithmTraits traits;
   // Checks the settings only this algorithm reads and the combinations it
@@ -90,9 +79,6 @@ struct AlgorithmRow {
   // What a diverged job of this algorithm should try; nullptr: the general
   // advice.
   std::string (*remedy)(const OptimizerOptions& o) = nullptr;
-  // The arrays its workers hold in `phase`; nullptr: m̄ and e where it
-  // compresses, den after the freeze where den_of_frozen_v.
-  WorkerArraysHeld (*worker_arrays_held)(const OptimizerOptions& o, Phase phase) = nullptr;
   // The algorithm, with these traits, for options that passed
   // ValidateOptimizerOptions (MakeAlgorithm<Its class>, optim/algorithm.h).
   std::unique_ptr<Algorithm> (*make)(const AlgorithmTraits& traits,
@@ -128,9 +114,6 @@ absl::Status ValidateOptimizerOptions(const OptimizerOptions& options);
 // What a diverged job should try, for its error or warning: a lower --lr
 // or a warm-up first, or for zero-one-adam a smaller block first.
 std::string DivergenceRemedy(const OptimizerOptions& o);
-
-// The arrays a worker of `o` holds in `phase` (its row's worker_arrays_held).
-WorkerArraysHeld WorkerArraysIn(const OptimizerOptions& o, Phase phase);
 
 // The fp32 arrays of n elements that a process holds for the whole job,
 // for the memory check before allocating them (util/memory.h): at least

@@ -1,28 +1,47 @@
 #include "optim/state.h"
 
+#include <cstring>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "optim/algorithm.h"
 #include "optim/registry.h"
 #include "optim/update_kernels.h"
 
 namespace onebit {
 
+namespace {
+
+absl::Status NegativeMoment(float v, uint64_t i) {
+  return absl::DataLossError(
+      absl::StrCat("hand-over: negative second moment ", v, " at parameter ", i));
+}
+
+}  // namespace
+
 absl::Status HandOverDenominators(const float* v, size_t n, uint64_t first, float eps, float* den) {
   for (size_t i = 0; i < n; ++i) {
-    if (!(v[i] >= 0)) {
-      return absl::DataLossError(
-          absl::StrCat("hand-over: negative second moment ", v[i], " at parameter ", first + i));
-    }
+    if (!(v[i] >= 0)) return NegativeMoment(v[i], first + i);
   }
-  for (size_t i = 0; i < n; ++i) den[i] = FrozenDenominator(v[i], eps);
+  FrozenDenominators(v, eps, n, den);
+  return absl::OkStatus();
+}
+
+absl::Status CheckHandOverMoments(const uint8_t* v, size_t n, uint64_t first) {
+  for (size_t i = 0; i < n; ++i) {
+    float vi;
+    std::memcpy(&vi, v + 4 * i, 4);
+    if (!(vi >= 0)) return NegativeMoment(vi, first + i);
+  }
   return absl::OkStatus();
 }
 
 absl::Status CheckWorkerStateFits(const OptimizerOptions& o, uint64_t d, const WorkerState& s) {
-  const WorkerArraysHeld held = WorkerArraysIn(o, PhaseOf(s));
+  auto algorithm = NewAlgorithm(o);
+  if (!algorithm.ok()) return algorithm.status();
+  const WorkerArraySet held = (*algorithm)->WorkerArraysIn(PhaseOf(s), /*hand_over=*/false);
   const std::pair<const char*, std::pair<const std::vector<float>*, bool>> arrays[] = {
       {"x", {&s.x, true}},   {"mbar", {&s.mbar, held.mbar}},
       {"e", {&s.e, held.e}}, {"den", {&s.den, held.den}},

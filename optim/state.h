@@ -66,15 +66,42 @@ struct WorkerState {
   float lrs = 0.0f;
 };
 
-// Whether a saved state fits d parameters under `o`: x and the arrays
-// WorkerArraysIn names for its phase of d floats, the others empty. The
-// error names each array that is missing or of another size.
+// Which of WorkerState's arrays a worker holds besides x (d floats each).
+struct WorkerArraySet {
+  bool mbar = false;
+  bool e = false;
+  bool den = false;
+  bool v = false;
+  bool x_sync = false;
+};
+
+// A worker's state as its rule sees it (optim/algorithm.h), wherever it
+// lives: WorkerState's arrays, d floats each, in the memory of the
+// ArrayOps the rule is given (optim/array_ops.h), nullptr where the state
+// does not hold one; and its scalars, which the rule updates here.
+struct WorkerView {
+  uint64_t d = 0;
+  float* x = nullptr;
+  float* mbar = nullptr;
+  float* e = nullptr;
+  float* den = nullptr;
+  float* v = nullptr;
+  float* x_sync = nullptr;
+  bool frozen = false;
+  float lrs = 0.0f;
+};
+
+// Whether a saved state fits d parameters under `o`: x and the arrays its
+// algorithm's worker holds in the state's phase (Algorithm::WorkerArraysIn)
+// of d floats, the others empty. The error names each array that is
+// missing or of another size.
 absl::Status CheckWorkerStateFits(const OptimizerOptions& o, uint64_t d, const WorkerState& s);
 
 inline Phase PhaseOf(const ServerShardState& s) {
   return s.frozen ? Phase::kCompress : Phase::kWarmup;
 }
 inline Phase PhaseOf(const WorkerState& s) { return s.frozen ? Phase::kCompress : Phase::kWarmup; }
+inline Phase PhaseOf(const WorkerView& s) { return s.frozen ? Phase::kCompress : Phase::kWarmup; }
 
 // A chunk of a server's step: its shard-local elements [off, off + n), the
 // mean of the workers' decoded pushes for them, and where its reply goes.
@@ -90,6 +117,9 @@ struct ChunkSpan {
 // parameters [first, first + n). A negative or NaN v is an error naming the
 // parameter, and then den is untouched. den may be v.
 absl::Status HandOverDenominators(const float* v, size_t n, uint64_t first, float eps, float* den);
+// HandOverDenominators' check alone, of n floats as they arrived (any
+// alignment), for a worker that computes den elsewhere.
+absl::Status CheckHandOverMoments(const uint8_t* v, size_t n, uint64_t first);
 
 }  // namespace onebit
 

@@ -1,5 +1,6 @@
 #include "optim/update_kernels.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace onebit {
@@ -32,6 +33,31 @@ AdamCoefficients MakeAdamCoefficients(float beta1, float beta2, float eps, float
   c.k1 = bias_correction ? static_cast<float>(1.0 - std::pow(beta1, t)) : 1.0f;
   c.k2 = bias_correction ? static_cast<float>(1.0 - std::pow(beta2, t)) : 1.0f;
   return c;
+}
+
+void FrozenDenominators(const float* v, float eps, size_t n, float* den) {
+  for (size_t i = 0; i < n; ++i) den[i] = FrozenDenominator(v[i], eps);
+}
+
+void VarianceDenominators(const float* v, float c, float floor, float eps, size_t n, float* den) {
+  for (size_t i = 0; i < n; ++i) den[i] = FrozenDenominator(std::max(v[i] / c, floor), eps);
+}
+
+void UpdateSinceSync(const float* x, const float* x_sync, const float* den, size_t n, float* u) {
+  for (size_t i = 0; i < n; ++i) u[i] = (x[i] - x_sync[i]) * den[i];
+}
+
+void ApplySync(const float* a, const float* den, float lrs, size_t n, float* x_sync, float* m,
+               float* x) {
+  for (size_t i = 0; i < n; ++i) {
+    x_sync[i] += a[i] / den[i];
+    m[i] = lrs > 0.0f ? -(a[i] / lrs) : 0.0f;
+    x[i] = x_sync[i];
+  }
+}
+
+void LambApply(const float* mbar, const float* den, float k, float wd, size_t n, float* x) {
+  for (size_t i = 0; i < n; ++i) x[i] += LambDelta(mbar[i] / den[i], wd, x[i], k);
 }
 
 void UpdateMoments(const float* g, float b1, float c1, float b2, float c2, size_t n, float* m,

@@ -15,6 +15,33 @@ namespace onebit {
 // computes it from its v at the hand-over, every worker from the v it is sent.
 inline float FrozenDenominator(float v, float eps) { return std::sqrt(v) + eps; }
 
+// den[i] = FrozenDenominator(v[i], eps) (den may be v).
+void FrozenDenominators(const float* v, float eps, size_t n, float* den);
+
+// zero-one-adam's refreshed preconditioner, den = sqrt(max(v / c, floor)) +
+// eps with c its correction for the refreshes so far (docs/design.md §1.6).
+// max as std::max: a NaN v / c stays NaN. den may be v.
+void VarianceDenominators(const float* v, float c, float floor, float eps, size_t n, float* den);
+
+// zero-one-adam's sync push: a worker's update since the last sync in
+// momentum units, u = (x - x_sync) * den.
+void UpdateSinceSync(const float* x, const float* x_sync, const float* den, size_t n, float* u);
+
+// zero-one-adam's sync on a worker, from the decoded reply a (the mean
+// update in momentum units): x_sync += a / den; m = -a / lrs (0 when lrs is
+// not positive); x = x_sync.
+void ApplySync(const float* a, const float* den, float lrs, size_t n, float* x_sync, float* m,
+               float* x);
+
+// onebit-lamb's update direction of one element, u = p + wd x with p =
+// m / den, and its step k u with k = -lr * ratio: the server's norms and
+// steps and the workers' steps all go through these.
+inline float LambUpdate(float p, float wd, float x) { return wd == 0.0f ? p : p + wd * x; }
+inline float LambDelta(float p, float wd, float x, float k) { return k * LambUpdate(p, wd, x); }
+
+// onebit-lamb's momentum reply on a worker: x += LambDelta(mbar / den, wd, x, k).
+void LambApply(const float* mbar, const float* den, float k, float wd, size_t n, float* x);
+
 // A worker's local momentum before it compresses it: m <- b1 * m + c1 * g,
 // c1 = 1 - b1 (docs/design.md §1.2).
 void UpdateMomentum(const float* g, float b1, float c1, size_t n, float* m);

@@ -77,8 +77,20 @@ bool IsSyncStep(const ZeroOneOptions& z, uint64_t step) {
 
 namespace {
 
-// zero-one-adam's variance step on the elements [b, b + n) of x (b global,
-// for the weight-decay ranges), the same on the server and every worker
+// zero-one-adam's step of m and x from the gradient g (the mean one, a
+// decoded one or the worker's own) over the elements [first, first + n) of x
+// (first global, for the weight-decay ranges): m = b1 m + (1 - b1) g, then
+// x -= lr (m / den + wd x). The same on the server and every worker.
+absl::Status MomentumStep(const OptimizerOptions& o, const ArrayOps& ops, float lr, const float* g,
+                          uint64_t first, size_t n, float* m, const float* den, float* x) {
+  absl::Status st = ops.UpdateMomentum(g, o.beta1, 1.0f - o.beta1, n, m);
+  ForEachWeightDecay(o, first, n, [&](size_t p, size_t c, float wd) {
+    if (st.ok()) st = ops.ApplyMomentum(m + p, den + p, lr, wd, c, x + p);
+  });
+  return st;
+}
+
+// zero-one-adam's variance step, the same on the server and every worker
 // (docs/design.md §1.6): the moments from the mean gradient g, then
 // den = sqrt(max(v / (1 - beta2^r), v_floor)) + eps with r the refreshes of v
 // so far (this one included), then x moves by m / den as in every other step.
@@ -87,14 +99,16 @@ namespace {
 // 26 on the mlp with the defaults). The correction: v gains one term per
 // refresh, and refreshes grow rare, so the raw v stays a few percent of its
 // settled value for the whole job (den 3-8x too small).
-void ZeroOneVarianceStep(const OptimizerOptions& o, uint64_t step, float lr, const float* g,
-                         uint64_t b, size_t n, float* m, float* v, float* den, float* x) {
-  UpdateMoments(g, o.beta1, 1.0f - o.beta1, o.beta2, 1.0f - o.beta2, n, m, v);
+absl::Status ZeroOneVarianceStep(const OptimizerOptions& o, const ArrayOps& ops, uint64_t step,
+                                 float lr, const float* g, uint64_t first, size_t n, float* m,
+                                 float* v, float* den, float* x) {
+  absl::Status st = ops.UpdateMoments(g, o.beta1, 1.0f - o.beta1, o.beta2, 1.0f - o.beta2, n, m, v);
   const float c = ZeroOneVarianceCorrection(o, step);
-  for (size_t i = 0; i < n; ++i) den[i] = FrozenDenominator(std::max(v[i] / c, o.v_floor), o.eps);
-  ForEachWeightDecay(o, b, n, [&](size_t p, size_t q, float wd) {
-    ApplyMomentum(m + p, den + p, lr, wd, q, x + p);
+  if (st.ok()) st = ops.VarianceDenominators(v, c, o.v_floor, o.eps, n, den);
+  ForEachWeightDecay(o, first, n, [&](size_t p, size_t q, float wd) {
+    if (st.ok()) st = ops.ApplyMomentum(m + p, den + p, lr, wd, q, x + p);
   });
+  return st;
 }
 
 class ZeroOneAdam final : public Algorithm {
@@ -126,51 +140,45 @@ class ZeroOneAdam final : public Algorithm {
   absl::Status Step(uint64_t step, float lr, bool last_warmup, float* acc, uint64_t off, size_t n,
                     ServerShardState* s, uint8_t* reply) const override;
 
-  void InitWorker(WorkerState* s) const override {
-    s->v.assign(s->x.size(), 0.0f);
-    s->den.assign(s->x.size(), 0.0f);
+  // m̄ (the worker's own m), e and den throughout; v until the freeze,
+  // x_sync after it.
+  WorkerArraySet WorkerArraysIn(Phase phase, bool hand_over) const override {
+    (void)hand_over;
+    WorkerArraySet set;
+    set.mbar = set.e = set.den = true;
+    set.v = phase == Phase::kWarmup;
+    set.x_sync = phase == Phase::kCompress;
+    return set;
   }
-  void EnterCompression(WorkerState* s) const override {
-    Algorithm::EnterCompression(s);
-    // As the server's: the errors start again for the summed updates.
-    std::fill(s->e.begin(), s->e.end(), 0.0f);
-    s->x_sync = s->x;
+  absl::Status EnterCompression(const ArrayOps& ops, WorkerView* s) const override {
+    absl::Status st = Algorithm::EnterCompression(ops, s);
+    // As the server's: the errors start again for the summed updates; v is
+    // frozen (den holds all that is needed of it).
+    if (st.ok()) st = ops.Zero(s->d, s->e);
+    if (st.ok()) st = ops.Copy(s->x, s->d, s->x_sync);
     s->lrs = 0.0f;
-    s->v.clear();  // frozen: den holds all that is needed of it
-    s->v.shrink_to_fit();
+    return st;
   }
   // After the freeze the worker keeps the sum of the learning rates since
   // the last sync step.
-  void BeginStep(uint64_t step, float lr, WorkerState* s) const override {
+  void BeginStep(uint64_t step, float lr, WorkerView* s) const override {
     (void)step;
     if (s->frozen) s->lrs += lr;
   }
-  void EndStep(uint64_t step, WorkerState* s) const override {
+  void EndStep(uint64_t step, WorkerView* s) const override {
     if (s->frozen && KindOf(step, Phase::kCompress) == StepKind::kCompressed) s->lrs = 0.0f;
   }
-  absl::Status Push(uint64_t step, float lr, const float* g, uint64_t b, size_t n, WorkerState* s,
-                    uint8_t* out) const override;
+  absl::Status Push(uint64_t step, float lr, const float* g, uint64_t b, size_t n,
+                    const ArrayOps& ops, WorkerView* s, uint8_t* out) const override;
   absl::Status LocalStep(uint64_t step, float lr, const float* g, uint64_t b, size_t n,
-                         WorkerState* s) const override {
-    if (KindOf(step, PhaseOf(*s)) != StepKind::kLocal)
-      return Algorithm::LocalStep(step, lr, g, b, n, s);
-    LocalUpdate(lr, g + b, b, n, s);
-    return absl::OkStatus();
+                         const ArrayOps& ops, WorkerView* s) const override {
+    if (KindOf(step, PhaseOf(*s)) != StepKind::kLocal) {
+      return Algorithm::LocalStep(step, lr, g, b, n, ops, s);
+    }
+    return MomentumStep(o_, ops, lr, g + b, b, n, s->mbar + b, s->den + b, s->x + b);
   }
-  absl::Status Apply(uint64_t step, float lr, bool last_warmup, const uint8_t* reply, uint64_t b,
-                     size_t n, WorkerState* s) const override;
-
- private:
-  // The local step's m and x update of [b, b + n).
-  void LocalUpdate(float lr, const float* g, uint64_t b, size_t n, WorkerState* s) const {
-    float* m = s->mbar.data() + b;
-    float* x = s->x.data() + b;
-    const float* den = s->den.data() + b;
-    UpdateMomentum(g, o_.beta1, 1.0f - o_.beta1, n, m);
-    ForEachWeightDecay(o_, b, n, [&](size_t p, size_t c, float wd) {
-      ApplyMomentum(m + p, den + p, lr, wd, c, x + p);
-    });
-  }
+  absl::Status Apply(uint64_t step, float lr, bool last_warmup, Payload reply, uint64_t b, size_t n,
+                     const ArrayOps& ops, WorkerView* s) const override;
 };
 
 // zero-one-adam's server (docs/design.md §1.6). Variance step: acc is the mean
@@ -190,8 +198,9 @@ absl::Status ZeroOneAdam::Step(uint64_t step, float lr, bool last_warmup, float*
   if (kind == StepKind::kFull) {
     absl::Status st = fp32_->Encode(acc, n, reply);
     if (!st.ok()) return Diverged(o_, "the mean gradient", step, s->begin + off, st);
-    ZeroOneVarianceStep(o_, step, lr, acc, s->begin + off, n, s->m.data() + off, s->v.data() + off,
-                        den, x);
+    st = ZeroOneVarianceStep(o_, HostArrayOps(), step, lr, acc, s->begin + off, n,
+                             s->m.data() + off, s->v.data() + off, den, x);
+    if (!st.ok()) return st;
     return CheckFinite(o_, "the update", step, s->begin + off, x, n);
   }
   const Codec& codec = *server_codec_;
@@ -200,11 +209,8 @@ absl::Status ZeroOneAdam::Step(uint64_t step, float lr, bool last_warmup, float*
   if (!st.ok()) return Diverged(o_, "the averaged update", step, s->begin + off, st);
   if (st = codec.Decode(reply, n, acc); !st.ok()) return st;
   if (!s->frozen) {
-    float* m = s->m.data() + off;
-    UpdateMomentum(acc, o_.beta1, 1.0f - o_.beta1, n, m);
-    ForEachWeightDecay(o_, s->begin + off, n, [&](size_t p, size_t c, float wd) {
-      ApplyMomentum(m + p, den + p, lr, wd, c, x + p);
-    });
+    st = MomentumStep(o_, HostArrayOps(), lr, acc, s->begin + off, n, s->m.data() + off, den, x);
+    if (!st.ok()) return st;
   } else {
     for (size_t i = 0; i < n; ++i) x[i] += acc[i] / den[i];
   }
@@ -212,60 +218,46 @@ absl::Status ZeroOneAdam::Step(uint64_t step, float lr, bool last_warmup, float*
 }
 
 absl::Status ZeroOneAdam::Push(uint64_t step, float lr, const float* g, uint64_t b, size_t n,
-                               WorkerState* s, uint8_t* out) const {
-  if (KindOf(step, PhaseOf(*s)) == StepKind::kFull) return warmup_codec_->Encode(g + b, n, out);
-  const Codec& codec = *worker_codec_;
-  float* e = s->e.data() + b;
+                               const ArrayOps& ops, WorkerView* s, uint8_t* out) const {
+  if (KindOf(step, PhaseOf(*s)) == StepKind::kFull) {
+    return ops.Encode(*warmup_codec_, g + b, nullptr, n, out);
+  }
   const float* y = g + b;
   if (s->frozen) {
     // The sync step's own local step, then its update since the last
     // sync, u = x - x_sync, in momentum units: u * den.
-    LocalUpdate(lr, g + b, b, n, s);
-    float* u = Scratch(n);
-    const float* x = s->x.data() + b;
-    const float* xs = s->x_sync.data() + b;
-    const float* den = s->den.data() + b;
-    for (size_t i = 0; i < n; ++i) u[i] = (x[i] - xs[i]) * den[i];
-    y = u;
+    const float* den = s->den + b;
+    absl::Status st = MomentumStep(o_, ops, lr, g + b, b, n, s->mbar + b, den, s->x + b);
+    if (!st.ok()) return st;
+    absl::StatusOr<float*> u = ops.Scratch(n);
+    if (!u.ok()) return u.status();
+    if (st = ops.UpdateSinceSync(s->x + b, s->x_sync + b, den, n, *u); !st.ok()) return st;
+    y = *u;
   }
-  return EncodeMaybeWithFeedback(codec, o_.worker_error_feedback, y, e, n, out);
+  return ops.Encode(*worker_codec_, y, o_.worker_error_feedback ? s->e + b : nullptr, n, out);
 }
 
-// zero-one-adam's worker side of Step, the same
-// arithmetic on the worker's own m, v and x.
-absl::Status ZeroOneAdam::Apply(uint64_t step, float lr, bool last_warmup, const uint8_t* reply,
-                                uint64_t b, size_t n, WorkerState* s) const {
+// zero-one-adam's worker side of Step, the same arithmetic on the worker's
+// own m, v and x.
+absl::Status ZeroOneAdam::Apply(uint64_t step, float lr, bool last_warmup, Payload reply,
+                                uint64_t b, size_t n, const ArrayOps& ops, WorkerView* s) const {
   (void)last_warmup;
   const StepKind kind = KindOf(step, PhaseOf(*s));  // not kLocal (WorkerOptimizer::Apply)
-  float* x = s->x.data() + b;
-  float* m = s->mbar.data() + b;
-  float* den = s->den.data() + b;
-  float* a = Scratch(n);
-  const Codec& codec = reply_codec(kind);
-  if (absl::Status st = codec.Decode(reply, n, a); !st.ok()) return st;
+  float* x = s->x + b;
+  float* m = s->mbar + b;
+  float* den = s->den + b;
+  absl::StatusOr<float*> a = ops.Scratch(n);
+  if (!a.ok()) return a.status();
+  if (absl::Status st = ops.Decode(reply_codec(kind), reply, n, *a); !st.ok()) return st;
   if (kind == StepKind::kFull) {
     // The variance step the server took, on the worker's own moments (the
     // fp32 Decode above refused a non-finite mean gradient).
-    ZeroOneVarianceStep(o_, step, lr, a, b, n, m, s->v.data() + b, den, x);
-    return absl::OkStatus();
+    return ZeroOneVarianceStep(o_, ops, step, lr, *a, b, n, m, s->v + b, den, x);
   }
-  if (!s->frozen) {
-    UpdateMomentum(a, o_.beta1, 1.0f - o_.beta1, n, m);
-    ForEachWeightDecay(o_, b, n, [&](size_t p, size_t c, float wd) {
-      ApplyMomentum(m + p, den + p, lr, wd, c, x + p);
-    });
-    return absl::OkStatus();
-  }
+  if (!s->frozen) return MomentumStep(o_, ops, lr, *a, b, n, m, den, x);
   // A sync step: the replica moves as the master did; the local model
   // starts again from it, with m the mean update per unit of learning rate.
-  float* xs = s->x_sync.data() + b;
-  const float lrs = s->lrs;
-  for (size_t i = 0; i < n; ++i) {
-    xs[i] += a[i] / den[i];
-    m[i] = lrs > 0.0f ? -(a[i] / lrs) : 0.0f;
-    x[i] = xs[i];
-  }
-  return absl::OkStatus();
+  return ops.ApplySync(*a, den, s->lrs, n, s->x_sync + b, m, x);
 }
 
 absl::Status Validate(const OptimizerOptions& o) {
@@ -285,16 +277,6 @@ absl::Status Validate(const OptimizerOptions& o) {
                         "and never m (as DeepSpeed's ZeroOneAdam): drop the flag");
   }
   return absl::OkStatus();
-}
-
-// Every worker keeps its own m and den; v until the freeze, x_sync after it.
-WorkerArraysHeld WorkerArraysHeldBy(const OptimizerOptions& o, Phase phase) {
-  (void)o;
-  WorkerArraysHeld held;
-  held.mbar = held.e = held.den = true;
-  held.v = phase == Phase::kWarmup;
-  held.x_sync = phase == Phase::kCompress;
-  return held;
 }
 
 std::string Remedy(const OptimizerOptions& o) {
@@ -329,7 +311,6 @@ const AlgorithmRow& ZeroOneAdamRow() {
     r->traits.server_arrays = {"m", "v", "e_s", "den"};
     r->validate = Validate;
     r->remedy = Remedy;
-    r->worker_arrays_held = WorkerArraysHeldBy;
     r->make = MakeAlgorithm<ZeroOneAdam>;
     return r;
   }();

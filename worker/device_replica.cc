@@ -1,13 +1,15 @@
 #include "worker/device_replica.h"
 
+#include <algorithm>
 #include <cstring>
+#include <optional>
 #include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "checkpoint/state_file.h"
-#include "optim/update_kernels.h"
+#include "cuda/array_ops.h"
 
 namespace onebit {
 namespace {
@@ -43,6 +45,8 @@ class Buffer {
   bool pinned_ = false;
 };
 
+// The arrays of both phases are allocated up front; phase by phase, the
+// view the rule gets (WorkerView) names those the optimizer holds.
 class DeviceReplica final : public Replica {
  public:
   DeviceReplica(const Backend* backend, std::string device, uint64_t d, const Model* model,
@@ -60,6 +64,8 @@ class DeviceReplica final : public Replica {
       b_.synchronize(push_).IgnoreError();
       b_.synchronize(reply_).IgnoreError();
     }
+    push_ops_.reset();
+    reply_ops_.reset();
     dmodel_.reset();
     b_.destroy_stream(push_);
     b_.destroy_stream(reply_);
@@ -72,18 +78,28 @@ class DeviceReplica final : public Replica {
     auto reply = b_.create_stream();
     if (!reply.ok()) return reply.status();
     reply_ = *reply;
-    const size_t bytes = 4 * d_;
-    for (Buffer* buf : {&x_, &g_}) {
-      if (absl::Status st = Alloc(bytes, false, buf); !st.ok()) return st;
+    push_ops_ = cuda::NewArrayOps(b_, push_, o_.codec);
+    reply_ops_ = cuda::NewArrayOps(b_, reply_, o_.codec);
+    // Every array either phase holds. v and x_sync share one buffer where no
+    // phase holds both (zero-one-adam drops v as x_sync appears).
+    const WorkerArraySet warm = opt_->WorkerArraysIn(Phase::kWarmup, /*hand_over=*/true);
+    const WorkerArraySet comp = opt_->WorkerArraysIn(Phase::kCompress, false);
+    const bool shared = !(warm.v && warm.x_sync) && !(comp.v && comp.x_sync);
+    const bool v = warm.v || comp.v, x_sync = warm.x_sync || comp.x_sync;
+    const std::pair<bool, Buffer*> arrays[] = {
+        {true, &x_},
+        {true, &g_},
+        {warm.mbar || comp.mbar, &mbar_},
+        {warm.e || comp.e, &e_},
+        {warm.den || comp.den, &den_},
+        {v || (x_sync && shared), &v_},
+        {x_sync && !shared, &x_sync_},
+    };
+    for (const auto& [held, buf] : arrays) {
+      if (!held) continue;
+      if (absl::Status st = Alloc(4 * d_, false, buf); !st.ok()) return st;
     }
-    if (HasCompressionPhase(o_.kind)) {
-      for (Buffer* buf : {&mbar_, &e_[0], &e_[1]}) {
-        if (absl::Status st = Alloc(bytes, false, buf); !st.ok()) return st;
-      }
-    }
-    if (TraitsOf(o_.kind).den_of_frozen_v) {
-      if (absl::Status st = Alloc(bytes, false, &den_); !st.ok()) return st;
-    }
+    x_sync_at_ = x_sync ? (shared ? v_.f() : x_sync_.f()) : nullptr;
     if (!make_model) return absl::OkStatus();  // the caller computes the gradient
     auto m = make_model(push_);
     if (!m.ok()) return m.status();
@@ -99,38 +115,35 @@ class DeviceReplica final : public Replica {
   absl::Status Init() override {
     std::vector<float> x(d_);
     if (model_ != nullptr) model_->Init(x.data());
-    const size_t bytes = 4 * d_;
-    absl::Status st = b_.copy_to_device(x_.f(), x.data(), bytes, push_);
-    for (const Buffer* buf : {&g_, &mbar_, &e_[0], &e_[1], &den_}) {
+    absl::Status st = b_.copy_to_device(x_.f(), x.data(), 4 * d_, push_);
+    for (const Buffer* buf : {&g_, &mbar_, &e_, &den_, &v_, &x_sync_}) {
       if (st.ok()) st = b_.set_zero(buf->u8(), buf->size(), push_);
     }
     if (st.ok()) st = b_.synchronize(push_);  // x (pageable) must be read before it goes
     frozen_ = !HasWarmup(o_.kind);
-    e_side_.clear();
-    e_len_.clear();
+    lrs_ = 0.0f;
+    step_.reset();
+    lr_.reset();
     return st;
   }
 
   absl::StatusOr<WorkerState> SaveState(const Parts& parts) override {
     WorkerState s;
     s.frozen = frozen_;
+    s.lrs = lrs_;
+    const WorkerView a = View(opt_->WorkerArraysIn(phase(), false));
     absl::Status st = b_.synchronize(reply_);
-    auto copy = [&](const Buffer& from, std::vector<float>* to) {
+    auto copy = [&](bool wanted, const float* from, std::vector<float>* to) {
+      if (!wanted || from == nullptr) return;
       *to = parts.buffers != nullptr ? parts.buffers->Take(d_) : SnapshotZeros(d_);
-      if (st.ok()) st = b_.copy_to_host(to->data(), from.f(), 4 * d_, push_);
+      if (st.ok()) st = b_.copy_to_host(to->data(), from, 4 * d_, push_);
     };
-    if (parts.x) copy(x_, &s.x);
-    if (HasCompressionPhase(o_.kind)) {
-      if (parts.mbar) copy(mbar_, &s.mbar);
-      copy(e_[0], &s.e);  // chunks whose error is in e_[1] are copied over below
-    }
-    const bool den = parts.den && TraitsOf(o_.kind).den_of_frozen_v && frozen_;
-    if (den) copy(den_, &s.den);
-    for (const auto& [b, side] : e_side_) {
-      if (side == 1 && st.ok()) {
-        st = b_.copy_to_host(s.e.data() + b, e_[1].f() + b, 4 * e_len_.at(b), push_);
-      }
-    }
+    copy(parts.x, a.x, &s.x);
+    copy(parts.mbar, a.mbar, &s.mbar);
+    copy(true, a.e, &s.e);
+    copy(parts.den, a.den, &s.den);
+    copy(true, a.v, &s.v);
+    copy(true, a.x_sync, &s.x_sync);
     if (st.ok()) st = b_.synchronize(push_);
     if (!st.ok()) return st;
     return s;
@@ -138,19 +151,27 @@ class DeviceReplica final : public Replica {
 
   absl::Status RestoreState(const WorkerState& s) override {
     if (absl::Status st = CheckStateFits(s, d_, *opt_); !st.ok()) return st;
+    const WorkerView a = View(opt_->WorkerArraysIn(PhaseOf(s), false));
     absl::Status st = b_.synchronize(reply_);
-    auto copy = [&](const std::vector<float>& from, const Buffer& to) {
-      if (st.ok() && !from.empty()) st = b_.copy_to_device(to.f(), from.data(), 4 * d_, push_);
+    auto copy = [&](const std::vector<float>& from, float* to) {
+      if (!st.ok() || to == nullptr || from.empty()) return;
+      if (from.size() != d_) {
+        st = absl::InvalidArgumentError(
+            absl::StrCat("a saved array of ", from.size(), " floats for d = ", d_));
+        return;
+      }
+      st = b_.copy_to_device(to, from.data(), 4 * d_, push_);
     };
-    copy(s.x, x_);
-    copy(s.mbar, mbar_);
-    copy(s.e, e_[0]);
-    copy(s.den, den_);
+    copy(s.x, a.x);
+    copy(s.mbar, a.mbar);
+    copy(s.e, a.e);
+    copy(s.den, a.den);
+    copy(s.v, a.v);
+    copy(s.x_sync, a.x_sync);
     if (st.ok()) st = b_.synchronize(push_);  // the host vectors are pageable
     if (!st.ok()) return st;
     frozen_ = s.frozen;
-    e_side_.clear();  // every chunk's error is in e_[0] now
-    e_len_.clear();
+    lrs_ = s.lrs;
     return absl::OkStatus();
   }
 
@@ -162,97 +183,92 @@ class DeviceReplica final : public Replica {
     return dmodel_->Gradient(x_.f(), rank, step, g_.f());
   }
 
-  // Every optimizer the device runs takes the learning rate from Apply.
-  absl::Status BeginStep(uint64_t, float) override { return absl::OkStatus(); }
-  absl::Status LocalStep(uint64_t step) override {
-    return absl::FailedPreconditionError(
-        absl::StrCat("step ", step, ": a GPU replica takes no local steps"));
+  absl::Status BeginStep(uint64_t step, float lr) override {
+    step_ = step;
+    lr_ = lr;
+    WorkerView a = View(opt_->WorkerArraysIn(phase(), false));
+    opt_->BeginStep(step, lr, &a);
+    Keep(a);
+    return absl::OkStatus();
   }
 
+  // The push stream; the payload goes to the host through pinned memory.
   absl::Status Push(uint64_t step, uint64_t b, size_t n, uint8_t* out) override {
-    (void)step;
     if (absl::Status st = CheckRange(b, n); !st.ok()) return st;
-    const Codec& codec = opt_->push_codec(phase());
-    const size_t bytes = codec.EncodedSize(n);
+    const size_t bytes = opt_->push_codec(opt_->KindOf(step, phase())).EncodedSize(n);
     if (staging_.size() < bytes) {
       if (absl::Status st = Alloc(bytes, true, &staging_); !st.ok()) return st;
     }
-    // `from`: where the payload is on the device once encoded (nullptr: the
-    // encode put it into staging_ itself).
-    auto from = Encode(codec, b, n);
-    if (!from.ok()) return from.status();
-    absl::Status st = absl::OkStatus();
-    if (*from != nullptr) st = b_.copy_to_host(staging_.u8(), *from, bytes, push_);
+    if (staging_dev_.size() < bytes) {
+      // Push waits for its stream before it returns: nothing queued reads it.
+      if (absl::Status st = Alloc(bytes, false, &staging_dev_); !st.ok()) return st;
+    }
+    WorkerView a = View(opt_->WorkerArraysIn(phase(), false));
+    absl::Status st =
+        opt_->Push(step, StepLr(step), g_.f(), b, n, *push_ops_, &a, staging_dev_.u8());
+    Keep(a);
+    if (st.ok()) st = b_.copy_to_host(staging_.u8(), staging_dev_.u8(), bytes, push_);
     if (st.ok()) st = b_.synchronize(push_);
     if (!st.ok()) return st;
     std::memcpy(out, staging_.u8(), bytes);
     return absl::OkStatus();
   }
 
+  // On the push stream, as the pushes it stands for.
+  absl::Status LocalStep(uint64_t step) override {
+    WorkerView a = View(opt_->WorkerArraysIn(phase(), false));
+    absl::Status st = opt_->LocalStep(step, StepLr(step), g_.f(), 0, d_, *push_ops_, &a);
+    Keep(a);
+    return st;
+  }
+
+  // The reply stream: the reply goes to the device through this chunk's
+  // pinned slot, and the rule decodes it there (it checks it on the host
+  // first).
   absl::Status Apply(uint64_t step, float lr, bool last_warmup, const uint8_t* reply, uint64_t b,
                      size_t n) override {
-    (void)step;
     if (absl::Status st = CheckRange(b, n); !st.ok()) return st;
-    const Phase ph = phase();
-    const Codec& codec = opt_->reply_codec(ph);
-    if (absl::Status st = codec.CheckPayload(reply, n); !st.ok()) return st;
-    const bool hand_over = !frozen_ && last_warmup && TraitsOf(o_.kind).den_of_frozen_v;
-    std::vector<float> den;
-    if (hand_over) {
-      // Checked and computed here, as WorkerOptimizer::Apply does, before
-      // anything changes.
-      const Codec& fp32 = opt_->fp32_codec();
-      const uint8_t* tail = reply + 4 * n;
-      absl::Status st = fp32.CheckPayload(tail, n);
-      if (st.ok()) st = fp32.CheckPayload(tail + 4 * n, n);
-      if (!st.ok()) return st;
-      den.resize(n);
-      std::memcpy(den.data(), tail + 4 * n, 4 * n);
-      st = HandOverDenominators(den.data(), n, b, o_.eps, den.data());
-      if (!st.ok()) return st;
-    }
-    // The payload goes through this chunk's own pinned slot into g[b, b+n),
-    // free since the chunk was pushed (every payload fits in 4n bytes); an
-    // fp32 momentum goes straight to m̄.
-    const bool add = !frozen_ || o_.reply == ReplyMode::kDelta;
-    const bool direct = !add && codec.kind() == CodecKind::kFp32;
-    const size_t bytes = codec.EncodedSize(n);
-    auto slot = Slot(b, n);
+    const size_t bytes = opt_->ReplyBytes(opt_->KindOf(step, phase()), b, n, last_warmup);
+    auto slot = Slot(b, n, bytes);
     if (!slot.ok()) return slot.status();
-    std::memcpy(*slot, reply, bytes);
-    float* x = x_.f() + b;
-    float* mbar = direct || !add ? mbar_.f() + b : nullptr;
-    uint8_t* p = direct ? reinterpret_cast<uint8_t*>(mbar) : reinterpret_cast<uint8_t*>(g_.f() + b);
-    absl::Status st = b_.copy_to_device(p, *slot, bytes, reply_);
-    if (!st.ok()) return st;
-    if (!frozen_) {
-      st = b_.axpy(reinterpret_cast<const float*>(p), n, 1.0f, x, reply_);
-      if (st.ok() && hand_over) {
-        // Once per run: pageable copies, waited for before den goes.
-        st = b_.copy_to_device(mbar_.f() + b, reply + 4 * n, 4 * n, reply_);
-        if (st.ok()) st = b_.copy_to_device(den_.f() + b, den.data(), 4 * n, reply_);
-        if (st.ok()) st = b_.synchronize(reply_);
-      }
-      return st;
+    if (reply_dev_.size() < bytes) {
+      // Replies queued before may still be read from the old one.
+      if (absl::Status st = b_.synchronize(reply_); !st.ok()) return st;
+      if (absl::Status st = Alloc(bytes, false, &reply_dev_); !st.ok()) return st;
     }
-    if (add) return DecodeTo(codec, p, n, /*add=*/true, x);
-    if (!direct) st = DecodeTo(codec, p, n, /*add=*/false, mbar);
+    std::memcpy(*slot, reply, bytes);
+    absl::Status st = b_.copy_to_device(reply_dev_.u8(), *slot, bytes, reply_);
     if (!st.ok()) return st;
-    const float* dn = TraitsOf(o_.kind).den_of_frozen_v ? den_.f() + b : nullptr;
-    absl::Status result;
-    ForEachWeightDecay(o_, b, n, [&](size_t p, size_t m, float wd) {
-      if (!result.ok()) return;
-      result =
-          b_.apply_momentum(mbar + p, dn == nullptr ? nullptr : dn + p, lr, wd, m, x + p, reply_);
-    });
-    return result;
+    WorkerView a = View(opt_->WorkerArraysIn(phase(), last_warmup));
+    st = opt_->Apply(step, lr, last_warmup, Payload{reply, reply_dev_.u8()}, b, n, *reply_ops_, &a);
+    Keep(a);
+    return st;
   }
 
   absl::Status FinishStep(bool entered_compression) override {
     absl::Status st = b_.synchronize(reply_);
+    if (st.ok()) st = b_.synchronize(push_);
     if (!st.ok()) return st;
-    if (entered_compression) frozen_ = true;
-    return absl::OkStatus();
+    if (step_) {
+      WorkerView a = View(opt_->WorkerArraysIn(phase(), false));
+      opt_->EndStep(*step_, &a);
+      Keep(a);
+    }
+    step_.reset();
+    lr_.reset();
+    if (!entered_compression) return absl::OkStatus();
+    // With the arrays of both phases (x_sync may take v's buffer).
+    WorkerArraySet both = opt_->WorkerArraysIn(Phase::kWarmup, false);
+    const WorkerArraySet comp = opt_->WorkerArraysIn(Phase::kCompress, false);
+    both.mbar |= comp.mbar;
+    both.e |= comp.e;
+    both.den |= comp.den;
+    both.x_sync |= comp.x_sync;
+    WorkerView a = View(both);
+    st = opt_->EnterCompression(*push_ops_, &a);
+    Keep(a);
+    if (st.ok()) st = b_.synchronize(push_);
+    return st;
   }
 
   absl::Status ReadX(float* x) override {
@@ -264,8 +280,12 @@ class DeviceReplica final : public Replica {
 
   absl::Status WriteX(uint64_t b, size_t n, const float* host) override {
     if (absl::Status st = CheckRange(b, n); !st.ok()) return st;
+    // The master goes to the worker's copy of it, which is x_sync where the
+    // worker trains a local model apart from it (as CpuReplica::WriteX).
+    const WorkerView a = View(opt_->WorkerArraysIn(phase(), false));
+    float* to = a.x_sync != nullptr ? a.x_sync : x_.f();
     absl::Status st = b_.synchronize(reply_);
-    if (st.ok()) st = b_.copy_to_device(x_.f() + b, host, 4 * n, push_);
+    if (st.ok()) st = b_.copy_to_device(to + b, host, 4 * n, push_);
     if (st.ok()) st = b_.synchronize(push_);  // host is pageable memory
     return st;
   }
@@ -297,107 +317,40 @@ class DeviceReplica final : public Replica {
     return absl::OkStatus();
   }
 
-  // A pinned slot of 4n bytes for the replies of the chunk at b.
-  absl::StatusOr<uint8_t*> Slot(uint64_t b, size_t n) {
+  // A pinned slot of at least `bytes` for the replies of the chunk at b, n
+  // elements (so copies need not wait for each other). The hand-over's
+  // larger reply does not keep its slot: 4n bytes hold every other.
+  absl::StatusOr<uint8_t*> Slot(uint64_t b, size_t n, size_t bytes) {
     Buffer& s = slots_[b];
-    if (s.size() != 4 * n) {
-      if (absl::Status st = Alloc(4 * n, true, &s); !st.ok()) return st;
+    if (s.size() < bytes || s.size() > std::max(bytes, 4 * n)) {
+      // A copy from the old slot may still be queued.
+      if (absl::Status st = b_.synchronize(reply_); !st.ok()) return st;
+      if (absl::Status st = Alloc(std::max(bytes, 4 * n), true, &s); !st.ok()) return st;
     }
     return s.u8();
   }
 
-  // "non-finite input at index i (...)", as the CPU codecs say it.
-  absl::Status NonFinite(const float* y, const float* e, size_t i, const char* what) {
-    float yv = 0, ev = 0;
-    b_.copy_to_host(&yv, y + i, 4, push_).IgnoreError();
-    if (e != nullptr) b_.copy_to_host(&ev, e + i, 4, push_).IgnoreError();
-    b_.synchronize(push_).IgnoreError();
-    return absl::InvalidArgumentError(
-        e == nullptr ? absl::StrCat(what, " at index ", i, " (", yv, "); nothing was encoded")
-                     : absl::StrCat(what, " at index ", i, " (y=", yv, ", e=", ev,
-                                    "); nothing was encoded or changed"));
+  // The arrays `set` names, and the scalars.
+  WorkerView View(const WorkerArraySet& set) const {
+    WorkerView a;
+    a.d = d_;
+    a.x = x_.f();
+    a.mbar = set.mbar ? mbar_.f() : nullptr;
+    a.e = set.e ? e_.f() : nullptr;
+    a.den = set.den ? den_.f() : nullptr;
+    a.v = set.v ? v_.f() : nullptr;
+    a.x_sync = set.x_sync ? x_sync_at_ : nullptr;
+    a.frozen = frozen_;
+    a.lrs = lrs_;
+    return a;
+  }
+  // The scalars a rule left in `a`.
+  void Keep(const WorkerView& a) {
+    frozen_ = a.frozen;
+    lrs_ = a.lrs;
   }
 
-  // Encodes the push of [b, b + n) on the push stream (WorkerOptimizer::Push)
-  // and returns where the payload is.
-  absl::StatusOr<const void*> Encode(const Codec& codec, uint64_t b, size_t n) {
-    const float* y = g_.f() + b;
-    if (!frozen_) {
-      auto bad = b_.first_nonfinite(y, nullptr, n, push_);
-      if (!bad.ok()) return bad.status();
-      if (*bad < n) return NonFinite(y, nullptr, *bad, "non-finite input");
-      return static_cast<const void*>(y);  // fp32: the gradient is the payload
-    }
-    if (TraitsOf(o_.kind).worker_momentum) {
-      float* m = mbar_.f() + b;
-      absl::Status st = b_.update_momentum(y, o_.beta1, 1.0f - o_.beta1, n, m, push_);
-      if (!st.ok()) return st;
-      y = m;
-    }
-    const bool ef = o_.worker_error_feedback;
-    uint8_t& side = e_side_[b];
-    e_len_[b] = n;
-    float* e = ef ? e_[side].f() + b : nullptr;
-    if (staging_dev_.size() < codec.EncodedSize(n)) {
-      if (absl::Status st = Alloc(codec.EncodedSize(n), false, &staging_dev_); !st.ok()) return st;
-    }
-    uint8_t* out = staging_dev_.u8();
-    switch (codec.kind()) {
-      case CodecKind::kOnebit: {
-        // Into the other error buffer: e changes only when the encode succeeds.
-        float* e_out = ef ? e_[1 - side].f() + b : nullptr;
-        absl::Status st =
-            b_.onebit_encode(y, e, e_out, n, o_.codec.block_size, o_.codec.scale, out, push_);
-        if (!st.ok()) return st;
-        if (ef) side = 1 - side;
-        return static_cast<const void*>(out);
-      }
-      case CodecKind::kFp16: {
-        auto bad = b_.fp16_check(y, e, n, push_);
-        if (!bad.ok()) return bad.status();
-        if (*bad < n) return NonFinite(y, e, *bad, "non-finite input or fp16 overflow");
-        absl::Status st = b_.fp16_encode(y, e, n, reinterpret_cast<uint16_t*>(out), push_);
-        if (!st.ok()) return st;
-        return static_cast<const void*>(out);
-      }
-      case CodecKind::kFp32: {
-        auto bad = b_.first_nonfinite(y, e, n, push_);
-        if (!bad.ok()) return bad.status();
-        if (*bad < n) return NonFinite(y, e, *bad, "non-finite input");
-        if (e == nullptr) return static_cast<const void*>(y);
-        // z = e + 1*y (= y + e exactly); the payload is z; the new error is
-        // z - z = +0, as the CPU codec writes it.
-        absl::Status st = b_.axpy(y, n, 1.0f, e, push_);
-        if (st.ok()) st = b_.copy_to_host(staging_.u8(), e, 4 * n, push_);
-        if (st.ok()) st = b_.set_zero(e, 4 * n, push_);
-        if (!st.ok()) return st;
-        return static_cast<const void*>(nullptr);  // already in staging_
-      }
-    }
-    return absl::InternalError("unknown codec kind");
-  }
-
-  // out = D(p), or out += D(p), on the reply stream; p on the device.
-  absl::Status DecodeTo(const Codec& codec, const uint8_t* p, size_t n, bool add, float* out) {
-    switch (codec.kind()) {
-      case CodecKind::kOnebit: {
-        const uint32_t block = o_.codec.block_size;
-        const float* scales = reinterpret_cast<const float*>(p);
-        const uint8_t* bits = p + 4 * ((n + block - 1) / block);
-        return add ? b_.onebit_decode_add(scales, bits, n, block, 1.0f, out, reply_)
-                   : b_.onebit_decode(scales, bits, n, block, out, reply_);
-      }
-      case CodecKind::kFp16: {
-        const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
-        return add ? b_.fp16_decode_add(h, n, 1.0f, out, reply_)
-                   : b_.fp16_decode(h, n, out, reply_);
-      }
-      case CodecKind::kFp32:
-        if (!add) break;  // Apply copies an fp32 momentum to m̄ directly
-        return b_.axpy(reinterpret_cast<const float*>(p), n, 1.0f, out, reply_);
-    }
-    return absl::InternalError(absl::StrCat("cannot decode ", codec.name(), " here"));
-  }
+  float StepLr(uint64_t step) const { return lr_ && step_ == step ? *lr_ : LearningRate(o_, step); }
 
   const Backend& b_;
   const std::string device_;
@@ -407,14 +360,19 @@ class DeviceReplica final : public Replica {
   const uint64_t d_;
   Stream push_ = nullptr;
   Stream reply_ = nullptr;
+  std::unique_ptr<ArrayOps> push_ops_, reply_ops_;  // on push_, reply_
   std::unique_ptr<DeviceModel> dmodel_;
-  Buffer x_, g_, mbar_, e_[2], den_;
+  Buffer x_, g_, mbar_, e_, den_, v_, x_sync_;
+  float* x_sync_at_ = nullptr;                   // x_sync_, or v_ where they share
   Buffer staging_;                               // pinned: the push payload on its way to the host
   Buffer staging_dev_;                           // device: the encoded push payload
+  Buffer reply_dev_;                             // device: the reply being applied
   absl::flat_hash_map<uint64_t, Buffer> slots_;  // pinned: reply payloads, by chunk
-  absl::flat_hash_map<uint64_t, uint8_t> e_side_;  // chunk -> which e_ holds its error
-  absl::flat_hash_map<uint64_t, size_t> e_len_;    // chunk -> its length
   bool frozen_ = false;
+  float lrs_ = 0.0f;
+  // The step BeginStep began, and its learning rate.
+  std::optional<uint64_t> step_;
+  std::optional<float> lr_;
 };
 
 }  // namespace
@@ -424,21 +382,6 @@ absl::StatusOr<std::unique_ptr<Replica>> NewDeviceReplica(const cuda::Backend* b
                                                           const Model* model,
                                                           const WorkerOptimizer* optimizer,
                                                           const DeviceModelFactory& make_model) {
-  if (optimizer->options().warmup_codec != "fp32") {
-    return absl::UnimplementedError(
-        "--warmup_codec fp16 runs on CPU workers only so far (--device cpu): the GPU worker "
-        "adds fp32 warm-up replies");
-  }
-  if (optimizer->options().kind == OptimizerKind::kZeroOneAdam) {
-    return absl::UnimplementedError(
-        "zero-one-adam runs on CPU workers only so far (--device cpu): its local steps have no "
-        "GPU kernels yet");
-  }
-  if (optimizer->options().kind == OptimizerKind::kOnebitLamb) {
-    return absl::UnimplementedError(
-        "onebit-lamb runs on CPU workers only so far (--device cpu): the GPU worker does not "
-        "apply its layers' ratios yet");
-  }
   auto r = std::make_unique<DeviceReplica>(backend, std::move(device), d, model, optimizer);
   if (absl::Status st = r->Create(make_model); !st.ok()) return st;
   return std::unique_ptr<Replica>(std::move(r));

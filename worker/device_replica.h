@@ -1,22 +1,24 @@
-// A worker's replica on a device (cuda/backend.h): x, the gradient, the
-// momentum, both error buffers and the frozen preconditioner live in device
-// memory; the gradient comes from a DeviceModel on the device; only payloads
-// cross to the host. Two streams, one per direction: the push stream runs
-// the model, the momentum update, the encode and the copy of each payload
-// into pinned memory; the reply stream copies each reply from pinned memory
-// and applies it, while the host goes on receiving the next.
+// A worker's replica on a device (cuda/backend.h): x, the gradient and the
+// arrays of the optimizer's state live in device memory; the gradient comes
+// from a DeviceModel on the device; only payloads cross to the host. Two
+// streams, one per direction: the push stream runs the model, the worker
+// rule's push (and local steps) and the copy of each payload into pinned
+// memory; the reply stream copies each reply from pinned memory and applies
+// it, while the host goes on receiving the next.
 //
-// The arithmetic is CpuReplica's (optim/optimizer.h, WorkerOptimizer), kernel
-// for kernel through the CPU twins' GPU versions, so a GPU replica equals a
-// CPU replica of the same job bit for bit (docs/design.md §1.3). Replies are
-// checked on the host, where they arrive (Codec::CheckPayload), before
-// anything is copied; a push that fails (a non-finite value) leaves the error
-// buffers as they were, as the codecs do.
+// The arithmetic is the optimizer's worker rule itself (optim/algorithm.h,
+// through WorkerOptimizer), the one CpuReplica runs, on the backend's
+// operations (cuda/array_ops.h) instead of the host's, so a GPU replica
+// equals a CPU replica of the same job bit for bit (docs/design.md §1.3),
+// for every optimizer and warm-up codec. Replies are checked on the host,
+// where they arrive, before anything changes; a push that fails (a
+// non-finite value) leaves the error buffer as it was, as the codecs do.
 //
-// Memory: device 4 floats per parameter (x, g, 2 error buffers) plus m̄ and
-// v's denominator where the optimizer has them; pinned host memory of one
-// fp32 copy of x (a slot per reply chunk, so copies need not wait for each
-// other) and one push chunk.
+// Memory: device 2 floats per parameter (x, g) plus each array either phase
+// of the optimizer holds (WorkerOptimizer::WorkerArraysIn; zero-one-adam's
+// v and x_sync share one), a reply chunk and a push chunk; pinned host
+// memory of one fp32 copy of x (a slot per reply chunk, so copies need not
+// wait for each other) and one push chunk.
 #ifndef ONEBIT_WORKER_DEVICE_REPLICA_H_
 #define ONEBIT_WORKER_DEVICE_REPLICA_H_
 

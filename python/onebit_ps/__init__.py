@@ -489,7 +489,7 @@ class ZeroOneAdam(DistributedOptimizer):
     doubling intervals up to var_freeze_step, then workers take local steps
     and synchronise at doubling intervals up to local_step_clipper (see the
     design doc, section 1.6). Hyper-parameters left as None are the job's.
-    CPU workers only so far; the job needs a fixed number of steps."""
+    The job needs a fixed number of steps."""
 
     def __init__(self, params, lr=None, var_freeze_step=None, var_update_scaler=None,
                  local_step_scaler=None, local_step_clipper=None, betas=None, eps=None,
@@ -508,7 +508,7 @@ class OneBitLamb(DistributedOptimizer):
     ratios and v are frozen and workers send 1-bit momenta; the servers
     adjust each layer's frozen ratio by how far v has moved (the design doc,
     section 1.7). The servers hold whole tensors.
-    Hyper-parameters left as None are the job's. CPU workers only so far."""
+    Hyper-parameters left as None are the job's."""
 
     def __init__(self, params, lr=None, freeze_step=None, betas=None, eps=None,
                  weight_decay=None, max_coeff=None, min_coeff=None, coeff_beta=None,

@@ -8,12 +8,16 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "cuda/array_ops.h"
+#include "cuda/backend.h"
 #include "cuda/kernels.h"
+#include "gmock/gmock.h"
 #include "optim/update_kernels.h"
 #include "tests/cuda/test_util.h"
 
@@ -590,6 +594,89 @@ TEST(CudaUpdate, WorkerRoundMatchesCpu) {
   EXPECT_TRUE(SameBits(Download<uint8_t>(dout, bytes), out));
   EXPECT_TRUE(SameBits(Download<float>(de, n), e));
   EXPECT_TRUE(SameBits(Download<float>(dx, n), x));
+}
+
+// The other worker loops: zero-one-adam's variance steps, sync pushes and
+// syncs, the hand-over's den and onebit-lamb's momentum replies.
+TEST(CudaUpdate, WorkerLoopsOfEveryOptimizerMatchCpu) {
+  ONEBIT_REQUIRE_GPU_OR_SKIP();
+  for (size_t n : Sizes(2048)) {
+    SCOPED_TRACE(absl::StrCat("n=", n));
+    const std::vector<float> g = Values(n, 50, 1e-2f), den = Denominators(n, 51);
+    std::vector<float> m = Values(n, 52, 1e-2f), v = Values(n, 53, 1e-3f);
+    for (float& vi : v) vi = vi * vi;
+    if (n > 3) v[3] = std::numeric_limits<float>::quiet_NaN();  // std::max keeps it
+    DeviceBuffer dg = Upload(g), dden = Upload(den), dm = Upload(m), dv = Upload(v);
+    onebit::UpdateMoments(g.data(), 0.9f, 0.1f, 0.999f, 1.0f - 0.999f, n, m.data(), v.data());
+    ASSERT_TRUE(UpdateMoments(dg.as<float>(), 0.9f, 0.1f, 0.999f, 1.0f - 0.999f, n, dm.as<float>(),
+                              dv.as<float>(), nullptr)
+                    .ok());
+    EXPECT_TRUE(SameBits(Download<float>(dm, n), m)) << "m";
+    EXPECT_TRUE(SameBits(Download<float>(dv, n), v)) << "v";
+
+    std::vector<float> out(n);
+    DeviceBuffer dout = Upload(out);
+    onebit::VarianceDenominators(v.data(), 0.03f, 1e-8f, 1e-8f, n, out.data());
+    ASSERT_TRUE(
+        VarianceDenominators(dv.as<float>(), 0.03f, 1e-8f, 1e-8f, n, dout.as<float>(), nullptr)
+            .ok());
+    EXPECT_TRUE(SameBits(Download<float>(dout, n), out)) << "variance den";
+    for (float& vi : v) vi = std::abs(vi);
+    dv = Upload(v);
+    onebit::FrozenDenominators(v.data(), 1e-8f, n, out.data());
+    ASSERT_TRUE(FrozenDenominators(dv.as<float>(), 1e-8f, n, dout.as<float>(), nullptr).ok());
+    EXPECT_TRUE(SameBits(Download<float>(dout, n), out)) << "frozen den";
+
+    std::vector<float> x = Values(n, 54), xs = Values(n, 55);
+    DeviceBuffer dx = Upload(x), dxs = Upload(xs);
+    onebit::UpdateSinceSync(x.data(), xs.data(), den.data(), n, out.data());
+    ASSERT_TRUE(UpdateSinceSync(dx.as<float>(), dxs.as<float>(), dden.as<float>(), n,
+                                dout.as<float>(), nullptr)
+                    .ok());
+    EXPECT_TRUE(SameBits(Download<float>(dout, n), out)) << "u";
+    for (float lrs : {0.0f, 0.03f}) {
+      onebit::ApplySync(g.data(), den.data(), lrs, n, xs.data(), m.data(), x.data());
+      ASSERT_TRUE(ApplySync(dg.as<float>(), dden.as<float>(), lrs, n, dxs.as<float>(),
+                            dm.as<float>(), dx.as<float>(), nullptr)
+                      .ok());
+      EXPECT_TRUE(SameBits(Download<float>(dxs, n), xs)) << "x_sync, lrs " << lrs;
+      EXPECT_TRUE(SameBits(Download<float>(dm, n), m)) << "m, lrs " << lrs;
+      EXPECT_TRUE(SameBits(Download<float>(dx, n), x)) << "x, lrs " << lrs;
+    }
+    for (float wd : {0.0f, 0.01f}) {
+      onebit::LambApply(g.data(), den.data(), -3e-3f, wd, n, x.data());
+      ASSERT_TRUE(
+          LambApply(dg.as<float>(), dden.as<float>(), -3e-3f, wd, n, dx.as<float>(), nullptr).ok());
+      EXPECT_TRUE(SameBits(Download<float>(dx, n), x)) << "lamb, wd " << wd;
+    }
+  }
+}
+
+// A GPU worker's encode with error feedback (cuda/array_ops.h) equals the
+// codec's, and a refused one leaves e as it was, as the codec does.
+TEST(CudaArrayOps, EncodeWithFeedbackIsTheCodecsAndAllOrNothing) {
+  ONEBIT_REQUIRE_GPU_OR_SKIP();
+  CodecOptions o;
+  o.block_size = 256;
+  const std::unique_ptr<ArrayOps> ops = NewArrayOps(*CudaBackend(), nullptr, o);
+  for (const char* kind : {"onebit", "fp16", "fp32"}) {
+    SCOPED_TRACE(kind);
+    const std::unique_ptr<const Codec> codec = *NewCodec(kind, o);
+    const size_t n = 5 * 256 + 33, bytes = codec->EncodedSize(n);
+    std::vector<float> y = Values(n, 60, 1e-2f), e = Values(n, 61, 1e-3f);
+    DeviceBuffer dy = Upload(y), de = Upload(e), dout = Upload(std::vector<uint8_t>(bytes));
+    std::vector<uint8_t> out(bytes);
+    ASSERT_TRUE(codec->EncodeWithFeedback(y.data(), e.data(), n, out.data()).ok());
+    ASSERT_TRUE(ops->Encode(*codec, dy.as<float>(), de.as<float>(), n, dout.as<uint8_t>()).ok());
+    EXPECT_TRUE(SameBits(Download<uint8_t>(dout, bytes), out));
+    EXPECT_TRUE(SameBits(Download<float>(de, n), e));
+    y[700] = std::numeric_limits<float>::infinity();
+    dy = Upload(y);
+    const absl::Status st =
+        ops->Encode(*codec, dy.as<float>(), de.as<float>(), n, dout.as<uint8_t>());
+    EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr("at index 700")) << st;
+    EXPECT_TRUE(SameBits(Download<float>(de, n), e)) << "a refused encode changed e";
+  }
 }
 
 }  // namespace

@@ -11,9 +11,11 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "optim/optimizer.h"
@@ -43,34 +45,74 @@ class FixedModel final : public Model {
   uint64_t nan_at = kD;  // an index < kD: that gradient element is NaN
 };
 
+// zero-one-adam's schedule here (as tests/runtime/onebit_test.cc's): k = 1,
+// 2, 4 refresh v, k = 3 compresses gradients; after the freeze at k = 4,
+// k = 5, 6, 8, 12 and 13 (the last) synchronise, 7, 9, 10 and 11 are local.
+constexpr uint64_t kSteps = 13;
+
+OptimizerOptions Options(const std::string& kind, const std::string& warmup_codec = "fp32",
+                         std::optional<ReplyMode> reply = std::nullopt) {
+  OptimizerOptions o;
+  o.kind = *ParseOptimizerKind(kind);
+  o.lr = 0.01f;
+  o.weight_decay = 0.01f;
+  o.codec.block_size = 32;
+  o.worker_codec = o.server_codec =
+      std::string(DefaultCodec(o.kind));  // onebit where it compresses
+  o.warmup_codec = warmup_codec;
+  o.reply = reply.value_or(DefaultReplyMode(o.kind));
+  o.zero_one.var_freeze_step = 4;
+  o.zero_one.var_update_scaler = 1;
+  o.zero_one.local_step_scaler = 2;
+  o.zero_one.local_step_clipper = 4;
+  o.zero_one.steps = kSteps;
+  if (IsLayerwise(o.kind)) o.layer_ends = {64, 96, kD};  // onebit-lamb's layers
+  return o;
+}
+
 struct Fixture {
   FixedModel model;
   std::unique_ptr<WorkerOptimizer> worker;
   std::unique_ptr<ServerOptimizer> server;
   ServerShardState shard;
   std::unique_ptr<Replica> cpu, twin;
+  // A third replica when set (a device replica restored from a checkpoint),
+  // driven and compared alike.
+  std::unique_ptr<Replica> restored;
 
-  explicit Fixture(const std::string& kind = "onebit-adam") {
-    OptimizerOptions o;
-    o.kind = *ParseOptimizerKind(kind);
-    o.lr = 0.01f;
-    o.weight_decay = 0.01f;
-    o.codec.block_size = 32;
-    o.worker_codec = o.server_codec = "onebit";
-    o.reply = DefaultReplyMode(o.kind);
+  explicit Fixture(const std::string& kind = "onebit-adam") : Fixture(Options(kind)) {}
+  explicit Fixture(const OptimizerOptions& o) {
     worker = *WorkerOptimizer::Create(o);
     server = *ServerOptimizer::Create(o);
     server->InitState(0, 0, kD, &shard);
     model.Init(shard.x.data());
     cpu = NewCpuReplica(kD, &model, worker.get());
-    DeviceChoice twin_choice;
-    twin_choice.kind = DeviceChoice::Kind::kCudaTwin;
-    twin = *NewReplica(twin_choice, kD, &model, worker.get());
+    twin = NewTwin();
     EXPECT_TRUE(cpu->Init().ok());
     EXPECT_TRUE(twin->Init().ok());
   }
 
+  std::unique_ptr<Replica> NewTwin() {
+    DeviceChoice twin_choice;
+    twin_choice.kind = DeviceChoice::Kind::kCudaTwin;
+    return *NewReplica(twin_choice, kD, &model, worker.get());
+  }
+
+  std::vector<Replica*> All() {
+    std::vector<Replica*> all = {cpu.get(), twin.get()};
+    if (restored != nullptr) all.push_back(restored.get());
+    return all;
+  }
+
   float Lr(uint64_t t) const { return LearningRate(worker->options(), t); }
+
+  // Whether step t ends the warm-up: step 2 where there is one to end,
+  // zero-one-adam's var_freeze_step - 1.
+  bool LastWarmup(uint64_t t) const {
+    const AlgorithmTraits& tr = worker->traits();
+    if (!tr.warmup || !tr.compression) return false;
+    return t == (tr.schedule_freeze ? worker->options().zero_one.var_freeze_step - 1 : 2);
+  }
 
   std::vector<float> X(Replica* r) {
     std::vector<float> x(kD);
@@ -78,29 +120,33 @@ struct Fixture {
     return x;
   }
 
-  // Both replicas push step t (their payloads must be equal); returns the
+  // Every replica pushes step t (their payloads must be equal); returns the
   // server's reply to that push.
   std::vector<uint8_t> PushAndServe(uint64_t t, bool last_warmup) {
     const Phase phase = cpu->phase();
-    EXPECT_EQ(twin->phase(), phase);
-    EXPECT_TRUE(cpu->ComputeGradient(0, t).ok());
-    EXPECT_TRUE(twin->ComputeGradient(0, t).ok());
-    const size_t bytes = worker->push_codec(phase).EncodedSize(kD);
-    std::vector<uint8_t> a(bytes), b(bytes);
-    EXPECT_TRUE(cpu->Push(t, 0, kD, a.data()).ok());
-    EXPECT_TRUE(twin->Push(t, 0, kD, b.data()).ok());
-    EXPECT_EQ(a, b) << "push of step " << t;
+    const StepKind kind = worker->KindOf(t, phase);
+    const size_t bytes = worker->push_codec(kind).EncodedSize(kD);
+    std::vector<uint8_t> a(bytes);
+    for (Replica* r : All()) {
+      EXPECT_EQ(r->phase(), phase) << r->device();
+      EXPECT_TRUE(r->ComputeGradient(0, t).ok());
+      std::vector<uint8_t> b(bytes);
+      const absl::Status st = r->Push(t, 0, kD, b.data());
+      EXPECT_TRUE(st.ok()) << r->device() << ": " << st;
+      if (r == cpu.get()) a = b;
+      EXPECT_EQ(a, b) << "push of step " << t << " by " << r->device();
+    }
     std::vector<float> acc(kD);
-    EXPECT_TRUE(server->push_codec(phase).Decode(a.data(), kD, acc.data()).ok());
-    std::vector<uint8_t> reply(server->ReplyBytes(phase, kD, last_warmup));
+    EXPECT_TRUE(server->push_codec(kind).Decode(a.data(), kD, acc.data()).ok());
+    std::vector<uint8_t> reply(server->ReplyBytes(kind, 0, kD, last_warmup));
     absl::Status st = server->Step(t, last_warmup, acc.data(), 0, kD, &shard, reply.data());
     EXPECT_TRUE(st.ok()) << st;
     return reply;
   }
 
-  // Both apply `reply` and finish the step.
+  // Every replica applies `reply` and finishes the step.
   void ApplyBoth(uint64_t t, bool last_warmup, const std::vector<uint8_t>& reply) {
-    for (Replica* r : {cpu.get(), twin.get()}) {
+    for (Replica* r : All()) {
       absl::Status st = r->Apply(t, Lr(t), last_warmup, reply.data(), 0, kD);
       ASSERT_TRUE(st.ok()) << r->device() << ": " << st;
       ASSERT_TRUE(r->FinishStep(last_warmup).ok());
@@ -108,7 +154,18 @@ struct Fixture {
     if (last_warmup) server->EnterCompression(&shard);
   }
 
+  // Step t on every replica: pushes and the reply, or a local step.
   void Step(uint64_t t, bool last_warmup) {
+    for (Replica* r : All()) ASSERT_TRUE(r->BeginStep(t, Lr(t)).ok());
+    if (worker->KindOf(t, cpu->phase()) == StepKind::kLocal) {
+      for (Replica* r : All()) {
+        ASSERT_TRUE(r->ComputeGradient(0, t).ok());
+        const absl::Status st = r->LocalStep(t);
+        ASSERT_TRUE(st.ok()) << r->device() << ": " << st;
+        ASSERT_TRUE(r->FinishStep(false).ok());
+      }
+      return;
+    }
     ApplyBoth(t, last_warmup, PushAndServe(t, last_warmup));
   }
 };
@@ -158,6 +215,79 @@ void ExpectSameState(const WorkerState& a, const WorkerState& b) {
   EXPECT_EQ(a.frozen, b.frozen);
 }
 
+// The runs the device code must match: every optimizer with the warm-up
+// codecs and reply modes it takes.
+std::vector<OptimizerOptions> EveryOptimizer() {
+  std::vector<OptimizerOptions> out;
+  for (const AlgorithmRow* row : AlgorithmRows()) {
+    for (const char* warmup : {"fp32", "fp16"}) {
+      for (ReplyMode reply : {ReplyMode::kMomentum, ReplyMode::kDelta}) {
+        if (!row->traits.compression && reply == ReplyMode::kDelta) continue;  // no replies to vary
+        OptimizerOptions o = Options(std::string(row->traits.name), warmup, reply);
+        if (ValidateOptimizerOptions(o).ok()) out.push_back(o);
+      }
+    }
+  }
+  return out;
+}
+
+std::string NameOf(const OptimizerOptions& o) {
+  return absl::StrCat(OptimizerKindName(o.kind), " warmup ", o.warmup_codec,
+                      o.reply == ReplyMode::kDelta ? " delta replies" : "");
+}
+
+// The GPU worker's code on the twin pushes what the CPU replica pushes and
+// ends every step in the same state, for every optimizer and warm-up codec:
+// through the warm-up, the hand-over and compression, and zero-one-adam's
+// variance steps, local steps and syncs.
+TEST(Replica, EveryOptimizerAndWarmupCodecOnTheTwinEqualsTheCpuReplica) {
+  const std::vector<OptimizerOptions> runs = EveryOptimizer();
+  // sgd, adam: 2 warm-up codecs; onebit-adam 2 x 2 replies; naive 2;
+  // ef-sgd 2 replies; zero-one-adam 1; onebit-lamb 2 x 2.
+  EXPECT_EQ(runs.size(), 2u + 2u + 4u + 2u + 2u + 1u + 4u);
+  for (const OptimizerOptions& o : runs) {
+    SCOPED_TRACE(NameOf(o));
+    Fixture f(o);
+    std::vector<float> x0(kD);
+    f.model.Init(x0.data());
+    for (uint64_t t = 0; t < kSteps; ++t) {
+      f.Step(t, f.LastWarmup(t));
+      ASSERT_EQ(f.X(f.cpu.get()), f.X(f.twin.get())) << "x after step " << t;
+      ExpectSameState(*f.cpu->SaveState({}), *f.twin->SaveState({}));
+    }
+    EXPECT_EQ(f.cpu->phase(), HasCompressionPhase(o.kind) ? Phase::kCompress : Phase::kWarmup);
+    EXPECT_NE(f.X(f.cpu.get()), x0) << "nothing was trained";
+  }
+}
+
+// A device replica restored mid-run from its own saved state (zero-one-adam
+// between syncs: its local model, x_sync and the sum of learning rates)
+// goes on exactly as the replicas that never stopped.
+TEST(Replica, DeviceStateRestoresMidRunForEveryOptimizer) {
+  for (const OptimizerOptions& o : EveryOptimizer()) {
+    SCOPED_TRACE(NameOf(o));
+    Fixture f(o);
+    constexpr uint64_t kAt = 7;  // after k = 7, a local step of zero-one-adam
+    for (uint64_t t = 0; t < kAt; ++t) f.Step(t, f.LastWarmup(t));
+    absl::StatusOr<WorkerState> saved = f.twin->SaveState({});
+    ASSERT_TRUE(saved.ok()) << saved.status();
+    if (o.kind == OptimizerKind::kZeroOneAdam) {
+      EXPECT_EQ(saved->x_sync.size(), kD);
+      EXPECT_TRUE(saved->v.empty());
+      EXPECT_EQ(saved->lrs, f.Lr(kAt - 1));
+      EXPECT_NE(saved->x_sync, saved->x) << "no local step since the sync";
+    }
+    f.restored = f.NewTwin();
+    ASSERT_TRUE(f.restored->Init().ok());
+    const absl::Status st = f.restored->RestoreState(*saved);
+    ASSERT_TRUE(st.ok()) << st;
+    for (uint64_t t = kAt; t < kSteps; ++t) {
+      f.Step(t, f.LastWarmup(t));
+      ASSERT_EQ(f.X(f.cpu.get()), f.X(f.restored.get())) << "x after step " << t;
+    }
+  }
+}
+
 // What a checkpoint holds: the state after some steps, equal on both
 // devices, and a run restored from it goes on exactly as the original.
 TEST(Replica, SavedStateIsTheSameOnEveryDeviceAndRestoresMidRun) {
@@ -165,8 +295,7 @@ TEST(Replica, SavedStateIsTheSameOnEveryDeviceAndRestoresMidRun) {
     SCOPED_TRACE(kind);
     Fixture f(kind);
     const bool warmup = HasWarmup(*ParseOptimizerKind(kind));
-    // An odd number of compression steps: the device keeps the error in its
-    // second buffer then.
+    // Some steps into the compression phase.
     for (uint64_t t = 0; t < 5; ++t) f.Step(t, warmup && t == 1);
     auto a = f.cpu->SaveState({});
     auto b = f.twin->SaveState({});

@@ -1,0 +1,81 @@
+#include "optim/array_ops.h"
+
+#include <algorithm>
+
+#include "optim/step_parts.h"
+#include "optim/update_kernels.h"
+
+namespace onebit {
+namespace {
+
+class HostOps final : public ArrayOps {
+ public:
+  absl::Status Encode(const Codec& codec, const float* y, float* e, size_t n,
+                      uint8_t* out) const override {
+    return e != nullptr ? codec.EncodeWithFeedback(y, e, n, out) : codec.Encode(y, n, out);
+  }
+  // The codecs check the payload as they decode it.
+  absl::Status Decode(const Codec& codec, Payload in, size_t n, float* out) const override {
+    return codec.Decode(in.host, n, out);
+  }
+  absl::Status DecodeAdd(const Codec& codec, Payload in, size_t n, float* acc) const override {
+    return codec.DecodeAdd(in.host, n, 1.0f, acc);
+  }
+  absl::Status Copy(const float* from, size_t n, float* to) const override {
+    std::copy(from, from + n, to);
+    return absl::OkStatus();
+  }
+  absl::Status Zero(size_t n, float* out) const override {
+    std::fill(out, out + n, 0.0f);
+    return absl::OkStatus();
+  }
+  absl::Status UpdateMomentum(const float* g, float b1, float c1, size_t n,
+                              float* m) const override {
+    onebit::UpdateMomentum(g, b1, c1, n, m);
+    return absl::OkStatus();
+  }
+  absl::Status UpdateMoments(const float* g, float b1, float c1, float b2, float c2, size_t n,
+                             float* m, float* v) const override {
+    onebit::UpdateMoments(g, b1, c1, b2, c2, n, m, v);
+    return absl::OkStatus();
+  }
+  absl::Status ApplyMomentum(const float* mbar, const float* den, float lr, float wd, size_t n,
+                             float* x) const override {
+    onebit::ApplyMomentum(mbar, den, lr, wd, n, x);
+    return absl::OkStatus();
+  }
+  absl::Status FrozenDenominators(const float* v, float eps, size_t n, float* den) const override {
+    onebit::FrozenDenominators(v, eps, n, den);
+    return absl::OkStatus();
+  }
+  absl::Status VarianceDenominators(const float* v, float c, float floor, float eps, size_t n,
+                                    float* den) const override {
+    onebit::VarianceDenominators(v, c, floor, eps, n, den);
+    return absl::OkStatus();
+  }
+  absl::Status UpdateSinceSync(const float* x, const float* x_sync, const float* den, size_t n,
+                               float* u) const override {
+    onebit::UpdateSinceSync(x, x_sync, den, n, u);
+    return absl::OkStatus();
+  }
+  absl::Status ApplySync(const float* a, const float* den, float lrs, size_t n, float* x_sync,
+                         float* m, float* x) const override {
+    onebit::ApplySync(a, den, lrs, n, x_sync, m, x);
+    return absl::OkStatus();
+  }
+  absl::Status LambApply(const float* mbar, const float* den, float k, float wd, size_t n,
+                         float* x) const override {
+    onebit::LambApply(mbar, den, k, wd, n, x);
+    return absl::OkStatus();
+  }
+  absl::StatusOr<float*> Scratch(size_t n) const override { return onebit::Scratch(n); }
+};
+
+}  // namespace
+
+const ArrayOps& HostArrayOps() {
+  static const HostOps ops;
+  return ops;
+}
+
+}  // namespace onebit

@@ -1,0 +1,87 @@
+// What a worker's rule (optim/algorithm.h) computes with: the codecs and the
+// update loops over arrays in one memory. HostArrayOps() works on host
+// memory with compress/'s codecs (their AVX2 kernels where the CPU has them)
+// and optim/update_kernels.h's loops: the CPU worker's arithmetic. cuda/
+// supplies the same operations on a device's memory (cuda/array_ops.h), on
+// the GPU or its CPU twin, with kernels that round as these do
+// (docs/design.md §1.3), so one rule serves both and a GPU worker equals a
+// CPU worker bit for bit.
+//
+// Every pointer an operation takes is in the operations' memory, except a
+// Payload's `host` side. Operations run in order; a device's may still be
+// running when they return (its replica waits before it reads results on the
+// host). Errors are Status; an operation that fails writes nothing.
+//
+// HostArrayOps() is thread-safe (its scratch is per thread). A device's
+// operations are bound to one stream: one thread at a time.
+#ifndef ONEBIT_OPTIM_ARRAY_OPS_H_
+#define ONEBIT_OPTIM_ARRAY_OPS_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "compress/codec.h"
+
+namespace onebit {
+
+// Bytes a worker received: as they arrived (host memory, where the rule
+// checks them and reads scalars) and their copy in the operations' memory
+// (what the operations decode). The same pointer twice for the host's.
+struct Payload {
+  const uint8_t* host = nullptr;
+  const uint8_t* local = nullptr;
+  Payload At(size_t offset) const { return {host + offset, local + offset}; }
+};
+
+class ArrayOps {
+ public:
+  virtual ~ArrayOps() = default;
+
+  // out[0, codec.EncodedSize(n)) = C(y); with e != nullptr, C(y + e) and
+  // e = y + e - D(out) (Codec::EncodeWithFeedback). All or nothing: a
+  // non-finite or unencodable value is an error naming its index, and then
+  // e and out are as they were.
+  virtual absl::Status Encode(const Codec& codec, const float* y, float* e, size_t n,
+                              uint8_t* out) const = 0;
+  // out = D(in), acc += D(in), for a payload of n elements. The payload is
+  // checked first (Codec::CheckPayload on in.host): a bad one is the codec's
+  // error and changes nothing. in.local must be 4-byte aligned (fp32 Decode
+  // excepted).
+  virtual absl::Status Decode(const Codec& codec, Payload in, size_t n, float* out) const = 0;
+  virtual absl::Status DecodeAdd(const Codec& codec, Payload in, size_t n, float* acc) const = 0;
+
+  // to = from; out = +0.
+  virtual absl::Status Copy(const float* from, size_t n, float* to) const = 0;
+  virtual absl::Status Zero(size_t n, float* out) const = 0;
+
+  // The loops of optim/update_kernels.h, with their arguments.
+  virtual absl::Status UpdateMomentum(const float* g, float b1, float c1, size_t n,
+                                      float* m) const = 0;
+  virtual absl::Status UpdateMoments(const float* g, float b1, float c1, float b2, float c2,
+                                     size_t n, float* m, float* v) const = 0;
+  virtual absl::Status ApplyMomentum(const float* mbar, const float* den, float lr, float wd,
+                                     size_t n, float* x) const = 0;
+  virtual absl::Status FrozenDenominators(const float* v, float eps, size_t n,
+                                          float* den) const = 0;
+  virtual absl::Status VarianceDenominators(const float* v, float c, float floor, float eps,
+                                            size_t n, float* den) const = 0;
+  virtual absl::Status UpdateSinceSync(const float* x, const float* x_sync, const float* den,
+                                       size_t n, float* u) const = 0;
+  virtual absl::Status ApplySync(const float* a, const float* den, float lrs, size_t n,
+                                 float* x_sync, float* m, float* x) const = 0;
+  virtual absl::Status LambApply(const float* mbar, const float* den, float k, float wd, size_t n,
+                                 float* x) const = 0;
+
+  // n floats of the operations' memory, for a rule's temporaries; valid
+  // until the next Scratch on these operations (the host's: on this thread).
+  virtual absl::StatusOr<float*> Scratch(size_t n) const = 0;
+};
+
+// The host's operations: what CPU workers and the reference run.
+const ArrayOps& HostArrayOps();
+
+}  // namespace onebit
+
+#endif  // ONEBIT_OPTIM_ARRAY_OPS_H_
