@@ -12,6 +12,8 @@
 #include "job/config.h"
 #include "job/loss_watch.h"
 #include "job/run_folder.h"
+#include "job/settings.h"
+#include "optim/options.h"
 #include "tests/cluster/test_util.h"
 
 namespace onebit {
@@ -35,6 +37,43 @@ TEST(JobConfig, ValidationNamesTheFlag) {
   c.set_checkpoint_every(5);
   EXPECT_THAT(std::string(ValidateConfig(c).message()),
               HasSubstr("--checkpoint_every: needs --checkpoint_dir"));
+}
+
+// The optimizer library's own defaults (OptimizerOptions, for programs that
+// use optim/ directly) are the job settings' defaults: a job given nothing
+// runs what the library runs by default.
+TEST(JobConfig, TheOptimizerLibrarysDefaultsAreTheSettingsDefaults) {
+  for (const char* optimizer : {"sgd", "adam", "onebit-adam", "zero-one-adam", "onebit-lamb"}) {
+    SCOPED_TRACE(optimizer);
+    control::TrainingConfig c = DefaultJobConfig();
+    c.set_optimizer(optimizer);
+    c.set_steps(1000);
+    ASSERT_TRUE(ResolveConfig({"optimizer", "steps"}, &c).ok());
+    absl::StatusOr<OptimizerOptions> o = OptimizerOptionsFromConfig(c);
+    ASSERT_TRUE(o.ok()) << o.status();
+    const OptimizerOptions d;
+    EXPECT_EQ(o->lr, d.lr);
+    EXPECT_EQ(o->beta1, d.beta1);
+    EXPECT_EQ(o->beta2, d.beta2);
+    EXPECT_EQ(o->eps, d.eps);
+    EXPECT_EQ(o->weight_decay, d.weight_decay);
+    EXPECT_EQ(o->bias_correction, d.bias_correction);
+    EXPECT_EQ(o->v_floor, d.v_floor);
+    EXPECT_EQ(o->worker_error_feedback, d.worker_error_feedback);
+    EXPECT_EQ(o->server_error_feedback, d.server_error_feedback);
+    EXPECT_EQ(o->schedule, d.schedule);
+    EXPECT_EQ(o->warmup_codec, d.warmup_codec);
+    EXPECT_EQ(o->zero_one.var_freeze_step, d.zero_one.var_freeze_step);
+    EXPECT_EQ(o->zero_one.var_update_scaler, d.zero_one.var_update_scaler);
+    EXPECT_EQ(o->zero_one.local_step_scaler, d.zero_one.local_step_scaler);
+    EXPECT_EQ(o->zero_one.local_step_clipper, d.zero_one.local_step_clipper);
+    EXPECT_EQ(o->lamb.max_coeff, d.lamb.max_coeff);
+    EXPECT_EQ(o->lamb.min_coeff, d.lamb.min_coeff);
+    EXPECT_EQ(o->lamb.coeff_beta, d.lamb.coeff_beta);
+    EXPECT_EQ(o->lamb.factor_max, d.lamb.factor_max);
+    EXPECT_EQ(o->lamb.factor_min, d.lamb.factor_min);
+    EXPECT_EQ(o->lamb.factor_threshold, d.lamb.factor_threshold);
+  }
 }
 
 // summary.json parses as JSON whatever the numbers (NaN, infinities, huge).
