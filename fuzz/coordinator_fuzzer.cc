@@ -156,9 +156,9 @@ class Harness {
   // What the owner polls at the end: the summary, and whether all heard it.
   void Finish() {
     Own();
-    const Summary s = service_->MakeSummary();
-    FUZZ_CHECK(s.workers == spec_.workers && s.servers == spec_.servers);
-    FUZZ_CHECK(!s.replicas_equal || s.status == "ok");
+    const run::Summary s = service_->MakeSummary();
+    FUZZ_CHECK(s.workers() == spec_.workers && s.servers() == spec_.servers);
+    FUZZ_CHECK(!s.replicas_equal() || s.status() == "ok");
     (void)service_->EveryoneTold();
   }
 
