@@ -45,7 +45,7 @@ class FixedModel final : public Model {
   uint64_t nan_at = kD;  // an index < kD: that gradient element is NaN
 };
 
-// zero-one-adam's schedule here (as tests/runtime/onebit_test.cc's): k = 1,
+// zero-one-adam's schedule here (as tests/cluster/onebit_test.cc's): k = 1,
 // 2, 4 refresh v, k = 3 compresses gradients; after the freeze at k = 4,
 // k = 5, 6, 8, 12 and 13 (the last) synchronise, 7, 9, 10 and 11 are local.
 constexpr uint64_t kSteps = 13;
