@@ -67,8 +67,9 @@ def init(coordinator=None, rank=None, device=None, secret_file=None, insecure=No
 
     Defaults come from the environment onebit-launch --worker_cmd sets
     (ONEBIT_COORDINATOR, ONEBIT_RANK or RANK, ONEBIT_DEVICE, ONEBIT_SECRET_FILE:
-    the file of the job secret, ONEBIT_INSECURE=1: none). A job needs a
-    secret unless it runs insecure."""
+    the file of the job secret, ONEBIT_INSECURE=1: none), or torchrun with
+    ONEBIT_COORDINATOR given once (its RANK; with ONEBIT_DEVICE=cuda, GPU
+    LOCAL_RANK). A job needs a secret unless it runs insecure."""
     coordinator = coordinator or os.environ.get("ONEBIT_COORDINATOR", "")
     if not coordinator:
         raise OnebitError(
@@ -82,8 +83,12 @@ def init(coordinator=None, rank=None, device=None, secret_file=None, insecure=No
             raise OnebitError(f"ONEBIT_RANK/RANK='{text}' is not a rank") from None
     if insecure is None:
         insecure = os.environ.get("ONEBIT_INSECURE", "0") == "1"
-    _settings.update(coordinator=coordinator, rank=rank,
-                     device=device or os.environ.get("ONEBIT_DEVICE", "cpu"),
+    device = device or os.environ.get("ONEBIT_DEVICE", "cpu")
+    if device == "cuda" and "LOCAL_RANK" in os.environ:
+        # A host with several GPUs (torchrun --nproc_per_node K): each
+        # process takes its own.
+        device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+    _settings.update(coordinator=coordinator, rank=rank, device=device,
                      secret_file=secret_file or os.environ.get("ONEBIT_SECRET_FILE", ""),
                      insecure=bool(insecure))
 

@@ -384,3 +384,60 @@ def test_an_error_in_the_fronts_own_hook_fails_the_job_at_once(tmp_path):
                      r"rates \(group 0: 0\.001, group 1: 0\.002\)", r.stderr), r.stderr
     assert "aborted by its program: param groups with different learning rates" in s["status"]
     assert time.monotonic() - start < 30
+
+
+def test_workers_with_torchruns_environment_join_a_coordinator_given_once(tmp_path):
+    """Without onebit-launch: a coordinator and a server started by hand, and
+    two workers with the environment torchrun gives its processes (RANK,
+    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); ONEBIT_COORDINATOR is
+    the one thing the user adds. (Debian 12's torchrun itself, torch 1.13 on
+    Python 3.11, fails before it starts a process, so the test sets what it
+    would.)"""
+    port_file = tmp_path / "port"
+    out = tmp_path / "run"
+    logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("coordinator", "server")}
+    coordinator = subprocess.Popen(
+        [os.path.join(BIN, "onebit-coordinator"), "--workers=2", "--servers=1",
+         "--model=external", "--optimizer=onebit-adam", "--freeze_step=5", "--insecure",
+         "--bind_host=127.0.0.1", "--port=0", f"--port_file={port_file}", f"--out={out}",
+         "--register_timeout=60s"],
+        stdout=logs["coordinator"], stderr=subprocess.STDOUT)
+    procs = []
+    try:
+        deadline = time.time() + 30
+        while not port_file.exists() and time.time() < deadline:
+            assert coordinator.poll() is None, (tmp_path / "coordinator.log").read_text()
+            time.sleep(0.05)
+        target = f"127.0.0.1:{port_file.read_text().strip()}"
+        procs.append(subprocess.Popen(
+            [os.path.join(BIN, "onebit-server"), f"--coordinator={target}", "--shard=0",
+             "--insecure", "--bind_host=127.0.0.1", "--advertise_host=127.0.0.1",
+             "--data_port=0", "--health_port=0"],
+            stdout=logs["server"], stderr=subprocess.STDOUT))
+        base = {k: v for k, v in os.environ.items() if not k.startswith("ONEBIT_")}
+        base.update(ONEBIT_COORDINATOR=target, ONEBIT_INSECURE="1", WORLD_SIZE="2",
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
+                    PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(BIN, "python"),
+                                                             os.environ.get("PYTHONPATH")])))
+        workers = [subprocess.Popen(
+            ["/usr/bin/python3", os.path.join(HERE, "torch_worker.py"), "30"],
+            env=dict(base, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True) for r in range(2)]
+        procs += workers
+        for w in workers:
+            output = w.communicate(timeout=240)[0]
+            assert w.returncode == 0, output[-3000:]
+        assert coordinator.wait(timeout=60) == 0, (tmp_path / "coordinator.log").read_text()
+        assert procs[0].wait(timeout=60) == 0, (tmp_path / "server.log").read_text()
+    finally:
+        for p in procs + [coordinator]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "ok"
+    assert summary["workers"] == 2 and summary["steps"] == 30
+    assert summary["replicas_equal"] and summary["workers_agree"]
+    assert summary["freeze_step"] == 5
+    log = (tmp_path / "coordinator.log").read_text()
+    assert "worker 0 registered" in log and "worker 1 registered" in log, log
