@@ -73,6 +73,10 @@ absl::Status CheckOptions(const CoordinatorOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("CoordinatorOptions.register_timeout: ", st.message()));
   }
+  // Bounded: a coordinator that lingers for ever never reports its outcome.
+  if (o.metrics_linger < absl::ZeroDuration() || o.metrics_linger > absl::Hours(1)) {
+    return absl::InvalidArgumentError("CoordinatorOptions.metrics_linger: must be in [0s, 1h]");
+  }
   return absl::OkStatus();
 }
 

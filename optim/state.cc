@@ -22,11 +22,9 @@ absl::Status NegativeMoment(float v, uint64_t i) {
 }  // namespace
 
 absl::Status HandOverDenominators(const float* v, size_t n, uint64_t first, float eps, float* den) {
-  for (size_t i = 0; i < n; ++i) {
-    if (!(v[i] >= 0)) return NegativeMoment(v[i], first + i);
-  }
-  FrozenDenominators(v, eps, n, den);
-  return absl::OkStatus();
+  absl::Status st = CheckHandOverMoments(reinterpret_cast<const uint8_t*>(v), n, first);
+  if (st.ok()) FrozenDenominators(v, eps, n, den);
+  return st;
 }
 
 absl::Status CheckHandOverMoments(const uint8_t* v, size_t n, uint64_t first) {

@@ -150,7 +150,7 @@ class DeviceReplica final : public Replica {
   }
 
   absl::Status RestoreState(const WorkerState& s) override {
-    if (absl::Status st = CheckStateFits(s, d_, *opt_); !st.ok()) return st;
+    if (absl::Status st = CheckWorkerStateFits(opt_->options(), d_, s); !st.ok()) return st;
     const WorkerView a = View(opt_->WorkerArraysIn(PhaseOf(s), false));
     absl::Status st = b_.synchronize(reply_);
     auto copy = [&](const std::vector<float>& from, float* to) {

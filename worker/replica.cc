@@ -94,7 +94,7 @@ class CpuReplica final : public Replica {
     return s;
   }
   absl::Status RestoreState(const WorkerState& s) override {
-    if (absl::Status st = CheckStateFits(s, g_.size(), *opt_); !st.ok()) return st;
+    if (absl::Status st = CheckWorkerStateFits(opt_->options(), g_.size(), s); !st.ok()) return st;
     state_ = s;
     return absl::OkStatus();
   }
@@ -128,10 +128,6 @@ absl::StatusOr<double> Replica::ComputeGradientInParts(uint32_t rank, uint64_t s
   if (!loss.ok()) return loss;
   if (absl::Status st = release(0, num_params()); !st.ok()) return st;
   return loss;
-}
-
-absl::Status CheckStateFits(const WorkerState& s, uint64_t d, const WorkerOptimizer& opt) {
-  return CheckWorkerStateFits(opt.options(), d, s);
 }
 
 std::unique_ptr<Replica> NewCpuReplica(uint64_t d, const Model* model,

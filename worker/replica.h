@@ -100,11 +100,6 @@ class Replica {
   virtual absl::StatusOr<EvalResult> Evaluate() = 0;
 };
 
-// Whether a saved state fits d parameters under `optimizer`
-// (CheckWorkerStateFits: x and the arrays its workers hold in the state's
-// phase of d floats, the others empty); the error names the arrays.
-absl::Status CheckStateFits(const WorkerState& s, uint64_t d, const WorkerOptimizer& optimizer);
-
 // The replica of d parameters in host memory. `model` (may be null: the
 // caller computes gradients into grads()) and `optimizer` must outlive it;
 // a model must have d parameters.

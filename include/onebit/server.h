@@ -81,7 +81,7 @@ struct CoordinatorOptions {
   int metrics_port = -1;
   std::string metrics_host;
   // After the job ends, the metrics stay up this long (ended early by
-  // stop_signal), so that the next scrape sees the outcome.
+  // stop_signal), so that the next scrape sees the outcome; at most 1 h.
   absl::Duration metrics_linger = absl::ZeroDuration();
   // When not empty: the run folder. metrics.csv is appended as steps
   // complete; summary.json is written at the end, ok or failed. A folder

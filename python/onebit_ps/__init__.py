@@ -69,7 +69,8 @@ def init(coordinator=None, rank=None, device=None, secret_file=None, insecure=No
     (ONEBIT_COORDINATOR, ONEBIT_RANK or RANK, ONEBIT_DEVICE, ONEBIT_SECRET_FILE:
     the file of the job secret, ONEBIT_INSECURE=1: none), or torchrun with
     ONEBIT_COORDINATOR given once (its RANK; with ONEBIT_DEVICE=cuda, GPU
-    LOCAL_RANK). A job needs a secret unless it runs insecure."""
+    LOCAL_RANK, modulo the GPUs the host has). A job needs a secret unless
+    it runs insecure."""
     coordinator = coordinator or os.environ.get("ONEBIT_COORDINATOR", "")
     if not coordinator:
         raise OnebitError(
@@ -84,10 +85,10 @@ def init(coordinator=None, rank=None, device=None, secret_file=None, insecure=No
     if insecure is None:
         insecure = os.environ.get("ONEBIT_INSECURE", "0") == "1"
     device = device or os.environ.get("ONEBIT_DEVICE", "cpu")
-    if device == "cuda" and "LOCAL_RANK" in os.environ:
+    if device == "cuda" and "LOCAL_RANK" in os.environ and torch.cuda.device_count() > 0:
         # A host with several GPUs (torchrun --nproc_per_node K): each
-        # process takes its own.
-        device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+        # process takes its own, in turn where there are more processes.
+        device = f"cuda:{int(os.environ['LOCAL_RANK']) % torch.cuda.device_count()}"
     _settings.update(coordinator=coordinator, rank=rank, device=device,
                      secret_file=secret_file or os.environ.get("ONEBIT_SECRET_FILE", ""),
                      insecure=bool(insecure))

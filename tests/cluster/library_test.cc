@@ -123,6 +123,16 @@ TEST(Library, BadOptionsAreErrorsNamingTheField) {
   co.config_json = "{}";
   co.health_port = 70000;
   EXPECT_EQ(RunCoordinator(co).message(), "CoordinatorOptions.health_port: must be in [0, 65535]");
+  co.health_port = 0;
+  co.metrics_port = -2;
+  EXPECT_EQ(RunCoordinator(co).message(),
+            "CoordinatorOptions.metrics_port: must be -1 (none) or in [0, 65535]");
+  co.metrics_port = 0;
+  for (absl::Duration linger : {absl::Seconds(-1), absl::InfiniteDuration()}) {
+    co.metrics_linger = linger;
+    EXPECT_EQ(RunCoordinator(co).message(),
+              "CoordinatorOptions.metrics_linger: must be in [0s, 1h]");
+  }
 }
 
 // A timeout that cannot bound a wait (negative, zero, endless) is refused up
