@@ -80,8 +80,13 @@ absl::StatusOr<checkpoint::Manifest> Check(const std::string& step_dir, bool che
     return absl::DataLossError(absl::StrCat(path, ": does not match its checksum"));
   }
   if (m.format() != kCheckpointFormat) {
-    return absl::DataLossError(
-        absl::StrCat(path, ": format ", m.format(), ", this build reads ", kCheckpointFormat));
+    // Not damaged: another build's. Refused rather than skipped, so that a
+    // job never starts afresh over (and prunes) checkpoints it cannot read.
+    return absl::FailedPreconditionError(
+        absl::StrCat(path, ": checkpoint format ", m.format(),
+                     " of another onebit-ps build; this build reads ", kCheckpointFormat,
+                     ": resume it with the build that wrote it, or give another "
+                     "--checkpoint_dir"));
   }
   for (const checkpoint::ManifestFile& f : m.files()) {
     const std::string file = absl::StrCat(step_dir, "/", f.name());
@@ -113,6 +118,7 @@ absl::StatusOr<CompleteCheckpoint> LatestCheckpoint(const std::string& root,
   for (const auto& [step, dir] : StepDirs(root)) {
     auto m = VerifyCheckpoint(dir);
     if (m.ok()) return CompleteCheckpoint{dir, *std::move(m)};
+    if (absl::IsFailedPrecondition(m.status())) return m.status();
     if (refused != nullptr) refused->push_back(absl::StrCat(dir, ": ", m.status().message()));
   }
   return absl::NotFoundError(absl::StrCat("no complete checkpoint under ", root));

@@ -31,7 +31,8 @@ absl::StatusOr<std::string> MakeStepDir(const std::string& root, uint64_t step);
 absl::Status WriteManifest(const std::string& step_dir, const checkpoint::Manifest& manifest);
 
 // Reads and checks the manifest and every file it lists (size, crc32).
-// Errors name the file and what is wrong with it.
+// Errors name the file and what is wrong with it; FailedPrecondition for a
+// checkpoint of another format (another build's, not damaged).
 absl::StatusOr<checkpoint::Manifest> VerifyCheckpoint(const std::string& step_dir);
 
 struct CompleteCheckpoint {
@@ -39,7 +40,8 @@ struct CompleteCheckpoint {
   checkpoint::Manifest manifest;
 };
 
-// The newest complete checkpoint under root; NotFound when there is none.
+// The newest complete checkpoint under root; NotFound when there is none;
+// FailedPrecondition (naming it) when one of another format comes first.
 // Every newer folder that was refused goes to *refused (may be null) as
 // "<dir>: <why>".
 absl::StatusOr<CompleteCheckpoint> LatestCheckpoint(const std::string& root,

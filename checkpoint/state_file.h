@@ -28,7 +28,9 @@
 
 namespace onebit {
 
-inline constexpr uint32_t kCheckpointFormat = 1;
+// 2: the manifest's TrainingConfig nested by concern (proto/control.proto);
+// a format 1 checkpoint holds the flat config of older builds.
+inline constexpr uint32_t kCheckpointFormat = 2;
 
 // A written file as the manifest lists it.
 struct WrittenFile {

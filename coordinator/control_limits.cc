@@ -24,13 +24,13 @@ constexpr uint64_t kAllowanceBytes = 1 << 20;
 
 uint64_t LargestControlRequest(const control::TrainingConfig& cfg) {
   uint64_t tensors = kMaxExternalTensors;
-  if (cfg.model() != kExternalModel) {
+  if (cfg.model().name() != kExternalModel) {
     auto ends = ModelLayerEnds(cfg);
     tensors = ends.ok() ? std::max<uint64_t>(ends->size(), 1) : kMaxExternalTensors;
   }
   const uint64_t reg = tensors * kTensorBytes;
   const uint64_t done = kMaxMetricsPerHeartbeat * kMetricsRowBytes +
-                        uint64_t{std::max(cfg.servers(), 1u)} * kChecksumBytes;
+                        uint64_t{std::max(cfg.cluster().servers(), 1u)} * kChecksumBytes;
   return kAllowanceBytes + std::max(reg, done);
 }
 
@@ -40,7 +40,7 @@ void BoundControlServer(const control::TrainingConfig& cfg, grpc::ServerBuilder*
   // outsider's from being read at all, this bounds the job's own.
   builder->SetMaxReceiveMessageSize(static_cast<int>(
       std::min<uint64_t>(LargestControlRequest(cfg), std::numeric_limits<int>::max())));
-  const int processes = static_cast<int>(cfg.servers() + cfg.workers());
+  const int processes = static_cast<int>(cfg.cluster().servers() + cfg.cluster().workers());
   // Each process holds one call at a time but Register (which blocks until
   // the cluster is in) beside its heartbeat; a roll-back doubles that.
   grpc::ResourceQuota quota("onebit-coordinator");
@@ -55,7 +55,7 @@ void BoundControlServer(const control::TrainingConfig& cfg, grpc::ServerBuilder*
   // reconnects by itself).
   builder->AddChannelArgument(
       GRPC_ARG_MAX_CONNECTION_IDLE_MS,
-      static_cast<int>(std::max<uint32_t>(cfg.heartbeat_timeout_ms(), 1000)));
+      static_cast<int>(std::max<uint32_t>(cfg.timeouts().heartbeat_ms(), 1000)));
   // Control messages are small: no window growth beyond gRPC's 64 KB.
   builder->AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
 }

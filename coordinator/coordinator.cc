@@ -39,14 +39,14 @@ CoordinatorService::CoordinatorService(control::TrainingConfig config, std::set<
                                        Security security)
     : job_id_(job_id),
       security_(std::move(security)),
-      heartbeat_timeout_(absl::Milliseconds(config.heartbeat_timeout_ms())),
-      rejoin_timeout_(config.checkpoint_dir().empty()
+      heartbeat_timeout_(absl::Milliseconds(config.timeouts().heartbeat_ms())),
+      rejoin_timeout_(config.checkpoint().dir().empty()
                           ? absl::ZeroDuration()
-                          : absl::Milliseconds(config.rejoin_timeout_ms())),
+                          : absl::Milliseconds(config.timeouts().rejoin_ms())),
       config_(std::move(config)),
       given_(std::move(given)),
       register_deadline_(absl::Now() + register_timeout),
-      members_(config_.servers(), config_.workers()),
+      members_(config_.cluster().servers(), config_.cluster().workers()),
       // The config was validated before the service was made.
       freeze_(FreezeOptionsFromConfig(config_).value_or(FreezeOptions{})) {}
 
@@ -208,7 +208,7 @@ grpc::Status CoordinatorService::AdmitLocked(uint32_t rank, const control::Regis
   p.registered = true;
   p.info = req;
   if (req.role() == control::WORKER && req.has_rejoin_from()) {
-    history_.CountRolledBack(req.rejoin_steps_done(), config_.steps());
+    history_.CountRolledBack(req.rejoin_steps_done(), config_.model().steps());
   }
   p.last_seen = absl::Now();
   p.credential = RandomBytes(16);
@@ -253,8 +253,8 @@ void CoordinatorService::FillRegisterReplyLocked(uint32_t rank, const control::R
     for (const checkpoint::ManifestFile& f : resume->manifest.files()) {
       if (absl::StartsWith(f.name(), "server-")) r->add_server_files(f.name());
     }
-    r->set_workers(resume->manifest.config().workers());
-    for (uint32_t w = 0; w < resume->manifest.config().workers(); ++w) {
+    r->set_workers(resume->manifest.config().cluster().workers());
+    for (uint32_t w = 0; w < resume->manifest.config().cluster().workers(); ++w) {
       r->add_worker_files(absl::StrCat("worker-", w, ".state"));
     }
   }
@@ -274,11 +274,12 @@ void CoordinatorService::FormLocked() {
     }
     freeze_.set_options(FreezeOptionsFromConfig(config_).value_or(FreezeOptions{}));
     std::fprintf(stderr, "coordinator: the workers set %s (optimizer %s, lr %g)\n",
-                 declared_.SettingsText().c_str(), config_.optimizer().c_str(), config_.lr());
+                 declared_.SettingsText().c_str(),
+                 EnumText(config_.optimizer().algorithm()).c_str(), config_.optimizer().lr());
   }
   // An external model's tensors are the ones its workers declared.
   job_layers_ = declared_.layers();
-  if (config_.model() != kExternalModel) {
+  if (config_.model().name() != kExternalModel) {
     absl::StatusOr<std::vector<uint64_t>> ends = ModelLayerEnds(config_);
     if (!ends.ok()) {
       FailLocked(absl::StrCat("the model's tensors: ", ends.status().message()));
@@ -288,10 +289,11 @@ void CoordinatorService::FormLocked() {
   }
   auto map = ShardMapForConfig(config_, job_layers_);
   if (!map.ok()) {
-    FailLocked(absl::StrCat("cannot shard d = ", config_.dim(), ": ", map.status().message()));
+    FailLocked(
+        absl::StrCat("cannot shard d = ", config_.model().dim(), ": ", map.status().message()));
     return;
   }
-  if (absl::Status st = ValidateDecayRanges(declared_.decay(), config_.dim()); !st.ok()) {
+  if (absl::Status st = ValidateDecayRanges(declared_.decay(), config_.model().dim()); !st.ok()) {
     FailLocked(absl::StrCat("the workers' weight-decay ranges ", DecayRangesText(declared_.decay()),
                             ": ", st.message()));
     return;
@@ -324,16 +326,17 @@ void CoordinatorService::FormLocked() {
   const absl::Time now = absl::Now();
   started_ = now;
   members_.SeenAllAt(now);
-  std::fprintf(
-      stderr, "coordinator: all %u servers and %u workers registered; running (d = %llu)\n",
-      config_.servers(), config_.workers(), static_cast<unsigned long long>(config_.dim()));
+  std::fprintf(stderr,
+               "coordinator: all %u servers and %u workers registered; running (d = %llu)\n",
+               config_.cluster().servers(), config_.cluster().workers(),
+               static_cast<unsigned long long>(config_.model().dim()));
 }
 
 bool CoordinatorService::RollBackLocked(const std::string& why, std::string* why_not) {
   const std::optional<CompleteCheckpoint>& target = history_.latest();
   if (state_ != State::kRunning) {
     *why_not = absl::StrCat("the job is ", StateName(state_));
-  } else if (config_.checkpoint_dir().empty()) {
+  } else if (config_.checkpoint().dir().empty()) {
     *why_not = "it has no --checkpoint_dir to roll back to";
   } else if (rejoin_timeout_ == absl::ZeroDuration()) {
     *why_not = "--rejoin_timeout is 0";
@@ -410,7 +413,7 @@ grpc::Status CoordinatorService::CheckJob(control::Role role, uint32_t rank,
 void CoordinatorService::AddMetricsLocked(uint32_t rank, const control::StepMetrics& m,
                                           uint64_t steps_done) {
   if (std::optional<std::string> refused =
-          metrics_.Add(rank, m, steps_done, config_.steps(), members_.workers().size())) {
+          metrics_.Add(rank, m, steps_done, config_.model().steps(), members_.workers().size())) {
     refusals_.Refused(*refused);
   }
 }
@@ -432,11 +435,11 @@ grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* ctx,
   }
   grpc::Status st = CheckJob(req->role(), req->rank(), req->job_id());
   if (!st.ok()) return Refuse("Heartbeat", st);
-  if (config_.steps() > 0 && req->step() > config_.steps()) {
+  if (config_.model().steps() > 0 && req->step() > config_.model().steps()) {
     return Refuse("Heartbeat", grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                                             absl::StrCat(Membership::Name(req->role(), req->rank()),
                                                          " at step ", req->step(), " of a job of ",
-                                                         config_.steps(), " steps")));
+                                                         config_.model().steps(), " steps")));
   }
   Process& p = members_.Group(req->role())[req->rank()];
   p.last_seen = absl::Now();
@@ -445,7 +448,8 @@ grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* ctx,
     // A row for a step the worker has not run would be made up.
     for (const auto& m : req->metrics()) AddMetricsLocked(req->rank(), m, req->step());
   } else {
-    for (const auto& c : req->freeze_checks()) freeze_.Add(req->rank(), c, map_, config_.steps());
+    for (const auto& c : req->freeze_checks())
+      freeze_.Add(req->rank(), c, map_, config_.model().steps());
   }
   for (const auto& c : req->checkpoint_parts())
     AddCheckpointPartLocked(req->role(), req->rank(), c);
@@ -510,21 +514,22 @@ grpc::Status CoordinatorService::Done(grpc::ServerContext* ctx, const control::D
     return Refuse("Done",
                   grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(c.message())));
   }
-  if (config_.steps() > 0 && req->steps() > config_.steps()) {
-    return Refuse("Done", grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                       absl::StrCat("Done after ", req->steps(),
-                                                    " steps of a job of ", config_.steps())));
+  if (config_.model().steps() > 0 && req->steps() > config_.model().steps()) {
+    return Refuse("Done",
+                  grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                               absl::StrCat("Done after ", req->steps(), " steps of a job of ",
+                                            config_.model().steps())));
   }
   Process& p = members_.Group(req->role())[req->rank()];
   p.last_seen = absl::Now();
   p.done = true;
   p.checksums.assign(req->checksums().begin(), req->checksums().end());
   if (req->role() == control::WORKER) {
-    p.step = req->steps() > 0 ? req->steps() : config_.steps();
+    p.step = req->steps() > 0 ? req->steps() : config_.model().steps();
     for (const auto& m : req->metrics()) AddMetricsLocked(req->rank(), m, p.step);
-    if (config_.steps() > 0 && p.step != config_.steps()) {
+    if (config_.model().steps() > 0 && p.step != config_.model().steps()) {
       FailLocked(absl::StrCat("worker ", req->rank(), " finished after ", p.step,
-                              " steps; the job has ", config_.steps()));
+                              " steps; the job has ", config_.model().steps()));
       return grpc::Status::OK;
     }
   }
@@ -560,7 +565,7 @@ absl::Status CoordinatorService::CheckCoverageLocked(const control::DoneRequest&
 void CoordinatorService::MaybeFinishLocked() {
   if (state_ != State::kRunning) return;
   const std::vector<Process>& workers = members_.workers();
-  if (config_.steps() == 0 && !end_step_) {
+  if (config_.model().steps() == 0 && !end_step_) {
     // The workers' program decided the length: the servers finish where
     // every worker did, so all must agree.
     for (const Process& w : workers) {
@@ -764,7 +769,7 @@ void CoordinatorService::AddCheckpointPartLocked(control::Role role, uint32_t ra
   size_t expected = members_.workers().size();
   for (uint32_t k = 0; k < map_.num_shards(); ++k) expected += map_.shard(k).size() > 0;
   std::optional<std::string> error = checkpoints_.AddPart(
-      Membership::Name(role, rank), part, config_.checkpoint_every(), stop_.step(), expected,
+      Membership::Name(role, rank), part, config_.checkpoint().every(), stop_.step(), expected,
       [this](uint64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ManifestLocked(step); });
   if (error) CheckpointFailedLocked(part.step(), *error);
 }
@@ -790,7 +795,7 @@ void CoordinatorService::CheckpointFailed(uint64_t step, const std::string& erro
 
 void CoordinatorService::CheckpointFailedLocked(uint64_t step, const std::string& error) {
   checkpoints_.Failed(step, error);
-  const bool fail = config_.checkpoint_failure() == "fail";
+  const bool fail = config_.checkpoint().on_failure() == control::CHECKPOINT_FAILURE_FAIL;
   const std::optional<uint64_t> last = checkpoints_.last_written();
   std::fprintf(
       stderr, "coordinator: the checkpoint of step %llu failed: %s; %s\n",
@@ -841,7 +846,7 @@ void CoordinatorService::RequestStop(const std::string& who) {
 
 void CoordinatorService::RequestStopLocked(const std::string& who) {
   if (stop_.stopping()) return;
-  if (state_ != State::kRunning || config_.checkpoint_dir().empty()) {
+  if (state_ != State::kRunning || config_.checkpoint().dir().empty()) {
     if (state_ == State::kRegistering || state_ == State::kRunning) {
       FailLocked(absl::StrCat("stopped by ", who));  // nowhere to save it
     }
@@ -881,11 +886,11 @@ run::Summary CoordinatorService::MakeSummary() const {
   const double wall_s = WallSeconds();
   absl::MutexLock l(&mu_);
   run::Summary s;
-  s.set_optimizer(config_.optimizer());
-  s.set_workers(config_.workers());
-  s.set_servers(config_.servers());
-  s.set_params(config_.dim());
-  s.set_steps(config_.steps() > 0 ? config_.steps() : end_step_.value_or(0));
+  s.set_optimizer(EnumText(config_.optimizer().algorithm()));
+  s.set_workers(config_.cluster().workers());
+  s.set_servers(config_.cluster().servers());
+  s.set_params(config_.model().dim());
+  s.set_steps(config_.model().steps() > 0 ? config_.model().steps() : end_step_.value_or(0));
   s.set_wall_s(wall_s);
   if (const std::optional<CompleteCheckpoint>& resume = history_.resume()) {
     s.set_resumed_from_step(resume->manifest.step());
@@ -908,8 +913,9 @@ run::Summary CoordinatorService::MakeSummary() const {
     }
     if (r.bytes_up > 0) s.set_rounds(s.rounds() + 1);
   }
-  const absl::StatusOr<OptimizerKind> kind = ParseOptimizerKind(config_.optimizer());
-  s.set_lr(config_.lr());
+  const absl::StatusOr<OptimizerKind> kind =
+      ParseOptimizerKind(EnumText(config_.optimizer().algorithm()));
+  s.set_lr(config_.optimizer().lr());
   s.set_freeze(FreezeText(config_));
   for (const auto& [after, change] : freeze_.history()) {
     google::protobuf::ListValue* check = s.add_freeze_checks();
@@ -925,14 +931,15 @@ run::Summary CoordinatorService::MakeSummary() const {
     // A job meant to compress that ran plain Adam throughout: say why.
     s.set_freeze_warning(freeze_.NeverFiredWarning());
   }
-  s.set_error_feedback(config_.error_feedback());
-  s.set_server_reply(config_.server_reply());
-  s.set_v_floor(config_.v_floor());
+  s.set_error_feedback(EnumText(config_.compression().error_feedback()));
+  s.set_server_reply(EnumText(config_.compression().server_reply()));
+  s.set_v_floor(config_.optimizer().v_floor());
   s.set_v_floored(verdict_.floored);
   s.set_workers_agree(state_ == State::kFinished && verdict_.workers_agree);
   if (verdict_.max_replica_diff) s.set_max_replica_master_diff(*verdict_.max_replica_diff);
   // What a plain fp32 parameter server moves: d floats each way per worker-step.
-  const uint64_t fp32 = config_.dim() * sizeof(float) * config_.workers() * rows.size();
+  const uint64_t fp32 =
+      config_.model().dim() * sizeof(float) * config_.cluster().workers() * rows.size();
   s.set_bytes_up_fp32(fp32);
   s.set_bytes_down_fp32(fp32);
   if (!rows.empty()) s.set_final_loss(rows.back().loss);
@@ -953,22 +960,22 @@ run::Summary CoordinatorService::MakeSummary() const {
   s.set_rolled_back_steps(history_.rolled_back_steps());
   s.set_rollbacks(history_.rollbacks());
   s.set_job_id(absl::StrFormat("%016x", job_id_));
-  s.set_worker_codec(config_.worker_codec());
-  s.set_server_codec(config_.server_codec());
+  s.set_worker_codec(EnumText(config_.compression().worker_codec()));
+  s.set_server_codec(EnumText(config_.compression().server_codec()));
   for (const Process& w : members_.workers()) s.add_worker_devices(w.info.device());
   s.set_checkpoints(checkpoints_.written());
   if (checkpoints_.last_written()) s.set_last_checkpoint_step(*checkpoints_.last_written());
   s.set_checkpoint_errors(checkpoints_.errors());
   if (!checkpoints_.last_error().empty()) s.set_last_checkpoint_error(checkpoints_.last_error());
-  if (!config_.checkpoint_dir().empty()) s.set_durable(checkpoints_.errors() == 0);
+  if (!config_.checkpoint().dir().empty()) s.set_durable(checkpoints_.errors() == 0);
   return s;
 }
 
 JobState CoordinatorService::Progress() const {
   absl::MutexLock l(&mu_);
   JobState s;
-  s.workers_expected = config_.workers();
-  s.servers_expected = config_.servers();
+  s.workers_expected = config_.cluster().workers();
+  s.servers_expected = config_.cluster().servers();
   auto alive = [](const Process& p) { return p.registered && !p.done && !p.lost; };
   for (const Process& w : members_.workers()) s.workers_alive += alive(w);
   for (const Process& k : members_.servers()) s.servers_alive += alive(k);
@@ -980,7 +987,7 @@ JobState CoordinatorService::Progress() const {
   s.last_checkpoint_step = checkpoints_.last_written();
   if (!freeze_.history().empty()) s.freeze_change = freeze_.history().back().second;
   s.finished = state_ == State::kFinished || state_ == State::kFailed || state_ == State::kStopped;
-  s.fp32_bytes_per_step = config_.dim() * sizeof(float) * config_.workers();
+  s.fp32_bytes_per_step = config_.model().dim() * sizeof(float) * config_.cluster().workers();
   return s;
 }
 

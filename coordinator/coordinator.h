@@ -50,7 +50,7 @@ class CoordinatorService final : public control::Coordinator::Service {
 
   // `config` must be valid (ValidateConfig); `given`: the settings the job
   // set explicitly (the workers may declare the others). The shard map is
-  // built once the cluster has formed: from config.dim(), or for --model
+  // built once the cluster has formed: from config.model().dim(), or for --model
   // external from the d every worker declared.
   // `security`: every call must carry its job credential (CheckCallCredential),
   // except under --insecure.

@@ -82,7 +82,7 @@ int Main(int argc, char** argv) {
   if (!o.out.empty()) {
     if (absl::Status st = MakeDirs(o.out); !st.ok()) ExitFlagError("out", st.message());
   }
-  if (cfg.model() != kExternalModel) {
+  if (cfg.model().name() != kExternalModel) {
     auto map = ShardMapForConfig(cfg, ModelLayerEnds(cfg).value_or(std::vector<uint64_t>{}));
     if (!map.ok()) ExitError(2, std::string(map.status().message()));
   }

@@ -50,7 +50,7 @@ absl::Status DeclaredSettings::Check(uint32_t rank, const control::RegisterReque
 
 absl::Status DeclaredSettings::CheckParams(uint32_t rank, uint64_t d,
                                            control::TrainingConfig* config) {
-  const bool external = config->model() == kExternalModel;
+  const bool external = config->model().name() == kExternalModel;
   if (d == 0) {
     if (!external) return absl::OkStatus();  // the job's built-in model decides
     return absl::InvalidArgumentError(
@@ -63,20 +63,20 @@ absl::Status DeclaredSettings::CheckParams(uint32_t rank, uint64_t d,
         absl::StrCat("worker ", rank, " declares d = ", d, ", above the limit of ", kMaxParams));
   }
   if (!external) {
-    if (d == config->dim()) return absl::OkStatus();
-    return absl::InvalidArgumentError(absl::StrCat("worker ", rank, " declares d = ", d,
-                                                   ", but the job's model (", config->model(),
-                                                   ") has d = ", config->dim()));
+    if (d == config->model().dim()) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        absl::StrCat("worker ", rank, " declares d = ", d, ", but the job's model (",
+                     config->model().name(), ") has d = ", config->model().dim()));
   }
   if (!params_by_) {
     params_by_ = rank;
-    config->set_dim(d);
+    config->mutable_model()->set_dim(d);
     return absl::OkStatus();
   }
-  if (d == config->dim()) return absl::OkStatus();
+  if (d == config->model().dim()) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat("worker ", rank, " declares d = ", d,
                                                  ", but worker ", *params_by_,
-                                                 " declared d = ", config->dim()));
+                                                 " declared d = ", config->model().dim()));
 }
 
 absl::Status DeclaredSettings::CheckDecay(uint32_t rank, const control::RegisterRequest& req) {

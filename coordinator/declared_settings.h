@@ -26,7 +26,7 @@ class DeclaredSettings {
   // Worker `rank`'s declarations against the job's `config` and the first
   // worker's, in this order: d, the weight-decay ranges, the tensors, the
   // settings, the local state. The first worker to declare d sets
-  // config->dim() (--model external); its settings are tried against
+  // config->model().dim() (--model external); its settings are tried against
   // `config` with `given` (the settings the job set itself), so that a
   // contradiction shows at once. `formed`: the job has formed already (the
   // first worker too must then declare what it did).

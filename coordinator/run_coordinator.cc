@@ -37,22 +37,23 @@ namespace {
 // refused (corrupt, incomplete) are named on stderr.
 absl::StatusOr<std::optional<CompleteCheckpoint>> FindResumePoint(
     const control::TrainingConfig& cfg) {
-  if (cfg.checkpoint_dir().empty()) return std::nullopt;
+  if (cfg.checkpoint().dir().empty()) return std::nullopt;
   std::vector<std::string> refused;
-  auto latest = LatestCheckpoint(cfg.checkpoint_dir(), &refused);
+  auto latest = LatestCheckpoint(cfg.checkpoint().dir(), &refused);
   for (const std::string& r : refused) {
     std::fprintf(stderr, "coordinator: not resuming from %s\n", r.c_str());
   }
   if (absl::IsNotFound(latest.status())) {
-    if (!cfg.resume()) return std::nullopt;
+    if (!cfg.checkpoint().resume()) return std::nullopt;
     return absl::FailedPreconditionError(absl::StrCat(
-        "--resume: no complete checkpoint under ", cfg.checkpoint_dir(),
+        "--resume: no complete checkpoint under ", cfg.checkpoint().dir(),
         refused.empty() ? "" : absl::StrCat(" (refused: ", absl::StrJoin(refused, "; "), ")")));
   }
   if (!latest.ok()) return latest.status();
   // A --model external job's d comes from its workers: checked again then.
   control::TrainingConfig mine = cfg;
-  if (cfg.model() == kExternalModel) mine.set_dim(latest->manifest.config().dim());
+  if (cfg.model().name() == kExternalModel)
+    mine.mutable_model()->set_dim(latest->manifest.config().model().dim());
   if (absl::Status st = CheckResumable(mine, *latest); !st.ok()) return st;
   return std::optional<CompleteCheckpoint>(*std::move(latest));
 }
@@ -215,10 +216,11 @@ class JobRun {
     WriteManifests();  // the last parts came with Done
     RemoveFailed();
     RecordHistory();
-    if (!cfg_.checkpoint_dir().empty() && service_.state() != CoordinatorService::State::kFailed) {
+    if (!cfg_.checkpoint().dir().empty() &&
+        service_.state() != CoordinatorService::State::kFailed) {
       // Every process has written what it will: incomplete folders go too.
       if (absl::Status st =
-              PruneCheckpoints(cfg_.checkpoint_dir(), static_cast<int>(cfg_.checkpoint_keep()),
+              PruneCheckpoints(cfg_.checkpoint().dir(), static_cast<int>(cfg_.checkpoint().keep()),
                                /*nothing_in_making=*/true);
           !st.ok()) {
         std::fprintf(stderr, "coordinator: %s\n", std::string(st.message()).c_str());
@@ -285,14 +287,14 @@ class JobRun {
   // A checkpoint is complete once its manifest is written, last.
   void WriteManifests() {
     for (const checkpoint::Manifest& m : service_.TakeCompleteCheckpoints()) {
-      const std::string dir = StepDir(cfg_.checkpoint_dir(), m.step());
+      const std::string dir = StepDir(cfg_.checkpoint().dir(), m.step());
       if (absl::Status st = WriteManifest(dir, m); !st.ok()) {
         service_.CheckpointFailed(m.step(), absl::StrCat("the coordinator: ", st.message()));
         continue;
       }
       // Complete; what the pruning leaves behind goes at the next one.
       if (absl::Status st =
-              PruneCheckpoints(cfg_.checkpoint_dir(), static_cast<int>(cfg_.checkpoint_keep()));
+              PruneCheckpoints(cfg_.checkpoint().dir(), static_cast<int>(cfg_.checkpoint().keep()));
           !st.ok()) {
         std::fprintf(stderr, "coordinator: checkpoint of step %llu: %s\n",
                      static_cast<unsigned long long>(m.step()), std::string(st.message()).c_str());
@@ -309,7 +311,7 @@ class JobRun {
   // A failed checkpoint's files go (a full volume keeps room for the next).
   void RemoveFailed() {
     for (uint64_t step : service_.TakeFailedCheckpoints()) {
-      if (absl::Status st = RemoveIncompleteCheckpoint(cfg_.checkpoint_dir(), step); !st.ok()) {
+      if (absl::Status st = RemoveIncompleteCheckpoint(cfg_.checkpoint().dir(), step); !st.ok()) {
         std::fprintf(stderr, "coordinator: %s\n", std::string(st.message()).c_str());
       }
     }
@@ -373,9 +375,10 @@ class JobRun {
     };
     bool signalled = signalled_now();
     const absl::Time deadline =
-        absl::Now() + (signalled ? absl::Milliseconds(300)
-                                 : std::max(absl::Seconds(2),
-                                            absl::Milliseconds(cfg_.heartbeat_timeout_ms()) / 2));
+        absl::Now() +
+        (signalled
+             ? absl::Milliseconds(300)
+             : std::max(absl::Seconds(2), absl::Milliseconds(cfg_.timeouts().heartbeat_ms()) / 2));
     while (!(service_.EveryoneTold() && service_.WorkersReportedLastMetrics()) &&
            absl::Now() < deadline) {
       // A signal meanwhile (onebit-launch stopping the rest after a
@@ -419,7 +422,7 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
   if (absl::Status st = ValidateConfig(cfg); !st.ok()) return st;
   auto security = ResolveSecurity(o.secret_file, o.insecure, "CoordinatorOptions.secret_file");
   if (!security.ok()) return security.status();
-  if (cfg.model() != kExternalModel) {
+  if (cfg.model().name() != kExternalModel) {
     auto map = ShardMapForConfig(cfg, ModelLayerEnds(cfg).value_or(std::vector<uint64_t>{}));
     if (!map.ok()) return map.status();
   }
@@ -450,9 +453,10 @@ absl::Status RunCoordinatorJob(const control::TrainingConfig& cfg,
                "coordinator: job %016llx on %s:%d (health on port %d), waiting for %u servers and "
                "%u workers (%s, d=%llu, %llu steps)\n",
                static_cast<unsigned long long>(job_id), o.bind_host.c_str(), bound, health_bound,
-               cfg.servers(), cfg.workers(), cfg.optimizer().c_str(),
-               static_cast<unsigned long long>(cfg.dim()),
-               static_cast<unsigned long long>(cfg.steps()));
+               cfg.cluster().servers(), cfg.cluster().workers(),
+               EnumText(cfg.optimizer().algorithm()).c_str(),
+               static_cast<unsigned long long>(cfg.model().dim()),
+               static_cast<unsigned long long>(cfg.model().steps()));
   // After that line, so that whoever reads --port_file finds it in the log.
   if (o.on_listening) o.on_listening(bound);
   if (absl::Status st = job.StartMetricsEndpoint(); !st.ok()) return st;

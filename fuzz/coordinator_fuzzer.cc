@@ -176,7 +176,7 @@ class Harness {
     FUZZ_CHECK(reply.servers_size() == static_cast<int>(spec_.servers));
     auto map = ShardMap::Deserialize(reply.shard_map());
     FUZZ_CHECK(map.ok() && map->num_shards() == spec_.servers);
-    FUZZ_CHECK(map->num_params() == reply.config().dim());
+    FUZZ_CHECK(map->num_params() == reply.config().model().dim());
     incarnation_ = reply.incarnation();
     credentials_[{req.role(), reply.rank()}] = reply.credential();
   }

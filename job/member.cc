@@ -103,14 +103,14 @@ absl::Status JobMember::LoadCheckpoint(Load load) {
 }
 
 bool JobMember::CheckpointDue(uint64_t step) const {
-  const uint64_t every = reg_.config().checkpoint_every();
+  const uint64_t every = reg_.config().checkpoint().every();
   return every > 0 && step % every == 0;
 }
 
 absl::Status JobMember::Checkpoint(uint64_t step, Snapshot snapshot) {
   if (step == 0 || step == checkpointed_) return absl::OkStatus();
   checkpointed_ = step;
-  auto dir = MakeStepDir(reg_.config().checkpoint_dir(), step);
+  auto dir = MakeStepDir(reg_.config().checkpoint().dir(), step);
   if (!dir.ok()) {
     heartbeat_->ReportCheckpointPart(PartOf(step, dir.status()));
     return absl::OkStatus();

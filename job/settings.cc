@@ -13,9 +13,12 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/time/time.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/message.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
 
 namespace onebit {
 namespace {
@@ -25,120 +28,128 @@ using T = SettingType;
 // A new setting: add its TrainingConfig field (proto/control.proto) and one
 // row here; validation, if any, goes in ValidateConfig.
 constexpr JobSetting kSettings[] = {
-    {"workers", T::kUint32, "1", "cluster", "number of workers N"},
-    {"servers", T::kUint32, "1", "cluster", "number of servers S (one shard each)"},
+    {"workers", "cluster.workers", T::kUint32, "1", "cluster", "number of workers N"},
+    {"servers", "cluster.servers", T::kUint32, "1", "cluster",
+     "number of servers S (one shard each)"},
 
-    {"model", T::kString, "synthetic", "model",
+    {"model", "model.name", T::kString, "synthetic", "model",
      "model: a built-in one (see Models below) | external (the workers' own program, "
      "onebit-launch --worker_cmd: they declare d, and the job ends when every worker has "
      "finished unless --steps is given)"},
-    {"model_options", T::kStringMap, "", "model",
+    {"model_options", "model.options", T::kStringMap, "", "model",
      "the model's own options as name=value,... (see Models below; in --config also an object "
      "{\"name\": \"value\"}); the defaults fill in the rest"},
-    {"dim", T::kUint64, "1000", "model", "parameters d (synthetic model)"},
-    {"steps", T::kUint64, "10", "model", "training steps (see --epochs)"},
-    {"seed", T::kUint64, "1", "model", "seed of the model, its data and its noise"},
-    {"noise", T::kFloat, "0.1", "model", "synthetic: gradient noise scale"},
-    {"curvature_spread", T::kFloat, "0", "model",
+    {"dim", "model.dim", T::kUint64, "1000", "model", "parameters d (synthetic model)"},
+    {"steps", "model.steps", T::kUint64, "10", "model", "training steps (see --epochs)"},
+    {"seed", "model.seed", T::kUint64, "1", "model", "seed of the model, its data and its noise"},
+    {"noise", "model.noise", T::kFloat, "0.1", "model", "synthetic: gradient noise scale"},
+    {"curvature_spread", "model.curvature_spread", T::kFloat, "0", "model",
      "synthetic: spread the curvatures over 10^±spread (an ill-conditioned problem)"},
-    {"skip_model", T::kBool, "false", "model",
+    {"skip_model", "model.skip_model", T::kBool, "false", "model",
      "synthetic: skip the model arithmetic (zero gradients; data-plane benchmark)"},
-    {"epochs", T::kUint32, "0", "model",
+    {"epochs", "model.epochs", T::kUint32, "0", "model",
      "models with a data set (mlp, softmax): train this many epochs (sets --steps: an epoch is "
      "60000 / (N * batch) steps, or max_train / (N * batch))"},
-    {"layers", T::kString, "784-256-128-10", "model", "mlp: layer widths"},
-    {"batch", T::kUint32, "64", "model", "mlp: local batch per worker"},
-    {"data_dir", T::kString, "/usr/share/datasets/fashion-mnist", "model",
+    {"layers", "model.layers", T::kString, "784-256-128-10", "model", "mlp: layer widths"},
+    {"batch", "model.batch", T::kUint32, "64", "model", "mlp: local batch per worker"},
+    {"data_dir", "model.data_dir", T::kString, "/usr/share/datasets/fashion-mnist", "model",
      "mlp: folder of the Fashion-MNIST IDX files (.gz)"},
-    {"eval_every", T::kUint64, "0", "model",
+    {"eval_every", "model.eval_every", T::kUint64, "0", "model",
      "models with a data set: evaluate the test set every this many steps (0: once an epoch) "
      "and at the end"},
-    {"max_train", T::kUint32, "0", "model", "mlp: use only the first N training images (0: all)"},
-    {"max_test", T::kUint32, "0", "model", "mlp: use only the first N test images (0: all)"},
-    {"blas_threads", T::kUint32, "1", "model", "mlp: OpenBLAS threads per worker"},
+    {"max_train", "model.max_train", T::kUint32, "0", "model",
+     "mlp: use only the first N training images (0: all)"},
+    {"max_test", "model.max_test", T::kUint32, "0", "model",
+     "mlp: use only the first N test images (0: all)"},
+    {"blas_threads", "model.blas_threads", T::kUint32, "1", "model",
+     "mlp: OpenBLAS threads per worker"},
 
-    {"optimizer", T::kString, "sgd", "optimizer",
+    {"optimizer", "optimizer.algorithm", T::kEnum, "sgd", "optimizer",
      "sgd | adam | onebit-adam | naive-onebit-adam | ef-sgd | zero-one-adam | onebit-lamb "
      "(docs/design.md §1.4, §1.6, §1.7)"},
-    {"lr", T::kFloat, "0.01", "optimizer", "learning rate"},
-    {"lr_schedule", T::kString, "constant", "optimizer",
+    {"lr", "optimizer.lr", T::kFloat, "0.01", "optimizer", "learning rate"},
+    {"lr_schedule", "optimizer.lr_schedule", T::kString, "constant", "optimizer",
      "learning rate schedule: constant | warmup:N | cosine"},
-    {"beta1", T::kFloat, "0.9", "optimizer", "Adam beta1"},
-    {"beta2", T::kFloat, "0.999", "optimizer", "Adam beta2"},
-    {"eps", T::kFloat, "1e-8", "optimizer", "Adam epsilon"},
-    {"weight_decay", T::kFloat, "0", "optimizer", "decoupled weight decay"},
-    {"bias_correction", T::kBool, "false", "optimizer",
+    {"beta1", "optimizer.beta1", T::kFloat, "0.9", "optimizer", "Adam beta1"},
+    {"beta2", "optimizer.beta2", T::kFloat, "0.999", "optimizer", "Adam beta2"},
+    {"eps", "optimizer.eps", T::kFloat, "1e-8", "optimizer", "Adam epsilon"},
+    {"weight_decay", "optimizer.weight_decay", T::kFloat, "0", "optimizer",
+     "decoupled weight decay"},
+    {"bias_correction", "optimizer.bias_correction", T::kBool, "false", "optimizer",
      "Adam bias correction (off, as DeepSpeed's OneBitAdam)"},
-    {"freeze_step", T::kUint64, "0", "optimizer",
+    {"freeze_step", "optimizer.freeze_step", T::kUint64, "0", "optimizer",
      "first compression step (the warm-up is steps 0..N-1); 0: use --freeze"},
-    {"freeze", T::kString, "", "optimizer",
+    {"freeze", "optimizer.freeze", T::kString, "", "optimizer",
      "auto[:tau[:window[:F]]]: freeze once ||v_t - v_{t-K}||_1 / ||v_t||_1 < tau on every "
      "shard, checked every K steps, and at the latest after F of a fixed-length job's steps "
      "(default auto:0.05:50:0.25 when --freeze_step is not given; F 1: no latest)"},
-    {"v_floor", T::kFloat, "1e-8", "optimizer",
+    {"v_floor", "optimizer.v_floor", T::kFloat, "1e-8", "optimizer",
      "floor of the frozen variance: v = max(v, v_floor)"},
-    {"var_freeze_step", T::kUint64, "100000", "optimizer",
+    {"var_freeze_step", "optimizer.var_freeze_step", T::kUint64, "100000", "optimizer",
      "zero-one-adam: the last step (counted from 1) that may refresh v; local steps after it"},
-    {"var_update_scaler", T::kUint32, "64", "optimizer",
+    {"var_update_scaler", "optimizer.var_update_scaler", T::kUint32, "64", "optimizer",
      "zero-one-adam: v is refreshed this many times at each interval before it doubles"},
-    {"local_step_scaler", T::kUint64, "32678", "optimizer",
+    {"local_step_scaler", "optimizer.local_step_scaler", T::kUint64, "32678", "optimizer",
      "zero-one-adam: after the freeze the sync interval doubles every this many steps"},
-    {"local_step_clipper", T::kUint32, "16", "optimizer",
+    {"local_step_clipper", "optimizer.local_step_clipper", T::kUint32, "16", "optimizer",
      "zero-one-adam: the largest sync interval (H)"},
-    {"max_coeff", T::kFloat, "10", "optimizer",
+    {"max_coeff", "optimizer.max_coeff", T::kFloat, "10", "optimizer",
      "onebit-lamb: the warm-up's trust ratio ||x|| / ||u|| is clipped to [min_coeff, max_coeff]"},
-    {"min_coeff", T::kFloat, "0.01", "optimizer", "onebit-lamb: see --max_coeff"},
-    {"coeff_beta", T::kFloat, "0.9", "optimizer",
+    {"min_coeff", "optimizer.min_coeff", T::kFloat, "0.01", "optimizer",
+     "onebit-lamb: see --max_coeff"},
+    {"coeff_beta", "optimizer.coeff_beta", T::kFloat, "0.9", "optimizer",
      "onebit-lamb: the trust ratios' running average, frozen with v"},
-    {"factor_max", T::kFloat, "4", "optimizer",
+    {"factor_max", "optimizer.factor_max", T::kFloat, "4", "optimizer",
      "onebit-lamb: after the freeze a layer steps by its frozen ratio times a factor in "
      "[factor_min, factor_max]"},
-    {"factor_min", T::kFloat, "0.5", "optimizer", "onebit-lamb: see --factor_max"},
-    {"factor_threshold", T::kFloat, "0.1", "optimizer",
+    {"factor_min", "optimizer.factor_min", T::kFloat, "0.5", "optimizer",
+     "onebit-lamb: see --factor_max"},
+    {"factor_threshold", "optimizer.factor_threshold", T::kFloat, "0.1", "optimizer",
      "onebit-lamb: the most the factor may change in one step (a fraction)"},
 
-    {"worker_codec", T::kString, "", "compression",
+    {"worker_codec", "compression.worker_codec", T::kEnum, "", "compression",
      "compression-phase push codec: fp32 | fp16 | onebit (default: onebit for the compressing "
      "optimizers, fp32 otherwise)"},
-    {"server_codec", T::kString, "", "compression",
+    {"server_codec", "compression.server_codec", T::kEnum, "", "compression",
      "compression-phase reply codec (default as --worker_codec)"},
-    {"warmup_codec", T::kString, "fp32", "compression",
+    {"warmup_codec", "compression.warmup_codec", T::kEnum, "fp32", "compression",
      "warm-up pushes and replies: fp32 | fp16 (the servers still sum and update in fp32)"},
-    {"error_feedback", T::kString, "both", "compression",
+    {"error_feedback", "compression.error_feedback", T::kEnum, "both", "compression",
      "error feedback: both | worker | server | none"},
-    {"server_reply", T::kString, "", "compression",
+    {"server_reply", "compression.server_reply", T::kEnum, "", "compression",
      "compression-phase reply: momentum (replicas equal the master) | delta (C(Δ + e_s)); "
      "default momentum, delta for naive-onebit-adam"},
-    {"scale", T::kString, "l1", "compression",
+    {"scale", "compression.scale", T::kEnum, "l1", "compression",
      "onebit block scale: l1 (mean |y|) | l2 (||y||/sqrt(n))"},
-    {"block_size", T::kUint32, "2048", "compression", "codec block size B (multiple of 32)"},
+    {"block_size", "compression.block_size", T::kUint32, "2048", "compression",
+     "codec block size B (multiple of 32)"},
 
-    {"chunk_elems", T::kUint64, "0", "data plane",
+    {"chunk_elems", "compression.chunk_elems", T::kUint64, "0", "data plane",
      "elements per data-plane chunk (multiple of --block_size, at most 2^24); 0: an eighth of "
      "the largest shard, between 16 Ki and 1 Mi (64 KB to 4 MB of fp32)"},
-    {"step_timeout", T::kDuration, "30s", "data plane",
+    {"step_timeout", "timeouts.step_ms", T::kDuration, "30s", "data plane",
      "how long a server waits for the missing pushes of a step, and a worker for its replies "
      "(worker waits twice this)"},
-    {"heartbeat_timeout", T::kDuration, "10s", "data plane",
+    {"heartbeat_timeout", "timeouts.heartbeat_ms", T::kDuration, "10s", "data plane",
      "a process silent this long is declared dead by the coordinator"},
 
-    {"checkpoint_dir", T::kString, "", "checkpoints",
+    {"checkpoint_dir", "checkpoint.dir", T::kString, "", "checkpoints",
      "folder every server, worker and the coordinator reach (a shared volume) where "
      "checkpoints go, one step-N folder each"},
-    {"checkpoint_every", T::kUint64, "0", "checkpoints",
+    {"checkpoint_every", "checkpoint.every", T::kUint64, "0", "checkpoints",
      "checkpoint after every N completed steps (0: never)"},
-    {"checkpoint_keep", T::kUint32, "2", "checkpoints",
+    {"checkpoint_keep", "checkpoint.keep", T::kUint32, "2", "checkpoints",
      "complete checkpoints to keep (0: the default, 2)"},
-    {"resume", T::kBool, "false", "checkpoints",
+    {"resume", "checkpoint.resume", T::kBool, "false", "checkpoints",
      "insist on resuming: fail unless --checkpoint_dir holds a complete checkpoint of this "
      "job's config (without it the job resumes from one when there is one, else starts "
      "afresh)"},
-    {"rejoin_timeout", T::kDuration, "60s", "checkpoints",
+    {"rejoin_timeout", "timeouts.rejoin_ms", T::kDuration, "60s", "checkpoints",
      "when a process is lost (or the coordinator restarts), every other process rolls back to "
      "the last complete checkpoint and the job waits this long for the lost one to register "
      "again (restarted by onebit-launch --max_restarts, Kubernetes or you) before it fails; "
      "0: fail at once. Needs --checkpoint_dir"},
-    {"checkpoint_failure", T::kString, "continue", "checkpoints",
+    {"checkpoint_failure", "checkpoint.on_failure", T::kEnum, "continue", "checkpoints",
      "a checkpoint that cannot be written (a full volume, an I/O error): continue (the job goes "
      "on without it; its files are removed, and summary.json says durable: false with the "
      "errors) | fail (the job fails, naming the error)"},
@@ -146,32 +157,59 @@ constexpr JobSetting kSettings[] = {
 
 std::string Normalize(absl::string_view name) { return absl::StrReplaceAll(name, {{"-", "_"}}); }
 
-const google::protobuf::FieldDescriptor* FieldOf(const JobSetting& s) {
-  const std::string field = s.type == T::kDuration ? absl::StrCat(s.name, "_ms") : s.name;
-  return control::TrainingConfig::descriptor()->FindFieldByName(field);
+using google::protobuf::FieldDescriptor;
+using google::protobuf::Message;
+
+// Where a setting lives: its group's field of TrainingConfig and its own
+// field of the group's message; nullptr in either when the row names no
+// field (config_test holds every row to one).
+struct Place {
+  const FieldDescriptor* group = nullptr;
+  const FieldDescriptor* leaf = nullptr;
+};
+
+Place PlaceOf(const JobSetting& s) {
+  const std::pair<absl::string_view, absl::string_view> path = absl::StrSplit(s.field, '.');
+  Place p;
+  p.group = control::TrainingConfig::descriptor()->FindFieldByName(std::string(path.first));
+  if (p.group != nullptr && p.group->message_type() != nullptr) {
+    p.leaf = p.group->message_type()->FindFieldByName(std::string(path.second));
+  }
+  return p;
 }
 
-google::protobuf::FieldDescriptor::CppType CppTypeOf(SettingType t) {
-  using F = google::protobuf::FieldDescriptor;
+FieldDescriptor::CppType CppTypeOf(SettingType t) {
   switch (t) {
     case T::kStringMap:
-      return F::CPPTYPE_MESSAGE;  // a map is a repeated entry message
+      return FieldDescriptor::CPPTYPE_MESSAGE;  // a map is a repeated entry message
     case T::kBool:
-      return F::CPPTYPE_BOOL;
+      return FieldDescriptor::CPPTYPE_BOOL;
     case T::kUint32:
     case T::kDuration:
-      return F::CPPTYPE_UINT32;
+      return FieldDescriptor::CPPTYPE_UINT32;
     case T::kUint64:
-      return F::CPPTYPE_UINT64;
+      return FieldDescriptor::CPPTYPE_UINT64;
     case T::kFloat:
-      return F::CPPTYPE_FLOAT;
+      return FieldDescriptor::CPPTYPE_FLOAT;
+    case T::kEnum:
+      return FieldDescriptor::CPPTYPE_ENUM;
     case T::kString:
       break;
   }
-  return F::CPPTYPE_STRING;
+  return FieldDescriptor::CPPTYPE_STRING;
 }
 
-const char* TypeName(SettingType t) {
+// The values an enum setting takes, as "a | b | c".
+std::string EnumChoices(const FieldDescriptor* f) {
+  std::vector<std::string> names;
+  const google::protobuf::EnumDescriptor* e = f->enum_type();
+  for (int i = 0; i < e->value_count(); ++i) {
+    if (e->value(i)->number() != 0) names.push_back(EnumText(e->value(i)));
+  }
+  return absl::StrJoin(names, " | ");
+}
+
+std::string TypeName(SettingType t, const FieldDescriptor* f) {
   switch (t) {
     case T::kBool:
       return "true or false";
@@ -184,16 +222,18 @@ const char* TypeName(SettingType t) {
       return "a duration like 30s or 500ms";
     case T::kStringMap:
       return "name=value,... (names not empty, each once)";
+    case T::kEnum:
+      return absl::StrCat("one of ", EnumChoices(f));
     case T::kString:
       break;
   }
   return "a string";
 }
 
-// Whether field f has the shape of setting type t.
-bool FieldFits(const google::protobuf::FieldDescriptor* f, SettingType t) {
-  if (f == nullptr || f->cpp_type() != CppTypeOf(t)) return false;
-  return t == T::kStringMap ? f->is_map() : !f->is_repeated();
+// Whether the place exists and its field has the shape of setting type t.
+bool Fits(const Place& p, SettingType t) {
+  if (p.group == nullptr || p.leaf == nullptr || p.leaf->cpp_type() != CppTypeOf(t)) return false;
+  return t == T::kStringMap ? p.leaf->is_map() : !p.leaf->is_repeated();
 }
 
 // "k=v,k=v" -> the pairs, keys with dashes as underscores; nullopt when malformed.
@@ -212,6 +252,26 @@ std::optional<std::map<std::string, std::string>> ParseStringMap(absl::string_vi
   return out;
 }
 
+// The shortest text that reads back to exactly v ("0.01", not "0.00999999978").
+std::string FloatText(float v) {
+  for (int digits = 6; digits < 9; ++digits) {
+    std::string t = absl::StrFormat("%.*g", digits, v);
+    float back = 0;
+    if (absl::SimpleAtof(t, &back) && back == v) return t;
+  }
+  return absl::StrFormat("%.9g", v);  // 9 digits: exact for any float
+}
+
+// The enum value whose text (EnumText) is `text`, or nullptr.
+const google::protobuf::EnumValueDescriptor* EnumValueOfText(const FieldDescriptor* f,
+                                                             absl::string_view text) {
+  const google::protobuf::EnumDescriptor* e = f->enum_type();
+  for (int i = 0; i < e->value_count(); ++i) {
+    if (EnumText(e->value(i)) == absl::AsciiStrToLower(text)) return e->value(i);
+  }
+  return nullptr;
+}
+
 }  // namespace
 
 absl::Span<const JobSetting> JobSettings() { return kSettings; }
@@ -224,14 +284,30 @@ const JobSetting* FindJobSetting(absl::string_view name) {
   return nullptr;
 }
 
-absl::Status SetJobSetting(const JobSetting& s, absl::string_view text,
-                           control::TrainingConfig* c) {
-  const google::protobuf::FieldDescriptor* f = FieldOf(s);
-  if (!FieldFits(f, s.type)) {
-    return absl::InternalError(absl::StrCat("no TrainingConfig field matches setting ", s.name));
+std::string EnumText(const google::protobuf::EnumValueDescriptor* value) {
+  if (value == nullptr || value->number() == 0) return "";
+  // The enum's prefix is its name in upper snake case: ServerReply -> SERVER_REPLY_.
+  std::string prefix;
+  for (char ch : value->type()->name()) {
+    if (absl::ascii_isupper(ch) && !prefix.empty()) prefix += '_';
+    prefix += absl::ascii_toupper(ch);
   }
+  absl::string_view name = value->name();
+  absl::ConsumePrefix(&name, absl::StrCat(prefix, "_"));
+  return absl::StrReplaceAll(absl::AsciiStrToLower(name), {{"_", "-"}});
+}
+
+absl::Status SetJobSetting(const JobSetting& s, absl::string_view text,
+                           control::TrainingConfig* config) {
+  const Place p = PlaceOf(s);
+  if (!Fits(p, s.type)) {
+    return absl::InternalError(
+        absl::StrCat("no TrainingConfig field ", s.field, " fits setting ", s.name));
+  }
+  Message* c = config->GetReflection()->MutableMessage(config, p.group);
+  const FieldDescriptor* f = p.leaf;
   const google::protobuf::Reflection* r = c->GetReflection();
-  const absl::Status bad = absl::InvalidArgumentError(absl::StrCat("want ", TypeName(s.type)));
+  const absl::Status bad = absl::InvalidArgumentError(absl::StrCat("want ", TypeName(s.type, f)));
   const std::string t(absl::StripAsciiWhitespace(text));
   switch (s.type) {
     case T::kBool: {
@@ -271,6 +347,12 @@ absl::Status SetJobSetting(const JobSetting& s, absl::string_view text,
     case T::kString:
       r->SetString(c, f, std::string(text));
       break;
+    case T::kEnum: {
+      const google::protobuf::EnumValueDescriptor* v = EnumValueOfText(f, t);
+      if (v == nullptr) return bad;
+      r->SetEnum(c, f, v);
+      break;
+    }
     case T::kStringMap: {
       std::optional<std::map<std::string, std::string>> pairs = ParseStringMap(text);
       if (!pairs) return bad;
@@ -278,7 +360,7 @@ absl::Status SetJobSetting(const JobSetting& s, absl::string_view text,
       r->ClearField(c, f);
       const google::protobuf::Descriptor* entry = f->message_type();
       for (const auto& [k, v] : *pairs) {
-        google::protobuf::Message* e = r->AddMessage(c, f);
+        Message* e = r->AddMessage(c, f);
         e->GetReflection()->SetString(e, entry->FindFieldByName("key"), k);
         e->GetReflection()->SetString(e, entry->FindFieldByName("value"), v);
       }
@@ -288,9 +370,11 @@ absl::Status SetJobSetting(const JobSetting& s, absl::string_view text,
   return absl::OkStatus();
 }
 
-std::string JobSettingText(const JobSetting& s, const control::TrainingConfig& c) {
-  const google::protobuf::FieldDescriptor* f = FieldOf(s);
-  if (!FieldFits(f, s.type)) return "";
+std::string JobSettingText(const JobSetting& s, const control::TrainingConfig& config) {
+  const Place p = PlaceOf(s);
+  if (!Fits(p, s.type)) return "";
+  const Message& c = config.GetReflection()->GetMessage(config, p.group);
+  const FieldDescriptor* f = p.leaf;
   const google::protobuf::Reflection* r = c.GetReflection();
   switch (s.type) {
     case T::kBool:
@@ -300,14 +384,16 @@ std::string JobSettingText(const JobSetting& s, const control::TrainingConfig& c
     case T::kUint64:
       return absl::StrCat(r->GetUInt64(c, f));
     case T::kFloat:
-      return absl::StrFormat("%.9g", r->GetFloat(c, f));  // 9 digits: exact for any float
+      return FloatText(r->GetFloat(c, f));
     case T::kDuration:
       return absl::FormatDuration(absl::Milliseconds(r->GetUInt32(c, f)));
+    case T::kEnum:
+      return EnumText(r->GetEnum(c, f));
     case T::kStringMap: {
       const google::protobuf::Descriptor* entry = f->message_type();
       std::map<std::string, std::string> sorted;  // a protobuf map has no order
       for (int i = 0; i < r->FieldSize(c, f); ++i) {
-        const google::protobuf::Message& e = r->GetRepeatedMessage(c, f, i);
+        const Message& e = r->GetRepeatedMessage(c, f, i);
         sorted[e.GetReflection()->GetString(e, entry->FindFieldByName("key"))] =
             e.GetReflection()->GetString(e, entry->FindFieldByName("value"));
       }
@@ -324,6 +410,33 @@ control::TrainingConfig DefaultJobConfig() {
   // Every default parses (config_test checks), so errors cannot happen here.
   for (const JobSetting& s : kSettings) SetJobSetting(s, s.default_value, &c).IgnoreError();
   return c;
+}
+
+std::string JobSettingsJson(const control::TrainingConfig& config) {
+  google::protobuf::Struct out;
+  auto& fields = *out.mutable_fields();
+  for (const JobSetting& s : kSettings) {
+    const std::string text = JobSettingText(s, config);
+    google::protobuf::Value& v = fields[s.name];
+    switch (s.type) {
+      case T::kBool:
+        v.set_bool_value(text == "true");
+        break;
+      case T::kUint32:
+      case T::kUint64:
+      case T::kFloat: {
+        double d = 0;
+        (void)absl::SimpleAtod(text, &d);  // JobSettingText wrote a number
+        v.set_number_value(d);
+        break;
+      }
+      default:
+        v.set_string_value(text);
+    }
+  }
+  std::string json;
+  (void)google::protobuf::util::MessageToJsonString(out, &json);
+  return json;
 }
 
 }  // namespace onebit

@@ -262,8 +262,9 @@ class Attempt {
     Prepare();
     if (std::optional<int> code = StartCoordinator()) return *code;
     *running = true;
-    Log(absl::StrCat("coordinator at ", target_, " is serving; starting ", plan_.cfg.servers(),
-                     " servers and ", plan_.cfg.workers(), " workers"));
+    Log(absl::StrCat("coordinator at ", target_, " is serving; starting ",
+                     plan_.cfg.cluster().servers(), " servers and ", plan_.cfg.cluster().workers(),
+                     " workers"));
     if (std::optional<int> code = StartServers()) return *code;
     if (std::optional<int> code = StartWorkers()) return *code;
     if (std::optional<int> code = Watch()) return *code;
@@ -299,7 +300,7 @@ class Attempt {
     // and the job was left with summary.json.tmp alone.
     coordinator_grace_ =
         grace_ == absl::ZeroDuration() ? grace_ : std::max(grace_, absl::Seconds(10));
-    children_.resize(1 + plan_.cfg.servers() + plan_.cfg.workers());
+    children_.resize(1 + plan_.cfg.cluster().servers() + plan_.cfg.cluster().workers());
   }
 
   // Starts the coordinator and waits until it serves; an exit code when it
@@ -364,7 +365,7 @@ class Attempt {
     const std::string& bin = plan_.bin;
     const std::string& out = plan_.out;
     // Stopped while starting: the coordinator ends the job; start no more.
-    for (uint32_t k = 0; k < cfg.servers() && stop_signal.load() == 0; ++k) {
+    for (uint32_t k = 0; k < cfg.cluster().servers() && stop_signal.load() == 0; ++k) {
       Child& c = children_[1 + k];
       c.name = absl::StrCat("server", k);
       std::vector<std::string> a = {bin + "/onebit-server",
@@ -399,17 +400,17 @@ class Attempt {
     const SecurityFlags& security = plan_.security;
     const int stall_worker = plan_.stall_worker;
     const int attempt = attempt_;
-    for (uint32_t i = 0; i < cfg.workers() && stop_signal.load() == 0; ++i) {
-      Child& c = children_[1 + cfg.servers() + i];
+    for (uint32_t i = 0; i < cfg.cluster().workers() && stop_signal.load() == 0; ++i) {
+      Child& c = children_[1 + cfg.cluster().servers() + i];
       c.name = absl::StrCat("worker", i);
       if (!worker_cmd.empty()) {
         // The user's program: `exec` so that the child is the program itself
         // (our signals reach it, and it dies with us).
         std::vector<std::string> env = {"ONEBIT_COORDINATOR=" + target_,
                                         absl::StrCat("ONEBIT_RANK=", i),
-                                        absl::StrCat("ONEBIT_WORLD_SIZE=", cfg.workers()),
+                                        absl::StrCat("ONEBIT_WORLD_SIZE=", cfg.cluster().workers()),
                                         absl::StrCat("RANK=", i),
-                                        absl::StrCat("WORLD_SIZE=", cfg.workers()),
+                                        absl::StrCat("WORLD_SIZE=", cfg.cluster().workers()),
                                         absl::StrCat("LOCAL_RANK=", i),
                                         "ONEBIT_ADVERTISE_HOST=127.0.0.1",
                                         security.insecure ? std::string("ONEBIT_INSECURE=1")
@@ -471,8 +472,9 @@ class Attempt {
     // started again.
     std::optional<absl::Time> coordinator_exited;
     const absl::Duration after_coordinator = absl::Seconds(10);
-    const absl::Duration stop_bound = std::max(
-        absl::Seconds(30), 3 * absl::Milliseconds(cfg.heartbeat_timeout_ms()) + absl::Seconds(20));
+    const absl::Duration stop_bound =
+        std::max(absl::Seconds(30),
+                 3 * absl::Milliseconds(cfg.timeouts().heartbeat_ms()) + absl::Seconds(20));
     std::optional<std::string> failed_while_stopping;  // the first failure's message
     while (true) {
       if (!coordinator_listening_ && !coord.code && std::ifstream(port_file_).good()) {
@@ -493,7 +495,7 @@ class Attempt {
         const bool coordinator_running = !coord.code;
         if (*c.code != 0 && live && *restarts_used < max_restarts && stop_signal.load() == 0 &&
             (&c == &coord ? *c.code > 128 : coordinator_running) &&
-            HasCompleteCheckpoint(cfg.checkpoint_dir())) {
+            HasCompleteCheckpoint(cfg.checkpoint().dir())) {
           ++*restarts_used;
           Log(absl::StrCat(c.name, " failed (", DescribeExit(*c.code), "); restart ",
                            *restarts_used, " of ", max_restarts, ": starting it again",
@@ -613,7 +615,7 @@ class Attempt {
     if (sig == 0 || stop_sent_ || !coordinator_listening_ || coord.code) return;
     stop_sent_ = absl::Now();
     Log(absl::StrCat("passing ", SignalName(sig), " on to the coordinator; waiting for it to ",
-                     plan_.cfg.checkpoint_dir().empty()
+                     plan_.cfg.checkpoint().dir().empty()
                          ? "end the job (it has no --checkpoint_dir: the job fails)"
                          : "stop the job after a checkpoint"));
     SayWhy(absl::StrCat(SignalName(sig), " to onebit-launch"));
@@ -648,10 +650,10 @@ LaunchPlan PlanFromCommandLine(int argc, char** argv) {
   std::vector<std::string>& config_args = plan.config_args;
   config_args = ConfigFlagArgs();
   const std::string& worker_cmd = plan.worker_cmd = absl::GetFlag(FLAGS_worker_cmd);
-  if (!worker_cmd.empty() && job.model() != kExternalModel) {
+  if (!worker_cmd.empty() && job.model().name() != kExternalModel) {
     // The workers are the user's program: an external model.
     if (given.count("model")) {
-      ExitFlagError("model", absl::StrCat("'", job.model(),
+      ExitFlagError("model", absl::StrCat("'", job.model().name(),
                                           "' is a built-in model, which onebit-worker runs; "
                                           "--worker_cmd runs your program as each worker instead: "
                                           "leave --model out (or give --model external)"));
@@ -664,13 +666,13 @@ LaunchPlan PlanFromCommandLine(int argc, char** argv) {
   }
   if (const int per_host = absl::GetFlag(FLAGS_servers_per_worker_host); per_host != 0) {
     if (per_host < 0) ExitFlagError("servers_per_worker_host", "must be >= 0");
-    const uint64_t servers = uint64_t{job.workers()} * static_cast<uint64_t>(per_host);
-    if (given.count("servers") && job.servers() != servers) {
+    const uint64_t servers = uint64_t{job.cluster().workers()} * static_cast<uint64_t>(per_host);
+    if (given.count("servers") && job.cluster().servers() != servers) {
       ExitFlagError("servers_per_worker_host",
-                    absl::StrCat(per_host, " x ", job.workers(), " workers is ", servers,
-                                 " servers, but --servers is ", job.servers()));
+                    absl::StrCat(per_host, " x ", job.cluster().workers(), " workers is ", servers,
+                                 " servers, but --servers is ", job.cluster().servers()));
     }
-    job.set_servers(static_cast<uint32_t>(servers));
+    job.mutable_cluster()->set_servers(static_cast<uint32_t>(servers));
     if (absl::Status st = ValidateConfig(job); !st.ok()) {
       ExitFlagError("servers_per_worker_host", st.message());
     }
@@ -688,13 +690,13 @@ LaunchPlan PlanFromCommandLine(int argc, char** argv) {
   }
   if (absl::GetFlag(FLAGS_dump_params) && out.empty()) ExitFlagError("dump_params", "needs --out");
   const int stall_worker = plan.stall_worker = absl::GetFlag(FLAGS_stall_worker);
-  if (stall_worker >= static_cast<int>(cfg.workers())) {
+  if (stall_worker >= static_cast<int>(cfg.cluster().workers())) {
     ExitFlagError("stall_worker", "no such worker");
   }
   const std::vector<std::string>& devices = plan.devices = absl::GetFlag(FLAGS_worker_devices);
-  if (devices.size() > cfg.workers()) {
-    ExitFlagError("worker_devices",
-                  absl::StrCat(devices.size(), " devices for ", cfg.workers(), " workers"));
+  if (devices.size() > cfg.cluster().workers()) {
+    ExitFlagError("worker_devices", absl::StrCat(devices.size(), " devices for ",
+                                                 cfg.cluster().workers(), " workers"));
   }
   if (!worker_cmd.empty() && stall_worker >= 0) {
     ExitFlagError("stall_worker", "works with onebit-worker only, not --worker_cmd");
@@ -730,7 +732,7 @@ LaunchPlan PlanFromCommandLine(int argc, char** argv) {
       theirs != nullptr && *theirs != '\0' && !python_path.empty()) {
     python_path = absl::StrCat(python_path, ":", theirs);
   }
-  plan.live = !cfg.checkpoint_dir().empty() && cfg.rejoin_timeout_ms() > 0;
+  plan.live = !cfg.checkpoint().dir().empty() && cfg.timeouts().rejoin_ms() > 0;
   return plan;
 }
 
@@ -749,8 +751,8 @@ int Main(int argc, char** argv) {
     ++restarts_used;
     Log(absl::StrCat(
         "restart ", restarts_used, " of ", plan.max_restarts, ": starting the whole job again",
-        plan.cfg.checkpoint_dir().empty() ? " from the start (it has no --checkpoint_dir)"
-                                          : "; it resumes from its last complete checkpoint"));
+        plan.cfg.checkpoint().dir().empty() ? " from the start (it has no --checkpoint_dir)"
+                                            : "; it resumes from its last complete checkpoint"));
   }
 }
 

@@ -371,41 +371,43 @@ absl::StatusOr<uint64_t> MlpParamCount(absl::string_view layers) {
 namespace {
 
 absl::StatusOr<uint64_t> MlpParams(const control::TrainingConfig& c) {
-  return MlpParamCount(c.layers());
+  return MlpParamCount(c.model().layers());
 }
 
 absl::Status ValidateMlp(const control::TrainingConfig& c) {
-  if (absl::StatusOr<uint64_t> d = MlpParamCount(c.layers()); !d.ok()) return d.status();
-  if (c.batch() < 1) return absl::InvalidArgumentError("--batch: must be >= 1");
-  if (c.blas_threads() > 256)
+  if (absl::StatusOr<uint64_t> d = MlpParamCount(c.model().layers()); !d.ok()) return d.status();
+  if (c.model().batch() < 1) return absl::InvalidArgumentError("--batch: must be >= 1");
+  if (c.model().blas_threads() > 256)
     return absl::InvalidArgumentError("--blas_threads: must be in [0, 256]");
   return absl::OkStatus();
 }
 
 absl::StatusOr<uint64_t> MlpEpochSteps(const control::TrainingConfig& c) {
-  const uint64_t steps = FashionMnistEpochSteps(c.max_train(), c.workers(), c.batch());
+  const uint64_t steps =
+      FashionMnistEpochSteps(c.model().max_train(), c.cluster().workers(), c.model().batch());
   if (steps == 0) {
-    const uint32_t train =
-        c.max_train() > 0 ? std::min(c.max_train(), kFashionMnistTrain) : kFashionMnistTrain;
-    return absl::InvalidArgumentError(absl::StrCat("--batch: ", c.workers(), " workers x batch ",
-                                                   c.batch(), " exceed the ", train,
-                                                   " training images"));
+    const uint32_t train = c.model().max_train() > 0
+                               ? std::min(c.model().max_train(), kFashionMnistTrain)
+                               : kFashionMnistTrain;
+    return absl::InvalidArgumentError(absl::StrCat("--batch: ", c.cluster().workers(),
+                                                   " workers x batch ", c.model().batch(),
+                                                   " exceed the ", train, " training images"));
   }
   return steps;
 }
 
 absl::StatusOr<std::unique_ptr<Model>> MakeMlp(const control::TrainingConfig& c) {
   MlpOptions o;
-  auto layers = ParseLayers(c.layers());
+  auto layers = ParseLayers(c.model().layers());
   if (!layers.ok()) return layers.status();
   o.layers = *layers;
-  o.seed = c.seed();
-  o.data_dir = c.data_dir();
-  o.batch = c.batch();
-  o.workers = c.workers();
-  o.blas_threads = static_cast<int>(c.blas_threads());
-  o.max_train = c.max_train();
-  o.max_test = c.max_test();
+  o.seed = c.model().seed();
+  o.data_dir = c.model().data_dir();
+  o.batch = c.model().batch();
+  o.workers = c.cluster().workers();
+  o.blas_threads = static_cast<int>(c.model().blas_threads());
+  o.max_train = c.model().max_train();
+  o.max_test = c.model().max_test();
   auto mlp = NewMlpModel(o);
   if (!mlp.ok()) return mlp.status();
   return std::unique_ptr<Model>(std::move(*mlp));
@@ -423,7 +425,7 @@ extern const ModelEntry kMlpModel = {
     ValidateMlp,
     MlpEpochSteps,
     MakeMlp,
-    [](const control::TrainingConfig& c) { return MlpLayerEnds(c.layers()); },
+    [](const control::TrainingConfig& c) { return MlpLayerEnds(c.model().layers()); },
 };
 
 }  // namespace onebit

@@ -13,8 +13,8 @@ absl::StatusOr<double> Model::GradientInParts(const float* x, uint32_t rank, uin
 }
 
 absl::StatusOr<std::unique_ptr<Model>> NewModel(const control::TrainingConfig& config) {
-  const ModelEntry* m = FindModel(config.model());
-  if (m == nullptr) return UnknownModelError(config.model());
+  const ModelEntry* m = FindModel(config.model().name());
+  if (m == nullptr) return UnknownModelError(config.model().name());
   return m->make(config);
 }
 

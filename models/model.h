@@ -39,7 +39,7 @@ class Model {
   virtual uint64_t steps_per_epoch() const { return 0; }
 };
 
-// The registered model named by config.model() (models/registry.h), from a
+// The registered model named by config.model().name() (models/registry.h), from a
 // resolved config (job/config.h's ResolveConfig).
 absl::StatusOr<std::unique_ptr<Model>> NewModel(const control::TrainingConfig& config);
 

@@ -44,12 +44,12 @@ std::string OptionNames(const ModelEntry& m) {
 // (nullptr: external) does not declare.
 absl::Status CheckDeclared(const control::TrainingConfig& c, const ModelEntry* model) {
   std::vector<std::string> given;
-  for (const auto& [name, value] : c.model_options()) given.push_back(name);
+  for (const auto& [name, value] : c.model().options()) given.push_back(name);
   std::sort(given.begin(), given.end());
   for (const std::string& name : given) {
     if (model != nullptr && FindOption(*model, name) != nullptr) continue;
     return absl::InvalidArgumentError(
-        absl::StrCat("--model_options: model ", c.model(), " has no option '", name,
+        absl::StrCat("--model_options: model ", c.model().name(), " has no option '", name,
                      "' (its options: ", model == nullptr ? "none" : OptionNames(*model), ")"));
   }
   return absl::OkStatus();
@@ -60,7 +60,7 @@ absl::Status CheckDeclared(const control::TrainingConfig& c, const ModelEntry* m
 absl::Span<const ModelEntry* const> RegisteredModels() { return kModels; }
 
 absl::StatusOr<std::vector<uint64_t>> ModelLayerEnds(const control::TrainingConfig& c) {
-  const ModelEntry* m = FindModel(c.model());
+  const ModelEntry* m = FindModel(c.model().name());
   if (m == nullptr) return std::vector<uint64_t>{};
   if (m->layer_ends != nullptr) return m->layer_ends(c);
   absl::StatusOr<uint64_t> d = m->num_params(c);
@@ -84,27 +84,27 @@ absl::Status UnknownModelError(absl::string_view name) {
 }
 
 absl::Status ResolveModelOptions(control::TrainingConfig* config) {
-  const ModelEntry* m = FindModel(config->model());
+  const ModelEntry* m = FindModel(config->model().name());
   if (m == nullptr) return absl::OkStatus();
   if (absl::Status st = CheckDeclared(*config, m); !st.ok()) return st;
-  auto& options = *config->mutable_model_options();
+  auto& options = *config->mutable_model()->mutable_options();
   for (const ModelOption& o : m->options) options.insert({o.name, o.default_value});
   return absl::OkStatus();
 }
 
 absl::Status ValidateModelConfig(const control::TrainingConfig& c) {
-  if (c.model() == kExternalModel) return CheckDeclared(c, nullptr);
-  const ModelEntry* m = FindModel(c.model());
-  if (m == nullptr) return UnknownModelError(c.model());
+  if (c.model().name() == kExternalModel) return CheckDeclared(c, nullptr);
+  const ModelEntry* m = FindModel(c.model().name());
+  if (m == nullptr) return UnknownModelError(c.model().name());
   if (absl::Status st = CheckDeclared(c, m); !st.ok()) return st;
   return m->validate != nullptr ? m->validate(c) : absl::OkStatus();
 }
 
 std::string ModelOptionValue(const control::TrainingConfig& c, absl::string_view name) {
-  if (auto it = c.model_options().find(std::string(name)); it != c.model_options().end()) {
+  if (auto it = c.model().options().find(std::string(name)); it != c.model().options().end()) {
     return it->second;
   }
-  const ModelEntry* m = FindModel(c.model());
+  const ModelEntry* m = FindModel(c.model().name());
   const ModelOption* o = m == nullptr ? nullptr : FindOption(*m, name);
   return o == nullptr ? "" : o->default_value;
 }
@@ -123,7 +123,7 @@ absl::StatusOr<uint32_t> ModelOptionUint32(const control::TrainingConfig& c, abs
 absl::Status ModelOptionError(const control::TrainingConfig& c, absl::string_view option,
                               absl::string_view why) {
   return absl::InvalidArgumentError(
-      absl::StrCat("--model_options: ", c.model(), ": ", option, ": ", why));
+      absl::StrCat("--model_options: ", c.model().name(), ": ", option, ": ", why));
 }
 
 }  // namespace onebit

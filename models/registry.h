@@ -72,12 +72,12 @@ const ModelEntry* FindModel(absl::string_view name);
 // "--model: unknown model 'x' (want synthetic, mlp, ... or external)".
 absl::Status UnknownModelError(absl::string_view name);
 
-// For a registered config.model(): refuses an option in model_options that
+// For a registered config.model().name(): refuses an option in model_options that
 // the model does not declare, then fills in the defaults of the ones not
 // given. Other models are left alone (ValidateModelConfig names them).
 absl::Status ResolveModelOptions(control::TrainingConfig* config);
 
-// The ends of the tensors of a registered config.model() (ModelEntry::
+// The ends of the tensors of a registered config.model().name() (ModelEntry::
 // layer_ends; one tensor where it declares none); empty for other models
 // (an external model's workers declare theirs).
 absl::StatusOr<std::vector<uint64_t>> ModelLayerEnds(const control::TrainingConfig& config);
@@ -86,7 +86,7 @@ absl::StatusOr<std::vector<uint64_t>> ModelLayerEnds(const control::TrainingConf
 // takes no options), only declared options, and the entry's own checks.
 absl::Status ValidateModelConfig(const control::TrainingConfig& config);
 
-// Option `name` of config.model() as given, else its declared default.
+// Option `name` of config.model().name() as given, else its declared default.
 // Requires a registered model that declares `name`.
 std::string ModelOptionValue(const control::TrainingConfig& config, absl::string_view name);
 

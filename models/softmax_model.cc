@@ -34,13 +34,13 @@ absl::StatusOr<uint64_t> SoftmaxEpochSteps(const control::TrainingConfig& c) {
   if (!batch.ok()) return batch.status();
   absl::StatusOr<uint32_t> max_train = ModelOptionUint32(c, "max_train", 0, UINT32_MAX);
   if (!max_train.ok()) return max_train.status();
-  const uint64_t steps = FashionMnistEpochSteps(*max_train, c.workers(), *batch);
+  const uint64_t steps = FashionMnistEpochSteps(*max_train, c.cluster().workers(), *batch);
   if (steps == 0) {
     const uint32_t train =
         *max_train > 0 ? std::min(*max_train, kFashionMnistTrain) : kFashionMnistTrain;
     return ModelOptionError(c, "batch",
-                            absl::StrCat(c.workers(), " workers x batch ", *batch, " exceed the ",
-                                         train, " training images"));
+                            absl::StrCat(c.cluster().workers(), " workers x batch ", *batch,
+                                         " exceed the ", train, " training images"));
   }
   return steps;
 }
@@ -57,10 +57,10 @@ absl::StatusOr<std::unique_ptr<Model>> MakeSoftmax(const control::TrainingConfig
   if (absl::Status st = ValidateSoftmax(c); !st.ok()) return st;
   MlpOptions o;
   o.layers = {kPixels, ImageDataset::kNumClasses};
-  o.seed = c.seed();
+  o.seed = c.model().seed();
   o.data_dir = ModelOptionValue(c, "data_dir");
   o.batch = *ModelOptionUint32(c, "batch", 1, 1u << 16);
-  o.workers = c.workers();
+  o.workers = c.cluster().workers();
   o.blas_threads = 1;  // a 784 x 10 layer is too small to share out
   o.max_train = *ModelOptionUint32(c, "max_train", 0, UINT32_MAX);
   o.max_test = *ModelOptionUint32(c, "max_test", 0, UINT32_MAX);

@@ -50,13 +50,15 @@ absl::StatusOr<double> SyntheticModel::Gradient(const float* x, uint32_t rank, u
 
 namespace {
 
-absl::StatusOr<uint64_t> SyntheticParams(const control::TrainingConfig& c) { return c.dim(); }
+absl::StatusOr<uint64_t> SyntheticParams(const control::TrainingConfig& c) {
+  return c.model().dim();
+}
 
 absl::Status ValidateSynthetic(const control::TrainingConfig& c) {
-  if (!std::isfinite(c.noise()) || c.noise() < 0) {
+  if (!std::isfinite(c.model().noise()) || c.model().noise() < 0) {
     return absl::InvalidArgumentError("--noise: must be finite and >= 0");
   }
-  if (!(c.curvature_spread() >= 0 && c.curvature_spread() <= 6)) {
+  if (!(c.model().curvature_spread() >= 0 && c.model().curvature_spread() <= 6)) {
     return absl::InvalidArgumentError("--curvature_spread: must lie in [0, 6]");
   }
   return absl::OkStatus();
@@ -64,11 +66,11 @@ absl::Status ValidateSynthetic(const control::TrainingConfig& c) {
 
 absl::StatusOr<std::unique_ptr<Model>> MakeSynthetic(const control::TrainingConfig& c) {
   SyntheticOptions o;
-  o.dim = c.dim();
-  o.seed = c.seed();
-  o.noise = c.noise();
-  o.curvature_spread = c.curvature_spread();
-  o.skip = c.skip_model();
+  o.dim = c.model().dim();
+  o.seed = c.model().seed();
+  o.noise = c.model().noise();
+  o.curvature_spread = c.model().curvature_spread();
+  o.skip = c.model().skip_model();
   return std::unique_ptr<Model>(new SyntheticModel(o));
 }
 

@@ -89,17 +89,18 @@ std::vector<DecayRange> DecayRangesOf(
 }
 
 absl::Duration RejoinWait(const control::TrainingConfig& cfg) {
-  if (cfg.checkpoint_dir().empty()) return absl::ZeroDuration();
-  return absl::Milliseconds(cfg.rejoin_timeout_ms());
+  if (cfg.checkpoint().dir().empty()) return absl::ZeroDuration();
+  return absl::Milliseconds(cfg.timeouts().rejoin_ms());
 }
 
 absl::Duration HeartbeatInterval(const control::TrainingConfig& config) {
-  const absl::Duration timeout = absl::Milliseconds(config.heartbeat_timeout_ms());
+  const absl::Duration timeout = absl::Milliseconds(config.timeouts().heartbeat_ms());
   const absl::Duration base = std::clamp(timeout / 10, absl::Milliseconds(20), absl::Seconds(1));
   // The coordinator answers every process: at most kMaxHeartbeatsPerSecond
   // in all, so that its work does not grow with N; still three beats per
   // timeout.
-  const double processes = static_cast<double>(config.servers()) + config.workers();
+  const double processes =
+      static_cast<double>(config.cluster().servers()) + config.cluster().workers();
   const absl::Duration spread = absl::Seconds(processes / kMaxHeartbeatsPerSecond);
   return std::min(std::max(base, spread), std::max(base, timeout / 3));
 }
@@ -107,7 +108,7 @@ absl::Duration HeartbeatInterval(const control::TrainingConfig& config) {
 std::unique_ptr<Heartbeater> MakeHeartbeater(control::Coordinator::Stub* stub,
                                              const std::string& target, control::Role role,
                                              const control::RegisterReply& reg) {
-  const absl::Duration timeout = absl::Milliseconds(reg.config().heartbeat_timeout_ms());
+  const absl::Duration timeout = absl::Milliseconds(reg.config().timeouts().heartbeat_ms());
   auto hb = std::make_unique<Heartbeater>(stub, target, role, reg.rank(), reg.job_id(),
                                           HeartbeatInterval(reg.config()), timeout);
   hb->SetIncarnation(reg.incarnation());

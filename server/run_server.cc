@@ -139,7 +139,7 @@ control::RegisterRequest ServerRequest(const ServerOptions& o, const std::string
 
 // Admits this incarnation's workers to the data port (their CURVE keys).
 absl::Status AdmitWorkers(const control::RegisterReply& reg, ZapHandler* zap) {
-  const uint32_t workers = reg.config().workers();
+  const uint32_t workers = reg.config().cluster().workers();
   if (reg.worker_curve_keys_size() != static_cast<int>(workers)) {
     return absl::DataLossError(absl::StrCat("the coordinator sent ", reg.worker_curve_keys_size(),
                                             " workers' keys for ", workers, " workers"));
@@ -190,17 +190,17 @@ absl::StatusOr<PsServerOptions> IncarnationOptions(ServerProcess& p) {
   }
   po.job.job_id = p.member.data_plane_id();
   po.earlier_job_ids = p.earlier;
-  po.job.workers = cfg.workers();
-  po.job.steps = cfg.steps();
+  po.job.workers = cfg.cluster().workers();
+  po.job.steps = cfg.model().steps();
   po.job.map = *map;
-  po.job.chunk_elems = ChunkElemsFor(cfg.chunk_elems(), po.job.map);
+  po.job.chunk_elems = ChunkElemsFor(cfg.compression().chunk_elems(), po.job.map);
   if (absl::Status st = p.data_port.Open(ServerFrameLimit(po.job.chunk_elems)); !st.ok()) {
     return st;
   }
   po.shard = reg.rank();
   po.optimizer = *optimizer;
   po.freeze = *freeze;
-  po.step_timeout = absl::Milliseconds(cfg.step_timeout_ms());
+  po.step_timeout = absl::Milliseconds(cfg.timeouts().step_ms());
   Heartbeater& hb = p.member.heartbeat();
   po.report_freeze_check = [&hb](uint64_t completed, double change) {
     hb.ReportFreezeCheck(completed, change);
@@ -231,7 +231,7 @@ void CheckpointShard(JobMember& member, const ServerShardState& s, uint64_t step
 // Checkpoints: the scheduled ones at the step's end, and the state to go
 // on from where the coordinator names a checkpoint (po->restored).
 absl::Status AddCheckpoints(JobMember& member, PsServerOptions* po) {
-  if (member.registration().config().checkpoint_every() > 0) {
+  if (member.registration().config().checkpoint().every() > 0) {
     po->on_step_end = [&member, kind = po->optimizer.kind](const ServerShardState& s) {
       if (member.CheckpointDue(s.step)) CheckpointShard(member, s, s.step, kind);
     };

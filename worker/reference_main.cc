@@ -34,24 +34,24 @@ int Main(int argc, char** argv) {
   auto map = ShardMapForConfig(cfg, *layers);
   if (!map.ok()) ExitError(1, std::string(map.status().message()));
   ReferenceOptions o;
-  o.workers = cfg.workers();
+  o.workers = cfg.cluster().workers();
   o.map = *map;
-  o.steps = cfg.steps();
+  o.steps = cfg.model().steps();
   o.optimizer = *OptimizerOptionsFromConfig(cfg);  // validated by ConfigFromFlags
   o.optimizer.layer_ends = *layers;
   o.freeze = *FreezeOptionsFromConfig(cfg);
   const StateSize size = ReferenceSize(o);
-  if (absl::Status st = CheckMemory(
-          absl::StrCat("the reference of this job (d = ", cfg.dim(), ", ", size.arrays, ")"),
-          size.bytes);
+  if (absl::Status st = CheckMemory(absl::StrCat("the reference of this job (d = ",
+                                                 cfg.model().dim(), ", ", size.arrays, ")"),
+                                    size.bytes);
       !st.ok()) {
     ExitError(2, st.message());
   }
   auto model = NewModel(cfg);
   if (!model.ok()) ExitError(1, std::string(model.status().message()));
-  if ((*model)->num_params() != cfg.dim()) {
+  if ((*model)->num_params() != cfg.model().dim()) {
     ExitError(1, absl::StrCat("the model has ", (*model)->num_params(), " parameters, the job ",
-                              cfg.dim()));
+                              cfg.model().dim()));
   }
   std::vector<float> x0((*model)->num_params());
   (*model)->Init(x0.data());
@@ -61,7 +61,7 @@ int Main(int argc, char** argv) {
   if (!r.ok()) ExitError(1, absl::StrCat("reference: ", r.status().message()));
   const uint64_t freeze = r->freeze_step;
   std::fprintf(stderr, "reference: %llu steps (%llu rounds), final loss %.9g, freeze step %s\n",
-               static_cast<unsigned long long>(cfg.steps()),
+               static_cast<unsigned long long>(cfg.model().steps()),
                static_cast<unsigned long long>(r->rounds), r->losses.back(),
                freeze == kNever ? "none" : absl::StrCat(freeze).c_str());
 
@@ -70,22 +70,22 @@ int Main(int argc, char** argv) {
   absl::Status st = MakeDirs(out);
   std::vector<MetricsRow> rows;
   run::Summary s;
-  s.set_optimizer(cfg.optimizer());
-  s.set_lr(cfg.lr());
-  s.set_workers(cfg.workers());
-  s.set_servers(cfg.servers());
+  s.set_optimizer(EnumText(cfg.optimizer().algorithm()));
+  s.set_lr(cfg.optimizer().lr());
+  s.set_workers(cfg.cluster().workers());
+  s.set_servers(cfg.cluster().servers());
   s.set_params(map->num_params());
-  s.set_steps(cfg.steps());
-  s.set_worker_codec(cfg.worker_codec());
-  s.set_server_codec(cfg.server_codec());
-  s.set_error_feedback(cfg.error_feedback());
-  s.set_server_reply(cfg.server_reply());
-  s.set_v_floor(cfg.v_floor());
+  s.set_steps(cfg.model().steps());
+  s.set_worker_codec(EnumText(cfg.compression().worker_codec()));
+  s.set_server_codec(EnumText(cfg.compression().server_codec()));
+  s.set_error_feedback(EnumText(cfg.compression().error_feedback()));
+  s.set_server_reply(EnumText(cfg.compression().server_reply()));
+  s.set_v_floor(cfg.optimizer().v_floor());
   s.set_freeze(FreezeText(cfg));
   s.set_rounds(r->rounds);
   s.set_status("ok");
   LossWatch watch;
-  for (uint64_t t = 0; t < cfg.steps(); ++t) {
+  for (uint64_t t = 0; t < cfg.model().steps(); ++t) {
     MetricsRow row;
     row.step = t;
     row.phase = freeze != kNever && t >= freeze ? "compress" : "warmup";
@@ -100,10 +100,10 @@ int Main(int argc, char** argv) {
     s.set_bytes_up(s.bytes_up() + row.bytes_up);
     s.set_bytes_down(s.bytes_down() + row.bytes_down);
   }
-  const uint64_t fp32 = map->num_params() * 4 * cfg.workers() * cfg.steps();
+  const uint64_t fp32 = map->num_params() * 4 * cfg.cluster().workers() * cfg.model().steps();
   s.set_bytes_up_fp32(fp32);
   s.set_bytes_down_fp32(fp32);
-  if (freeze != kNever && freeze < cfg.steps()) s.set_freeze_step(freeze);
+  if (freeze != kNever && freeze < cfg.model().steps()) s.set_freeze_step(freeze);
   s.set_final_loss(r->losses.back());
   s.set_diverged(watch.diverged());
   bool equal = true;

@@ -18,7 +18,6 @@
 #include "absl/strings/str_cat.h"
 #include "checkpoint/optimizer_state.h"
 #include "checkpoint/state_file.h"
-#include "google/protobuf/util/json_util.h"
 #include "job/config.h"
 #include "job/member.h"
 #include "net/control.h"
@@ -132,8 +131,8 @@ struct Worker::Impl {
     return failure;
   }
   absl::Duration StopWait() const {
-    return 3 * absl::Milliseconds(cfg.heartbeat_timeout_ms()) +
-           2 * absl::Milliseconds(cfg.step_timeout_ms());
+    return 3 * absl::Milliseconds(cfg.timeouts().heartbeat_ms()) +
+           2 * absl::Milliseconds(cfg.timeouts().step_ms());
   }
   // The job stops here: saves this worker's state, waits for the checkpoint
   // to be complete and returns CANCELLED.
@@ -192,9 +191,9 @@ struct Worker::Impl {
     if (!broadcast) {
       return absl::FailedPreconditionError("call BroadcastParameters() before the first step");
     }
-    if (cfg.steps() > 0 && step >= cfg.steps() && !client->in_step()) {
-      return absl::OutOfRangeError(
-          absl::StrCat("the job has ", cfg.steps(), " steps and all are done: call Finish()"));
+    if (cfg.model().steps() > 0 && step >= cfg.model().steps() && !client->in_step()) {
+      return absl::OutOfRangeError(absl::StrCat("the job has ", cfg.model().steps(),
+                                                " steps and all are done: call Finish()"));
     }
     return absl::OkStatus();
   }
@@ -377,16 +376,13 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
   cfg = reg.config();
   job.job_id = reg.job_id();
   job.rank = reg.rank();
-  job.workers = cfg.workers();
-  job.servers = cfg.servers();
-  job.steps = cfg.steps();
-  job.model = cfg.model();
-  job.optimizer = cfg.optimizer();
-  job.lr = cfg.lr();
-  google::protobuf::util::JsonPrintOptions json;
-  json.preserve_proto_field_names = true;
-  json.always_print_primitive_fields = true;
-  (void)google::protobuf::util::MessageToJsonString(cfg, &job.config_json, json);
+  job.workers = cfg.cluster().workers();
+  job.servers = cfg.cluster().servers();
+  job.steps = cfg.model().steps();
+  job.model = cfg.model().name();
+  job.optimizer = EnumText(cfg.optimizer().algorithm());
+  job.lr = cfg.optimizer().lr();
+  job.config_json = JobSettingsJson(cfg);
 
   // From here on a failure is the job's: Fail() tells the coordinator.
   auto map = ShardMap::Deserialize(reg.shard_map());
@@ -426,7 +422,8 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
   if (!opt.ok()) return Fail(opt.status());
   optimizer = std::move(*opt);
 
-  ctx = std::make_unique<zmq::context_t>(static_cast<int>(std::min<uint32_t>(cfg.servers(), 2)));
+  ctx = std::make_unique<zmq::context_t>(
+      static_cast<int>(std::min<uint32_t>(cfg.cluster().servers(), 2)));
   if (absl::Status st = ConnectToServers(); !st.ok()) return Fail(st);
 
   auto r = NewReplica(*choice, job.num_params, model.get(), optimizer.get());
@@ -454,7 +451,7 @@ absl::Status Worker::Impl::ConnectToServers() {
   po.job_id = member->data_plane_id();
   po.rank = job.rank;
   po.map = map;
-  po.chunk_elems = ChunkElemsFor(cfg.chunk_elems(), po.map);
+  po.chunk_elems = ChunkElemsFor(cfg.compression().chunk_elems(), po.map);
   po.optimizer = optimizer.get();
   for (const auto& s : reg.servers()) {
     po.server_endpoints.push_back(s.data_endpoint());
@@ -463,7 +460,7 @@ absl::Status Worker::Impl::ConnectToServers() {
   po.keys = keys;
   // The server gives up on a missing push after the step timeout and says
   // why; this is the backstop for a server that died.
-  po.reply_timeout = 2 * absl::Milliseconds(cfg.step_timeout_ms());
+  po.reply_timeout = 2 * absl::Milliseconds(cfg.timeouts().step_ms());
   auto c = PsClient::Connect(po, ctx.get());
   if (!c.ok()) return c.status();
   client = std::move(*c);
@@ -689,9 +686,9 @@ absl::Status Worker::Finish() {
     return w.Fail(absl::FailedPreconditionError(
         absl::StrCat("Finish() in the middle of step ", w.step, " (GradientsReady without Step)")));
   }
-  if (w.cfg.steps() > 0 && w.step != w.cfg.steps()) {
-    return w.Fail(absl::FailedPreconditionError(
-        absl::StrCat("Finish() after ", w.step, " of the job's ", w.cfg.steps(), " steps")));
+  if (w.cfg.model().steps() > 0 && w.step != w.cfg.model().steps()) {
+    return w.Fail(absl::FailedPreconditionError(absl::StrCat(
+        "Finish() after ", w.step, " of the job's ", w.cfg.model().steps(), " steps")));
   }
   w.FlushMetrics();
   w.member->FlushCheckpoints();  // the last checkpoint's part goes with Done
@@ -716,7 +713,7 @@ absl::Status Worker::Finish() {
     // Refused by a coordinator that has rolled the job back: its REJOIN
     // comes with the next heartbeat.
     hb.Kick();
-    hb.WaitForCommand(absl::Milliseconds(w.cfg.heartbeat_timeout_ms()));
+    hb.WaitForCommand(absl::Milliseconds(w.cfg.timeouts().heartbeat_ms()));
     return w.FailOrRejoin(st);
   }
   w.finished = true;

@@ -91,7 +91,7 @@ class TrainingLoop {
         rep_(WorkerAccess::replica(*w)),
         cfg_(WorkerAccess::config(*w)),
         per_epoch_(WorkerAccess::model(*w)->steps_per_epoch()),
-        evaluate_(rank_ == 0 && cfg_.eval_every() > 0 && rep_.can_evaluate()),
+        evaluate_(rank_ == 0 && cfg_.model().eval_every() > 0 && rep_.can_evaluate()),
         stall_(absl::GetFlag(FLAGS_stall_at_step)),
         overlap_(absl::GetFlag(FLAGS_overlap)),
         progress_every_(absl::GetFlag(FLAGS_progress_interval)) {}
@@ -107,7 +107,7 @@ class TrainingLoop {
     first_ = w_.steps_done();
     // Finish() too may find that the job rolled back.
     while (true) {
-      for (uint64_t step = w_.steps_done(); step < cfg_.steps(); step = w_.steps_done()) {
+      for (uint64_t step = w_.steps_done(); step < cfg_.model().steps(); step = w_.steps_done()) {
         if (stall_ >= 0 && step == static_cast<uint64_t>(stall_)) Stall(step);
         if (TrainStep(step) == Next::kStop) return absl::GetFlag(FLAGS_exit_code_when_stopped);
       }
@@ -185,8 +185,8 @@ class TrainingLoop {
 
   // Rank 0 scores its replica (equal to every other) on the test set.
   void MaybeEvaluate(uint64_t step) {
-    const uint64_t steps = cfg_.steps();
-    if (!evaluate_ || ((step + 1) % cfg_.eval_every() != 0 && step + 1 != steps)) return;
+    const uint64_t steps = cfg_.model().steps();
+    if (!evaluate_ || ((step + 1) % cfg_.model().eval_every() != 0 && step + 1 != steps)) return;
     auto eval = rep_.Evaluate();
     if (!eval.ok()) {
       FailJob(absl::Status(eval.status().code(),
@@ -197,7 +197,7 @@ class TrainingLoop {
   }
 
   void MaybeShowProgress(uint64_t step, const StepOptions& so, double loss, bool compressed) {
-    const uint64_t steps = cfg_.steps();
+    const uint64_t steps = cfg_.model().steps();
     const absl::Time now = absl::Now();
     if (now - last_progress_ < progress_every_ && step + 1 != steps) return;
     last_progress_ = now;

@@ -145,7 +145,8 @@ struct JobInfo {
   std::string model;      // "external" for your own, or a built-in's name
   std::string optimizer;  // "onebit-adam", "adam", "ef-sgd", ...
   float lr = 0;           // the base learning rate of the job's schedule
-  // The job's whole training config as JSON (the coordinator's settings).
+  // Every job setting as a JSON object, by the flags' names
+  // ({"lr": 0.01, "optimizer": "onebit-adam", "step_timeout": "30s", ...}).
   std::string config_json;
 };
 

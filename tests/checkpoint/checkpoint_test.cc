@@ -176,14 +176,15 @@ TEST(StateFile, EveryKindOfDamageIsNamed) {
 }
 
 // A complete checkpoint of `step` under root: one state file and a manifest.
-std::string WriteCheckpoint(const std::string& root, uint64_t step) {
+std::string WriteCheckpoint(const std::string& root, uint64_t step,
+                            uint32_t format = kCheckpointFormat) {
   const std::string dir = MakeStepDir(root, step).value();
   const WrittenFile f = WriteServerState(dir, step);
   checkpoint::Manifest m;
-  m.set_format(kCheckpointFormat);
+  m.set_format(format);
   m.set_step(step);
   m.set_job_id("00000000000000aa");
-  m.mutable_config()->set_workers(3);
+  m.mutable_config()->mutable_cluster()->set_workers(3);
   checkpoint::ManifestFile* e = m.add_files();
   e->set_name(f.name);
   e->set_size(f.size);
@@ -238,7 +239,7 @@ TEST(CheckpointDir, TheNewestCompleteOneIsFoundAndTheDamagedOnesNamed) {
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->manifest.step(), 100u);
   EXPECT_EQ(c->dir, root + "/step-000000000100");
-  EXPECT_EQ(c->manifest.config().workers(), 3u);
+  EXPECT_EQ(c->manifest.config().cluster().workers(), 3u);
 
   // 100: a flipped byte; 80: truncated; 60: no manifest (a crash mid-write).
   std::string bytes = Read(d100 + "/server-1.state");
@@ -266,6 +267,23 @@ TEST(CheckpointDir, TheNewestCompleteOneIsFoundAndTheDamagedOnesNamed) {
   ASSERT_TRUE(c.ok());
   EXPECT_EQ(c->manifest.step(), 20u);
   EXPECT_THAT(refused.back(), HasSubstr("MANIFEST: does not match its checksum"));
+}
+
+// A checkpoint of another build's format is not damaged: the job refuses
+// to start over it (it would begin afresh and prune it) instead of skipping
+// to an older one.
+TEST(CheckpointDir, AnotherFormatIsRefusedByNameNotSkipped) {
+  const std::string root = TempRoot("format");
+  WriteCheckpoint(root, 10);
+  const std::string old = WriteCheckpoint(root, 20, kCheckpointFormat - 1);
+  std::vector<std::string> refused;
+  auto c = LatestCheckpoint(root, &refused);
+  ASSERT_EQ(c.status().code(), absl::StatusCode::kFailedPrecondition) << c.status();
+  EXPECT_THAT(
+      std::string(c.status().message()),
+      HasSubstr(absl::StrCat(old, "/MANIFEST: checkpoint format ", kCheckpointFormat - 1,
+                             " of another onebit-ps build; this build reads ", kCheckpointFormat)));
+  EXPECT_TRUE(std::filesystem::exists(old + "/MANIFEST"));
 }
 
 TEST(CheckpointDir, PruningKeepsTheNewestCompleteAndWhatIsBeingWritten) {

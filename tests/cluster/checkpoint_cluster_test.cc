@@ -32,7 +32,7 @@ TEST(Checkpoints, EveryProcessWritesTheStateOfThatStep) {
   // The freeze at step 4 and checkpoints after 3, 6, 9 and 12 steps: one in
   // the warm-up, three in the compression phase; the last two kept.
   control::TrainingConfig cfg = MakeConfig(3, 2, 9973, 12, "onebit-adam");
-  cfg.set_freeze_step(4);
+  cfg.mutable_optimizer()->set_freeze_step(4);
   const std::string dir = TempDir("checkpoints");
   const std::string root = dir + "/ckpt";
   std::vector<std::string> argv = {Bin("onebit-launch"), "--out=" + dir + "/run",
@@ -48,14 +48,15 @@ TEST(Checkpoints, EveryProcessWritesTheStateOfThatStep) {
   ASSERT_TRUE(nine.ok()) << nine.status();
   EXPECT_EQ(nine->step(), 9u);
   EXPECT_EQ(nine->files_size(), 5);
-  EXPECT_EQ(nine->config().workers(), 3u);
-  EXPECT_EQ(nine->config().dim(), 9973u);
+  EXPECT_EQ(nine->config().cluster().workers(), 3u);
+  EXPECT_EQ(nine->config().model().dim(), 9973u);
 
   // The reference stopped after 9 steps.
   control::TrainingConfig at9 = cfg;
-  at9.set_steps(9);
+  at9.mutable_model()->set_steps(9);
   ReferenceResult ref = Reference(at9);
-  auto map = ShardMap::Create(cfg.dim(), cfg.servers(), cfg.block_size());
+  auto map =
+      ShardMap::Create(cfg.model().dim(), cfg.cluster().servers(), cfg.compression().block_size());
   ASSERT_TRUE(map.ok());
   for (uint32_t k = 0; k < 2; ++k) {
     auto file = StateReader::Open(absl::StrCat(StepDir(root, 9), "/server-", k, ".state"));
@@ -64,7 +65,7 @@ TEST(Checkpoints, EveryProcessWritesTheStateOfThatStep) {
     ASSERT_TRUE(LoadServerShard({&*file}, map->shard(k).begin, map->shard(k).end, &s).ok());
     // den is left out: made again from the frozen v, it is the reference's.
     EXPECT_TRUE(s.den.empty()) << "server " << k;
-    ASSERT_TRUE(RestoreDenominators(cfg.eps(), &s).ok());
+    ASSERT_TRUE(RestoreDenominators(cfg.optimizer().eps(), &s).ok());
     const ServerShardState& want = ref.masters[k];
     EXPECT_EQ(s.step, 9u);
     EXPECT_TRUE(s.frozen);
@@ -90,11 +91,11 @@ TEST(Checkpoints, EveryProcessWritesTheStateOfThatStep) {
     EXPECT_EQ(file->header().step(), 9u);
     WorkerState s;
     s.x = ref.worker_states[w].x;
-    ASSERT_TRUE(LoadWorkerState(*file, cfg.dim(), &s).ok());
+    ASSERT_TRUE(LoadWorkerState(*file, cfg.model().dim(), &s).ok());
     EXPECT_EQ(s.mbar.empty(), w != 0) << "worker " << w;
     EXPECT_TRUE(s.den.empty()) << "worker " << w;
-    ASSERT_TRUE(CompleteWorkerState(*worker0, {&server_files[0], &server_files[1]}, cfg.dim(),
-                                    cfg.eps(), &s)
+    ASSERT_TRUE(CompleteWorkerState(*worker0, {&server_files[0], &server_files[1]},
+                                    cfg.model().dim(), cfg.optimizer().eps(), &s)
                     .ok());
     const WorkerState& want = ref.worker_states[w];
     EXPECT_TRUE(s.frozen);

@@ -34,9 +34,10 @@ class ClusterTest : public ::testing::TestWithParam<Case> {};
 TEST_P(ClusterTest, ReplicasEqualMastersEqualReference) {
   const Case& k = GetParam();
   control::TrainingConfig cfg = MakeConfig(k.workers, k.servers, k.dim, k.steps, k.optimizer);
-  cfg.set_worker_codec(k.worker_codec);
+  testing::SetSetting(&cfg, "worker_codec", k.worker_codec);
   const OptimizerKind kind = *ParseOptimizerKind(k.optimizer);
-  if (HasWarmup(kind) && HasCompressionPhase(kind)) cfg.set_freeze_step(k.steps / 2);
+  if (HasWarmup(kind) && HasCompressionPhase(kind))
+    cfg.mutable_optimizer()->set_freeze_step(k.steps / 2);
   const std::string out = TempDir(k.name);
   std::vector<std::string> argv = {Bin("onebit-launch"), "--out=" + out, "--dump_params"};
   for (const std::string& a : ConfigArgs(cfg)) argv.push_back(a);
@@ -56,7 +57,7 @@ TEST_P(ClusterTest, ReplicasEqualMastersEqualReference) {
     std::vector<float> x = ReadFloats(absl::StrCat(out, "/replica_w", w, ".f32"));
     EXPECT_EQ(FirstDifference(x, ref.x), "") << "worker " << w;
   }
-  auto map = ShardMap::Create(k.dim, k.servers, cfg.block_size());
+  auto map = ShardMap::Create(k.dim, k.servers, cfg.compression().block_size());
   ASSERT_TRUE(map.ok());
   for (uint32_t s = 0; s < k.servers; ++s) {
     std::vector<float> master = ReadFloats(absl::StrCat(out, "/master_s", s, ".f32"));
@@ -71,7 +72,7 @@ TEST_P(ClusterTest, ReplicasEqualMastersEqualReference) {
   // carries a header of a few dozen bytes besides its payload.
   uint64_t messages = 0;
   for (uint32_t s = 0; s < k.servers; ++s)
-    messages += NumChunks(map->shard(s).size(), cfg.chunk_elems());
+    messages += NumChunks(map->shard(s).size(), cfg.compression().chunk_elems());
   constexpr uint64_t kMaxHeader = 96;
 
   // metrics.csv: one row per step with the reference's loss.

@@ -75,18 +75,18 @@ TEST(DeepSpeedConfig, MapsTheOptimizerAndListsWhatItIgnores) {
   std::vector<std::string> ignored;
   auto c = ConfigFromFlags({"--config=" + WriteConfig("ds", kDeepSpeed)}, &ignored);
   ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_EQ(c->optimizer(), "onebit-adam");
-  EXPECT_EQ(c->lr(), 0.002f);
-  EXPECT_EQ(c->beta1(), 0.8f);
-  EXPECT_EQ(c->beta2(), 0.99f);
-  EXPECT_EQ(c->eps(), 1e-7f);
-  EXPECT_EQ(c->weight_decay(), 0.01f);
-  EXPECT_EQ(c->freeze_step(), 3u);
-  EXPECT_EQ(c->freeze(), "");  // a fixed freeze step: no automatic freeze
-  EXPECT_FALSE(c->bias_correction());
-  EXPECT_EQ(c->workers(), 2u);
-  EXPECT_EQ(c->dim(), 4000u);
-  EXPECT_EQ(c->worker_codec(), "onebit");  // resolved for onebit-adam
+  EXPECT_EQ(c->optimizer().algorithm(), control::OPTIMIZER_ONEBIT_ADAM);
+  EXPECT_EQ(c->optimizer().lr(), 0.002f);
+  EXPECT_EQ(c->optimizer().beta1(), 0.8f);
+  EXPECT_EQ(c->optimizer().beta2(), 0.99f);
+  EXPECT_EQ(c->optimizer().eps(), 1e-7f);
+  EXPECT_EQ(c->optimizer().weight_decay(), 0.01f);
+  EXPECT_EQ(c->optimizer().freeze_step(), 3u);
+  EXPECT_EQ(c->optimizer().freeze(), "");  // a fixed freeze step: no automatic freeze
+  EXPECT_FALSE(c->optimizer().bias_correction());
+  EXPECT_EQ(c->cluster().workers(), 2u);
+  EXPECT_EQ(c->model().dim(), 4000u);
+  EXPECT_EQ(c->compression().worker_codec(), control::CODEC_ONEBIT);  // resolved for onebit-adam
   EXPECT_THAT(ignored, ElementsAre("bf16", "fp16", "gradient_accumulation_steps",
                                    "gradient_clipping", "optimizer.params.comm_backend_name",
                                    "optimizer.params.cuda_aware", "scheduler", "steps_per_print",
@@ -101,9 +101,9 @@ TEST(DeepSpeedConfig, AdamTypesAndBiasCorrectionMap) {
                                           "adam_w_mode": true}}})");
     auto c = ConfigFromFlags({"--config=" + WriteConfig("adam", json)});
     ASSERT_TRUE(c.ok()) << type << ": " << c.status();
-    EXPECT_EQ(c->optimizer(), "adam") << type;
-    EXPECT_EQ(c->lr(), 0.003f);
-    EXPECT_TRUE(c->bias_correction());
+    EXPECT_EQ(c->optimizer().algorithm(), control::OPTIMIZER_ADAM) << type;
+    EXPECT_EQ(c->optimizer().lr(), 0.003f);
+    EXPECT_TRUE(c->optimizer().bias_correction());
   }
 }
 
@@ -117,16 +117,17 @@ TEST(DeepSpeedConfig, OneBitLambMapsItsParams) {
     "onebit": {"model": "mlp", "steps": 100}})";
   auto c = ConfigFromFlags({"--config=" + WriteConfig("lamb", json)});
   ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_EQ(c->optimizer(), "onebit-lamb");
-  EXPECT_EQ(c->lr(), 0.011f);
-  EXPECT_EQ(c->freeze_step(), 40u);
-  EXPECT_EQ(c->max_coeff(), 0.3f);
-  EXPECT_EQ(c->min_coeff(), 0.02f);
-  EXPECT_EQ(c->coeff_beta(), 0.8f);
-  EXPECT_EQ(c->factor_max(), 3.0f);
-  EXPECT_EQ(c->factor_min(), 0.6f);
-  EXPECT_EQ(c->factor_threshold(), 0.2f);
-  EXPECT_EQ(c->server_reply(), "momentum");  // resolved for onebit-lamb
+  EXPECT_EQ(c->optimizer().algorithm(), control::OPTIMIZER_ONEBIT_LAMB);
+  EXPECT_EQ(c->optimizer().lr(), 0.011f);
+  EXPECT_EQ(c->optimizer().freeze_step(), 40u);
+  EXPECT_EQ(c->optimizer().max_coeff(), 0.3f);
+  EXPECT_EQ(c->optimizer().min_coeff(), 0.02f);
+  EXPECT_EQ(c->optimizer().coeff_beta(), 0.8f);
+  EXPECT_EQ(c->optimizer().factor_max(), 3.0f);
+  EXPECT_EQ(c->optimizer().factor_min(), 0.6f);
+  EXPECT_EQ(c->optimizer().factor_threshold(), 0.2f);
+  EXPECT_EQ(c->compression().server_reply(),
+            control::SERVER_REPLY_MOMENTUM);  // resolved for onebit-lamb
   auto options = OptimizerOptionsFromConfig(*c);
   ASSERT_TRUE(options.ok()) << options.status();
   EXPECT_EQ(options->lamb.factor_threshold, 0.2f);
@@ -134,7 +135,7 @@ TEST(DeepSpeedConfig, OneBitLambMapsItsParams) {
   auto ends = ModelLayerEnds(*c);
   ASSERT_TRUE(ends.ok()) << ends.status();
   EXPECT_EQ(*ends, (std::vector<uint64_t>{200704, 200960, 233728, 233856, 235136, 235146}));
-  c->set_servers(2);
+  c->mutable_cluster()->set_servers(2);
   auto map = ShardMapForConfig(*c, *ends);
   ASSERT_TRUE(map.ok()) << map.status();
   EXPECT_EQ(map->shard(0).end, 200704u);
@@ -202,30 +203,60 @@ TEST(ConfigFile, TheCommandLineWinsOverTheFileAndOursOverDeepSpeed) {
   })");
   auto c = ConfigFromFlags({"--lr", "0.25", "--config=" + path, "--steps=9"});
   ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_EQ(c->lr(), 0.25f);    // command line over the DeepSpeed section
-  EXPECT_EQ(c->steps(), 9u);    // command line over a key of ours
-  EXPECT_EQ(c->seed(), 5u);     // the file's
-  EXPECT_EQ(c->eps(), 1e-6f);   // the DeepSpeed section's
-  EXPECT_EQ(c->beta1(), 0.7f);  // "onebit" over the DeepSpeed section
-  EXPECT_EQ(c->beta2(), 0.6f);  // the DeepSpeed section's
-  EXPECT_EQ(c->step_timeout_ms(), 2000u);
-  EXPECT_EQ(c->optimizer(), "adam");
+  EXPECT_EQ(c->optimizer().lr(), 0.25f);    // command line over the DeepSpeed section
+  EXPECT_EQ(c->model().steps(), 9u);        // command line over a key of ours
+  EXPECT_EQ(c->model().seed(), 5u);         // the file's
+  EXPECT_EQ(c->optimizer().eps(), 1e-6f);   // the DeepSpeed section's
+  EXPECT_EQ(c->optimizer().beta1(), 0.7f);  // "onebit" over the DeepSpeed section
+  EXPECT_EQ(c->optimizer().beta2(), 0.6f);  // the DeepSpeed section's
+  EXPECT_EQ(c->timeouts().step_ms(), 2000u);
+  EXPECT_EQ(c->optimizer().algorithm(), control::OPTIMIZER_ADAM);
 }
 
+// Every field of every group of TrainingConfig is one row's, and every row
+// names a field that exists (a setting that reads back what it set).
 TEST(JobSettings, TheTableCoversEveryTrainingConfigField) {
-  const google::protobuf::Descriptor* d = control::TrainingConfig::descriptor();
-  for (int i = 0; i < d->field_count(); ++i) {
-    std::string name = d->field(i)->name();
-    const JobSetting* s = FindJobSetting(name);
-    if (s == nullptr && name.size() > 3 && name.substr(name.size() - 3) == "_ms") {
-      s = FindJobSetting(name.substr(0, name.size() - 3));
-      if (s != nullptr) {
-        EXPECT_EQ(s->type, SettingType::kDuration) << name;
-      }
-    }
-    EXPECT_NE(s, nullptr) << "TrainingConfig." << name << " has no row in job/settings.cc";
+  std::map<std::string, const JobSetting*> by_field;
+  for (const JobSetting& s : JobSettings()) {
+    EXPECT_TRUE(by_field.emplace(s.field, &s).second) << s.field << " has two rows";
   }
-  EXPECT_EQ(JobSettings().size(), static_cast<size_t>(d->field_count()));
+  const google::protobuf::Descriptor* d = control::TrainingConfig::descriptor();
+  size_t leaves = 0;
+  for (int i = 0; i < d->field_count(); ++i) {
+    const google::protobuf::Descriptor* group = d->field(i)->message_type();
+    ASSERT_NE(group, nullptr) << "TrainingConfig." << d->field(i)->name() << " is no group";
+    for (int k = 0; k < group->field_count(); ++k) {
+      const std::string path = absl::StrCat(d->field(i)->name(), ".", group->field(k)->name());
+      EXPECT_TRUE(by_field.count(path))
+          << "TrainingConfig." << path << " has no row in job/settings.cc";
+      ++leaves;
+    }
+  }
+  EXPECT_EQ(JobSettings().size(), leaves);
+  for (const JobSetting& s : JobSettings()) {
+    control::TrainingConfig c;
+    ASSERT_TRUE(SetJobSetting(s, s.default_value, &c).ok()) << s.name;
+    EXPECT_EQ(JobSettingText(s, c), JobSettingText(s, DefaultJobConfig())) << s.name;
+  }
+}
+
+// An enum setting takes its values' names in lower case with dashes, and
+// a wrong one is refused listing the values.
+TEST(JobSettings, EnumSettingsReadAndWriteTheirValuesNames) {
+  control::TrainingConfig c;
+  ASSERT_TRUE(SetJobSetting(*FindJobSetting("optimizer"), "naive-onebit-adam", &c).ok());
+  EXPECT_EQ(c.optimizer().algorithm(), control::OPTIMIZER_NAIVE_ONEBIT_ADAM);
+  EXPECT_EQ(JobSettingText(*FindJobSetting("optimizer"), c), "naive-onebit-adam");
+  ASSERT_TRUE(SetJobSetting(*FindJobSetting("server_reply"), "Delta", &c).ok());
+  EXPECT_EQ(c.compression().server_reply(), control::SERVER_REPLY_DELTA);
+  EXPECT_EQ(EnumText(control::ERROR_FEEDBACK_NONE), "none");
+  EXPECT_EQ(EnumText(control::CODEC_UNSPECIFIED), "");
+  const absl::Status bad = SetJobSetting(*FindJobSetting("worker_codec"), "int8", &c);
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("want one of fp32 | fp16 | onebit"));
+  auto e = ConfigFromFlags({"--optimizer=lamb"});
+  ASSERT_FALSE(e.ok());
+  EXPECT_THAT(std::string(e.status().message()), HasSubstr("--optimizer"));
+  EXPECT_THAT(std::string(e.status().message()), HasSubstr("onebit-lamb"));
 }
 
 TEST(JobSettings, DefaultsParseAndAreTheDocumentedOnes) {
@@ -234,16 +265,16 @@ TEST(JobSettings, DefaultsParseAndAreTheDocumentedOnes) {
     EXPECT_TRUE(SetJobSetting(s, s.default_value, &c).ok()) << s.name << ": " << s.default_value;
   }
   const control::TrainingConfig c = DefaultJobConfig();
-  EXPECT_EQ(c.workers(), 1u);
-  EXPECT_EQ(c.model(), "synthetic");
-  EXPECT_EQ(c.lr(), 0.01f);
-  EXPECT_EQ(c.eps(), 1e-8f);
-  EXPECT_EQ(c.block_size(), 2048u);
-  EXPECT_EQ(c.chunk_elems(), uint64_t{0});
-  EXPECT_EQ(c.step_timeout_ms(), 30000u);
-  EXPECT_EQ(c.heartbeat_timeout_ms(), 10000u);
-  EXPECT_EQ(c.layers(), "784-256-128-10");
-  EXPECT_EQ(c.error_feedback(), "both");
+  EXPECT_EQ(c.cluster().workers(), 1u);
+  EXPECT_EQ(c.model().name(), "synthetic");
+  EXPECT_EQ(c.optimizer().lr(), 0.01f);
+  EXPECT_EQ(c.optimizer().eps(), 1e-8f);
+  EXPECT_EQ(c.compression().block_size(), 2048u);
+  EXPECT_EQ(c.compression().chunk_elems(), uint64_t{0});
+  EXPECT_EQ(c.timeouts().step_ms(), 30000u);
+  EXPECT_EQ(c.timeouts().heartbeat_ms(), 10000u);
+  EXPECT_EQ(c.model().layers(), "784-256-128-10");
+  EXPECT_EQ(c.compression().error_feedback(), control::ERROR_FEEDBACK_BOTH);
 }
 
 TEST(JobSettings, ConfigFlagArgsRoundTrip) {
@@ -270,15 +301,17 @@ TEST(JobSettings, ConfigFlagArgsRoundTrip) {
   }
   auto c = ConfigFromFlags(jobs[1]);
   ASSERT_TRUE(c.ok());
-  EXPECT_EQ(c->workers(), 3u);
-  EXPECT_EQ(c->step_timeout_ms(), 1500u);
-  EXPECT_TRUE(c->bias_correction());
-  EXPECT_EQ(c->seed(), UINT64_MAX);
-  EXPECT_EQ(c->freeze(), "auto");  // resolved: onebit-adam without a freeze step
+  EXPECT_EQ(c->cluster().workers(), 3u);
+  EXPECT_EQ(c->timeouts().step_ms(), 1500u);
+  EXPECT_TRUE(c->optimizer().bias_correction());
+  EXPECT_EQ(c->model().seed(), UINT64_MAX);
+  EXPECT_EQ(c->optimizer().freeze(), "auto");  // resolved: onebit-adam without a freeze step
   const std::vector<std::string> a = ConfigFlagArgs(*c);
   EXPECT_THAT(a, ::testing::Contains("--step_timeout=1.5s"));
   EXPECT_THAT(a, ::testing::Contains("--bias_correction=true"));
-  EXPECT_THAT(a, ::testing::Contains("--lr=0.100000001"));  // the float, exactly
+  // The fewest digits that read back to the same float (the round trip above
+  // holds every value exact): 0.1f, not 0.100000001.
+  EXPECT_THAT(a, ::testing::Contains("--lr=0.1"));
 }
 
 // What a worker's program declares (the PyTorch front's constructor) fills in
@@ -286,8 +319,8 @@ TEST(JobSettings, ConfigFlagArgsRoundTrip) {
 TEST(DeclaredSettings, ApplyWhereTheJobLeftTheDefault) {
   auto c = ConfigFromFlags({"--model=external", "--workers=2", "--servers=2"});
   ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_EQ(c->worker_codec(), "fp32");  // sgd, the default optimizer
-  c->set_dim(804);                       // as the workers declared it
+  EXPECT_EQ(c->compression().worker_codec(), control::CODEC_FP32);  // sgd, the default optimizer
+  c->mutable_model()->set_dim(804);                                 // as the workers declared it
   std::set<std::string> given = {"model", "workers", "servers"};
   ASSERT_TRUE(ApplyDeclaredSettings({{"optimizer", "onebit-adam"},
                                      {"lr", "0.001"},
@@ -296,16 +329,17 @@ TEST(DeclaredSettings, ApplyWhereTheJobLeftTheDefault) {
                                      {"bias_correction", "true"}},
                                     &given, &*c)
                   .ok());
-  EXPECT_EQ(c->optimizer(), "onebit-adam");
-  EXPECT_EQ(c->lr(), 0.001f);
-  EXPECT_EQ(c->beta2(), 0.99f);
-  EXPECT_TRUE(c->bias_correction());
-  EXPECT_EQ(c->freeze_step(), 50u);
-  EXPECT_EQ(c->freeze(), "");              // no auto freeze beside a fixed step
-  EXPECT_EQ(c->worker_codec(), "onebit");  // what onebit-adam implies, derived again
-  EXPECT_EQ(c->server_codec(), "onebit");
-  EXPECT_EQ(c->dim(), 804u);
-  EXPECT_EQ(c->workers(), 2u);
+  EXPECT_EQ(c->optimizer().algorithm(), control::OPTIMIZER_ONEBIT_ADAM);
+  EXPECT_EQ(c->optimizer().lr(), 0.001f);
+  EXPECT_EQ(c->optimizer().beta2(), 0.99f);
+  EXPECT_TRUE(c->optimizer().bias_correction());
+  EXPECT_EQ(c->optimizer().freeze_step(), 50u);
+  EXPECT_EQ(c->optimizer().freeze(), "");  // no auto freeze beside a fixed step
+  EXPECT_EQ(c->compression().worker_codec(),
+            control::CODEC_ONEBIT);  // what onebit-adam implies, derived again
+  EXPECT_EQ(c->compression().server_codec(), control::CODEC_ONEBIT);
+  EXPECT_EQ(c->model().dim(), 804u);
+  EXPECT_EQ(c->cluster().workers(), 2u);
   EXPECT_TRUE(given.count("optimizer") && given.count("freeze_step") && given.count("beta2"));
 
   // Without a freeze step, onebit-adam's auto freeze follows as well.
@@ -313,7 +347,7 @@ TEST(DeclaredSettings, ApplyWhereTheJobLeftTheDefault) {
   ASSERT_TRUE(a.ok());
   std::set<std::string> g = {"model"};
   ASSERT_TRUE(ApplyDeclaredSettings({{"optimizer", "onebit-adam"}}, &g, &*a).ok());
-  EXPECT_EQ(a->freeze(), "auto");
+  EXPECT_EQ(a->optimizer().freeze(), "auto");
 }
 
 TEST(DeclaredSettings, AContradictionOrAForeignSettingIsRefusedAndChangesNothing) {
@@ -348,7 +382,7 @@ TEST(DeclaredSettings, AContradictionOrAForeignSettingIsRefusedAndChangesNothing
   std::set<std::string> given = job_given;
   EXPECT_TRUE(
       ApplyDeclaredSettings({{"lr", "0.0100000000"}, {"optimizer", "adam"}}, &given, &c).ok());
-  EXPECT_EQ(c.lr(), 0.01f);
+  EXPECT_EQ(c.optimizer().lr(), 0.01f);
 }
 
 TEST(JobSettings, ConfigDifferencesNameEverySettingThatDiffers) {
@@ -373,12 +407,12 @@ TEST(JobSettings, ModelOptionsFromTheCommandLineAndTheFile) {
   auto c = ConfigFromFlags({"--model=softmax", "--workers=2", "--epochs=2", "--model_options",
                             "batch=16, max-train=640"});
   ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_EQ(c->model_options().at("batch"), "16");
-  EXPECT_EQ(c->model_options().at("max_train"), "640");
-  EXPECT_EQ(c->model_options().at("max_test"), "0");  // the default, filled in
-  EXPECT_EQ(c->dim(), 7850u);
-  EXPECT_EQ(c->steps(), 40u);       // 2 epochs of 640 / (2 × 16)
-  EXPECT_EQ(c->eval_every(), 20u);  // once an epoch
+  EXPECT_EQ(c->model().options().at("batch"), "16");
+  EXPECT_EQ(c->model().options().at("max_train"), "640");
+  EXPECT_EQ(c->model().options().at("max_test"), "0");  // the default, filled in
+  EXPECT_EQ(c->model().dim(), 7850u);
+  EXPECT_EQ(c->model().steps(), 40u);       // 2 epochs of 640 / (2 × 16)
+  EXPECT_EQ(c->model().eval_every(), 20u);  // once an epoch
   EXPECT_THAT(ConfigFlagArgs(*c),
               ::testing::Contains("--model_options=batch=16,data_dir=/usr/share/datasets/"
                                   "fashion-mnist,max_test=0,max_train=640"));
@@ -420,7 +454,7 @@ TEST(JobSettings, CommandLineSpellings) {
   auto on = [](const std::vector<std::string>& args) {
     auto c = ConfigFromFlags(args);
     EXPECT_TRUE(c.ok()) << absl::StrJoin(args, " ") << ": " << c.status();
-    return c.ok() && c->bias_correction();
+    return c.ok() && c->optimizer().bias_correction();
   };
   EXPECT_TRUE(on({"--bias_correction"}));
   EXPECT_TRUE(on({"--bias-correction=true"}));
@@ -428,9 +462,9 @@ TEST(JobSettings, CommandLineSpellings) {
   EXPECT_FALSE(on({"--bias_correction", "--bias_correction=false"}));
   auto c = ConfigFromFlags({"--weight-decay", "0.5", "-dim=77", "--lr_schedule", "cosine"});
   ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_EQ(c->weight_decay(), 0.5f);
-  EXPECT_EQ(c->dim(), 77u);
-  EXPECT_EQ(c->lr_schedule(), "cosine");
+  EXPECT_EQ(c->optimizer().weight_decay(), 0.5f);
+  EXPECT_EQ(c->model().dim(), 77u);
+  EXPECT_EQ(c->optimizer().lr_schedule(), "cosine");
   EXPECT_THAT(ErrorOf({"--dim=-5"}), HasSubstr("--dim: invalid value '-5'"));
   EXPECT_THAT(ErrorOf({"--step-timeout=soon"}), HasSubstr("--step_timeout: invalid value 'soon'"));
   EXPECT_THAT(ErrorOf({"--lr"}), HasSubstr("--lr: missing value"));
@@ -460,8 +494,8 @@ TEST(JobSettings, DurationsOutOfRangeAreRefusedNamingTheSetting) {
   // 1193 hours still fit in 2^32 ms; rejoin_timeout 0 means "fail at once".
   auto ok = ConfigFromFlags({"--heartbeat_timeout=1193h", "--rejoin_timeout=0"});
   ASSERT_TRUE(ok.ok()) << ok.status();
-  EXPECT_EQ(ok->heartbeat_timeout_ms(), 4294800000u);
-  EXPECT_EQ(ok->rejoin_timeout_ms(), 0u);
+  EXPECT_EQ(ok->timeouts().heartbeat_ms(), 4294800000u);
+  EXPECT_EQ(ok->timeouts().rejoin_ms(), 0u);
   EXPECT_THAT(ErrorOf({"--step_timeout=0"}), HasSubstr("--step_timeout: must be >= 1ms"));
   EXPECT_THAT(ErrorOf({"--heartbeat_timeout=0s"}),
               HasSubstr("--heartbeat_timeout: must be >= 100ms"));

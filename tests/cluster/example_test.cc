@@ -30,12 +30,12 @@ TEST(CppExample, SoftmaxOnAFourByTwoClusterEqualsTheReference) {
   // One config for the cluster and the reference.
   control::TrainingConfig cfg =
       MakeConfig(kWorkers, kServers, softmax::kParams, kSteps, "onebit-adam");
-  cfg.set_model("external");
-  cfg.set_lr(0.005f);
-  cfg.set_freeze_step(4);
-  cfg.set_freeze("");
-  cfg.set_block_size(256);
-  cfg.set_chunk_elems(1024);
+  cfg.mutable_model()->set_name("external");
+  cfg.mutable_optimizer()->set_lr(0.005f);
+  cfg.mutable_optimizer()->set_freeze_step(4);
+  cfg.mutable_optimizer()->set_freeze("");
+  cfg.mutable_compression()->set_block_size(256);
+  cfg.mutable_compression()->set_chunk_elems(1024);
   std::vector<std::string> argv = ConfigArgs(cfg);
   argv.insert(argv.begin(), Bin("onebit-launch"));
   for (std::string a : {"--out=" + dir, std::string("--dump_params"),
@@ -59,7 +59,7 @@ TEST(CppExample, SoftmaxOnAFourByTwoClusterEqualsTheReference) {
             "");
   ReferenceOptions o;
   o.workers = kWorkers;
-  o.map = *ShardMap::Create(softmax::kParams, kServers, cfg.block_size());
+  o.map = *ShardMap::Create(softmax::kParams, kServers, cfg.compression().block_size());
   o.steps = kSteps;
   o.optimizer = *OptimizerOptionsFromConfig(cfg);
   o.freeze = *FreezeOptionsFromConfig(cfg);

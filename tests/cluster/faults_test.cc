@@ -189,11 +189,11 @@ TEST(Faults, BadRequestsAreRefusedByNameAndChangeNothing) {
     h.set_kind(data::PUSH);
     h.set_rank(0);
     h.set_shard(0);
-    h.set_count(cfg.chunk_elems());
+    h.set_count(cfg.compression().chunk_elems());
     h.set_codec("fp32");
-    h.set_block_size(cfg.block_size());
-    h.set_payload_bytes(cfg.chunk_elems() * 4);
-    squatter.Send(h, std::string(cfg.chunk_elems() * 4, '\0'));
+    h.set_block_size(cfg.compression().block_size());
+    h.set_payload_bytes(cfg.compression().chunk_elems() * 4);
+    squatter.Send(h, std::string(cfg.compression().chunk_elems() * 4, '\0'));
     squatter.ExpectError("rank 0 claimed by the key of worker 1");
   }
   absl::SleepFor(absl::Milliseconds(300));  // its disconnect frees the routing id
@@ -204,9 +204,9 @@ TEST(Faults, BadRequestsAreRefusedByNameAndChangeNothing) {
 
   auto model = NewModel(cfg);
   ASSERT_TRUE(model.ok());
-  std::vector<float> x(cfg.dim()), g0(cfg.dim()), g1(cfg.dim());
+  std::vector<float> x(cfg.model().dim()), g0(cfg.model().dim()), g1(cfg.model().dim());
   (*model)->Init(x.data());
-  const uint64_t chunk = cfg.chunk_elems();  // 256: chunks of 256, 256, 256, 232
+  const uint64_t chunk = cfg.compression().chunk_elems();  // 256: chunks of 256, 256, 256, 232
   auto header = [&](uint32_t rank, uint64_t step, uint64_t c, data::Kind kind) {
     data::Header h;
     h.set_version(kProtocolVersion);
@@ -216,10 +216,10 @@ TEST(Faults, BadRequestsAreRefusedByNameAndChangeNothing) {
     h.set_step(step);
     h.set_shard(0);
     h.set_begin(c * chunk);
-    const uint64_t n = std::min<uint64_t>(chunk, cfg.dim() - c * chunk);
+    const uint64_t n = std::min<uint64_t>(chunk, cfg.model().dim() - c * chunk);
     h.set_count(n);
     h.set_codec("fp32");
-    h.set_block_size(cfg.block_size());
+    h.set_block_size(cfg.compression().block_size());
     h.set_payload_bytes(n * 4);
     return h;
   };
@@ -376,7 +376,7 @@ TEST(Faults, BadRequestsAreRefusedByNameAndChangeNothing) {
     control::ShardChecksum* s = req.add_checksums();
     s->set_shard(0);
     s->set_begin(0);
-    s->set_end(cfg.dim());
+    s->set_end(cfg.model().dim());
     s->set_crc32(Crc32OfFloats(x.data(), x.size()));
     control::DoneReply reply;
     ASSERT_TRUE(stub->Done(&c, req, &reply).ok());
@@ -723,8 +723,11 @@ TEST(LaunchFlags, UnknownFlagOrBadValueExitsTwoNamingTheFlag) {
       {{Bin("onebit-launch"), "--dim=-5"}, "--dim: invalid value '-5'"},
       {{Bin("onebit-launch"), "--chunk_elems=100"},
        "--chunk_elems: must be 0 (auto) or a positive multiple"},
-      {{Bin("onebit-launch"), "--optimizer=lamb"}, "--optimizer: unknown optimizer 'lamb'"},
-      {{Bin("onebit-launch"), "--worker-codec=zip"}, "--worker_codec: unknown codec"},
+      {{Bin("onebit-launch"), "--optimizer=lamb"},
+       "--optimizer: invalid value 'lamb': want one of sgd | adam | onebit-adam | "
+       "naive-onebit-adam | ef-sgd | zero-one-adam | onebit-lamb"},
+      {{Bin("onebit-launch"), "--worker-codec=zip"},
+       "--worker_codec: invalid value 'zip': want one of fp32 | fp16 | onebit"},
       {{Bin("onebit-launch"), "--step-timeout=soon"}, "--step_timeout: invalid value 'soon'"},
       {{Bin("onebit-worker")}, "--coordinator: required"},
       {{Bin("onebit-server"), "stray"}, "unexpected argument 'stray'"},

@@ -88,16 +88,16 @@ control::TrainingConfig ComboConfig(const Combo& c) {
   // 3 workers, 2 servers, d = 1000 = 31.25 blocks of 32, chunks of 256: ragged
   // blocks, shards and chunks; the warm-up ends in the middle of the run.
   control::TrainingConfig cfg = MakeConfig(3, 2, 1000, 6, c.optimizer);
-  cfg.set_lr(0.05f);
-  cfg.set_weight_decay(0.01f);
-  cfg.set_worker_codec(c.worker_codec);
-  cfg.set_server_codec(c.server_codec);
-  cfg.set_error_feedback(c.error_feedback);
-  cfg.set_server_reply(c.server_reply);
+  cfg.mutable_optimizer()->set_lr(0.05f);
+  cfg.mutable_optimizer()->set_weight_decay(0.01f);
+  testing::SetSetting(&cfg, "worker_codec", c.worker_codec);
+  testing::SetSetting(&cfg, "server_codec", c.server_codec);
+  testing::SetSetting(&cfg, "error_feedback", c.error_feedback);
+  testing::SetSetting(&cfg, "server_reply", c.server_reply);
   const OptimizerKind kind = *ParseOptimizerKind(c.optimizer);
-  if (HasWarmup(kind) && HasCompressionPhase(kind)) cfg.set_freeze_step(3);
+  if (HasWarmup(kind) && HasCompressionPhase(kind)) cfg.mutable_optimizer()->set_freeze_step(3);
   // Quick heartbeats: these jobs take milliseconds; shutdown waits for one.
-  cfg.set_heartbeat_timeout_ms(3000);
+  cfg.mutable_timeouts()->set_heartbeat_ms(3000);
   return cfg;
 }
 
@@ -105,14 +105,14 @@ control::TrainingConfig ComboConfig(const Combo& c) {
 // `out` (--dump_params) equal the reference's, bit for bit.
 void ExpectEqualsReference(const std::string& out, const control::TrainingConfig& cfg,
                            const ReferenceResult& ref) {
-  ASSERT_EQ(ref.workers.size(), cfg.workers());
-  for (uint32_t w = 0; w < cfg.workers(); ++w) {
+  ASSERT_EQ(ref.workers.size(), cfg.cluster().workers());
+  for (uint32_t w = 0; w < cfg.cluster().workers(); ++w) {
     EXPECT_EQ(
         FirstDifference(ReadFloats(absl::StrCat(out, "/replica_w", w, ".f32")), ref.workers[w]), "")
         << "worker " << w;
   }
   auto map = *ShardMapForConfig(cfg, *ModelLayerEnds(cfg));
-  for (uint32_t s = 0; s < cfg.servers(); ++s) {
+  for (uint32_t s = 0; s < cfg.cluster().servers(); ++s) {
     const uint64_t begin = map.shard(s).begin;
     EXPECT_EQ(FirstDifference(ReadFloats(absl::StrCat(out, "/master_s", s, ".f32")),
                               ref.masters[s].x, begin),
@@ -222,16 +222,16 @@ class ZeroOneTest : public ::testing::TestWithParam<ZeroOneCombo> {};
 TEST_P(ZeroOneTest, EveryWorkerAndServerEqualsTheReference) {
   const ZeroOneCombo& c = GetParam();
   control::TrainingConfig cfg = MakeConfig(3, 2, 1000, 13, "zero-one-adam");
-  cfg.set_lr(0.05f);
-  cfg.set_weight_decay(0.01f);
-  cfg.set_worker_codec(c.worker_codec);
-  cfg.set_server_codec(c.server_codec);
-  cfg.set_error_feedback(c.error_feedback);
-  cfg.set_var_freeze_step(4);
-  cfg.set_var_update_scaler(1);
-  cfg.set_local_step_scaler(2);
-  cfg.set_local_step_clipper(4);
-  cfg.set_heartbeat_timeout_ms(3000);
+  cfg.mutable_optimizer()->set_lr(0.05f);
+  cfg.mutable_optimizer()->set_weight_decay(0.01f);
+  testing::SetSetting(&cfg, "worker_codec", c.worker_codec);
+  testing::SetSetting(&cfg, "server_codec", c.server_codec);
+  testing::SetSetting(&cfg, "error_feedback", c.error_feedback);
+  cfg.mutable_optimizer()->set_var_freeze_step(4);
+  cfg.mutable_optimizer()->set_var_update_scaler(1);
+  cfg.mutable_optimizer()->set_local_step_scaler(2);
+  cfg.mutable_optimizer()->set_local_step_clipper(4);
+  cfg.mutable_timeouts()->set_heartbeat_ms(3000);
   const std::string out = Launch(cfg, "zero_one", kMixedDevices);
   ExpectEqualsReference(out, cfg, Reference(cfg));
   const std::string summary = ReadFile(out + "/summary.json");
@@ -402,11 +402,11 @@ class Fp16WarmupTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(Fp16WarmupTest, EqualsTheReferenceWithHalfTheWarmupBytes) {
   control::TrainingConfig cfg = MakeConfig(3, 2, 1000, 6, GetParam());
-  cfg.set_lr(0.05f);
-  cfg.set_weight_decay(0.01f);
-  cfg.set_warmup_codec("fp16");
-  if (GetParam() == "onebit-adam") cfg.set_freeze_step(3);
-  cfg.set_heartbeat_timeout_ms(3000);
+  cfg.mutable_optimizer()->set_lr(0.05f);
+  cfg.mutable_optimizer()->set_weight_decay(0.01f);
+  testing::SetSetting(&cfg, "warmup_codec", "fp16");
+  if (GetParam() == "onebit-adam") cfg.mutable_optimizer()->set_freeze_step(3);
+  cfg.mutable_timeouts()->set_heartbeat_ms(3000);
   const std::string out = Launch(cfg, "fp16_warmup", kMixedDevices);
   const ReferenceResult ref = Reference(cfg);
   ExpectEqualsReference(out, cfg, ref);
@@ -416,7 +416,7 @@ TEST_P(Fp16WarmupTest, EqualsTheReferenceWithHalfTheWarmupBytes) {
   EXPECT_EQ(ref.reply_bytes[0], 3u * 2 * 1000);
   if (GetParam() == "onebit-adam") EXPECT_EQ(ref.reply_bytes[2], 3u * (2 + 8) * 1000);
   // And the same run in fp32 differs: the rounding is real.
-  cfg.set_warmup_codec("fp32");
+  testing::SetSetting(&cfg, "warmup_codec", "fp32");
   EXPECT_NE(FirstDifference(Reference(cfg).workers[0], ref.workers[0]), "");
   EXPECT_EQ(Field(ReadFile(out + "/summary.json"), "replicas_equal"), "true");
 }
@@ -430,7 +430,7 @@ INSTANTIATE_TEST_SUITE_P(Optimizers, Fp16WarmupTest, ::testing::Values("adam", "
 
 TEST(Fp16Warmup, OptimizersWithoutAWarmupRefuseIt) {
   control::TrainingConfig cfg = MakeConfig(1, 1, 100, 2, "ef-sgd");
-  cfg.set_warmup_codec("fp16");
+  testing::SetSetting(&cfg, "warmup_codec", "fp16");
   std::vector<std::string> argv = {Bin("onebit-launch"), "--out=" + TempDir("fp16_refused")};
   for (const std::string& a : ConfigArgs(cfg)) argv.push_back(a);
   RunResult r = RunCommand(argv, absl::Seconds(60));
@@ -447,9 +447,9 @@ TEST(MatrixSize, CoversEveryValidCombination) {
 // --server-reply delta: replicas trail the master by the server error.
 TEST(DeltaReply, WorkerPlusServerErrorEqualsMaster) {
   control::TrainingConfig cfg = MakeConfig(3, 2, 5000, 10, "onebit-adam");
-  cfg.set_server_reply("delta");
-  cfg.set_freeze_step(4);
-  cfg.set_lr(0.02f);
+  testing::SetSetting(&cfg, "server_reply", "delta");
+  cfg.mutable_optimizer()->set_freeze_step(4);
+  cfg.mutable_optimizer()->set_lr(0.02f);
   const std::string out = Launch(cfg, "delta");
   auto map = *ShardMapForConfig(cfg, *ModelLayerEnds(cfg));
   double largest = 0;
@@ -478,15 +478,15 @@ TEST(DeltaReply, WorkerPlusServerErrorEqualsMaster) {
 // Compression-phase bytes, headers included, against an fp32 run of the same job.
 TEST(Bytes, OnebitBothWaysIsUnderOneThirtyFirstOfFp32) {
   control::TrainingConfig cfg = MakeConfig(2, 2, 1000000, 4, "onebit-adam");
-  cfg.set_block_size(2048);
-  cfg.set_chunk_elems(1 << 20);
-  cfg.set_freeze_step(2);
+  cfg.mutable_compression()->set_block_size(2048);
+  cfg.mutable_compression()->set_chunk_elems(1 << 20);
+  cfg.mutable_optimizer()->set_freeze_step(2);
   const std::string out = Launch(cfg, "bytes_onebit");
   control::TrainingConfig fp32 = cfg;
-  fp32.set_optimizer("adam");
-  fp32.set_worker_codec("fp32");
-  fp32.set_server_codec("fp32");
-  fp32.set_freeze_step(0);
+  testing::SetSetting(&fp32, "optimizer", "adam");
+  testing::SetSetting(&fp32, "worker_codec", "fp32");
+  testing::SetSetting(&fp32, "server_codec", "fp32");
+  fp32.mutable_optimizer()->set_freeze_step(0);
   const std::string out32 = Launch(fp32, "bytes_fp32");
 
   auto rows = [](const std::string& dir) {
@@ -519,8 +519,8 @@ TEST(Bytes, OnebitBothWaysIsUnderOneThirtyFirstOfFp32) {
 // run equals the reference bit for bit.
 TEST(AutoFreeze, CoordinatorFreezesWhereTheReferenceDoes) {
   control::TrainingConfig cfg = MakeConfig(2, 3, 3000, 40, "onebit-adam");
-  cfg.set_freeze("auto:0.3:5:1");  // F 1: the measure alone decides
-  cfg.set_heartbeat_timeout_ms(3000);
+  cfg.mutable_optimizer()->set_freeze("auto:0.3:5:1");  // F 1: the measure alone decides
+  cfg.mutable_timeouts()->set_heartbeat_ms(3000);
   const ReferenceResult ref = Reference(cfg);
   ASSERT_LT(ref.freeze_step, 30u) << "pick tau so that the freeze happens mid-run";
   ASSERT_GT(ref.freeze_step, 10u);
@@ -544,8 +544,8 @@ TEST(AutoFreeze, CoordinatorFreezesWhereTheReferenceDoes) {
 // summary.json says so and gives the last check's measure.
 TEST(AutoFreeze, AShortJobFreezesByTheLatestPointOrSaysWhyNot) {
   control::TrainingConfig cfg = MakeConfig(2, 2, 3000, 40, "onebit-adam");
-  cfg.set_freeze("auto:1e-12:5:0.25");
-  cfg.set_heartbeat_timeout_ms(3000);
+  cfg.mutable_optimizer()->set_freeze("auto:1e-12:5:0.25");
+  cfg.mutable_timeouts()->set_heartbeat_ms(3000);
   const ReferenceResult ref = Reference(cfg);
   EXPECT_EQ(ref.freeze_step, 10u);
   std::string summary = ReadFile(Launch(cfg, "latest_freeze") + "/summary.json");
@@ -554,7 +554,7 @@ TEST(AutoFreeze, AShortJobFreezesByTheLatestPointOrSaysWhyNot) {
   EXPECT_EQ(Field(summary, "freeze_warning"), "null");
   EXPECT_THAT(Field(summary, "freeze_checks"), ::testing::StartsWith("[[5, ")) << summary;
 
-  cfg.set_freeze("auto:1e-12:5:1");
+  cfg.mutable_optimizer()->set_freeze("auto:1e-12:5:1");
   summary = ReadFile(Launch(cfg, "never_froze") + "/summary.json");
   EXPECT_EQ(Field(summary, "freeze_step"), "null") << summary;
   EXPECT_EQ(Field(summary, "compress_steps"), "0");

@@ -43,7 +43,7 @@ using ::testing::Not;
 // enough that the reference is quick, long enough to forge things during).
 control::TrainingConfig JobConfig(uint64_t steps) {
   control::TrainingConfig cfg = MakeConfig(2, 1, 4000, steps, "adam");
-  cfg.set_chunk_elems(512);
+  cfg.mutable_compression()->set_chunk_elems(512);
   return cfg;
 }
 
@@ -105,7 +105,8 @@ class Job {
     }
     // One row per step, no more: forged metrics did not get in.
     const std::string csv = ReadFile(dir_ + "/run/metrics.csv");
-    EXPECT_EQ(std::count(csv.begin(), csv.end(), '\n'), static_cast<long>(cfg_.steps()) + 1);
+    EXPECT_EQ(std::count(csv.begin(), csv.end(), '\n'),
+              static_cast<long>(cfg_.model().steps()) + 1);
   }
 
   std::string Log(const std::string& name) const {
@@ -469,9 +470,9 @@ void FloodAndRun(const std::string& name, const std::string& security) {
   control::TrainingConfig cfg = JobConfig(20000);
   // fp32 chunks of 8 KiB: above the limit's fixed part (CURVE frames
   // carry 33 bytes more than their payload).
-  cfg.set_chunk_elems(2048);
-  cfg.set_heartbeat_timeout_ms(120000);
-  cfg.set_step_timeout_ms(120000);
+  cfg.mutable_compression()->set_chunk_elems(2048);
+  cfg.mutable_timeouts()->set_heartbeat_ms(120000);
+  cfg.mutable_timeouts()->set_step_ms(120000);
   Job job(name, cfg, security);
   job.StartServer();
   job.StartWorkers();

@@ -103,73 +103,83 @@ std::string FirstDifference(const std::vector<float>& a, const std::vector<float
   return "";
 }
 
+void SetSetting(control::TrainingConfig* config, const char* name, const std::string& text) {
+  const JobSetting* s = FindJobSetting(name);
+  ASSERT_NE(s, nullptr) << name;
+  const absl::Status st = SetJobSetting(*s, text, config);
+  ASSERT_TRUE(st.ok()) << "--" << name << "=" << text << ": " << st;
+}
+
 control::TrainingConfig MakeConfig(uint32_t workers, uint32_t servers, uint64_t dim, uint64_t steps,
                                    const std::string& optimizer) {
   control::TrainingConfig c;
-  c.set_workers(workers);
-  c.set_servers(servers);
-  c.set_model("synthetic");
-  c.set_dim(dim);
-  c.set_steps(steps);
-  c.set_seed(7);
-  c.set_optimizer(optimizer);
-  c.set_lr(optimizer == "adam" ? 0.01f : 0.1f);
-  c.set_beta1(0.9f);
-  c.set_beta2(0.999f);
-  c.set_eps(1e-8f);
-  c.set_weight_decay(optimizer == "adam" ? 0.01f : 0.0f);
+  c.mutable_cluster()->set_workers(workers);
+  c.mutable_cluster()->set_servers(servers);
+  c.mutable_model()->set_name("synthetic");
+  c.mutable_model()->set_dim(dim);
+  c.mutable_model()->set_steps(steps);
+  c.mutable_model()->set_seed(7);
+  SetSetting(&c, "optimizer", optimizer);
+  c.mutable_optimizer()->set_lr(optimizer == "adam" ? 0.01f : 0.1f);
+  c.mutable_optimizer()->set_beta1(0.9f);
+  c.mutable_optimizer()->set_beta2(0.999f);
+  c.mutable_optimizer()->set_eps(1e-8f);
+  c.mutable_optimizer()->set_weight_decay(optimizer == "adam" ? 0.01f : 0.0f);
   auto kind = ParseOptimizerKind(optimizer);
   const std::string codec = kind.ok() ? std::string(DefaultCodec(*kind)) : "fp32";
-  c.set_worker_codec(codec);
-  c.set_server_codec(codec);
-  c.set_lr_schedule("constant");
-  c.set_error_feedback("both");
-  c.set_server_reply(kind.ok() ? std::string(ReplyModeName(DefaultReplyMode(*kind))) : "momentum");
-  c.set_scale("l1");
-  c.set_v_floor(1e-8f);
-  c.set_block_size(32);
-  c.set_chunk_elems(256);
-  c.set_step_timeout_ms(20000);
-  c.set_heartbeat_timeout_ms(20000);
-  c.set_noise(0.5f);
-  c.set_skip_model(false);
+  SetSetting(&c, "worker_codec", codec);
+  SetSetting(&c, "server_codec", codec);
+  c.mutable_optimizer()->set_lr_schedule("constant");
+  SetSetting(&c, "error_feedback", "both");
+  SetSetting(&c, "server_reply",
+             kind.ok() ? std::string(ReplyModeName(DefaultReplyMode(*kind))) : "momentum");
+  SetSetting(&c, "scale", "l1");
+  SetSetting(&c, "warmup_codec", "fp32");
+  SetSetting(&c, "checkpoint_failure", "continue");
+  c.mutable_optimizer()->set_v_floor(1e-8f);
+  c.mutable_compression()->set_block_size(32);
+  c.mutable_compression()->set_chunk_elems(256);
+  c.mutable_timeouts()->set_step_ms(20000);
+  c.mutable_timeouts()->set_heartbeat_ms(20000);
+  c.mutable_model()->set_noise(0.5f);
+  c.mutable_model()->set_skip_model(false);
   return c;
 }
 
 std::vector<std::string> ConfigArgs(const control::TrainingConfig& c) {
-  return {absl::StrCat("--workers=", c.workers()),
-          absl::StrCat("--servers=", c.servers()),
-          "--model=" + c.model(),
-          absl::StrCat("--dim=", c.dim()),
-          absl::StrCat("--steps=", c.steps()),
-          absl::StrCat("--seed=", c.seed()),
-          "--optimizer=" + c.optimizer(),
-          absl::StrFormat("--lr=%.9g", c.lr()),
-          absl::StrFormat("--beta1=%.9g", c.beta1()),
-          absl::StrFormat("--beta2=%.9g", c.beta2()),
-          absl::StrFormat("--eps=%.9g", c.eps()),
-          absl::StrFormat("--weight_decay=%.9g", c.weight_decay()),
-          "--worker_codec=" + c.worker_codec(),
-          "--server_codec=" + c.server_codec(),
-          "--warmup_codec=" + c.warmup_codec(),
-          "--lr_schedule=" + c.lr_schedule(),
-          absl::StrCat("--bias_correction=", c.bias_correction() ? "true" : "false"),
-          absl::StrCat("--freeze_step=", c.freeze_step()),
-          "--freeze=" + c.freeze(),
-          absl::StrFormat("--v_floor=%.9g", c.v_floor()),
-          absl::StrCat("--var_freeze_step=", c.var_freeze_step()),
-          absl::StrCat("--var_update_scaler=", c.var_update_scaler()),
-          absl::StrCat("--local_step_scaler=", c.local_step_scaler()),
-          absl::StrCat("--local_step_clipper=", c.local_step_clipper()),
-          "--error_feedback=" + c.error_feedback(),
-          "--server_reply=" + c.server_reply(),
-          "--scale=" + c.scale(),
-          absl::StrCat("--block_size=", c.block_size()),
-          absl::StrCat("--chunk_elems=", c.chunk_elems()),
-          absl::StrCat("--step_timeout=", c.step_timeout_ms(), "ms"),
-          absl::StrCat("--heartbeat_timeout=", c.heartbeat_timeout_ms(), "ms"),
-          absl::StrFormat("--noise=%.9g", c.noise()),
-          absl::StrFormat("--curvature_spread=%.9g", c.curvature_spread())};
+  return {absl::StrCat("--workers=", c.cluster().workers()),
+          absl::StrCat("--servers=", c.cluster().servers()),
+          "--model=" + c.model().name(),
+          absl::StrCat("--dim=", c.model().dim()),
+          absl::StrCat("--steps=", c.model().steps()),
+          absl::StrCat("--seed=", c.model().seed()),
+          "--optimizer=" + EnumText(c.optimizer().algorithm()),
+          absl::StrFormat("--lr=%.9g", c.optimizer().lr()),
+          absl::StrFormat("--beta1=%.9g", c.optimizer().beta1()),
+          absl::StrFormat("--beta2=%.9g", c.optimizer().beta2()),
+          absl::StrFormat("--eps=%.9g", c.optimizer().eps()),
+          absl::StrFormat("--weight_decay=%.9g", c.optimizer().weight_decay()),
+          "--worker_codec=" + EnumText(c.compression().worker_codec()),
+          "--server_codec=" + EnumText(c.compression().server_codec()),
+          "--warmup_codec=" + EnumText(c.compression().warmup_codec()),
+          "--lr_schedule=" + c.optimizer().lr_schedule(),
+          absl::StrCat("--bias_correction=", c.optimizer().bias_correction() ? "true" : "false"),
+          absl::StrCat("--freeze_step=", c.optimizer().freeze_step()),
+          "--freeze=" + c.optimizer().freeze(),
+          absl::StrFormat("--v_floor=%.9g", c.optimizer().v_floor()),
+          absl::StrCat("--var_freeze_step=", c.optimizer().var_freeze_step()),
+          absl::StrCat("--var_update_scaler=", c.optimizer().var_update_scaler()),
+          absl::StrCat("--local_step_scaler=", c.optimizer().local_step_scaler()),
+          absl::StrCat("--local_step_clipper=", c.optimizer().local_step_clipper()),
+          "--error_feedback=" + EnumText(c.compression().error_feedback()),
+          "--server_reply=" + EnumText(c.compression().server_reply()),
+          "--scale=" + EnumText(c.compression().scale()),
+          absl::StrCat("--block_size=", c.compression().block_size()),
+          absl::StrCat("--chunk_elems=", c.compression().chunk_elems()),
+          absl::StrCat("--step_timeout=", c.timeouts().step_ms(), "ms"),
+          absl::StrCat("--heartbeat_timeout=", c.timeouts().heartbeat_ms(), "ms"),
+          absl::StrFormat("--noise=%.9g", c.model().noise()),
+          absl::StrFormat("--curvature_spread=%.9g", c.model().curvature_spread())};
 }
 
 bool WaitForText(const std::string& path, const std::string& text, absl::Duration timeout) {
@@ -200,9 +210,9 @@ ReferenceResult Reference(const control::TrainingConfig& cfg) {
   auto map = ShardMapForConfig(cfg, ModelLayerEnds(cfg).value_or(std::vector<uint64_t>{}));
   EXPECT_TRUE(map.ok()) << map.status();
   ReferenceOptions o;
-  o.workers = cfg.workers();
+  o.workers = cfg.cluster().workers();
   o.map = *map;
-  o.steps = cfg.steps();
+  o.steps = cfg.model().steps();
   auto optimizer = OptimizerOptionsFromConfig(cfg);
   EXPECT_TRUE(optimizer.ok()) << optimizer.status();
   o.optimizer = *optimizer;
@@ -210,7 +220,7 @@ ReferenceResult Reference(const control::TrainingConfig& cfg) {
   auto freeze = FreezeOptionsFromConfig(cfg);
   EXPECT_TRUE(freeze.ok()) << freeze.status();
   o.freeze = *freeze;
-  std::vector<float> x0(cfg.dim());
+  std::vector<float> x0(cfg.model().dim());
   (*model)->Init(x0.data());
   auto r = RunReference(o, x0, [&](const float* x, uint32_t rank, uint64_t step, float* g) {
     return (*model)->Gradient(x, rank, step, g);

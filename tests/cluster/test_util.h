@@ -79,6 +79,10 @@ ReferenceResult Reference(const control::TrainingConfig& config);
 control::TrainingConfig MakeConfig(uint32_t workers, uint32_t servers, uint64_t dim, uint64_t steps,
                                    const std::string& optimizer);
 
+// Sets the job setting `name` (its flag's name) of *config from its text,
+// as the flag would ("onebit-adam", "fp16"); a bad value fails the test.
+void SetSetting(control::TrainingConfig* config, const char* name, const std::string& text);
+
 // Flags for onebit-launch / onebit-coordinator that express `config`.
 std::vector<std::string> ConfigArgs(const control::TrainingConfig& config);
 

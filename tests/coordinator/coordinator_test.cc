@@ -184,7 +184,7 @@ TEST(CoordinatorService, ASilentProcessThatStillListensIsSlowNotDead) {
   for (const bool listening : {true, false}) {
     SCOPED_TRACE(listening ? "still listening" : "gone");
     control::TrainingConfig cfg = testing::MakeConfig(1, 1, 100, 1, "sgd");
-    cfg.set_heartbeat_timeout_ms(1000);
+    cfg.mutable_timeouts()->set_heartbeat_ms(1000);
     CoordinatorService svc(cfg, {}, 42, absl::Seconds(10), Security{});
     const absl::Time start = absl::Now();  // no later than the worker was last seen
     const std::vector<control::RegisterReply> replies =
@@ -215,7 +215,7 @@ TEST(CoordinatorService, ASilentProcessThatStillListensIsSlowNotDead) {
 
 TEST(CoordinatorService, SilentProcessIsDeclaredDeadByName) {
   control::TrainingConfig cfg = testing::MakeConfig(1, 1, 100, 1, "sgd");
-  cfg.set_heartbeat_timeout_ms(100);
+  cfg.mutable_timeouts()->set_heartbeat_ms(100);
   CoordinatorService svc(cfg, {}, 42, absl::Seconds(10), Security{});
   const std::vector<control::RegisterReply> replies = RegisterServerAndWorker(&svc, "");
   // The server keeps beating, each beat just before the coordinator's check

@@ -24,17 +24,17 @@ using ::testing::HasSubstr;
 TEST(JobConfig, ValidationNamesTheFlag) {
   control::TrainingConfig c = testing::MakeConfig(2, 2, 100, 3, "sgd");
   EXPECT_TRUE(ValidateConfig(c).ok()) << ValidateConfig(c);
-  c.set_chunk_elems(100);
+  c.mutable_compression()->set_chunk_elems(100);
   EXPECT_THAT(std::string(ValidateConfig(c).message()), HasSubstr("--chunk_elems:"));
   c = testing::MakeConfig(2, 2, 100, 3, "sgd");
-  c.set_block_size(48);
+  c.mutable_compression()->set_block_size(48);
   EXPECT_THAT(std::string(ValidateConfig(c).message()), HasSubstr("--block_size:"));
   c = testing::MakeConfig(2, 2, 100, 3, "sgd");
-  c.set_server_codec("onebit");
+  testing::SetSetting(&c, "server_codec", "onebit");
   EXPECT_THAT(std::string(ValidateConfig(c).message()), HasSubstr("--server_codec:"));
   EXPECT_EQ(SettingOfError(ValidateConfig(c)), "server_codec");
   c = testing::MakeConfig(2, 2, 100, 3, "sgd");
-  c.set_checkpoint_every(5);
+  c.mutable_checkpoint()->set_every(5);
   EXPECT_THAT(std::string(ValidateConfig(c).message()),
               HasSubstr("--checkpoint_every: needs --checkpoint_dir"));
 }
@@ -46,8 +46,8 @@ TEST(JobConfig, TheOptimizerLibrarysDefaultsAreTheSettingsDefaults) {
   for (const char* optimizer : {"sgd", "adam", "onebit-adam", "zero-one-adam", "onebit-lamb"}) {
     SCOPED_TRACE(optimizer);
     control::TrainingConfig c = DefaultJobConfig();
-    c.set_optimizer(optimizer);
-    c.set_steps(1000);
+    ASSERT_TRUE(SetJobSetting(*FindJobSetting("optimizer"), optimizer, &c).ok());
+    c.mutable_model()->set_steps(1000);
     ASSERT_TRUE(ResolveConfig({"optimizer", "steps"}, &c).ok());
     absl::StatusOr<OptimizerOptions> o = OptimizerOptionsFromConfig(c);
     ASSERT_TRUE(o.ok()) << o.status();

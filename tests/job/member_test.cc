@@ -48,9 +48,9 @@ struct LocalJob {
 
   static control::TrainingConfig Config(const std::string& checkpoint_dir) {
     control::TrainingConfig c = testing::MakeConfig(1, 1, 100, 10, "sgd");
-    c.set_checkpoint_dir(checkpoint_dir);
-    c.set_checkpoint_every(2);
-    c.set_rejoin_timeout_ms(30000);
+    c.mutable_checkpoint()->set_dir(checkpoint_dir);
+    c.mutable_checkpoint()->set_every(2);
+    c.mutable_timeouts()->set_rejoin_ms(30000);
     return c;
   }
 

@@ -26,20 +26,20 @@ bool HaveFashionMnist() {
 // A small job of `model`: the data-set models on slices of Fashion-MNIST.
 control::TrainingConfig SmallJob(const std::string& model) {
   control::TrainingConfig c;
-  c.set_model(model);
-  c.set_workers(3);
-  c.set_seed(5);
-  c.set_dim(1001);  // synthetic
-  c.set_layers("784-16-10");
-  c.set_batch(16);
-  c.set_data_dir(kDefaultFashionMnistDir);
-  c.set_max_train(500);
-  c.set_max_test(50);
-  c.set_blas_threads(1);
+  c.mutable_model()->set_name(model);
+  c.mutable_cluster()->set_workers(3);
+  c.mutable_model()->set_seed(5);
+  c.mutable_model()->set_dim(1001);  // synthetic
+  c.mutable_model()->set_layers("784-16-10");
+  c.mutable_model()->set_batch(16);
+  c.mutable_model()->set_data_dir(kDefaultFashionMnistDir);
+  c.mutable_model()->set_max_train(500);
+  c.mutable_model()->set_max_test(50);
+  c.mutable_model()->set_blas_threads(1);
   if (model == "softmax") {
-    (*c.mutable_model_options())["batch"] = "20";
-    (*c.mutable_model_options())["max_train"] = "700";
-    (*c.mutable_model_options())["max_test"] = "40";
+    (*c.mutable_model()->mutable_options())["batch"] = "20";
+    (*c.mutable_model()->mutable_options())["max_train"] = "700";
+    (*c.mutable_model()->mutable_options())["max_test"] = "40";
   }
   return c;
 }
@@ -106,7 +106,7 @@ TEST(Registry, AnUnknownModelIsRefusedListingTheRegisteredOnes) {
 
 TEST(Registry, AnUndeclaredOptionIsRefusedNamingItAndTheModel) {
   control::TrainingConfig c = SmallJob("softmax");
-  (*c.mutable_model_options())["colour"] = "red";
+  (*c.mutable_model()->mutable_options())["colour"] = "red";
   for (const absl::Status& st : {ResolveModelOptions(&c), ValidateModelConfig(c)}) {
     EXPECT_THAT(std::string(st.message()),
                 HasSubstr("--model_options: model softmax has no option 'colour'"));
@@ -114,21 +114,21 @@ TEST(Registry, AnUndeclaredOptionIsRefusedNamingItAndTheModel) {
   }
   // mlp's settings are flags of their own, not options.
   control::TrainingConfig m = SmallJob("mlp");
-  (*m.mutable_model_options())["batch"] = "8";
+  (*m.mutable_model()->mutable_options())["batch"] = "8";
   EXPECT_THAT(std::string(ValidateModelConfig(m).message()),
               HasSubstr("--model_options: model mlp has no option 'batch' (its options: none)"));
   control::TrainingConfig e = SmallJob(kExternalModel);
   EXPECT_TRUE(ValidateModelConfig(e).ok());
-  (*e.mutable_model_options())["x"] = "1";
+  (*e.mutable_model()->mutable_options())["x"] = "1";
   EXPECT_THAT(std::string(ValidateModelConfig(e).message()),
               HasSubstr("model external has no option 'x'"));
 }
 
 TEST(Registry, ResolvingFillsInTheDefaultsAndKeepsWhatWasGiven) {
   control::TrainingConfig c = SmallJob("softmax");
-  c.mutable_model_options()->erase("max_test");
+  c.mutable_model()->mutable_options()->erase("max_test");
   ASSERT_TRUE(ResolveModelOptions(&c).ok());
-  const auto& o = c.model_options();
+  const auto& o = c.model().options();
   ASSERT_EQ(o.size(), FindModel("softmax")->options.size());
   EXPECT_EQ(o.at("batch"), "20");
   EXPECT_EQ(o.at("max_train"), "700");
@@ -136,15 +136,15 @@ TEST(Registry, ResolvingFillsInTheDefaultsAndKeepsWhatWasGiven) {
   EXPECT_EQ(o.at("data_dir"), kDefaultFashionMnistDir);
   const control::TrainingConfig once = c;
   ASSERT_TRUE(ResolveModelOptions(&c).ok());  // idempotent
-  EXPECT_EQ(c.model_options().size(), once.model_options().size());
+  EXPECT_EQ(c.model().options().size(), once.model().options().size());
   // An option read before resolution gives its default.
   control::TrainingConfig bare;
-  bare.set_model("softmax");
+  bare.mutable_model()->set_name("softmax");
   EXPECT_EQ(ModelOptionValue(bare, "batch"), "64");
   // Models without options get none.
   control::TrainingConfig s = SmallJob("synthetic");
   ASSERT_TRUE(ResolveModelOptions(&s).ok());
-  EXPECT_TRUE(s.model_options().empty());
+  EXPECT_TRUE(s.model().options().empty());
 }
 
 TEST(Registry, BadOptionValuesAreNamed) {
@@ -160,15 +160,15 @@ TEST(Registry, BadOptionValuesAreNamed) {
                         Case{"data_dir", "", "--model_options: softmax: data_dir: empty"},
                         Case{"batch", "300", "3 workers x batch 300 exceed the 700"}}) {
     control::TrainingConfig c = SmallJob("softmax");
-    (*c.mutable_model_options())[k.option] = k.value;
+    (*c.mutable_model()->mutable_options())[k.option] = k.value;
     EXPECT_THAT(std::string(ValidateModelConfig(c).message()), HasSubstr(k.expect))
         << k.option << "=" << k.value;
   }
   control::TrainingConfig m = SmallJob("mlp");
-  m.set_layers("784");
+  m.mutable_model()->set_layers("784");
   EXPECT_THAT(std::string(ValidateModelConfig(m).message()), HasSubstr("--layers: "));
   control::TrainingConfig s = SmallJob("synthetic");
-  s.set_noise(-1);
+  s.mutable_model()->set_noise(-1);
   EXPECT_THAT(std::string(ValidateModelConfig(s).message()), HasSubstr("--noise: "));
 }
 

@@ -135,18 +135,19 @@ TEST(Heartbeater, ACoordinatorThatAnswersTooLateIsSlowNotLost) {
 
 TEST(Heartbeater, TheJobBeatsAtMostFiftyTimesASecondInAll) {
   control::TrainingConfig c = testing::MakeConfig(2, 1, 100, 1, "sgd");
-  c.set_heartbeat_timeout_ms(10000);
+  c.mutable_timeouts()->set_heartbeat_ms(10000);
   EXPECT_EQ(HeartbeatInterval(c), absl::Seconds(1));  // 3 processes: the timeout's tenth
-  c.set_workers(128);
-  c.set_servers(32);
+  c.mutable_cluster()->set_workers(128);
+  c.mutable_cluster()->set_servers(32);
   EXPECT_EQ(HeartbeatInterval(c), absl::Milliseconds(3200));  // 160 / 50 a second
-  c.set_workers(1000);
+  c.mutable_cluster()->set_workers(1000);
   EXPECT_EQ(HeartbeatInterval(c), absl::Seconds(10) / 3);  // still three beats per timeout
-  c.set_workers(2);
-  c.set_servers(1);
-  c.set_heartbeat_timeout_ms(1000);
+  c.mutable_cluster()->set_workers(2);
+  c.mutable_cluster()->set_servers(1);
+  c.mutable_timeouts()->set_heartbeat_ms(1000);
   EXPECT_EQ(HeartbeatInterval(c), absl::Milliseconds(100));  // 3 / 50 s is less
-  c.set_heartbeat_timeout_ms(100);  // 3 / 50 s is more than the tenth, 20 ms; a third at most
+  c.mutable_timeouts()->set_heartbeat_ms(
+      100);  // 3 / 50 s is more than the tenth, 20 ms; a third at most
   EXPECT_EQ(HeartbeatInterval(c), absl::Milliseconds(100) / 3);
 }
 

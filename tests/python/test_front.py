@@ -174,7 +174,7 @@ def test_the_constructor_chooses_what_the_job_leaves_to_it(tmp_path):
     assert r.returncode == 0, r.stderr
     job = json.loads(re.search(r"\[worker0\] torch_worker: job (.*)", r.stderr).group(1))
     assert job == {"optimizer": "onebit-adam", "lr": pytest.approx(0.01), "beta1":
-                   pytest.approx(0.8), "beta2": pytest.approx(0.99), "freeze_step": "5",
+                   pytest.approx(0.8), "beta2": pytest.approx(0.99), "freeze_step": 5,
                    "freeze": "", "worker_codec": "onebit", "bias_correction": False}
     assert s["optimizer"] == "onebit-adam" and s["worker_codec"] == "onebit"
     assert s["compress_steps"] == 7
