@@ -3,6 +3,9 @@
 #include <optional>
 #include <utility>
 
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
 namespace onebit {
 
 AsyncStateWriter::AsyncStateWriter(Done done)
@@ -43,7 +46,9 @@ void AsyncStateWriter::Loop() {
       queue_.pop_front();
       writing_ = true;
     }
+    const absl::Time start = absl::Now();
     absl::StatusOr<WrittenFile> written = job->state.WriteTo(job->dir, job->name);
+    if (written.ok()) written->seconds = absl::ToDoubleSeconds(absl::Now() - start);
     done_(job->step, written);
     absl::MutexLock l(&mu_);
     writing_ = false;

@@ -37,6 +37,7 @@ struct WrittenFile {
   std::string name;  // base name
   uint64_t size = 0;
   uint32_t crc32 = 0;
+  double seconds = 0;  // how long writing it took (AsyncStateWriter sets it)
 };
 
 // Arrays for a snapshot: a copy of `values`, or n zeros, whose pages the

@@ -9,58 +9,27 @@
 namespace onebit {
 namespace {
 
-using Labels = std::map<std::string, std::string>;
-
-Labels With(Labels labels, const std::string& key, const std::string& value) {
-  labels[key] = value;
-  return labels;
-}
-
 prometheus::Family<prometheus::Gauge>& GaugeFamily(MetricsEndpoint* e, const std::string& name,
                                                    const std::string& help) {
-  return prometheus::BuildGauge().Name(name).Help(help).Labels(e->labels()).Register(e->registry());
+  return MetricFactory(e).GaugeFamily(name, help);
 }
 
 prometheus::Gauge& NewGauge(MetricsEndpoint* e, const std::string& name, const std::string& help,
-                            const Labels& labels = {}) {
-  return GaugeFamily(e, name, help).Add(labels);
+                            const MetricLabels& labels = {}) {
+  return MetricFactory(e).Gauge(name, help, labels);
 }
 
 prometheus::Counter& NewCounter(MetricsEndpoint* e, const std::string& name,
-                                const std::string& help, const Labels& labels = {}) {
-  return prometheus::BuildCounter()
-      .Name(name)
-      .Help(help)
-      .Labels(e->labels())
-      .Register(e->registry())
-      .Add(labels);
+                                const std::string& help, const MetricLabels& labels = {}) {
+  return MetricFactory(e).Counter(name, help, labels);
 }
 
-// Step times from 1 ms to about 65 s, doubling.
 prometheus::Histogram& NewSeconds(MetricsEndpoint* e, const std::string& name,
                                   const std::string& help) {
-  prometheus::Histogram::BucketBoundaries b;
-  for (double s = 0.001; s < 100; s *= 2) b.push_back(s);
-  return prometheus::BuildHistogram()
-      .Name(name)
-      .Help(help)
-      .Labels(e->labels())
-      .Register(e->registry())
-      .Add({}, b);
-}
-
-// A counter of a count kept elsewhere (restored from a checkpoint's
-// history, say): advanced to it, never back.
-void AdvanceTo(prometheus::Counter& c, double value) {
-  if (value > c.Value()) c.Increment(value - c.Value());
+  return MetricFactory(e).Histogram(name, help);
 }
 
 }  // namespace
-
-void LazyGauge::Set(double v) {
-  if (gauge_ == nullptr) gauge_ = &family_.Add({});
-  gauge_->Set(v);
-}
 
 JobMetrics::JobMetrics(MetricsEndpoint* e)
     : steps_(NewGauge(e, "onebit_steps", "Steps completed by every worker")),

@@ -18,24 +18,13 @@
 #include "coordinator/job_state.h"
 #include "job/run_folder.h"
 #include "metrics/endpoint.h"
+#include "metrics/families.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 
 namespace onebit {
-
-// A gauge that appears at its first value: absent (not 0) until then, as a
-// test accuracy never reported or a checkpoint never written.
-class LazyGauge {
- public:
-  explicit LazyGauge(prometheus::Family<prometheus::Gauge>& family) : family_(family) {}
-  void Set(double v);
-
- private:
-  prometheus::Family<prometheus::Gauge>& family_;
-  prometheus::Gauge* gauge_ = nullptr;
-};
 
 class JobMetrics {
  public:

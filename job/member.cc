@@ -74,7 +74,9 @@ void JobMember::Start(control::RegisterReply reg, uint64_t steps_done) {
   heartbeat_->SetStep(steps_done);
   heartbeat_->Start();
   writer_ = std::make_unique<AsyncStateWriter>(
-      [hb = heartbeat_.get()](uint64_t step, const absl::StatusOr<WrittenFile>& written) {
+      [hb = heartbeat_.get(), &on_written = options_.on_written](
+          uint64_t step, const absl::StatusOr<WrittenFile>& written) {
+        if (on_written) on_written(written);
         hb->ReportCheckpointPart(PartOf(step, written));
       });
 }
@@ -112,6 +114,7 @@ absl::Status JobMember::Checkpoint(uint64_t step, Snapshot snapshot) {
   checkpointed_ = step;
   auto dir = MakeStepDir(reg_.config().checkpoint().dir(), step);
   if (!dir.ok()) {
+    if (options_.on_written) options_.on_written(dir.status());
     heartbeat_->ReportCheckpointPart(PartOf(step, dir.status()));
     return absl::OkStatus();
   }

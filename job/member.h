@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -42,6 +43,9 @@ struct JobMemberOptions {
   // The most arrays one snapshot holds: the last snapshot's buffers are
   // kept for the next (SnapshotBuffers), so that copying is not faulting.
   size_t snapshot_arrays = 0;
+  // When set: called after each checkpoint file this process writes (or
+  // fails to), on the writer's thread (e.g. to count it in the metrics).
+  std::function<void(const absl::StatusOr<WrittenFile>&)> on_written;
 };
 
 class JobMember {

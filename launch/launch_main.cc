@@ -23,6 +23,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/flags/flag.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -42,11 +43,13 @@
 ABSL_FLAG(std::string, out, "", "run folder (metrics.csv, summary.json, logs)");
 ABSL_FLAG(std::string, bin_dir, "", "where the onebit binaries are (default: next to this one)");
 ABSL_FLAG(int32_t, metrics_port, -1,
-          "the coordinator serves the job's Prometheus metrics on 127.0.0.1 at this port "
-          "(onebit-coordinator --metrics_port); -1: none, 0: any free port (its log says which)");
+          "every process serves its Prometheus metrics on 127.0.0.1 (--metrics_port of each "
+          "binary): the coordinator the job's at this port P, server K at P+1+K, worker R at "
+          "P+1+S+R (S servers; a --worker_cmd program through ONEBIT_METRICS_PORT); -1: none, "
+          "0: each process any free port (its log says which)");
 ABSL_FLAG(absl::Duration, metrics_linger, absl::ZeroDuration(),
-          "the coordinator keeps serving them this long after the job ends "
-          "(onebit-coordinator --metrics_linger)");
+          "every process keeps serving them this long after its part of the job ends "
+          "(--metrics_linger of each binary, ONEBIT_METRICS_LINGER)");
 ABSL_FLAG(bool, dump_params, false,
           "workers and servers write their final x to --out (replica_w<R>.f32, master_s<K>.f32, "
           "and the server error error_s<K>.f32)");
@@ -360,6 +363,17 @@ class Attempt {
     return std::nullopt;
   }
 
+  // The metrics flags of child `c` (--metrics_port: P plus its index).
+  void AddMetricsFlags(const Child& c, std::vector<std::string>* args) const {
+    const int p = absl::GetFlag(FLAGS_metrics_port);
+    if (p < 0) return;
+    const int index = static_cast<int>(&c - children_.data());
+    args->push_back(absl::StrCat("--metrics_port=", p == 0 ? 0 : p + index));
+    args->push_back("--metrics_host=127.0.0.1");
+    args->push_back("--metrics_linger=" +
+                    absl::FormatDuration(absl::GetFlag(FLAGS_metrics_linger)));
+  }
+
   std::optional<int> StartServers() {
     const control::TrainingConfig& cfg = plan_.cfg;
     const std::string& bin = plan_.bin;
@@ -381,6 +395,7 @@ class Attempt {
         a.push_back(absl::StrCat("--dump_x=", out, "/master_s", k, ".f32"));
         a.push_back(absl::StrCat("--dump_error=", out, "/error_s", k, ".f32"));
       }
+      AddMetricsFlags(c, &a);
       c.argv = a;
       if (absl::Status st = Start(&c, a); !st.ok()) {
         StopAll(std::string(st.message()));
@@ -422,6 +437,14 @@ class Attempt {
         if (absl::GetFlag(FLAGS_dump_params)) {
           env.push_back(absl::StrCat("ONEBIT_DUMP_X=", out, "/replica_w", i, ".f32"));
         }
+        std::vector<std::string> metrics;
+        AddMetricsFlags(c, &metrics);
+        for (const std::string& flag : metrics) {
+          // --metrics_port=P as ONEBIT_METRICS_PORT=P.
+          const size_t eq = flag.find('=');
+          env.push_back(absl::StrCat("ONEBIT_", absl::AsciiStrToUpper(flag.substr(2, eq - 2)),
+                                     flag.substr(eq)));
+        }
         c.argv = {"/bin/sh", "-c", "exec " + worker_cmd};
         c.env = env;
         if (absl::Status st = Start(&c, c.argv, env); !st.ok()) {
@@ -445,6 +468,7 @@ class Attempt {
         a.push_back("--device=" + devices[std::min<size_t>(i, devices.size() - 1)]);
       }
       if (!absl::GetFlag(FLAGS_overlap)) a.push_back("--overlap=false");
+      AddMetricsFlags(c, &a);
       c.argv = a;  // a restarted one does not stall again
       if (static_cast<int>(i) == stall_worker && attempt == 0) {
         a.push_back(absl::StrCat("--stall_at_step=", absl::GetFlag(FLAGS_stall_at_step)));
@@ -689,6 +713,15 @@ LaunchPlan PlanFromCommandLine(int argc, char** argv) {
     ExitFlagError("launch_register_timeout", st.message());
   }
   if (absl::GetFlag(FLAGS_dump_params) && out.empty()) ExitFlagError("dump_params", "needs --out");
+  if (const int64_t p = absl::GetFlag(FLAGS_metrics_port); p < -1 || p > 65535) {
+    ExitFlagError("metrics_port", "must be -1 (none) or in [0, 65535]");
+  } else if (p > 0 && p + int64_t{cfg.servers()} + cfg.workers() > 65535) {
+    ExitFlagError("metrics_port", absl::StrCat("the workers' ports would pass 65535 (P+1+S+R)"));
+  }
+  if (absl::Duration l = absl::GetFlag(FLAGS_metrics_linger);
+      l < absl::ZeroDuration() || l > absl::Hours(1)) {
+    ExitFlagError("metrics_linger", "must be in [0s, 1h]");
+  }
   const int stall_worker = plan.stall_worker = absl::GetFlag(FLAGS_stall_worker);
   if (stall_worker >= static_cast<int>(cfg.cluster().workers())) {
     ExitFlagError("stall_worker", "no such worker");

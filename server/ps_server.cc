@@ -111,7 +111,8 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Create(PsServerOptions optio
 PsServer::PsServer(PsServerOptions options, zmq::socket_t* socket)
     : options_(std::move(options)),
       socket_(socket),
-      refusals_(absl::StrCat("server ", options_.shard)) {}
+      refusals_(absl::StrCat("server ", options_.shard)),
+      metrics_(options_.metrics) {}
 
 absl::Status PsServer::SetEndStep(uint64_t steps) {
   if (end_step_) {
@@ -150,6 +151,7 @@ absl::Status PsServer::Serve(const std::function<bool()>& should_stop,
     zmq::pollitem_t item{socket_->handle(), 0, ZMQ_POLLIN, 0};
     PollItems(&item, 1, std::chrono::milliseconds(50));
     refusals_.Flush();
+    if (metrics_ != nullptr) metrics_->SetPendingPushes(pending_pushes_);
     // Drain what has arrived; bounded so timeouts and stop are still checked.
     for (int i = 0; i < 1024 && failure_.ok(); ++i) {
       std::vector<zmq::message_t> frames;
@@ -173,7 +175,7 @@ absl::Status PsServer::Serve(const std::function<bool()>& should_stop,
         about.set_rank(r);
         about.set_step(state_.step);
         about.set_shard(options_.shard);
-        SendError(WorkerIdentity(options_.job.job_id, r), &about, msg);
+        SendError(WorkerIdentity(options_.job.job_id, r), &about, msg, std::nullopt);
       }
       return absl::DeadlineExceededError(msg);
     }
@@ -193,17 +195,19 @@ std::string PsServer::MissingRanks() const {
 void PsServer::HandleMessage(std::vector<zmq::message_t>& frames) {
   const std::string routing_id = frames[0].to_string();
   if (frames.size() < 2) {
-    SendError(routing_id, nullptr, "empty message (want header and payload frames)");
+    SendError(routing_id, nullptr, "empty message (want header and payload frames)",
+              Refusal::kMalformed);
     return;
   }
   auto header = ParseHeader(frames[1].data(), frames[1].size());
   if (!header.ok()) {
-    SendError(routing_id, nullptr, std::string(header.status().message()));
+    SendError(routing_id, nullptr, std::string(header.status().message()), Refusal::kMalformed);
     return;
   }
   if (std::find(options_.earlier_job_ids.begin(), options_.earlier_job_ids.end(),
                 header->job_id()) != options_.earlier_job_ids.end()) {
     // Its sender has rejoined under the new id, or is gone.
+    if (metrics_ != nullptr) metrics_->Refused(Refusal::kEarlierIncarnation);
     if (dropped_++ == 0) {
       std::fprintf(stderr,
                    "server %u: dropping the messages sent before the job rolled back "
@@ -214,11 +218,13 @@ void PsServer::HandleMessage(std::vector<zmq::message_t>& frames) {
   }
   if (frames.size() != 3) {
     SendError(routing_id, &*header,
-              absl::StrCat("expected 2 frames (header, payload), got ", frames.size() - 1));
+              absl::StrCat("expected 2 frames (header, payload), got ", frames.size() - 1),
+              Refusal::kMalformed);
     return;
   }
   absl::Status st =
       ValidateRequest(*header, options_.job, options_.shard, routing_id, frames[2].size());
+  Refusal why = header->job_id() != options_.job.job_id ? Refusal::kWrongJob : Refusal::kMalformed;
   if (st.ok() && options_.authenticated) {
     // The routing id is the sender's to choose; its key is not.
     const std::string peer = PeerUserId(frames[1]);
@@ -226,15 +232,26 @@ void PsServer::HandleMessage(std::vector<zmq::message_t>& frames) {
       st = absl::PermissionDeniedError(
           absl::StrCat("rank ", header->rank(), " claimed by the key of ",
                        peer.empty() ? std::string("no worker") : peer));
+      why = Refusal::kWrongKey;
     }
   }
-  if (st.ok()) st = HandleRequest(routing_id, *header, frames[2]);
-  if (!st.ok()) SendError(routing_id, &*header, std::string(st.message()));
+  // Counted as the phase of the step it was taken for (before it may end it).
+  const size_t bytes = frames[1].size() + frames[2].size();
+  const Phase phase = PhaseOf(state_);
+  if (st.ok()) {
+    st = HandleRequest(routing_id, *header, frames[2], &why);
+    if (st.ok() && metrics_ != nullptr && header->kind() == data::PUSH) {
+      metrics_->Pushed(phase, bytes);
+    }
+  }
+  if (!st.ok()) SendError(routing_id, &*header, std::string(st.message()), why);
 }
 
 absl::Status PsServer::HandleRequest(const std::string& routing_id, const data::Header& h,
-                                     zmq::message_t& payload) {
+                                     zmq::message_t& payload, Refusal* why) {
   (void)routing_id;  // ValidateRequest tied it to h.rank()
+  // Most refusals below are of a step this shard is not at.
+  *why = Refusal::kWrongStep;
   const uint64_t index = (h.begin() - state_.begin) / options_.job.chunk_elems;
   Chunk& c = chunks_[index];
   const uint64_t steps = options_.job.steps;
@@ -245,12 +262,15 @@ absl::Status PsServer::HandleRequest(const std::string& routing_id, const data::
           absl::StrCat("INIT is from the past (shard ", options_.shard, " is past step 0)"));
     }
     if (c.initialized) {
+      *why = Refusal::kDuplicate;
       return absl::InvalidArgumentError(absl::StrCat("duplicate INIT for chunk ", index));
     }
     absl::Status st = init_codec_->Decode(static_cast<const uint8_t*>(payload.data()), h.count(),
                                           state_.x.data() + (h.begin() - state_.begin));
-    if (!st.ok())
+    if (!st.ok()) {
+      *why = Refusal::kBadPayload;
       return absl::InvalidArgumentError(absl::StrCat("bad INIT payload: ", st.message()));
+    }
     c.initialized = true;
     for (uint32_t r = 0; r < options_.job.workers; ++r) {
       if (c.waiting[r]) SendParams(r, 0, c);
@@ -268,11 +288,13 @@ absl::Status PsServer::HandleRequest(const std::string& routing_id, const data::
                                                      options_.shard, " is at step ", state_.step));
     }
     if (c.done || c.pushed[h.rank()]) {
+      *why = Refusal::kDuplicate;
       return absl::InvalidArgumentError(absl::StrCat("PULL from rank ", h.rank(), " for chunk ",
                                                      index, " after pushing to step ",
                                                      state_.step));
     }
     if (c.pulled[h.rank()]) {
+      *why = Refusal::kDuplicate;
       return absl::InvalidArgumentError(absl::StrCat(
           "duplicate PULL from rank ", h.rank(), " for chunk ", index, " of step ", state_.step));
     }
@@ -301,12 +323,14 @@ absl::Status PsServer::HandleRequest(const std::string& routing_id, const data::
                                                    ")"));
   }
   if (c.pushed[h.rank()] || c.done) {
+    *why = Refusal::kDuplicate;
     return absl::InvalidArgumentError(absl::StrCat("duplicate push from rank ", h.rank(),
                                                    " for chunk ", index, " of step ", h.step()));
   }
   c.pushed[h.rank()] = true;
   c.held[h.rank()] = std::move(payload);
   c.lr[h.rank()] = h.has_lr() ? std::optional<float>(h.lr()) : std::nullopt;
+  ++pending_pushes_;
   if (!step_started_) step_started_ = absl::Now();
   return DrainInOrder(c, index);
 }
@@ -326,6 +350,7 @@ absl::Status PsServer::DrainInOrder(Chunk& c, uint64_t index) {
     if (!st.ok()) {
       // The codec left acc untouched; rank r may push this chunk again.
       c.pushed[r] = false;
+      --pending_pushes_;
       const std::string why = absl::StrCat("payload of rank ", r, " for chunk ", index, " of step ",
                                            state_.step, " does not decode: ", st.message());
       data::Header h;
@@ -334,7 +359,7 @@ absl::Status PsServer::DrainInOrder(Chunk& c, uint64_t index) {
       h.set_shard(options_.shard);
       h.set_begin(c.range.begin);
       h.set_count(c.range.size());
-      SendError(WorkerIdentity(options_.job.job_id, r), &h, why);
+      SendError(WorkerIdentity(options_.job.job_id, r), &h, why, Refusal::kBadPayload);
       return absl::OkStatus();
     }
     ++c.next_rank;
@@ -342,8 +367,10 @@ absl::Status PsServer::DrainInOrder(Chunk& c, uint64_t index) {
   if (c.next_rank == n_workers && (c.initialized || state_.step > 0)) {
     if (absl::Status st = AgreeOnLr(c, index); !st.ok()) {
       failure_ = st;
+      if (metrics_ != nullptr) metrics_->Refused(Refusal::kLrMismatch);
       for (uint32_t r = 0; r < n_workers; ++r) {
-        SendError(WorkerIdentity(options_.job.job_id, r), nullptr, std::string(st.message()));
+        SendError(WorkerIdentity(options_.job.job_id, r), nullptr, std::string(st.message()),
+                  std::nullopt);
       }
       return absl::OkStatus();
     }
@@ -458,6 +485,8 @@ void PsServer::Complete(Chunk& c, uint64_t index) {
   PrepareReply(c, kind, last_warmup);
   absl::Status st = optimizer_->Step(state_.step, StepLr(), last_warmup, c.acc.data(),
                                      c.range.begin - state_.begin, n, &state_, c.reply->data());
+  apply_ns_ += MonotonicNs() - pushed_ns;
+  pending_pushes_ -= options_.job.workers;
   if (!st.ok()) {
     failure_ = absl::InternalError(
         absl::StrCat("shard ", options_.shard, " chunk ", index, ": ", st.message()));
@@ -481,6 +510,8 @@ void PsServer::CompleteShard() {
     spans.push_back({c.range.begin - state_.begin, c.range.size(), c.acc.data(), c.reply->data()});
   }
   absl::Status st = optimizer_->StepShard(state_.step, StepLr(), last_warmup, spans, &state_);
+  apply_ns_ += MonotonicNs() - pushed_ns;
+  pending_pushes_ = 0;
   if (!st.ok()) {
     failure_ = absl::InternalError(absl::StrCat("shard ", options_.shard, ": ", st.message()));
     return;
@@ -506,11 +537,13 @@ void PsServer::SendReply(Chunk& c, StepKind kind, bool last_warmup, uint64_t pus
   h.set_payload_bytes(shared->size());
   h.set_pushed_ns(pushed_ns);
   h.set_last_warmup(last_warmup);
+  const Phase phase = PhaseOf(state_);
   for (uint32_t r = 0; r < options_.job.workers; ++r) {
     h.set_rank(r);
     h.set_sent_ns(MonotonicNs());
     zmq::message_t payload = ShareFrame(shared, 0, shared->size());
-    Send(WorkerIdentity(options_.job.job_id, r), h, &payload);
+    const size_t sent = Send(WorkerIdentity(options_.job.job_id, r), h, &payload);
+    if (metrics_ != nullptr && sent > 0) metrics_->Replied(phase, sent);
   }
   c.done = true;
 }
@@ -518,6 +551,12 @@ void PsServer::SendReply(Chunk& c, StepKind kind, bool last_warmup, uint64_t pus
 // Every chunk of the shard is done: the step is over.
 void PsServer::EndStep() {
   const bool last_warmup = LastWarmup().value_or(false);
+  if (metrics_ != nullptr) {
+    const double step_s = step_started_ ? absl::ToDoubleSeconds(absl::Now() - *step_started_) : 0;
+    metrics_->StepServed(state_.step + 1, state_.frozen, apply_ns_ * 1e-9, step_s);
+  }
+  apply_ns_ = 0;
+  pending_pushes_ = 0;
   ++state_.step;
   chunks_done_ = 0;
   step_started_.reset();
@@ -544,6 +583,7 @@ void PsServer::EndStep() {
     const double change =
         FreezeCheckChange(options_.optimizer, f.window, state_.step, state_.v, state_.v_check);
     state_.v_check = state_.v;
+    if (metrics_ != nullptr) metrics_->FreezeChecked(change);
     options_.report_freeze_check(state_.step, change);
   }
   if (options_.on_step_end) options_.on_step_end(state_);
@@ -567,12 +607,14 @@ void PsServer::SkipLocalSteps() {
     ++state_.step;
     if (options_.on_step_end) options_.on_step_end(state_);
   }
+  if (metrics_ != nullptr) metrics_->SetSteps(state_.step);
   options_.job.push_codec =
       &optimizer_->push_codec(optimizer_->KindOf(state_.step, PhaseOf(state_)));
 }
 
 void PsServer::SendError(const std::string& routing_id, const data::Header* request,
-                         const std::string& error) {
+                         const std::string& error, std::optional<Refusal> why) {
+  if (metrics_ != nullptr && why) metrics_->Refused(*why);
   data::Header h;
   if (request != nullptr) {
     h.set_rank(request->rank());
@@ -591,12 +633,15 @@ void PsServer::SendError(const std::string& routing_id, const data::Header* requ
   Send(routing_id, h, &empty);
 }
 
-void PsServer::Send(const std::string& routing_id, const data::Header& h, zmq::message_t* payload) {
+size_t PsServer::Send(const std::string& routing_id, const data::Header& h,
+                      zmq::message_t* payload) {
   std::vector<zmq::message_t> frames;
   frames.push_back(CopyFrame(routing_id));
   frames.push_back(CopyFrame(h.SerializeAsString()));
   frames.push_back(std::move(*payload));
-  if (SendOrDrop(socket_, frames)) return;
+  const size_t bytes = frames[1].size() + frames[2].size();
+  if (SendOrDrop(socket_, frames)) return bytes;
+  if (metrics_ != nullptr) metrics_->ReplyDropped();
   // The peer is gone, or does not read its replies (its queue is full):
   // never block on it. A worker's missing reply surfaces as its timeout.
   if (unsent_++ % 1000 == 0) {
@@ -606,6 +651,7 @@ void PsServer::Send(const std::string& routing_id, const data::Header& h, zmq::m
                  options_.shard, absl::CHexEscape(routing_id).c_str(),
                  static_cast<unsigned long long>(unsent_));
   }
+  return 0;
 }
 
 }  // namespace onebit

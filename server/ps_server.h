@@ -23,6 +23,7 @@
 #include "compress/codec.h"
 #include "net/data_plane.h"
 #include "optim/optimizer.h"
+#include "server/server_metrics.h"
 #include "util/refusal_log.h"
 #include "zmq.hpp"
 
@@ -52,6 +53,9 @@ struct PsServerOptions {
   // messages with WorkerPeerId(rank) (security/curve.h): a request is
   // accepted only from the key of the rank it names.
   bool authenticated = false;
+  // When set: what the shard does goes into these metrics (they must
+  // outlive the server).
+  ServerMetrics* metrics = nullptr;
 };
 
 class PsServer {
@@ -99,8 +103,9 @@ class PsServer {
 
   PsServer(PsServerOptions options, zmq::socket_t* socket);
   void HandleMessage(std::vector<zmq::message_t>& frames);
+  // On an error, *why says which kind of refusal it is.
   absl::Status HandleRequest(const std::string& routing_id, const data::Header& h,
-                             zmq::message_t& payload);
+                             zmq::message_t& payload, Refusal* why);
   absl::Status DrainInOrder(Chunk& c, uint64_t chunk_index);
   void Complete(Chunk& c, uint64_t chunk_index);
   // Layer-wise optimizers: once every chunk is ready, the whole shard's step.
@@ -123,9 +128,12 @@ class PsServer {
   // PARAMS: chunk c's x to worker `rank`, as of `step`, the step its PULL
   // named (the shard's, or one of the local steps it skipped).
   void SendParams(uint32_t rank, uint64_t step, const Chunk& c);
+  // `why`: the refusal it answers (counted in the metrics); none for a
+  // failure that is not a request's (a step timeout).
   void SendError(const std::string& routing_id, const data::Header* request,
-                 const std::string& error);
-  void Send(const std::string& routing_id, const data::Header& h, zmq::message_t* payload);
+                 const std::string& error, std::optional<Refusal> why);
+  // The bytes sent (routing id aside), or 0 when the peer could not take it.
+  size_t Send(const std::string& routing_id, const data::Header& h, zmq::message_t* payload);
   std::string MissingRanks() const;
 
   PsServerOptions options_;
@@ -143,8 +151,11 @@ class PsServer {
   bool reported_finished_ = false;
   uint64_t dropped_ = 0;  // messages of an earlier incarnation
   RefusalLog refusals_;
-  uint64_t unsent_ = 0;   // replies dropped: the peer was gone or did not read
-  absl::Status failure_;  // first fatal error, e.g. a decode failure of the update
+  uint64_t unsent_ = 0;           // replies dropped: the peer was gone or did not read
+  absl::Status failure_;          // first fatal error, e.g. a decode failure of the update
+  ServerMetrics* const metrics_;  // null: none
+  uint64_t pending_pushes_ = 0;   // taken this step, their chunk not applied yet
+  uint64_t apply_ns_ = 0;         // the current step's update time so far
 };
 
 }  // namespace onebit

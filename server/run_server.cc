@@ -16,12 +16,14 @@
 #include "job/config.h"
 #include "job/member.h"
 #include "job/run_folder.h"
+#include "metrics/endpoint.h"
 #include "net/control.h"
 #include "net/data_plane.h"
 #include "net/health.h"
 #include "onebit/server.h"
 #include "security/curve.h"
 #include "server/ps_server.h"
+#include "server/server_metrics.h"
 #include "util/checksum.h"
 #include "util/memory.h"
 
@@ -121,7 +123,8 @@ struct ServerProcess {
   DataPort data_port;
   ZapHandler* zap;  // the data port's; null under --insecure
   JobMember member;
-  std::vector<uint64_t> earlier;  // the data-plane ids of the incarnations before
+  std::vector<uint64_t> earlier;     // the data-plane ids of the incarnations before
+  ServerMetrics* metrics = nullptr;  // null: none
 };
 
 // What a server registers as.
@@ -188,6 +191,7 @@ absl::StatusOr<PsServerOptions> IncarnationOptions(ServerProcess& p) {
     if (absl::Status st = AdmitWorkers(reg, p.zap); !st.ok()) return st;
     po.authenticated = true;
   }
+  po.metrics = p.metrics;
   po.job.job_id = p.member.data_plane_id();
   po.earlier_job_ids = p.earlier;
   po.job.workers = cfg.cluster().workers();
@@ -241,6 +245,7 @@ absl::Status AddCheckpoints(JobMember& member, PsServerOptions* po) {
     if (!restored.ok()) return restored.status();
     if (absl::Status st = RestoreDenominators(po->optimizer.eps, &*restored); !st.ok()) return st;
     po->restored = *std::move(restored);
+    if (po->metrics != nullptr) po->metrics->Resumed();
     return absl::OkStatus();
   });
 }
@@ -248,7 +253,8 @@ absl::Status AddCheckpoints(JobMember& member, PsServerOptions* po) {
 // Serves steps until the job ends or the coordinator says otherwise
 // (STOP, REJOIN, ABORT): OK, or the data plane's failure, else Done's or
 // the end step's.
-absl::Status ServeSteps(JobMember& member, PsServer& ps, const PsServerOptions& po) {
+absl::Status ServeSteps(JobMember& member, PsServer& ps, const PsServerOptions& po,
+                        const ZapHandler* zap) {
   Heartbeater& hb = member.heartbeat();
   absl::Status done_status;
   uint64_t last_step = 0;
@@ -256,6 +262,8 @@ absl::Status ServeSteps(JobMember& member, PsServer& ps, const PsServerOptions& 
   absl::Status st = ps.Serve(
       [&] {
         hb.SetStep(ps.state().step);
+        if (po.metrics != nullptr && zap != nullptr)
+          po.metrics->SetHandshakesRefused(zap->refused());
         // Stopping: no push comes past the stop step; save the shard there
         // (zero-one-adam's: the stop may be a local step the shard skipped).
         if (auto stop = hb.stop_step(); stop && ps.StateIsOfStep(*stop)) {
@@ -337,7 +345,7 @@ absl::StatusOr<bool> ServeIncarnation(ServerProcess& p) {
                static_cast<unsigned long long>(r.begin), static_cast<unsigned long long>(r.end),
                p.advertise.c_str(), p.data_port.port,
                static_cast<unsigned long long>(member.registration().job_id()));
-  const absl::Status served = ServeSteps(member, **server, *po);
+  const absl::Status served = ServeSteps(member, **server, *po, p.zap);
   // Whatever failed meanwhile came of the loss the job rolls back for.
   if (member.rolling_back()) return true;
   if (absl::Status st = Ended(p.options, member, **server, served); !st.ok()) return st;
@@ -354,6 +362,12 @@ absl::Status RunServer(const ServerOptions& o) {
   }
   if (absl::Status st = CheckTimeout(o.register_timeout); !st.ok()) {
     return Invalid("register_timeout", st.message());
+  }
+  if (absl::Status st = CheckMetricsPort(o.metrics_port); !st.ok()) {
+    return Invalid("metrics_port", st.message());
+  }
+  if (absl::Status st = CheckMetricsLinger(o.metrics_linger); !st.ok()) {
+    return Invalid("metrics_linger", st.message());
   }
   auto security = ResolveSecurity(o.secret_file, o.insecure, "ServerOptions.secret_file");
   if (!security.ok()) return security.status();
@@ -378,12 +392,29 @@ absl::Status RunServer(const ServerOptions& o) {
   int health_bound = 0;
   auto health = StartHealthServer(o.bind_host, o.health_port, &health_bound);
   if (!health.ok()) return health.status();
+  // The metrics listen from the start (a port taken fails the server before
+  // it joins); they are made once the shard is known.
+  std::unique_ptr<MetricsEndpoint> endpoint;
+  std::unique_ptr<ServerMetrics> metrics;
+  const std::string metrics_host = o.metrics_host.empty() ? o.bind_host : o.metrics_host;
+  if (o.metrics_port >= 0) {
+    auto e = MetricsEndpoint::Start(metrics_host, o.metrics_port, {{"role", "server"}});
+    if (!e.ok()) return e.status();
+    endpoint = *std::move(e);
+  }
 
   JobMemberOptions mo;
   mo.coordinator = o.coordinator;
   mo.register_timeout = o.register_timeout;
   mo.stop_signal = o.stop_signal;
   mo.snapshot_arrays = 7;  // a shard's state has at most 7
+  // Set before the first checkpoint (after Join), read on the writer's thread.
+  mo.on_written = [&metrics](const absl::StatusOr<WrittenFile>& f) {
+    if (metrics != nullptr) {
+      metrics->checkpoints().Written(f.ok(), f.ok() ? static_cast<double>(f->size) : 0,
+                                     f.ok() ? f->seconds : 0);
+    }
+  };
   ServerProcess p{
       o,
       advertise,
@@ -392,15 +423,29 @@ absl::Status RunServer(const ServerOptions& o) {
       JobMember(mo, *security, ServerRequest(o, advertise, keys, bound_port, health_bound)),
       {}};
   if (absl::Status st = p.member.Join(); !st.ok()) return st;
+  if (endpoint != nullptr) {
+    metrics = std::make_unique<ServerMetrics>(endpoint.get(), p.member.rank());
+    p.metrics = metrics.get();
+    std::fprintf(stderr, "server %u: metrics on http://%s:%d/metrics\n", p.member.rank(),
+                 metrics_host.c_str(), endpoint->port());
+  }
+  absl::Status result;
   while (true) {
     absl::StatusOr<bool> rejoin = ServeIncarnation(p);
-    if (!rejoin.ok() || !*rejoin) return rejoin.status();
+    if (!rejoin.ok() || !*rejoin) {
+      result = rejoin.status();
+      break;
+    }
     p.earlier.push_back(p.member.data_plane_id());
+    if (metrics != nullptr) metrics->RolledBack();
     if (absl::Status st = p.member.Rejoin(); !st.ok()) {
       p.member.ReportFailure(st);
-      return p.member.Named(st);
+      result = p.member.Named(st);
+      break;
     }
   }
+  if (endpoint != nullptr) LingerForLastScrape(o.metrics_linger, o.stop_signal);
+  return result;
 }
 
 }  // namespace onebit

@@ -248,9 +248,11 @@ absl::Status PsClient::HandleReply(uint32_t server, std::vector<zmq::message_t>&
     return bad("payload of ", frames.size() == 2 ? frames[1].size() : 0, " bytes, want ", need);
   }
   if ((*got)[*i]) return bad("duplicate reply for chunk ", c.index);
+  const uint64_t apply_start = MonotonicNs();
   absl::Status st =
       replica->Apply(step_, StepLr(), h.last_warmup(),
                      static_cast<const uint8_t*>(frames[1].data()), c.range.begin, c.range.size());
+  apply_ns_ += MonotonicNs() - apply_start;
   if (!st.ok()) return bad(st.message());
   (*got)[*i] = true;
   bytes_down_ += frames[0].size() + need;
@@ -278,6 +280,7 @@ absl::Status PsClient::BeginStep(uint64_t step, std::optional<float> lr) {
   last_pushed_ns_ = 0;
   first_sent_ns_ = 0;
   start_ns_ = 0;
+  send_ns_ = wait_ns_ = apply_ns_ = 0;
   return absl::OkStatus();
 }
 
@@ -301,11 +304,13 @@ absl::Status PsClient::BeginReplicaStep(Replica* replica) {
 }
 
 absl::Status PsClient::PushChunk(size_t i, Replica* replica) {
-  if (pushed_count_ == 0) start_ns_ = MonotonicNs();
+  const uint64_t begin_ns = MonotonicNs();
+  if (pushed_count_ == 0) start_ns_ = begin_ns;
   const WorkerOptimizer& opt = *options_.optimizer;
   absl::Status st = SendChunk(
       i, step_, opt.push_codec(kind_), data::PUSH,
       [&](const Range& r, uint8_t* out) { return replica->Push(step_, r.begin, r.size(), out); });
+  send_ns_ += MonotonicNs() - begin_ns;
   if (!st.ok()) return st;
   pushed_[i] = true;
   ++pushed_count_;
@@ -351,8 +356,11 @@ absl::Status PsClient::CompleteStep(Replica* replica, const Check& check) {
   step_chunks_ = chunks_overlapped_ = 0;
   if (kind_ == StepKind::kLocal) {
     push_s_ = reply_s_ = 0;
+    const uint64_t local_start = MonotonicNs();
     if (absl::Status st = replica->LocalStep(step_); !st.ok()) return st;
-    return replica->FinishStep(false);
+    absl::Status st = replica->FinishStep(false);
+    apply_ns_ = MonotonicNs() - local_start;
+    return st;
   }
   for (size_t i = 0; i < chunks_.size(); ++i) {
     if (pushed_[i]) continue;
@@ -360,6 +368,7 @@ absl::Status PsClient::CompleteStep(Replica* replica, const Check& check) {
   }
   int last_warmup = -1;  // unknown until the first reply
   std::vector<bool> got(chunks_.size(), false);
+  const uint64_t receive_ns = MonotonicNs();
   absl::Status st = ReceiveAll(
       absl::StrCat("step ", step_),
       [&](uint32_t k, std::vector<zmq::message_t>& frames) {
@@ -367,8 +376,13 @@ absl::Status PsClient::CompleteStep(Replica* replica, const Check& check) {
       },
       check);
   if (!st.ok()) return st;
+  const uint64_t received_ns = MonotonicNs();
   if (absl::Status st = replica->FinishStep(last_warmup == 1); !st.ok()) return st;
   const uint64_t end_ns = MonotonicNs();
+  // The replies were applied as they came: that time is not waiting.
+  const uint64_t receiving_ns = received_ns - receive_ns;
+  wait_ns_ = receiving_ns > apply_ns_ ? receiving_ns - apply_ns_ : 0;
+  apply_ns_ += end_ns - received_ns;
   auto seconds = [](uint64_t from, uint64_t to) { return to > from ? (to - from) * 1e-9 : 0.0; };
   push_s_ = seconds(start_ns_, last_pushed_ns_);
   reply_s_ = seconds(first_sent_ns_, end_ns);

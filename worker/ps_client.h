@@ -90,6 +90,15 @@ class PsClient {
   // last PushReady call: while the rest of the gradient was being computed.
   size_t last_chunks() const { return step_chunks_; }
   size_t last_chunks_overlapped() const { return chunks_overlapped_; }
+  // The last step's parts on this worker's clock: encoding and sending its
+  // pushes, waiting for the replies, applying them (and finishing the
+  // step; a local step's whole update); whether it was a local step.
+  double last_send_s() const { return send_ns_ * 1e-9; }
+  double last_wait_s() const { return wait_ns_ * 1e-9; }
+  double last_apply_s() const { return apply_ns_ * 1e-9; }
+  bool last_local() const { return kind_ == StepKind::kLocal; }
+  // The current step's encoding and sending so far (PushReady's).
+  double sending_s() const { return send_ns_ * 1e-9; }
 
  private:
   struct Chunk {
@@ -148,6 +157,9 @@ class PsClient {
   double reply_s_ = 0;
   size_t step_chunks_ = 0;
   size_t chunks_overlapped_ = 0;
+  uint64_t send_ns_ = 0;
+  uint64_t wait_ns_ = 0;
+  uint64_t apply_ns_ = 0;
 };
 
 }  // namespace onebit

@@ -16,10 +16,12 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "checkpoint/optimizer_state.h"
 #include "checkpoint/state_file.h"
 #include "job/config.h"
 #include "job/member.h"
+#include "metrics/endpoint.h"
 #include "net/control.h"
 #include "net/data_plane.h"
 #include "net/health.h"
@@ -29,6 +31,7 @@
 #include "worker/device.h"
 #include "worker/ps_client.h"
 #include "worker/worker_internal.h"
+#include "worker/worker_metrics.h"
 
 namespace onebit {
 namespace {
@@ -68,6 +71,13 @@ struct Worker::Impl {
   bool on_device = false;
   ShardMap map = ShardMap::Create(0, 1, 32).value();  // the job's, from the coordinator
   std::unique_ptr<grpc::Server> health;
+  // Prometheus (WorkerOptions::metrics_port): before the member, whose
+  // checkpoint writer counts its files in them.
+  std::unique_ptr<MetricsEndpoint> endpoint;
+  std::unique_ptr<WorkerMetrics> metrics;
+  absl::Duration metrics_linger;
+  const std::atomic<int>* stop_signal = nullptr;
+  uint64_t idle_since_ns = 0;     // the end of the last step: the gradient's time begins
   std::optional<CurveKeys> keys;  // the data plane's, unless --insecure
   // Registration, heartbeat, rejoining and checkpoint files.
   std::unique_ptr<JobMember> member;
@@ -323,6 +333,12 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
   if (absl::Status st = CheckTimeout(o.register_timeout); !st.ok()) {
     return Invalid("register_timeout", st.message());
   }
+  if (absl::Status st = CheckMetricsPort(o.metrics_port); !st.ok()) {
+    return Invalid("metrics_port", st.message());
+  }
+  if (absl::Status st = CheckMetricsLinger(o.metrics_linger); !st.ok()) {
+    return Invalid("metrics_linger", st.message());
+  }
   // Before joining: a worker that cannot use its device must not hold up a job.
   auto choice = ChooseDevice(o.device);
   if (!choice.ok()) return choice.status();
@@ -335,6 +351,16 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
   auto h = StartHealthServer(o.bind_host, o.health_port, &health_bound);
   if (!h.ok()) return h.status();
   health = std::move(*h);
+  // The metrics listen from the start (a port taken fails the worker before
+  // it joins); they are made once the rank is known.
+  const std::string metrics_host = o.metrics_host.empty() ? o.bind_host : o.metrics_host;
+  if (o.metrics_port >= 0) {
+    auto e = MetricsEndpoint::Start(metrics_host, o.metrics_port, {{"role", "worker"}});
+    if (!e.ok()) return e.status();
+    endpoint = *std::move(e);
+    metrics_linger = o.metrics_linger;
+    stop_signal = o.stop_signal;
+  }
   const std::string advertise = o.advertise_host.empty() ? Hostname() : o.advertise_host;
 
   auto security = ResolveSecurity(o.secret_file, o.insecure, "WorkerOptions.secret_file");
@@ -370,6 +396,13 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
   mo.register_timeout = o.register_timeout;
   mo.stop_signal = o.stop_signal;
   mo.snapshot_arrays = 3;  // mbar, e, den at most
+  // `metrics` is made before the first checkpoint; read on the writer's thread.
+  mo.on_written = [this](const absl::StatusOr<WrittenFile>& f) {
+    if (metrics != nullptr) {
+      metrics->checkpoints().Written(f.ok(), f.ok() ? static_cast<double>(f->size) : 0,
+                                     f.ok() ? f->seconds : 0);
+    }
+  };
   member = std::make_unique<JobMember>(mo, *security, std::move(req));
   if (absl::Status st = member->Join(); !st.ok()) return st;
   const control::RegisterReply& reg = member->registration();
@@ -390,6 +423,11 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
     return Fail(absl::DataLossError(absl::StrCat("bad shard map: ", map.status().message())));
   job.num_params = map->num_params();
   this->map = *map;
+  if (endpoint != nullptr) {
+    metrics = std::make_unique<WorkerMetrics>(endpoint.get(), job.rank, job.num_params);
+    std::fprintf(stderr, "worker %u: metrics on http://%s:%d/metrics\n", job.rank,
+                 metrics_host.c_str(), endpoint->port());
+  }
   if (o.num_params != 0 && o.num_params != job.num_params) {
     return Fail(absl::InternalError(absl::StrCat(
         "declared d = ", o.num_params, " but the job was sharded for d = ", job.num_params)));
@@ -442,6 +480,7 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
       !st.ok()) {
     return Fail(st);
   }
+  if (metrics != nullptr) metrics->SetSteps(step);
   return absl::OkStatus();
 }
 
@@ -486,6 +525,11 @@ absl::Status Worker::Impl::Rejoin() {
   broadcast = true;
   last.reset();
   t0.reset();
+  idle_since_ns = MonotonicNs();
+  if (metrics != nullptr) {
+    metrics->RolledBack();
+    metrics->SetSteps(step);
+  }
   absl::Status rolled =
       absl::AbortedError(absl::StrCat("the job rolled back to the checkpoint of step ", step, " (",
                                       why, "); continue at steps_done()"));
@@ -524,6 +568,20 @@ absl::StatusOr<WorkerOptions> WorkerOptionsFromEnvironment(uint64_t num_params) 
   }
   if (auto device = get("ONEBIT_DEVICE")) o.device = *device;
   if (auto host = get("ONEBIT_ADVERTISE_HOST")) o.advertise_host = *host;
+  if (auto port = get("ONEBIT_METRICS_PORT")) {
+    if (!absl::SimpleAtoi(*port, &o.metrics_port) || !CheckMetricsPort(o.metrics_port).ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("ONEBIT_METRICS_PORT='", *port,
+                                                     "' is not -1 (none) or a port in [0, 65535]"));
+    }
+  }
+  if (auto host = get("ONEBIT_METRICS_HOST")) o.metrics_host = *host;
+  if (auto linger = get("ONEBIT_METRICS_LINGER")) {
+    if (!absl::ParseDuration(*linger, &o.metrics_linger) ||
+        !CheckMetricsLinger(o.metrics_linger).ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ONEBIT_METRICS_LINGER='", *linger, "' is not a duration in [0s, 1h]"));
+    }
+  }
   if (auto insecure = get("ONEBIT_INSECURE")) {
     if (*insecure != "0" && *insecure != "1") {
       return absl::InvalidArgumentError(
@@ -582,6 +640,7 @@ absl::Status Worker::BroadcastParameters() {
         st.code(), absl::StrCat("broadcasting the initial parameters: ", st.message())));
   }
   w.broadcast = true;
+  w.idle_since_ns = MonotonicNs();
   return absl::OkStatus();
 }
 
@@ -625,6 +684,10 @@ absl::Status Worker::GradientsReady(uint64_t begin, uint64_t end) {
 absl::StatusOr<StepStats> Worker::Step(const StepOptions& options) {
   Impl& w = *impl_;
   if (absl::Status st = w.ReadyToStep(); !st.ok()) return st;
+  // The gradient's time: since the last step, less the pushes of this one
+  // that went out meanwhile (GradientsReady).
+  const uint64_t entered_ns = MonotonicNs();
+  const double sent_before_s = w.client->in_step() ? w.client->sending_s() : 0;
   if (absl::Status st = CheckReportedLoss(options, w.job.rank, w.step, w.optimizer->options());
       !st.ok()) {
     return w.Fail(st);
@@ -659,6 +722,25 @@ absl::StatusOr<StepStats> Worker::Step(const StepOptions& options) {
   w.last = m;
   ++w.step;
   w.member->heartbeat().SetStep(w.step);
+  if (w.metrics != nullptr) {
+    WorkerStepSample sample;
+    sample.steps_done = w.step;
+    sample.compressed = s.compressed;
+    sample.local = w.client->last_local();
+    sample.bytes_up = s.bytes_up;
+    sample.bytes_down = s.bytes_down;
+    sample.step_s = s.step_s;
+    sample.gradient_s = std::max(0.0, (entered_ns - w.idle_since_ns) * 1e-9 - sent_before_s);
+    sample.push_s = w.client->last_send_s();
+    sample.wait_s = w.client->last_wait_s();
+    sample.apply_s = w.client->last_apply_s();
+    sample.chunks = s.chunks;
+    sample.chunks_overlapped = s.chunks_overlapped;
+    sample.has_loss = options.has_loss || !std::isnan(options.loss);
+    sample.loss = options.loss;
+    w.metrics->StepDone(sample);
+  }
+  w.idle_since_ns = MonotonicNs();
   if (absl::Status st = w.MaybeCheckpoint(); !st.ok()) return w.Fail(st);
   return s;
 }
@@ -717,6 +799,7 @@ absl::Status Worker::Finish() {
     return w.FailOrRejoin(st);
   }
   w.finished = true;
+  if (w.endpoint != nullptr) LingerForLastScrape(w.metrics_linger, w.stop_signal);
   return absl::OkStatus();
 }
 

@@ -42,6 +42,15 @@ struct ServerOptions {
   std::string advertise_host;
   // How long to wait for the coordinator and the whole cluster; > 0, finite.
   absl::Duration register_timeout = absl::Seconds(60);
+  // Prometheus metrics of this shard (bytes pushed and replied by phase,
+  // step and update times, refused requests by reason, pending pushes,
+  // checkpoint writes, roll-backs; labels role="server", shard) over HTTP
+  // at /metrics on metrics_host:metrics_port; -1: none, 0: any free port
+  // (the log says which). metrics_host empty: bind_host. After the job,
+  // they stay up metrics_linger (ended early by stop_signal; at most 1 h).
+  int metrics_port = -1;
+  std::string metrics_host;
+  absl::Duration metrics_linger = absl::ZeroDuration();
   // When not empty: the final master shard and server error, raw fp32.
   std::string dump_x;
   std::string dump_error;

@@ -105,6 +105,17 @@ struct WorkerOptions {
   // How long to wait for the coordinator and the rest of the cluster; > 0,
   // finite.
   absl::Duration register_timeout = absl::Seconds(60);
+  // Prometheus metrics of this worker (steps and their parts as
+  // histograms: gradient, push, wait, apply; bytes up and down by phase,
+  // the compression ratio, rounds and local steps, the loss reported;
+  // labels role="worker", rank) over HTTP at /metrics on
+  // metrics_host:metrics_port; -1: none, 0: any free port (the log says
+  // which). metrics_host empty: bind_host. A successful Finish() returns
+  // only after metrics_linger more (ended early by stop_signal; at most
+  // 1 h), so that the last scrape sees the end.
+  int metrics_port = -1;
+  std::string metrics_host;
+  absl::Duration metrics_linger = absl::ZeroDuration();
   // When set and it becomes non-zero (a signal number, e.g. from a SIGTERM
   // handler), the job stops after a checkpoint at the next step boundary:
   // Step() then returns CANCELLED (see there).
@@ -114,7 +125,9 @@ struct WorkerOptions {
 // Options from the environment onebit-launch --worker_cmd (or a Kubernetes
 // manifest) sets: ONEBIT_COORDINATOR (required), ONEBIT_RANK (else RANK;
 // else any), ONEBIT_DEVICE, ONEBIT_ADVERTISE_HOST, ONEBIT_SECRET_FILE (see
-// secret_file), ONEBIT_INSECURE=1 (insecure); `num_params` as given.
+// secret_file), ONEBIT_INSECURE=1 (insecure), ONEBIT_METRICS_PORT,
+// ONEBIT_METRICS_HOST, ONEBIT_METRICS_LINGER (e.g. "8s"); `num_params` as
+// given.
 // An error names a missing or malformed variable.
 absl::StatusOr<WorkerOptions> WorkerOptionsFromEnvironment(uint64_t num_params);
 

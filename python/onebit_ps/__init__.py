@@ -62,7 +62,8 @@ _settings = {}
 _optimizer = None  # this process's DistributedOptimizer, once it joined the job
 
 
-def init(coordinator=None, rank=None, device=None, secret_file=None, insecure=None):
+def init(coordinator=None, rank=None, device=None, secret_file=None, insecure=None,
+         metrics_port=None):
     """Records where the job is; DistributedOptimizer joins it.
 
     Defaults come from the environment onebit-launch --worker_cmd sets
@@ -70,7 +71,10 @@ def init(coordinator=None, rank=None, device=None, secret_file=None, insecure=No
     the file of the job secret, ONEBIT_INSECURE=1: none), or torchrun with
     ONEBIT_COORDINATOR given once (its RANK; with ONEBIT_DEVICE=cuda, GPU
     LOCAL_RANK, modulo the GPUs the host has). A job needs a secret unless
-    it runs insecure."""
+    it runs insecure. metrics_port (default $ONEBIT_METRICS_PORT, else -1:
+    none; 0: any free port): this worker serves its Prometheus metrics
+    there (on $ONEBIT_METRICS_HOST, else all addresses), and keeps them up
+    $ONEBIT_METRICS_LINGER (e.g. "8s") after finish()."""
     coordinator = coordinator or os.environ.get("ONEBIT_COORDINATOR", "")
     if not coordinator:
         raise OnebitError(
@@ -84,6 +88,20 @@ def init(coordinator=None, rank=None, device=None, secret_file=None, insecure=No
             raise OnebitError(f"ONEBIT_RANK/RANK='{text}' is not a rank") from None
     if insecure is None:
         insecure = os.environ.get("ONEBIT_INSECURE", "0") == "1"
+    if metrics_port is None:
+        text = os.environ.get("ONEBIT_METRICS_PORT", "") or "-1"
+        try:
+            metrics_port = int(text)
+        except ValueError:
+            raise OnebitError(f"ONEBIT_METRICS_PORT='{text}' is not a port") from None
+    if not -1 <= metrics_port <= 65535:
+        raise OnebitError(f"metrics_port {metrics_port}: want -1 (none) or a port in [0, 65535]")
+    linger = os.environ.get("ONEBIT_METRICS_LINGER", "") or "0s"
+    try:
+        linger_s = _seconds(linger)
+    except ValueError:
+        raise OnebitError(f"ONEBIT_METRICS_LINGER='{linger}' is not a duration such as 8s") \
+            from None
     device = device or os.environ.get("ONEBIT_DEVICE", "cpu")
     if device == "cuda" and "LOCAL_RANK" in os.environ and torch.cuda.device_count() > 0:
         # A host with several GPUs (torchrun --nproc_per_node K): each
@@ -91,7 +109,30 @@ def init(coordinator=None, rank=None, device=None, secret_file=None, insecure=No
         device = f"cuda:{int(os.environ['LOCAL_RANK']) % torch.cuda.device_count()}"
     _settings.update(coordinator=coordinator, rank=rank, device=device,
                      secret_file=secret_file or os.environ.get("ONEBIT_SECRET_FILE", ""),
-                     insecure=bool(insecure))
+                     insecure=bool(insecure), metrics_port=metrics_port,
+                     metrics_host=os.environ.get("ONEBIT_METRICS_HOST", ""),
+                     metrics_linger_s=linger_s)
+
+
+def _seconds(text):
+    """A duration as Go and absl write them ("8s", "1m30s", "250ms", "0") in seconds."""
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+    total, number, i = 0.0, "", 0
+    if text == "0":
+        return 0.0
+    while i < len(text):
+        if text[i].isdigit() or text[i] == ".":
+            number += text[i]
+            i += 1
+            continue
+        unit = text[i:i + 2] if text[i:i + 2] in units else text[i]
+        if unit not in units or not number:
+            raise ValueError(text)
+        total += float(number) * units[unit]
+        number, i = "", i + len(unit)
+    if number:
+        raise ValueError(text)
+    return total
 
 
 def rank():
@@ -199,7 +240,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                                if v is not None},
                                       secret_file=_settings["secret_file"],
                                       insecure=_settings["insecure"], layer_ends=ends,
-                                      local_state=[(n, _crc(t)) for n, t in local])
+                                      local_state=[(n, _crc(t)) for n, t in local],
+                                      metrics_port=_settings["metrics_port"],
+                                      metrics_host=_settings["metrics_host"],
+                                      metrics_linger_s=_settings["metrics_linger_s"])
         # Joined: from here on, an exit without finish() fails the job (see
         # _exit_check), and this process cannot join again.
         self._ended = False

@@ -102,7 +102,8 @@ std::unique_ptr<onebit::Worker> Connect(
     const std::string& advertise_host, const std::vector<std::tuple<uint64_t, uint64_t, float>>& wd,
     const std::map<std::string, std::string>& settings, double register_timeout_s,
     const std::string& secret_file, bool insecure, const std::vector<uint64_t>& layer_ends,
-    const std::vector<std::pair<std::string, uint32_t>>& local_state) {
+    const std::vector<std::pair<std::string, uint32_t>>& local_state, int metrics_port,
+    const std::string& metrics_host, double metrics_linger_s) {
   onebit::WorkerOptions o;
   if (coordinator.empty()) {
     auto env = onebit::WorkerOptionsFromEnvironment(num_params);
@@ -122,6 +123,9 @@ std::unique_ptr<onebit::Worker> Connect(
   o.layer_ends = layer_ends;
   for (const auto& [name, crc] : local_state) o.local_state.push_back({name, crc});
   o.settings = settings;
+  if (metrics_port >= -1) o.metrics_port = metrics_port;  // below -1: as the environment says
+  if (!metrics_host.empty()) o.metrics_host = metrics_host;
+  if (metrics_linger_s >= 0) o.metrics_linger = absl::Seconds(metrics_linger_s);
   // Preemption (SIGTERM) stops the job after a checkpoint. Python keeps its
   // own SIGINT handler (KeyboardInterrupt).
   o.stop_signal = onebit::StopOnSignals();
@@ -153,10 +157,15 @@ PYBIND11_MODULE(_onebit, m) {
                   py::arg("register_timeout_s") = 60.0, py::arg("secret_file") = "",
                   py::arg("insecure") = false, py::arg("layer_ends") = std::vector<uint64_t>{},
                   py::arg("local_state") = std::vector<std::pair<std::string, uint32_t>>{},
+                  py::arg("metrics_port") = -2, py::arg("metrics_host") = "",
+                  py::arg("metrics_linger_s") = -1.0,
                   "Registers with the coordinator ('' : from the environment) and waits for "
                   "the job. secret_file: the job secret ('': $ONEBIT_SECRET_FILE); insecure: "
                   "none; layer_ends: where each tensor ends in x; local_state: (name, CRC-32) "
-                  "of each tensor the job does not train, which must match across workers.")
+                  "of each tensor the job does not train, which must match across workers; "
+                  "metrics_port: serve this worker's Prometheus metrics there (-1: none, 0: any "
+                  "free port; -2: the environment's), on metrics_host ('': the bind host), "
+                  "kept up metrics_linger_s after finish() (-1: the environment's).")
       .def_property_readonly("rank", &onebit::Worker::rank)
       .def_property_readonly("num_params", &onebit::Worker::num_params)
       .def_property_readonly("device", &onebit::Worker::device)

@@ -56,7 +56,8 @@ secret_value() {
 run_check() {
   local what=$1 overlay=$2 rendered status=0
   if [ "$what" = dashboard ] || [ "$what" = dashboard-promql ]; then
-    node tests/deploy/dashboard.js --metrics coordinator/job_metrics.cc "$overlay" || status=$?
+    node tests/deploy/dashboard.js --metrics coordinator/job_metrics.cc --metrics server/server_metrics.cc \
+      --metrics worker/worker_metrics.cc "$overlay" || status=$?
     return $status
   fi
   rendered=$(kubectl kustomize "$overlay") || return 2

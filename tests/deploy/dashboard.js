@@ -1,14 +1,18 @@
 #!/usr/bin/env node
 // Offline check of a Grafana dashboard (tests/deploy/check.sh dashboard FILE):
-//   node tests/deploy/dashboard.js [--metrics coordinator/job_metrics.cc] deploy/grafana/onebit-ps.json
-// The metric families and their labels are read from the C++ source that
-// defines them (--metrics, default coordinator/job_metrics.cc): every string
+//   node tests/deploy/dashboard.js [--metrics coordinator/job_metrics.cc ...] deploy/grafana/onebit-ps.json
+// The metric families and their labels are read from the C++ sources that
+// define them (--metrics, repeatable; default coordinator/job_metrics.cc,
+// server/server_metrics.cc, worker/worker_metrics.cc): every string
 // literal "onebit_..." passed to NewGauge, NewCounter, NewSeconds or
-// GaugeFamily, with the label keys and values of the {{"key", "value"}}
-// written in that call; every series also carries role="coordinator" (the
-// endpoint's label) and the labels Prometheus adds to a target (job,
-// instance; namespace, pod, container, endpoint, service under Kubernetes).
-// A histogram (NewSeconds) F provides F_bucket (with le), F_sum, F_count.
+// GaugeFamily, or to a MetricFactory's .Gauge, .Counter, .Histogram or
+// .GaugeFamily (metrics/families.h), with the label keys and values of the
+// {{"key", "value"}} written in that call (a value computed there: any); every series also carries the
+// role its folder names (role="coordinator", "server", "worker": the
+// endpoint's label), a server's a shard and a worker's a rank label, and
+// the labels Prometheus adds to a target (job, instance; namespace, pod,
+// container, endpoint, service under Kubernetes). A histogram (NewSeconds,
+// .Histogram) F provides F_bucket (with le), F_sum, F_count.
 // Asserts:
 // - the file is JSON with a panels list, a schemaVersion, a uid and a title;
 // - a templating variable "datasource" of type datasource (prometheus), and
@@ -36,20 +40,28 @@ const {start} = require('../../tools/k8s-common');
 
 const die = start('dashboard');
 const args = process.argv.slice(2);
-let metricsFile = path.join(__dirname, '../../coordinator/job_metrics.cc');
+let metricsFiles = [];
 let promtool = 'auto';
 const files = [];
 for (let i = 0; i < args.length; i++) {
-  if (args[i] === '--metrics') metricsFile = args[++i];
+  if (args[i] === '--metrics') metricsFiles.push(args[++i]);
   else if (args[i] === '--promtool') promtool = args[++i];
   else if (!args[i].startsWith('--')) files.push(args[i]);
   else die(`unknown option ${args[i]}`);
 }
-if (files.length !== 1) die('usage: dashboard.js [--metrics job_metrics.cc] DASHBOARD.json');
+if (files.length !== 1) die('usage: dashboard.js [--metrics job_metrics.cc ...] DASHBOARD.json');
+if (!metricsFiles.length) {
+  metricsFiles = ['coordinator/job_metrics.cc', 'server/server_metrics.cc', 'worker/worker_metrics.cc']
+      .map((f) => path.join(__dirname, '../..', f));
+}
+const metricsNames = metricsFiles.map((f) => path.basename(f)).join(', ');
+// The labels each role's endpoint and factory give all its series.
+const ROLE_LABELS = {server: ['shard'], worker: ['rank']};
 
 // --- The families: name -> {labels: Map(key -> Set(values) | null), histogram}
 const TARGET_LABELS = ['role', 'job', 'instance', 'namespace', 'pod', 'container', 'endpoint', 'service'];
-function readFamilies(file) {
+function readFamilies(file, series) {
+  const role = path.basename(path.dirname(path.resolve(file)));
   let src;
   try {
     src = fs.readFileSync(file, 'utf8');
@@ -58,7 +70,7 @@ function readFamilies(file) {
   }
   src = src.replace(/\/\/[^\n]*/g, '');  // comments may name metrics too
   const families = new Map();
-  const call = /\b(NewGauge|NewCounter|NewSeconds|GaugeFamily)\(\s*[A-Za-z_]\w*\s*,\s*"(onebit_\w+)"/g;
+  const call = /(?:\b(NewGauge|NewCounter|NewSeconds|GaugeFamily)\(\s*[A-Za-z_]\w*\s*,|\.(Gauge|Counter|Histogram|GaugeFamily)\()\s*"(onebit_\w+)"/g;
   for (let m; (m = call.exec(src));) {
     // The call's text up to its closing parenthesis (strings skipped).
     let depth = 1;
@@ -70,21 +82,28 @@ function readFamilies(file) {
       else if (src[j] === ')') depth--;
     }
     const text = src.slice(call.lastIndex, j);
-    const fam = families.get(m[2]) || {labels: new Map(), histogram: false};
-    fam.histogram = fam.histogram || m[1] === 'NewSeconds';
-    for (const l of text.matchAll(/\{\s*"(\w+)"\s*,\s*"([^"]*)"\s*\}/g)) {
+    const kind = m[1] || m[2];
+    const name = m[3];
+    const fam = families.get(name) || {labels: new Map(), histogram: false};
+    fam.histogram = fam.histogram || kind === 'NewSeconds' || kind === 'Histogram';
+    // {"key", "value"}, or {"key", an expression}: a label of any value.
+    for (const l of text.matchAll(/\{\s*"(\w+)"\s*,\s*(?:"([^"]*)"|[^{}"]+)\s*\}/g)) {
+      if (l[2] === undefined) {
+        fam.labels.set(l[1], null);
+        continue;
+      }
       if (!fam.labels.has(l[1])) fam.labels.set(l[1], new Set());
-      fam.labels.get(l[1]).add(l[2]);
+      if (fam.labels.get(l[1])) fam.labels.get(l[1]).add(l[2]);
     }
-    families.set(m[2], fam);
+    families.set(name, fam);
   }
   if (families.size === 0) die(`${file}: no onebit_ metric families found (NewGauge/NewCounter/NewSeconds/GaugeFamily)`);
   // Series names: F, and F_bucket/_sum/_count of a histogram.
-  const series = new Map();  // series name -> Map(label -> Set | null)
   for (const [name, fam] of families) {
     const labels = new Map(fam.labels);
     for (const t of TARGET_LABELS) if (!labels.has(t)) labels.set(t, null);
-    labels.set('role', new Set(['coordinator']));
+    for (const t of ROLE_LABELS[role] || []) if (!labels.has(t)) labels.set(t, null);
+    labels.set('role', new Set([role]));
     if (!fam.histogram) {
       series.set(name, labels);
       continue;
@@ -93,9 +112,9 @@ function readFamilies(file) {
     series.set(`${name}_sum`, labels);
     series.set(`${name}_count`, labels);
   }
-  return series;
 }
-const series = readFamilies(metricsFile);
+const series = new Map();  // series name -> Map(label -> Set | null)
+for (const f of metricsFiles) readFamilies(f, series);
 
 // --- The dashboard ----------------------------------------------------------
 let dash;
@@ -211,7 +230,7 @@ function exprProblems(expr) {
     }
     const labels = series.get(n);
     if (!labels) {
-      out.push(`${n}: no such metric family in ${path.basename(metricsFile)}`);
+      out.push(`${n}: no such metric family in ${metricsNames}`);
       continue;
     }
     known.push(labels);
@@ -351,4 +370,4 @@ if (problems.length) {
   process.exit(1);
 }
 process.stdout.write(`dashboard: ${files[0]}: ${ids.size} panels, every expr over the ${series.size} series ` +
-                     `that ${path.basename(metricsFile)} defines${promtoolNote}\n`);
+                     `that ${metricsNames} defines${promtoolNote}\n`);

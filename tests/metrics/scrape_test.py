@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""A real Prometheus scrapes a running job's coordinator (onebit-launch
---metrics_port) and its HTTP API must then agree with the run folder:
-steps, bytes per direction and phase, step-time counts, the compression
-ratio of the last step, the job's end. Exit 77 (skipped) without Debian's
-prometheus.
+"""A real Prometheus scrapes a running job's coordinator, servers and
+workers (onebit-launch --metrics_port: P, P+1.. the servers, then the
+workers) and its HTTP API must then agree with the run folder: steps, bytes
+per direction and phase (the coordinator's, the sum over the workers' and
+over the servers'), step-time counts, the compression ratio of the last
+step, the job's end. Exit 77 (skipped) without Debian's prometheus.
 
     scrape_test.py BIN_DIR WORK_DIR
 """
@@ -23,6 +24,27 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(n):
+    """The first of n consecutive free ports."""
+    for _ in range(100):
+        first = free_port()
+        if first + n > 65535:
+            continue
+        try:
+            held = []
+            for p in range(first, first + n):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", p))
+            return first
+        except OSError:
+            pass
+        finally:
+            for s in held:
+                s.close()
+    raise AssertionError(f"no {n} consecutive free ports")
 
 
 def get(url, timeout=5):
@@ -55,7 +77,10 @@ def main():
         return 77
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
-    metrics_port, prom_port = free_port(), free_port()
+    workers, servers = 2, 2
+    metrics_port = free_ports(1 + servers + workers)
+    prom_port = free_port()
+    targets = ", ".join(f"'127.0.0.1:{metrics_port + i}'" for i in range(1 + servers + workers))
     with open(f"{work}/prometheus.yml", "w") as f:
         f.write(f"""global:
   scrape_interval: 500ms
@@ -63,7 +88,7 @@ def main():
 scrape_configs:
   - job_name: onebit
     static_configs:
-      - targets: ['127.0.0.1:{metrics_port}']
+      - targets: [{targets}]
 """)
     prom = subprocess.Popen(
         [prometheus, f"--config.file={work}/prometheus.yml",
@@ -84,7 +109,8 @@ scrape_configs:
 
         out = f"{work}/run"
         job = subprocess.Popen(
-            [f"{bin_dir}/onebit-launch", "--workers=2", "--servers=2", "--dim=200000",
+            [f"{bin_dir}/onebit-launch", f"--workers={workers}", f"--servers={servers}",
+             "--dim=200000",
              "--steps=3000", "--optimizer=onebit-adam", "--freeze_step=300",
              f"--metrics_port={metrics_port}", "--metrics_linger=8s", f"--out={out}"],
             stdout=open(f"{work}/launch.log", "w"), stderr=subprocess.STDOUT)
@@ -100,15 +126,43 @@ scrape_configs:
         assert text is not None, "the coordinator's metrics never answered"
         assert "# TYPE onebit_sent_bytes_total counter" in text, text[:2000]
         assert "# TYPE onebit_step_seconds histogram" in text, text[:2000]
+        # So do the servers' and the workers' (labelled with their role and
+        # shard or rank), once they have joined.
+        texts = {}
+        deadline = time.time() + 60
+        while len(texts) < servers + workers and job.poll() is None and time.time() < deadline:
+            for i in range(1, 1 + servers + workers):
+                try:
+                    # Empty until the process has joined (its shard or
+                    # rank is not known before).
+                    t = texts.get(i) or get(f"http://127.0.0.1:{metrics_port + i}/metrics",
+                                            timeout=1)
+                    if "onebit_" in t:
+                        texts[i] = t
+                except OSError:
+                    pass
+            time.sleep(0.1)
+        assert len(texts) == servers + workers, f"answered: {sorted(texts)}"
+        for k in range(servers):
+            t = texts[1 + k]
+            assert "# TYPE onebit_server_received_bytes_total counter" in t, t[:2000]
+            assert "# TYPE onebit_server_apply_seconds histogram" in t, t[:2000]
+            assert f'role="server",shard="{k}"' in t or f'shard="{k}"' in t, t[:2000]
+        for r in range(workers):
+            t = texts[1 + servers + r]
+            assert "# TYPE onebit_worker_step_part_seconds histogram" in t, t[:2000]
+            assert f'rank="{r}"' in t and 'role="worker"' in t, t[:2000]
         if job.wait(timeout=300) != 0:
             print(open(f"{work}/launch.log").read()[-5000:])
             raise AssertionError("the job failed")
         summary = json.load(open(f"{out}/summary.json"))
         rows = list(csv.DictReader(open(f"{out}/metrics.csv")))
-        assert summary["job_id"] not in text
+        for t in [text] + list(texts.values()):
+            assert summary["job_id"] not in t
         secret = [os.path.join(out, n) for n in os.listdir(out) if "secret" in n]
         for path in secret:
-            assert open(path, "rb").read().hex() not in text
+            for t in [text] + list(texts.values()):
+                assert open(path, "rb").read().hex() not in t
 
         # Everything Prometheus kept, whatever it scraped last.
         def last(expr):
@@ -121,7 +175,10 @@ scrape_configs:
         while time.time() < deadline:
             try:
                 if (one(prom_port, last("onebit_job_ended")) == 1 and
-                        one(prom_port, last("onebit_steps")) == steps):
+                        one(prom_port, last("onebit_steps")) == steps and
+                        one(prom_port, f"sum({last('onebit_worker_steps')})") == workers * steps
+                        and one(prom_port, f"sum({last('onebit_server_steps')})") ==
+                        servers * steps):
                     break
             except AssertionError:
                 pass
@@ -143,19 +200,69 @@ scrape_configs:
                 assert got == summary[f"bytes_{direction}_{phase}"], (direction, phase, got)
                 want = sum(int(r[f"bytes_{direction}"]) for r in rows if r["phase"] == phase)
                 assert got == want, (direction, phase, got, want)
+        # The servers and workers, each on its own: every one did every
+        # step; the bytes summed over them are the job's.
+        for r in range(workers):
+            w = f'rank="{r}"'
+            assert one(prom_port, last(f"onebit_worker_steps{{{w}}}")) == steps
+            assert one(prom_port, last(f"onebit_worker_step_seconds_count{{{w}}}")) == steps
+            assert one(prom_port, last(f"onebit_worker_rounds_total{{{w}}}")) == steps
+            assert query(prom_port, last(f"onebit_worker_local_steps_total{{{w}}}")) != {}
+            assert one(prom_port, last(f"onebit_worker_local_steps_total{{{w}}}")) == 0
+            for part in ("gradient", "push", "wait", "apply"):
+                got = one(prom_port, last(
+                    f'onebit_worker_step_part_seconds_count{{{w},part="{part}"}}'))
+                assert got == steps, (r, part, got)
+            # The parts are of the step, and within it: push + wait + apply
+            # never exceed the step's time (plus the gradient computed
+            # meanwhile: with overlap, pushes run during the backward).
+            parts = sum(one(prom_port, last(
+                f'onebit_worker_step_part_seconds_sum{{{w},part="{part}"}}'))
+                for part in ("push", "wait", "apply"))
+            total = one(prom_port, last(f"onebit_worker_step_seconds_sum{{{w}}}"))
+            gradient = one(prom_port, last(
+                f'onebit_worker_step_part_seconds_sum{{{w},part="gradient"}}'))
+            assert 0 < parts <= total + gradient + 1e-6, (r, parts, total, gradient)
+        for k in range(servers):
+            s_ = f'shard="{k}"'
+            assert one(prom_port, last(f"onebit_server_steps{{{s_}}}")) == steps
+            assert one(prom_port, last(f"onebit_server_apply_seconds_count{{{s_}}}")) == steps
+            assert one(prom_port, last(f"onebit_server_step_seconds_count{{{s_}}}")) == steps
+            assert one(prom_port, last(f"onebit_server_compression_phase{{{s_}}}")) == 1
+        # A clean job refused nothing, and says so for every reason.
+        refused = query(prom_port, last("onebit_server_refused_requests_total"))
+        assert len(refused) == servers * 9 and set(refused.values()) == {0}, refused
+        for direction in ("up", "down"):
+            for phase in ("warmup", "compress"):
+                want = summary[f"bytes_{direction}_{phase}"]
+                sel = f'direction="{direction}",phase="{phase}"'
+                got = one(prom_port, "sum(" + last(f"onebit_worker_sent_bytes_total{{{sel}}}") + ")")
+                assert got == want, ("workers", direction, phase, got, want)
+                name = "received" if direction == "up" else "sent"
+                sel = f'phase="{phase}"'
+                got = one(prom_port, "sum(" + last(f"onebit_server_{name}_bytes_total{{{sel}}}") + ")")
+                assert got == want, ("servers", direction, phase, got, want)
         fp32 = 200000 * 4 * 2
         ratio = one(prom_port, last('onebit_compression_ratio{direction="up"}'))
         assert abs(ratio - int(rows[-1]["bytes_up"]) / fp32) < 1e-12, ratio
         assert ratio < 1 / 25, ratio
+        # Each worker's ratio is of its own bytes over 4·d.
+        worker_ratio = one(prom_port,
+                           "sum(" + last('onebit_worker_compression_ratio{direction="up"}') + ")")
+        assert abs(worker_ratio * 200000 * 4 - int(rows[-1]["bytes_up"])) < 1e-6, worker_ratio
+        # The loss each worker reported last; the coordinator's is their mean.
+        mean_loss = one(prom_port, "avg(" + last("onebit_worker_loss") + ")")
+        assert abs(mean_loss - float(rows[-1]["loss"])) <= 1e-6 * abs(mean_loss), mean_loss
         assert one(prom_port, last("onebit_compression_phase")) == 1
         assert abs(one(prom_port, last("onebit_loss")) - float(rows[-1]["loss"])) <= \
             1e-8 * abs(float(rows[-1]["loss"]))  # the csv keeps 9 digits
         # Absent, not zero: nothing reported a test accuracy, no checkpoint.
         assert query(prom_port, last("onebit_test_accuracy_ratio")) == {}
         assert query(prom_port, last("onebit_checkpoint_last_step")) == {}
-        print(f"ok: {steps} steps; bytes up {summary['bytes_up']}, down {summary['bytes_down']}; "
-              f"ratio up {ratio:.4f}; {int(one(prom_port, 'count_over_time(onebit_steps[10m])'))} "
-              "scrapes")
+        print(f"ok: {steps} steps; bytes up {summary['bytes_up']}, down {summary['bytes_down']} "
+              f"(the coordinator's, the workers' and the servers' agree); ratio up {ratio:.4f}; "
+              f"{int(one(prom_port, 'count_over_time(onebit_steps[10m])'))} scrapes of the "
+              f"coordinator, {servers} servers and {workers} workers")
         return 0
     finally:
         prom.terminate()

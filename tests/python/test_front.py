@@ -441,3 +441,57 @@ def test_workers_with_torchruns_environment_join_a_coordinator_given_once(tmp_pa
     assert summary["freeze_step"] == 5
     log = (tmp_path / "coordinator.log").read_text()
     assert "worker 0 registered" in log and "worker 1 registered" in log, log
+
+
+def test_workers_serve_their_metrics_on_the_port_the_launcher_gives_them(tmp_path):
+    """onebit-launch --metrics_port P: worker R's front reads
+    ONEBIT_METRICS_PORT (P+1+S+R) in init() and serves its own metrics there,
+    up to its last step (and --metrics_linger after it)."""
+    import socket
+    import urllib.request
+    first = None
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        try:
+            held = [socket.socket() for _ in range(5)]
+            for i, s in enumerate(held):
+                s.bind(("127.0.0.1", p + i))
+            first = p
+        except OSError:
+            pass
+        finally:
+            for s in held:
+                s.close()
+        if first:
+            break
+    assert first, "no 5 consecutive free ports"
+    out = tmp_path / "run"
+    cmd = [os.path.join(BIN, "onebit-launch"), "--workers=2", "--servers=2", "--model=external",
+           f"--out={out}", "--launch_register_timeout=30s", "--optimizer=onebit-adam",
+           "--freeze_step=5", f"--metrics_port={first}", "--metrics_linger=4s",
+           f"--worker_cmd=/usr/bin/python3 {HERE}/torch_worker.py 12"]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = {}
+    deadline = time.time() + 240
+    while job.poll() is None and time.time() < deadline:
+        for rank in range(2):
+            try:
+                url = f"http://127.0.0.1:{first + 3 + rank}/metrics"
+                with urllib.request.urlopen(url, timeout=1) as r:
+                    seen[rank] = r.read().decode()
+            except OSError:
+                pass
+        time.sleep(0.1)
+    log = job.communicate(timeout=60)[0]
+    assert job.returncode == 0, log
+    summary = json.loads((out / "summary.json").read_text())
+    for rank in range(2):
+        text = seen.get(rank, "")
+        # Its last scrape, during the linger, saw every step.
+        assert re.search(rf'onebit_worker_steps{{[^}}]*rank="{rank}"[^}}]*}} 12\b', text), text
+        assert re.search(r'onebit_worker_step_part_seconds_count{[^}]*part="wait"[^}]*} 12\b',
+                         text), text
+        assert 'role="worker"' in text and str(summary["job_id"]) not in text
+        assert re.search(r"onebit_worker_loss{[^}]*} [0-9.e+-]+", text), text
