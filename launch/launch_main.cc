@@ -715,7 +715,7 @@ LaunchPlan PlanFromCommandLine(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_dump_params) && out.empty()) ExitFlagError("dump_params", "needs --out");
   if (const int64_t p = absl::GetFlag(FLAGS_metrics_port); p < -1 || p > 65535) {
     ExitFlagError("metrics_port", "must be -1 (none) or in [0, 65535]");
-  } else if (p > 0 && p + int64_t{cfg.servers()} + cfg.workers() > 65535) {
+  } else if (p > 0 && p + int64_t{cfg.cluster().servers()} + cfg.cluster().workers() > 65535) {
     ExitFlagError("metrics_port", absl::StrCat("the workers' ports would pass 65535 (P+1+S+R)"));
   }
   if (absl::Duration l = absl::GetFlag(FLAGS_metrics_linger);

@@ -85,9 +85,16 @@ void MetricsEndpoint::Answer(int fd) {
   const timeval timeout = {2, 0};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
   setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
+  // The whole request within the same 2 s, however slowly it trickles in
+  // (one scrape at a time: a slow peer must not hold the endpoint).
+  const absl::Time deadline = absl::Now() + absl::Seconds(2);
   std::string request;
   char buf[2048];
   while (request.find("\r\n\r\n") == std::string::npos && request.size() < 16384) {
+    const absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) return;
+    pollfd in = {fd, POLLIN, 0};
+    if (poll(&in, 1, static_cast<int>(absl::ToInt64Milliseconds(left)) + 1) <= 0) return;
     const ssize_t n = recv(fd, buf, sizeof(buf), 0);
     if (n <= 0) return;
     request.append(buf, static_cast<size_t>(n));
