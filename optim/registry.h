@@ -3,7 +3,9 @@
 // naming algorithms, and how to make it.
 //
 // Adding an optimizer takes:
-//  1. a value at the end of OptimizerKind (optim/options.h);
+//  1. a value at the end of OptimizerKind (optim/options.h), and of the
+//     --optimizer setting's enum Optimizer (proto/control.proto: NAME in
+//     upper case, '-' as '_', after OPTIMIZER_; job_test holds them equal);
 //  2. one file, optim/NAME.cc, holding its server rule and its worker rule
 //     (a subclass of Algorithm, optim/algorithm.h; or of MomentumFamily,
 //     optim/momentum_family.h, when it is a warm-up followed by compressed

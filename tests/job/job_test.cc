@@ -14,12 +14,29 @@
 #include "job/run_folder.h"
 #include "job/settings.h"
 #include "optim/options.h"
+#include "optim/registry.h"
 #include "tests/cluster/test_util.h"
 
 namespace onebit {
 namespace {
 
 using ::testing::HasSubstr;
+
+// The --optimizer setting's values (proto enum Optimizer) are the
+// registry's optimizers, one to one, by name.
+TEST(JobConfig, TheOptimizerSettingsValuesAreTheRegistrysOptimizers) {
+  for (const AlgorithmRow* row : AlgorithmRows()) {
+    control::Optimizer value{};
+    EXPECT_TRUE(EnumFromText(row->traits.name, &value)) << row->traits.name;
+    EXPECT_EQ(EnumText(value), row->traits.name);
+  }
+  const google::protobuf::EnumDescriptor* e = control::Optimizer_descriptor();
+  EXPECT_EQ(static_cast<size_t>(e->value_count()), AlgorithmRows().size() + 1);  // + UNSPECIFIED
+  for (int i = 0; i < e->value_count(); ++i) {
+    if (e->value(i)->number() == 0) continue;
+    EXPECT_TRUE(ParseOptimizerKind(EnumText(e->value(i))).ok()) << e->value(i)->name();
+  }
+}
 
 TEST(JobConfig, ValidationNamesTheFlag) {
   control::TrainingConfig c = testing::MakeConfig(2, 2, 100, 3, "sgd");
