@@ -50,6 +50,11 @@ ABSL_FLAG(int32_t, metrics_port, -1,
 ABSL_FLAG(absl::Duration, metrics_linger, absl::ZeroDuration(),
           "every process keeps serving them this long after its part of the job ends "
           "(--metrics_linger of each binary, ONEBIT_METRICS_LINGER)");
+ABSL_FLAG(int32_t, child_nice, -1,
+          "the niceness (0-19) of the servers and workers this starts, the coordinator "
+          "keeping 0: it answers every heartbeat, and a coordinator starved by its own job's "
+          "processes fails the job; -1 (auto): 10 when the job's processes outnumber this "
+          "machine's cores, else 0");
 ABSL_FLAG(bool, dump_params, false,
           "workers and servers write their final x to --out (replica_w<R>.f32, master_s<K>.f32, "
           "and the server error error_s<K>.f32)");
@@ -196,13 +201,14 @@ void CatchStopSignalsInOneThread() {
   std::thread(TakeStopSignals, set).detach();
 }
 
+// `nice`: the child's niceness (0: as this process).
 absl::Status Start(Child* c, const std::vector<std::string>& argv,
-                   const std::vector<std::string>& env = {}) {
+                   const std::vector<std::string>& env = {}, int nice = 0) {
   if (c->reader.joinable()) c->reader.join();  // a restart: the last one's output is done
   c->code.reset();
   int fds[2];
   if (pipe2(fds, O_CLOEXEC) != 0) return absl::InternalError("pipe2 failed");
-  auto p = Subprocess::Spawn(argv, fds[1], fds[1], env);
+  auto p = Subprocess::Spawn(argv, fds[1], fds[1], env, nice);
   close(fds[1]);
   if (!p.ok()) {
     close(fds[0]);
@@ -247,7 +253,8 @@ struct LaunchPlan {
   SecurityFlags security;
   int stall_worker = -1;
   int max_restarts = 0;
-  bool live = false;  // live recovery: a lost process alone is started again
+  bool live = false;   // live recovery: a lost process alone is started again
+  int child_nice = 0;  // of the servers and workers (--child_nice, resolved)
 };
 
 // One start of the whole job: the coordinator, then the servers and the
@@ -397,7 +404,7 @@ class Attempt {
       }
       AddMetricsFlags(c, &a);
       c.argv = a;
-      if (absl::Status st = Start(&c, a); !st.ok()) {
+      if (absl::Status st = Start(&c, a, {}, plan_.child_nice); !st.ok()) {
         StopAll(std::string(st.message()));
         return Finish(1);
       }
@@ -447,7 +454,7 @@ class Attempt {
         }
         c.argv = {"/bin/sh", "-c", "exec " + worker_cmd};
         c.env = env;
-        if (absl::Status st = Start(&c, c.argv, env); !st.ok()) {
+        if (absl::Status st = Start(&c, c.argv, env, plan_.child_nice); !st.ok()) {
           StopAll(std::string(st.message()));
           return Finish(1);
         }
@@ -473,7 +480,7 @@ class Attempt {
       if (static_cast<int>(i) == stall_worker && attempt == 0) {
         a.push_back(absl::StrCat("--stall_at_step=", absl::GetFlag(FLAGS_stall_at_step)));
       }
-      if (absl::Status st = Start(&c, a); !st.ok()) {
+      if (absl::Status st = Start(&c, a, {}, plan_.child_nice); !st.ok()) {
         StopAll(std::string(st.message()));
         return Finish(1);
       }
@@ -531,7 +538,8 @@ class Attempt {
             coordinator_listening_ = false;
           }
           TrackChild(c.proc->pid(), false);
-          if (absl::Status st = Start(&c, c.argv, c.env); !st.ok()) {
+          if (absl::Status st = Start(&c, c.argv, c.env, &c == &coord ? 0 : plan_.child_nice);
+              !st.ok()) {
             StopAll(std::string(st.message()));
             return Finish(1);
           }
@@ -757,6 +765,17 @@ LaunchPlan PlanFromCommandLine(int argc, char** argv) {
     if (!st.ok()) ExitFlagError("out", st.message());
   }
   plan.max_restarts = absl::GetFlag(FLAGS_max_restarts);
+  const int32_t nice = absl::GetFlag(FLAGS_child_nice);
+  if (nice < -1 || nice > 19) ExitFlagError("child_nice", "must be -1 (auto) or in [0, 19]");
+  const uint64_t processes = 1 + uint64_t{cfg.cluster().servers()} + cfg.cluster().workers();
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  plan.child_nice = nice >= 0 ? nice : processes > cores ? 10 : 0;
+  if (nice < 0 && plan.child_nice > 0) {
+    std::fprintf(stderr,
+                 "launch: %llu processes on %u cores: the servers and workers run at niceness "
+                 "%d, so that the coordinator keeps its share (--child_nice)\n",
+                 static_cast<unsigned long long>(processes), cores, plan.child_nice);
+  }
   if (plan.max_restarts < 0) ExitFlagError("max_restarts", "must be >= 0");
   // A --worker_cmd program imports our onebit_ps first; its own PYTHONPATH
   // follows.

@@ -2,6 +2,7 @@
 
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -13,7 +14,8 @@
 namespace onebit {
 
 absl::StatusOr<Subprocess> Subprocess::Spawn(const std::vector<std::string>& argv, int stdout_fd,
-                                             int stderr_fd, const std::vector<std::string>& env) {
+                                             int stderr_fd, const std::vector<std::string>& env,
+                                             int nice) {
   if (argv.empty()) return absl::InvalidArgumentError("empty argv");
   std::vector<char*> cargv;
   for (const std::string& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));
@@ -40,6 +42,8 @@ absl::StatusOr<Subprocess> Subprocess::Spawn(const std::vector<std::string>& arg
     if (getppid() != parent) _exit(127);  // the parent died already
     setsid();
     sigprocmask(SIG_SETMASK, &unblocked, nullptr);
+    // Raising one's own niceness cannot fail for want of privilege.
+    if (nice > 0) setpriority(PRIO_PROCESS, 0, nice);
     if (stdout_fd >= 0) dup2(stdout_fd, 1);
     if (stderr_fd >= 0) dup2(stderr_fd, 2);
     execve(cargv[0], cargv.data(), cenv.data());

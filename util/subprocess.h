@@ -24,10 +24,11 @@ class Subprocess {
  public:
   // argv[0] is the program path. stdout_fd / stderr_fd: -1 inherits ours.
   // `env`: "NAME=value" entries added to (or replacing those of) our
-  // environment.
+  // environment. `nice` > 0: the child runs at that niceness from before
+  // its program starts.
   static absl::StatusOr<Subprocess> Spawn(const std::vector<std::string>& argv, int stdout_fd = -1,
                                           int stderr_fd = -1,
-                                          const std::vector<std::string>& env = {});
+                                          const std::vector<std::string>& env = {}, int nice = 0);
 
   pid_t pid() const { return pid_; }
 

@@ -211,6 +211,29 @@ TEST(LaunchWorkerCmd, AWorkerCommandImpliesAnExternalModel) {
   EXPECT_EQ(Field(summary, "replicas_equal"), "true");
 }
 
+// The servers and workers run at --child_nice, the coordinator at the
+// launcher's own: a job's processes outnumbering the cores must not starve
+// the one that answers every heartbeat.
+TEST(LaunchWorkerCmd, ServersAndWorkersRunAtTheChildNiceness) {
+  const std::string out = TempDir("child_nice") + "/run";
+  // The worker's shell prints its niceness (field 19 of /proc/self/stat,
+  // awk's own, inherited), then becomes the worker.
+  const std::string cmd = absl::StrCat(
+      "/bin/sh -c 'awk \"{ print \\\"niceness \\\" \\$19 }\" /proc/self/stat >&2; exec ",
+      ONEBIT_API_WORKER, " --d 600 --steps 2'");
+  RunResult r =
+      RunCommand({Bin("onebit-launch"), "--workers=2", "--servers=1", "--out=" + out,
+                  "--block_size=32", "--chunk_elems=64", "--child_nice=7", "--worker_cmd=" + cmd},
+                 absl::Seconds(60));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("[worker0] niceness 7"));
+  EXPECT_THAT(r.output, HasSubstr("[worker1] niceness 7"));
+  EXPECT_EQ(Field(ReadFile(out + "/summary.json"), "status"), "\"ok\"");
+  RunResult bad = RunCommand({Bin("onebit-launch"), "--child_nice=20"}, absl::Seconds(10));
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_THAT(bad.output, HasSubstr("--child_nice: must be -1 (auto) or in [0, 19]"));
+}
+
 TEST(LaunchWorkerCmd, ABuiltInModelWithAWorkerCommandIsRefusedNamingModel) {
   RunResult r =
       RunCommand({Bin("onebit-launch"), "--workers=1", "--model=mlp", "--worker_cmd=/bin/true"},
