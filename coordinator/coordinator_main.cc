@@ -9,6 +9,7 @@
 #include "coordinator/coordinator.h"
 #include "job/config.h"
 #include "job/flags.h"
+#include "job/metrics_flags.h"
 #include "job/run_folder.h"
 #include "job/security_flags.h"
 #include "net/control.h"
@@ -20,13 +21,6 @@ ABSL_FLAG(int32_t, port, 7070, "gRPC port; 0: any free port (see --port_file)");
 ABSL_FLAG(int32_t, health_port, 0,
           "plaintext grpc.health.v1 port (health only, for probes such as Kubernetes' gRPC "
           "probes); 0: any free port");
-ABSL_FLAG(int32_t, metrics_port, -1,
-          "serve Prometheus metrics of the job over HTTP at /metrics on this port; -1: none, "
-          "0: any free port (the log says which)");
-ABSL_FLAG(std::string, metrics_host, "", "address the metrics listen on; empty: --bind_host");
-ABSL_FLAG(absl::Duration, metrics_linger, absl::ZeroDuration(),
-          "after the job ends, keep serving its metrics this long, so that the next scrape sees "
-          "the outcome (e.g. the scrape interval); SIGTERM ends the wait");
 ABSL_FLAG(std::string, port_file, "", "write the bound port to this file once listening");
 ABSL_FLAG(std::string, stop_reason_file, "",
           "on SIGTERM/SIGINT, the first line of this file (if any) says who stopped the job, "
@@ -69,15 +63,10 @@ int Main(int argc, char** argv) {
   if (o.health_port < 0 || o.health_port > 65535) {
     ExitFlagError("health_port", "must be in [0, 65535]");
   }
-  o.metrics_port = absl::GetFlag(FLAGS_metrics_port);
-  if (o.metrics_port < -1 || o.metrics_port > 65535) {
-    ExitFlagError("metrics_port", "must be -1 (none) or in [0, 65535]");
-  }
-  o.metrics_host = absl::GetFlag(FLAGS_metrics_host);
-  o.metrics_linger = absl::GetFlag(FLAGS_metrics_linger);
-  if (o.metrics_linger < absl::ZeroDuration() || o.metrics_linger > absl::Hours(1)) {
-    ExitFlagError("metrics_linger", "must be in [0s, 1h]");
-  }
+  const MetricsFlags metrics = MetricsFlagsOrExit();
+  o.metrics_port = metrics.port;
+  o.metrics_host = metrics.host;
+  o.metrics_linger = metrics.linger;
   o.out = absl::GetFlag(FLAGS_out);
   if (!o.out.empty()) {
     if (absl::Status st = MakeDirs(o.out); !st.ok()) ExitFlagError("out", st.message());

@@ -8,6 +8,7 @@
 #include "absl/flags/flag.h"
 #include "absl/time/time.h"
 #include "job/flags.h"
+#include "job/metrics_flags.h"
 #include "job/security_flags.h"
 #include "metrics/endpoint.h"
 #include "net/control.h"
@@ -24,14 +25,6 @@ ABSL_FLAG(std::string, advertise_host, "",
 ABSL_FLAG(int32_t, health_port, 0, "grpc.health.v1 port; 0: any free port");
 ABSL_FLAG(absl::Duration, register_timeout, absl::Seconds(60),
           "how long to wait for the coordinator and the whole cluster to register");
-ABSL_FLAG(int32_t, metrics_port, -1,
-          "serve this shard's Prometheus metrics over HTTP at /metrics on this port (bytes, "
-          "step and update times, refused requests, pending pushes, checkpoint writes); -1: none, "
-          "0: any free port (the log says which)");
-ABSL_FLAG(std::string, metrics_host, "", "address the metrics listen on; empty: --bind_host");
-ABSL_FLAG(absl::Duration, metrics_linger, absl::ZeroDuration(),
-          "after the job ends, keep serving the metrics this long, so that the next scrape sees "
-          "the end (at most 1h; a signal ends it)");
 ABSL_FLAG(std::string, dump_x, "", "write the final master shard (raw fp32) to this file");
 ABSL_FLAG(std::string, dump_error, "",
           "write the final server error feedback e_s of the shard (raw fp32) to this file");
@@ -69,15 +62,10 @@ int Main(int argc, char** argv) {
   if (absl::Status st = CheckTimeout(o.register_timeout); !st.ok()) {
     ExitFlagError("register_timeout", st.message());
   }
-  o.metrics_port = absl::GetFlag(FLAGS_metrics_port);
-  if (absl::Status st = CheckMetricsPort(o.metrics_port); !st.ok()) {
-    ExitFlagError("metrics_port", st.message());
-  }
-  o.metrics_host = absl::GetFlag(FLAGS_metrics_host);
-  o.metrics_linger = absl::GetFlag(FLAGS_metrics_linger);
-  if (absl::Status st = CheckMetricsLinger(o.metrics_linger); !st.ok()) {
-    ExitFlagError("metrics_linger", st.message());
-  }
+  const MetricsFlags metrics = MetricsFlagsOrExit();
+  o.metrics_port = metrics.port;
+  o.metrics_host = metrics.host;
+  o.metrics_linger = metrics.linger;
   o.dump_x = absl::GetFlag(FLAGS_dump_x);
   o.dump_error = absl::GetFlag(FLAGS_dump_error);
   // SIGTERM (Kubernetes, onebit-launch): stop the job after a checkpoint.

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "job/flags.h"
+#include "job/metrics_flags.h"
 #include "job/run_folder.h"
 #include "job/security_flags.h"
 #include "metrics/endpoint.h"
@@ -43,14 +44,6 @@ ABSL_FLAG(bool, overlap, true,
           "push each part of the gradient as soon as the backward has finished it (the mlp: "
           "layer by layer, the last layer first), while the rest is computed; false: push "
           "after the whole backward. The results are the same bit for bit");
-ABSL_FLAG(int32_t, metrics_port, -1,
-          "serve this worker's Prometheus metrics over HTTP at /metrics on this port (step time "
-          "and its parts, bytes by phase, compression ratio, loss); -1: none, 0: any free port "
-          "(the log says which)");
-ABSL_FLAG(std::string, metrics_host, "", "address the metrics listen on; empty: --bind_host");
-ABSL_FLAG(absl::Duration, metrics_linger, absl::ZeroDuration(),
-          "after this worker's last step, keep serving the metrics this long, so that the next "
-          "scrape sees the end (at most 1h; a signal ends it)");
 ABSL_FLAG(absl::Duration, progress_interval, absl::Seconds(1),
           "how often to print the progress line on stderr (0: after every step)");
 
@@ -78,15 +71,10 @@ WorkerOptions OptionsFromFlags() {
   if (absl::Status st = CheckTimeout(o.register_timeout); !st.ok()) {
     ExitFlagError("register_timeout", st.message());
   }
-  o.metrics_port = absl::GetFlag(FLAGS_metrics_port);
-  if (absl::Status st = CheckMetricsPort(o.metrics_port); !st.ok()) {
-    ExitFlagError("metrics_port", st.message());
-  }
-  o.metrics_host = absl::GetFlag(FLAGS_metrics_host);
-  o.metrics_linger = absl::GetFlag(FLAGS_metrics_linger);
-  if (absl::Status st = CheckMetricsLinger(o.metrics_linger); !st.ok()) {
-    ExitFlagError("metrics_linger", st.message());
-  }
+  const MetricsFlags metrics = MetricsFlagsOrExit();
+  o.metrics_port = metrics.port;
+  o.metrics_host = metrics.host;
+  o.metrics_linger = metrics.linger;
   // A --device this machine cannot use is a usage error (exit 2), found
   // before joining so that it holds up no job; Connect chooses it again.
   if (auto choice = ChooseDevice(o.device); !choice.ok()) {
