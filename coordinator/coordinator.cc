@@ -96,10 +96,11 @@ grpc::Status CoordinatorService::Authenticate(const grpc::ServerContext* ctx,
                                               absl::string_view rpc) {
   grpc::Status st = CheckCallCredential(*ctx, security_);
   if (st.ok()) return st;
-  return Refuse(rpc, st);
+  return Refuse(rpc, st, kUnauthenticated);
 }
 
-grpc::Status CoordinatorService::Refuse(absl::string_view rpc, grpc::Status st) {
+grpc::Status CoordinatorService::Refuse(absl::string_view rpc, grpc::Status st, Refusal why) {
+  refused_[why].fetch_add(1, std::memory_order_relaxed);
   refusals_.Refused(absl::StrCat("a ", rpc, ": ", st.error_message()));
   return st;
 }
@@ -121,8 +122,12 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx,
                                             req->curve_public_key().size(), " bytes)")));
   }
   int rank = req->requested_rank();
-  if (grpc::Status st = TakeRankLocked(*req, &rank); !st.ok()) return st;
-  if (grpc::Status st = AdmitLocked(static_cast<uint32_t>(rank), *req); !st.ok()) return st;
+  if (grpc::Status st = TakeRankLocked(*req, &rank); !st.ok()) {
+    return Refuse("Register", st, kRegistration);
+  }
+  if (grpc::Status st = AdmitLocked(static_cast<uint32_t>(rank), *req); !st.ok()) {
+    return Refuse("Register", st, kRegistration);
+  }
   const absl::Time deadline = std::min(register_deadline_, absl::FromChrono(ctx->deadline()));
   auto ready = [this]()
                    ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return state_ != State::kRegistering; };
@@ -414,6 +419,7 @@ void CoordinatorService::AddMetricsLocked(uint32_t rank, const control::StepMetr
                                           uint64_t steps_done) {
   if (std::optional<std::string> refused =
           metrics_.Add(rank, m, steps_done, config_.model().steps(), members_.workers().size())) {
+    refused_[kMalformed].fetch_add(1, std::memory_order_relaxed);
     refusals_.Refused(*refused);
   }
 }
@@ -988,6 +994,10 @@ JobState CoordinatorService::Progress() const {
   if (!freeze_.history().empty()) s.freeze_change = freeze_.history().back().second;
   s.finished = state_ == State::kFinished || state_ == State::kFailed || state_ == State::kStopped;
   s.fp32_bytes_per_step = config_.model().dim() * sizeof(float) * config_.cluster().workers();
+  s.refused_unauthenticated = refused_[kUnauthenticated].load(std::memory_order_relaxed);
+  s.refused_malformed = refused_[kMalformed].load(std::memory_order_relaxed);
+  s.refused_registration = refused_[kRegistration].load(std::memory_order_relaxed);
+  s.failed_handshakes = FailedTlsHandshakes();
   return s;
 }
 

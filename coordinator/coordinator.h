@@ -12,6 +12,8 @@
 #ifndef ONEBIT_COORDINATOR_COORDINATOR_H_
 #define ONEBIT_COORDINATOR_COORDINATOR_H_
 
+#include <array>
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <set>
@@ -205,14 +207,17 @@ class CoordinatorService final : public control::Coordinator::Service {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The job credential; a refusal is logged (rate-limited).
   grpc::Status Authenticate(const grpc::ServerContext* ctx, absl::string_view rpc);
-  // An RPC refused for `st`, logged (rate-limited) and returned.
-  grpc::Status Refuse(absl::string_view rpc, grpc::Status st);
+  // Why a call was refused, for the metrics (JobState::refused_*).
+  enum Refusal { kUnauthenticated, kMalformed, kRegistration, kRefusals };
+  // An RPC refused for `st`, counted, logged (rate-limited) and returned.
+  grpc::Status Refuse(absl::string_view rpc, grpc::Status st, Refusal why = kMalformed);
 
   const uint64_t job_id_;
   const Security security_;
   const absl::Duration heartbeat_timeout_;
-  const absl::Duration rejoin_timeout_;  // zero: no live recovery
-  RefusalLog refusals_{"coordinator"};   // thread-safe itself
+  const absl::Duration rejoin_timeout_;                     // zero: no live recovery
+  RefusalLog refusals_{"coordinator"};                      // thread-safe itself
+  std::array<std::atomic<uint64_t>, kRefusals> refused_{};  // by Refusal
 
   mutable absl::Mutex mu_;
   // dim() and the workers' declared settings fixed once the cluster forms

@@ -75,6 +75,18 @@ JobMetrics::JobMetrics(MetricsEndpoint* e)
       workers_expected_(NewGauge(e, "onebit_processes_expected", "Processes the job runs",
                                  {{"member", "worker"}})),
       servers_expected_(NewGauge(e, "onebit_processes_expected", "", {{"member", "server"}})),
+      refused_unauthenticated_(NewCounter(
+          e, "onebit_refused_requests_total",
+          "Control-plane calls refused, by reason: without the job's credential "
+          "(unauthenticated), malformed, registrations turned away, failed TLS handshakes "
+          "(tls_handshake)",
+          {{"reason", "unauthenticated"}})),
+      refused_malformed_(
+          NewCounter(e, "onebit_refused_requests_total", "", {{"reason", "malformed"}})),
+      refused_registration_(
+          NewCounter(e, "onebit_refused_requests_total", "", {{"reason", "registration"}})),
+      refused_handshake_(
+          NewCounter(e, "onebit_refused_requests_total", "", {{"reason", "tls_handshake"}})),
       restarts_(NewCounter(e, "onebit_restarts_total",
                            "Times the job went on from a checkpoint (restarted or rolled back)")),
       rollbacks_(NewCounter(e, "onebit_rollbacks_total",
@@ -122,6 +134,10 @@ void JobMetrics::Set(const JobState& s, std::optional<uint64_t> checkpoint_bytes
   servers_alive_.Set(s.servers_alive);
   workers_expected_.Set(s.workers_expected);
   servers_expected_.Set(s.servers_expected);
+  AdvanceTo(refused_unauthenticated_, static_cast<double>(s.refused_unauthenticated));
+  AdvanceTo(refused_malformed_, static_cast<double>(s.refused_malformed));
+  AdvanceTo(refused_registration_, static_cast<double>(s.refused_registration));
+  AdvanceTo(refused_handshake_, static_cast<double>(s.failed_handshakes));
   AdvanceTo(restarts_, s.restarts);
   AdvanceTo(rollbacks_, s.rollbacks);
   AdvanceTo(rolled_back_steps_, static_cast<double>(s.rolled_back_steps));

@@ -61,6 +61,10 @@ class JobMetrics {
   prometheus::Gauge& servers_alive_;
   prometheus::Gauge& workers_expected_;
   prometheus::Gauge& servers_expected_;
+  prometheus::Counter& refused_unauthenticated_;
+  prometheus::Counter& refused_malformed_;
+  prometheus::Counter& refused_registration_;
+  prometheus::Counter& refused_handshake_;
   prometheus::Counter& restarts_;
   prometheus::Counter& rollbacks_;
   prometheus::Counter& rolled_back_steps_;

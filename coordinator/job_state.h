@@ -23,6 +23,14 @@ struct JobState {
   std::optional<uint64_t> last_checkpoint_step;
   std::optional<double> freeze_change;  // the last decided --freeze auto check
   bool finished = false;                // ended, whatever the outcome
+  // Calls refused: without the job's credential, malformed (a bad role or
+  // key, metrics that do not fit), registrations turned away (rank taken,
+  // registration closed, a contradicting declaration); and this process's
+  // failed TLS handshakes.
+  uint64_t refused_unauthenticated = 0;
+  uint64_t refused_malformed = 0;
+  uint64_t refused_registration = 0;
+  uint64_t failed_handshakes = 0;
   // What a plain fp32 parameter server moves each way in one step (d floats
   // per worker; 0 until d is known).
   uint64_t fp32_bytes_per_step = 0;

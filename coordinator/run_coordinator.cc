@@ -277,7 +277,7 @@ class JobRun {
     const std::vector<MetricsRow> rows = service_.TakeNewRows();
     if (metrics_ && metrics_status_.ok()) metrics_status_ = metrics_->Append(rows);
     if (job_metrics_ != nullptr) {
-      job_metrics_->Set(service_.Progress(), checkpoint_bytes_);
+      job_metrics_->Set(Progress(), checkpoint_bytes_);
       checkpoint_bytes_.reset();
       job_metrics_->AddRows(rows);
     }
@@ -393,11 +393,18 @@ class JobRun {
   // the next scrape sees the outcome.
   void LingerForLastScrape() {
     if (job_metrics_ == nullptr) return;
-    job_metrics_->Set(service_.Progress(), checkpoint_bytes_);
+    job_metrics_->Set(Progress(), checkpoint_bytes_);
     const absl::Time until = absl::Now() + o_.metrics_linger;
     while (absl::Now() < until && !Signalled()) {
       absl::SleepFor(std::min(absl::Milliseconds(50), until - absl::Now()));
     }
+  }
+
+  // The service's view, with the calls refused from their headers.
+  JobState Progress() const {
+    JobState s = service_.Progress();
+    s.refused_unauthenticated += refusals_.total();
+    return s;
   }
 
   const control::TrainingConfig& cfg_;

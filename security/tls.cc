@@ -6,6 +6,7 @@
 #include <openssl/x509.h>
 #include <openssl/x509v3.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -102,6 +103,8 @@ class CredentialPlugin final : public grpc::MetadataCredentialsPlugin {
 // certificate, a port scan, plaintext to the TLS port) as an error line: a
 // flood of connections would be a flood of lines. Those are counted and
 // said every few seconds; other lines pass as they were.
+std::atomic<uint64_t> failed_handshakes{0};
+
 void LogGrpc(gpr_log_func_args* a) {
   const char* file = std::strrchr(a->file, '/');
   file = file != nullptr ? file + 1 : a->file;
@@ -112,6 +115,7 @@ void LogGrpc(gpr_log_func_args* a) {
                  a->message);
     return;
   }
+  failed_handshakes.fetch_add(1, std::memory_order_relaxed);
   static absl::Mutex mu(absl::kConstInit);
   static uint64_t unsaid ABSL_GUARDED_BY(mu) = 0;
   static absl::Time said_at ABSL_GUARDED_BY(mu) = absl::InfinitePast();
@@ -172,6 +176,8 @@ class CredentialCheck final : public grpc::AuthMetadataProcessor {
 };
 
 }  // namespace
+
+uint64_t FailedTlsHandshakes() { return failed_handshakes.load(std::memory_order_relaxed); }
 
 std::shared_ptr<grpc::ServerCredentials> ControlServerCredentials(
     const Security& security, std::function<void(absl::string_view method)> refused) {

@@ -28,6 +28,11 @@ namespace onebit {
 std::shared_ptr<grpc::ServerCredentials> ControlServerCredentials(
     const Security& security, std::function<void(absl::string_view method)> refused = nullptr);
 
+// TLS handshakes that failed in this process since it started (a peer
+// without the job's certificate, a port scan, plaintext to a TLS port), as
+// gRPC reports them. Thread-safe.
+uint64_t FailedTlsHandshakes();
+
 // A channel to the coordinator at `target` ("host:port"), with `args`.
 std::shared_ptr<grpc::Channel> ControlChannel(const std::string& target, const Security& security,
                                               grpc::ChannelArguments args);

@@ -11,6 +11,7 @@ step, the job's end. Exit 77 (skipped) without Debian's prometheus.
 import csv
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -152,6 +153,17 @@ scrape_configs:
             t = texts[1 + servers + r]
             assert "# TYPE onebit_worker_step_part_seconds histogram" in t, t[:2000]
             assert f'rank="{r}"' in t and 'role="worker"' in t, t[:2000]
+        # A peer without the job's certificate (plaintext to the TLS port)
+        # fails its handshake, twice: the coordinator counts them.
+        m = re.search(r"coordinator: job \S+ on 127\.0\.0\.1:(\d+)", open(f"{work}/launch.log").read())
+        assert m, open(f"{work}/launch.log").read()[-3000:]
+        for _ in range(2):
+            with socket.create_connection(("127.0.0.1", int(m.group(1))), timeout=5) as c:
+                c.sendall(b"GET / HTTP/1.0\r\n\r\n")
+                try:
+                    c.recv(100)
+                except OSError:
+                    pass
         if job.wait(timeout=300) != 0:
             print(open(f"{work}/launch.log").read()[-5000:])
             raise AssertionError("the job failed")
@@ -229,6 +241,12 @@ scrape_configs:
             assert one(prom_port, last(f"onebit_server_apply_seconds_count{{{s_}}}")) == steps
             assert one(prom_port, last(f"onebit_server_step_seconds_count{{{s_}}}")) == steps
             assert one(prom_port, last(f"onebit_server_compression_phase{{{s_}}}")) == 1
+        # The coordinator refused the two handshakes and nothing else.
+        coord = query(prom_port, last("onebit_refused_requests_total"))
+        assert coord, "no onebit_refused_requests_total from the coordinator"
+        assert one(prom_port, last('onebit_refused_requests_total{reason="tls_handshake"}')) >= 2
+        for reason in ("unauthenticated", "malformed", "registration"):
+            assert one(prom_port, last(f'onebit_refused_requests_total{{reason="{reason}"}}')) == 0
         # A clean job refused nothing, and says so for every reason.
         refused = query(prom_port, last("onebit_server_refused_requests_total"))
         assert len(refused) == servers * 9 and set(refused.values()) == {0}, refused
