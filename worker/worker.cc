@@ -319,9 +319,8 @@ absl::Status Invalid(absl::string_view field, absl::string_view why) {
   return absl::InvalidArgumentError(absl::StrCat("WorkerOptions.", field, ": ", why));
 }
 
-}  // namespace
-
-absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& make_model) {
+// The options' own checks, before anything starts.
+absl::Status CheckOptions(const WorkerOptions& o) {
   if (o.coordinator.empty()) return Invalid("coordinator", "required (host:port)");
   if (o.num_params > kMaxParams) {
     return Invalid("num_params", absl::StrCat(o.num_params, " is above the limit of ", kMaxParams));
@@ -339,6 +338,29 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
   if (absl::Status st = CheckMetricsLinger(o.metrics_linger); !st.ok()) {
     return Invalid("metrics_linger", st.message());
   }
+  return absl::OkStatus();
+}
+
+// What the job tells a worker's program (JobInfo), from its registration.
+JobInfo JobOf(const control::RegisterReply& reg) {
+  const control::TrainingConfig& cfg = reg.config();
+  JobInfo job;
+  job.job_id = reg.job_id();
+  job.rank = reg.rank();
+  job.workers = cfg.cluster().workers();
+  job.servers = cfg.cluster().servers();
+  job.steps = cfg.model().steps();
+  job.model = cfg.model().name();
+  job.optimizer = EnumText(cfg.optimizer().algorithm());
+  job.lr = cfg.optimizer().lr();
+  job.config_json = JobSettingsJson(cfg);
+  return job;
+}
+
+}  // namespace
+
+absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& make_model) {
+  if (absl::Status st = CheckOptions(o); !st.ok()) return st;
   // Before joining: a worker that cannot use its device must not hold up a job.
   auto choice = ChooseDevice(o.device);
   if (!choice.ok()) return choice.status();
@@ -407,15 +429,7 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
   if (absl::Status st = member->Join(); !st.ok()) return st;
   const control::RegisterReply& reg = member->registration();
   cfg = reg.config();
-  job.job_id = reg.job_id();
-  job.rank = reg.rank();
-  job.workers = cfg.cluster().workers();
-  job.servers = cfg.cluster().servers();
-  job.steps = cfg.model().steps();
-  job.model = cfg.model().name();
-  job.optimizer = EnumText(cfg.optimizer().algorithm());
-  job.lr = cfg.optimizer().lr();
-  job.config_json = JobSettingsJson(cfg);
+  job = JobOf(reg);
 
   // From here on a failure is the job's: Fail() tells the coordinator.
   auto map = ShardMap::Deserialize(reg.shard_map());
