@@ -233,12 +233,7 @@ void CoordinatorService::FillRegisterReplyLocked(uint32_t rank, const control::R
   *reply->mutable_config() = config_;
   reply->set_shard_map(map_.Serialize());
   for (uint64_t e : job_layers_) reply->add_layer_ends(e);
-  for (const DecayRange& r : declared_.decay()) {
-    control::WeightDecayRange* p = reply->add_weight_decay_ranges();
-    p->set_begin(r.begin);
-    p->set_end(r.end);
-    p->set_weight_decay(r.weight_decay);
-  }
+  AddRanges(declared_.decay(), declared_.lr_scale(), reply);
   const std::vector<Process>& servers = members_.servers();
   for (size_t i = 0; i < servers.size(); ++i) {
     control::ServerInfo* s = reply->add_servers();
@@ -301,6 +296,12 @@ void CoordinatorService::FormLocked() {
   if (absl::Status st = ValidateDecayRanges(declared_.decay(), config_.model().dim()); !st.ok()) {
     FailLocked(absl::StrCat("the workers' weight-decay ranges ", DecayRangesText(declared_.decay()),
                             ": ", st.message()));
+    return;
+  }
+  if (absl::Status st = ValidateLrScaleRanges(declared_.lr_scale(), config_.model().dim());
+      !st.ok()) {
+    FailLocked(absl::StrCat("the workers' lr-scale ranges ",
+                            LrScaleRangesText(declared_.lr_scale()), ": ", st.message()));
     return;
   }
   if (const std::optional<CompleteCheckpoint>& resume = history_.resume()) {

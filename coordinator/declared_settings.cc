@@ -14,12 +14,12 @@ namespace onebit {
 namespace {
 
 // Bitwise: every replica must apply the same float.
-bool SameDecay(const std::vector<DecayRange>& a, const std::vector<DecayRange>& b) {
+template <typename Range, typename Value>
+bool SameRanges(const std::vector<Range>& a, const std::vector<Range>& b, Value value) {
   if (a.size() != b.size()) return false;
   for (size_t i = 0; i < a.size(); ++i) {
     if (a[i].begin != b[i].begin || a[i].end != b[i].end ||
-        absl::bit_cast<uint32_t>(a[i].weight_decay) !=
-            absl::bit_cast<uint32_t>(b[i].weight_decay)) {
+        absl::bit_cast<uint32_t>(value(a[i])) != absl::bit_cast<uint32_t>(value(b[i]))) {
       return false;
     }
   }
@@ -41,7 +41,7 @@ absl::Status DeclaredSettings::Check(uint32_t rank, const control::RegisterReque
                                      bool formed, const std::set<std::string>& given,
                                      control::TrainingConfig* config) {
   absl::Status st = CheckParams(rank, req.num_params(), config);
-  if (st.ok()) st = CheckDecay(rank, req);
+  if (st.ok()) st = CheckRanges(rank, req);
   if (st.ok()) st = CheckLayers(rank, req);
   if (st.ok()) st = CheckSettings(rank, req, formed, given, *config);
   if (st.ok()) st = CheckLocalState(rank, req);
@@ -79,17 +79,26 @@ absl::Status DeclaredSettings::CheckParams(uint32_t rank, uint64_t d,
                                                  " declared d = ", config->model().dim()));
 }
 
-absl::Status DeclaredSettings::CheckDecay(uint32_t rank, const control::RegisterRequest& req) {
+absl::Status DeclaredSettings::CheckRanges(uint32_t rank, const control::RegisterRequest& req) {
   if (!decay_by_) {
     decay_by_ = rank;
     decay_ = DecayRangesOf(req.weight_decay_ranges());
+    lr_scale_ = LrScaleRangesOf(req.lr_scale_ranges());
     return absl::OkStatus();
   }
   const std::vector<DecayRange> mine = DecayRangesOf(req.weight_decay_ranges());
-  if (SameDecay(decay_, mine)) return absl::OkStatus();
-  return absl::InvalidArgumentError(
-      absl::StrCat("worker ", rank, " declares the weight-decay ranges ", DecayRangesText(mine),
-                   ", but worker ", *decay_by_, " declared ", DecayRangesText(decay_)));
+  if (!SameRanges(decay_, mine, [](const DecayRange& r) { return r.weight_decay; })) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("worker ", rank, " declares the weight-decay ranges ", DecayRangesText(mine),
+                     ", but worker ", *decay_by_, " declared ", DecayRangesText(decay_)));
+  }
+  const std::vector<LrScaleRange> scales = LrScaleRangesOf(req.lr_scale_ranges());
+  if (!SameRanges(lr_scale_, scales, [](const LrScaleRange& r) { return r.lr_scale; })) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("worker ", rank, " declares the lr-scale ranges ", LrScaleRangesText(scales),
+                     ", but worker ", *decay_by_, " declared ", LrScaleRangesText(lr_scale_)));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status DeclaredSettings::CheckLayers(uint32_t rank, const control::RegisterRequest& req) {
@@ -117,7 +126,7 @@ absl::Status DeclaredSettings::CheckSettings(uint32_t rank, const control::Regis
                                                    SettingsTextOf(mine), ", but worker ",
                                                    *decay_by_, " declared ", SettingsText()));
   }
-  // The first worker (CheckDecay has just recorded it).
+  // The first worker (CheckRanges has just recorded it).
   settings_ = std::move(mine);
   control::TrainingConfig trial = config;
   std::set<std::string> trial_given = given;

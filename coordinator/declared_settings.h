@@ -1,5 +1,6 @@
 // What the workers declare when they register, reconciled: the parameter
-// count d (--model external), the weight-decay ranges, the tensors, the job
+// count d (--model external), the weight-decay and lr-scale ranges, the
+// tensors, the job
 // settings their program sets, and the tensors outside the optimizer. The
 // first worker's declarations stand; every other worker must declare the
 // same, or is refused naming both.
@@ -35,6 +36,7 @@ class DeclaredSettings {
 
   // The first worker's, once one has registered.
   const std::vector<DecayRange>& decay() const { return decay_; }
+  const std::vector<LrScaleRange>& lr_scale() const { return lr_scale_; }
   const std::vector<uint64_t>& layers() const { return layers_; }  // their ends
   const std::map<std::string, std::string>& settings() const { return settings_; }
   // settings() as flags ("--lr=0.01 --steps=10"), or "none".
@@ -42,7 +44,8 @@ class DeclaredSettings {
 
  private:
   absl::Status CheckParams(uint32_t rank, uint64_t d, control::TrainingConfig* config);
-  absl::Status CheckDecay(uint32_t rank, const control::RegisterRequest& req);
+  // Both kinds of range: the weight decay's and the lr scale's.
+  absl::Status CheckRanges(uint32_t rank, const control::RegisterRequest& req);
   absl::Status CheckLayers(uint32_t rank, const control::RegisterRequest& req);
   absl::Status CheckSettings(uint32_t rank, const control::RegisterRequest& req, bool formed,
                              const std::set<std::string>& given,
@@ -51,9 +54,10 @@ class DeclaredSettings {
   // worker's, by name and CRC-32.
   absl::Status CheckLocalState(uint32_t rank, const control::RegisterRequest& req);
 
-  std::optional<uint32_t> params_by_;            // first worker to declare d
-  std::optional<uint32_t> decay_by_;             // first worker to register
-  std::vector<DecayRange> decay_;                // its ranges
+  std::optional<uint32_t> params_by_;  // first worker to declare d
+  std::optional<uint32_t> decay_by_;   // first worker to register
+  std::vector<DecayRange> decay_;      // its ranges
+  std::vector<LrScaleRange> lr_scale_;
   std::map<std::string, std::string> settings_;  // and its settings
   std::optional<uint32_t> layers_by_;            // first to declare tensors
   std::vector<uint64_t> layers_;                 // their ends

@@ -293,6 +293,10 @@ std::vector<fuzz::Seed> Seeds() {
     r->set_begin(0);
     r->set_end(10);
     r->set_weight_decay(0.0f);
+    control::LrScaleRange* l = w.add_lr_scale_ranges();
+    l->set_begin(10);
+    l->set_end(20);
+    l->set_lr_scale(0.5f);
     control::RegisterRequest w0 = w;
     w0.set_requested_rank(-1);
     add("register-external-declared", 1,

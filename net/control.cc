@@ -88,6 +88,13 @@ std::vector<DecayRange> DecayRangesOf(
   return out;
 }
 
+std::vector<LrScaleRange> LrScaleRangesOf(
+    const google::protobuf::RepeatedPtrField<control::LrScaleRange>& ranges) {
+  std::vector<LrScaleRange> out;
+  for (const auto& r : ranges) out.push_back(LrScaleRange{r.begin(), r.end(), r.lr_scale()});
+  return out;
+}
+
 absl::Duration RejoinWait(const control::TrainingConfig& cfg) {
   if (cfg.checkpoint().dir().empty()) return absl::ZeroDuration();
   return absl::Milliseconds(cfg.timeouts().rejoin_ms());

@@ -51,6 +51,26 @@ absl::StatusOr<control::RegisterReply> RegisterWithCoordinator(
 // for OptimizerOptions::weight_decay_ranges.
 std::vector<DecayRange> DecayRangesOf(
     const google::protobuf::RepeatedPtrField<control::WeightDecayRange>& ranges);
+// Lr-scale ranges likewise, for OptimizerOptions::lr_scale_ranges.
+std::vector<LrScaleRange> LrScaleRangesOf(
+    const google::protobuf::RepeatedPtrField<control::LrScaleRange>& ranges);
+// Writes both kinds of ranges into a RegisterRequest or RegisterReply.
+template <typename Message>
+void AddRanges(const std::vector<DecayRange>& decay, const std::vector<LrScaleRange>& lr,
+               Message* m) {
+  for (const DecayRange& r : decay) {
+    control::WeightDecayRange* p = m->add_weight_decay_ranges();
+    p->set_begin(r.begin);
+    p->set_end(r.end);
+    p->set_weight_decay(r.weight_decay);
+  }
+  for (const LrScaleRange& r : lr) {
+    control::LrScaleRange* p = m->add_lr_scale_ranges();
+    p->set_begin(r.begin);
+    p->set_end(r.end);
+    p->set_lr_scale(r.lr_scale);
+  }
+}
 
 // The most metrics rows one heartbeat, error report or Done carries (the
 // rest go with the next): what one call may carry is bounded

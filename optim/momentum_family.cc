@@ -18,8 +18,8 @@ absl::Status MomentumFamily::MasterUpdate(uint64_t step, float lr, float* a, uin
   (void)step;
   const float* den = traits_.den_of_frozen_v ? s->den.data() + off : nullptr;
   float* x = s->x.data() + off;
-  ForEachWeightDecay(o_, s->begin + off, n, [&](size_t p, size_t m, float wd) {
-    DeltaFromMomentum(a + p, den == nullptr ? nullptr : den + p, lr, wd, m, x + p, a + p);
+  ForEachRangeSetting(o_, s->begin + off, n, [&](size_t p, size_t m, float wd, float ls) {
+    DeltaFromMomentum(a + p, den == nullptr ? nullptr : den + p, lr * ls, wd, m, x + p, a + p);
   });
   return absl::OkStatus();
 }
@@ -92,8 +92,8 @@ absl::Status MomentumFamily::Step(uint64_t step, float lr, bool last_warmup, flo
   if (!st.ok()) return Diverged(o_, "the averaged momentum", step, s->begin + off, st);
   st = codec.Decode(reply, n, acc);
   if (!st.ok()) return st;
-  ForEachWeightDecay(o_, s->begin + off, n, [&](size_t p, size_t m, float wd) {
-    ApplyMomentum(acc + p, den == nullptr ? nullptr : den + p, lr, wd, m, x + p);
+  ForEachRangeSetting(o_, s->begin + off, n, [&](size_t p, size_t m, float wd, float ls) {
+    ApplyMomentum(acc + p, den == nullptr ? nullptr : den + p, lr * ls, wd, m, x + p);
   });
   return CheckFinite(o_, "the update", step, s->begin + off, x, n);
 }
@@ -145,9 +145,9 @@ absl::Status MomentumFamily::ApplyMomentumRanges(float lr, const float* den, uin
   const float* mbar = s->mbar + b;
   float* x = s->x + b;
   absl::Status st;
-  ForEachWeightDecay(o_, b, n, [&](size_t p, size_t m, float wd) {
+  ForEachRangeSetting(o_, b, n, [&](size_t p, size_t m, float wd, float ls) {
     if (!st.ok()) return;
-    st = ops.ApplyMomentum(mbar + p, den == nullptr ? nullptr : den + p, lr, wd, m, x + p);
+    st = ops.ApplyMomentum(mbar + p, den == nullptr ? nullptr : den + p, lr * ls, wd, m, x + p);
   });
   return st;
 }

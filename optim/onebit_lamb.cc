@@ -147,7 +147,7 @@ absl::Status OnebitLamb::StepShard(uint64_t step, float lr, bool last_warmup,
   for (size_t j = 0; j < layers->size(); ++j) {
     const uint64_t lb = (*layers)[j].first, le = (*layers)[j].second;
     double p2 = 0, u2 = 0, x2 = 0;
-    ForEachWeightDecay(o_, s->begin + lb, le - lb, [&](size_t q, size_t c, float wd) {
+    ForEachRangeSetting(o_, s->begin + lb, le - lb, [&](size_t q, size_t c, float wd, float) {
       for (size_t i = lb + q; i < lb + q + c; ++i) {
         const float u = LambUpdate(a[i], wd, x[i]);
         p2 += static_cast<double>(a[i]) * a[i];
@@ -183,8 +183,8 @@ absl::Status OnebitLamb::StepShard(uint64_t step, float lr, bool last_warmup,
       ratio = s->lamb_coeff[j] * factor;
     }
     ratios[j] = ratio;
-    const float k = -lr * ratio;
-    ForEachWeightDecay(o_, s->begin + lb, le - lb, [&](size_t q, size_t c, float wd) {
+    ForEachRangeSetting(o_, s->begin + lb, le - lb, [&](size_t q, size_t c, float wd, float ls) {
+      const float k = -(lr * ls) * ratio;
       for (size_t i = lb + q; i < lb + q + c; ++i) a[i] = LambDelta(a[i], wd, x[i], k);
     });
   }
@@ -275,11 +275,13 @@ absl::Status OnebitLamb::Apply(uint64_t step, float lr, bool last_warmup, Payloa
   absl::Status st = ops.Decode(codec, reply, n, mbar);
   const float* den = s->den + b;
   for (size_t j = 0; j < pieces.size() && st.ok(); ++j) {
-    const float k = -lr * ratios[j];
     const uint64_t first = pieces[j].first;
-    ForEachWeightDecay(o_, b + first, pieces[j].second - first, [&](size_t p, size_t c, float wd) {
-      if (st.ok()) st = ops.LambApply(mbar + first + p, den + first + p, k, wd, c, x + first + p);
-    });
+    ForEachRangeSetting(
+        o_, b + first, pieces[j].second - first, [&](size_t p, size_t c, float wd, float ls) {
+          const float k = -(lr * ls) * ratios[j];
+          if (st.ok())
+            st = ops.LambApply(mbar + first + p, den + first + p, k, wd, c, x + first + p);
+        });
   }
   return st;
 }

@@ -94,32 +94,61 @@ absl::StatusOr<FreezeOptions> ParseAutoFreeze(absl::string_view text) {
   return f;
 }
 
-std::string DecayRangesText(const std::vector<DecayRange>& ranges) {
-  if (ranges.empty()) return "none";
-  std::vector<std::string> parts;
-  for (const DecayRange& r : ranges) {
-    parts.push_back(absl::StrCat("[", r.begin, ", ", r.end, "): ", r.weight_decay));
-  }
-  return absl::StrJoin(parts, ", ");
-}
+namespace {
 
-absl::Status ValidateDecayRanges(const std::vector<DecayRange>& ranges, uint64_t d) {
+// The two kinds of range share their rules; `value` reads a range's setting,
+// `what` names it in the error.
+template <typename Range, typename Value>
+absl::Status ValidateRanges(const std::vector<Range>& ranges, uint64_t d, absl::string_view flag,
+                            absl::string_view what, Value value, bool non_negative) {
   uint64_t last_end = 0;
   for (size_t i = 0; i < ranges.size(); ++i) {
-    const DecayRange& r = ranges[i];
+    const Range& r = ranges[i];
+    const float v = value(r);
     if (r.begin >= r.end || (i > 0 && r.begin < last_end) || (d != kNever && r.end > d) ||
-        !std::isfinite(r.weight_decay)) {
+        !std::isfinite(v) || (non_negative && v < 0)) {
       return SettingError(
-          "weight_decay",
+          flag,
           absl::StrCat(
-              "range ", i, " [", r.begin, ", ", r.end, ") with weight decay ", r.weight_decay,
+              "range ", i, " [", r.begin, ", ", r.end, ") with ", what, " ", v,
               ": ranges must be non-empty, sorted, disjoint",
               d != kNever ? absl::StrCat(", within the d = ", d, " parameters") : std::string(),
-              ", with a finite value"));
+              non_negative ? ", with a finite value >= 0" : ", with a finite value"));
     }
     last_end = r.end;
   }
   return absl::OkStatus();
+}
+
+template <typename Range, typename Text>
+std::string RangesText(const std::vector<Range>& ranges, Text text) {
+  if (ranges.empty()) return "none";
+  std::vector<std::string> parts;
+  for (const Range& r : ranges) {
+    parts.push_back(absl::StrCat("[", r.begin, ", ", r.end, "): ", text(r)));
+  }
+  return absl::StrJoin(parts, ", ");
+}
+
+}  // namespace
+
+std::string DecayRangesText(const std::vector<DecayRange>& ranges) {
+  return RangesText(ranges, [](const DecayRange& r) { return absl::StrCat(r.weight_decay); });
+}
+
+absl::Status ValidateDecayRanges(const std::vector<DecayRange>& ranges, uint64_t d) {
+  return ValidateRanges(
+      ranges, d, "weight_decay", "weight decay", [](const DecayRange& r) { return r.weight_decay; },
+      false);
+}
+
+std::string LrScaleRangesText(const std::vector<LrScaleRange>& ranges) {
+  return RangesText(ranges, [](const LrScaleRange& r) { return absl::StrCat("x", r.lr_scale); });
+}
+
+absl::Status ValidateLrScaleRanges(const std::vector<LrScaleRange>& ranges, uint64_t d) {
+  return ValidateRanges(
+      ranges, d, "lr", "lr scale", [](const LrScaleRange& r) { return r.lr_scale; }, true);
 }
 
 float LearningRate(const OptimizerOptions& o, uint64_t step) {

@@ -58,6 +58,16 @@ struct DecayRange {
   float weight_decay = 0.0f;
 };
 
+// A range [begin, end) of x whose learning rate is the job's times
+// lr_scale (torch param groups with their own lr, e.g. layer-wise decay in
+// fine-tuning), in global indices. The scale multiplies the step's lr, so a
+// schedule moves every range alike.
+struct LrScaleRange {
+  uint64_t begin = 0;
+  uint64_t end = 0;
+  float lr_scale = 1.0f;
+};
+
 // 0/1 Adam's schedule (docs/design.md §1.6), in the terms of DeepSpeed's
 // ZeroOneAdam. Steps are counted from 1 here, as there: k = step + 1.
 struct ZeroOneOptions {
@@ -106,6 +116,8 @@ struct OptimizerOptions {
   float weight_decay = 0.0f;  // decoupled: Δ includes -lr * wd * x
   // Sorted, disjoint ranges whose weight decay replaces weight_decay.
   std::vector<DecayRange> weight_decay_ranges;
+  // Sorted, disjoint ranges that step at lr * lr_scale (elsewhere: lr).
+  std::vector<LrScaleRange> lr_scale_ranges;
   bool bias_correction = false;  // off, as DeepSpeed's OneBitAdam
   float v_floor = 1e-8f;         // frozen v = max(v, v_floor) (docs/design.md §1.1)
   bool worker_error_feedback = true;
@@ -146,27 +158,48 @@ std::string ErrorFeedbackName(const OptimizerOptions& options);
 absl::Status ValidateDecayRanges(const std::vector<DecayRange>& ranges, uint64_t d);
 // "[0, 500): 0, [600, 700): 0.5", or "none".
 std::string DecayRangesText(const std::vector<DecayRange>& ranges);
+// Lr-scale ranges are non-empty, sorted, disjoint, within [0, d) (d kNever:
+// unbounded), finite and >= 0; errors start with "--lr: ".
+absl::Status ValidateLrScaleRanges(const std::vector<LrScaleRange>& ranges, uint64_t d);
+// "[0, 500): x0.5, [600, 700): x2", or "none".
+std::string LrScaleRangesText(const std::vector<LrScaleRange>& ranges);
 
-// Calls fn(offset, count, wd) for the consecutive pieces of the global
-// elements [b, b + n) that have one weight decay each (offset from b).
+// Calls fn(offset, count, wd, lr_scale) for the consecutive pieces of the
+// global elements [b, b + n) that have one weight decay and one lr scale
+// each (offset from b), in order. Every update that uses lr or wd goes
+// through it, so each element steps with its own range's settings.
 template <typename Fn>
-void ForEachWeightDecay(const OptimizerOptions& o, uint64_t b, size_t n, Fn&& fn) {
+void ForEachRangeSetting(const OptimizerOptions& o, uint64_t b, size_t n, Fn&& fn) {
+  const std::vector<DecayRange>& wd = o.weight_decay_ranges;
+  const std::vector<LrScaleRange>& ls = o.lr_scale_ranges;
+  size_t i = 0, j = 0;
   uint64_t at = b;
   const uint64_t end = b + n;
-  for (const DecayRange& r : o.weight_decay_ranges) {
-    if (at >= end) break;
-    if (r.end <= at) continue;
-    if (r.begin > at) {
-      const uint64_t stop = std::min<uint64_t>(r.begin, end);
-      fn(at - b, stop - at, o.weight_decay);
-      at = stop;
-      if (at >= end) break;
+  while (at < end) {
+    while (i < wd.size() && wd[i].end <= at) ++i;
+    while (j < ls.size() && ls[j].end <= at) ++j;
+    uint64_t stop = end;
+    float decay = o.weight_decay;
+    if (i < wd.size()) {
+      if (wd[i].begin <= at) {
+        decay = wd[i].weight_decay;
+        stop = std::min<uint64_t>(stop, wd[i].end);
+      } else {
+        stop = std::min<uint64_t>(stop, wd[i].begin);
+      }
     }
-    const uint64_t stop = std::min<uint64_t>(r.end, end);
-    fn(at - b, stop - at, r.weight_decay);
+    float scale = 1.0f;
+    if (j < ls.size()) {
+      if (ls[j].begin <= at) {
+        scale = ls[j].lr_scale;
+        stop = std::min<uint64_t>(stop, ls[j].end);
+      } else {
+        stop = std::min<uint64_t>(stop, ls[j].begin);
+      }
+    }
+    fn(at - b, stop - at, decay, scale);
     at = stop;
   }
-  if (at < end) fn(at - b, end - at, o.weight_decay);
 }
 
 // γ_t, the same float on every process: computed in double, rounded once.

@@ -99,6 +99,7 @@ absl::Status ValidateOptimizerOptions(const OptimizerOptions& o) {
   if (!(o.eps > 0) || !std::isfinite(o.eps)) return SettingError("eps", "must be finite and > 0");
   if (!std::isfinite(o.weight_decay)) return SettingError("weight_decay", "must be finite");
   if (absl::Status st = ValidateDecayRanges(o.weight_decay_ranges, kNever); !st.ok()) return st;
+  if (absl::Status st = ValidateLrScaleRanges(o.lr_scale_ranges, kNever); !st.ok()) return st;
   if (!(o.v_floor >= 0) || !std::isfinite(o.v_floor)) {
     return SettingError("v_floor", "must be finite and >= 0");
   }

@@ -17,10 +17,13 @@ class Sgd final : public MomentumFamily {
                             ServerShardState* s) const override {
     (void)step;
     float* x = s->x.data() + off;
-    for (size_t i = 0; i < n; ++i) {
-      d[i] = -lr * d[i];
-      x[i] += d[i];
-    }
+    ForEachRangeSetting(o_, s->begin + off, n, [&](size_t p, size_t m, float, float ls) {
+      const float k = -(lr * ls);
+      for (size_t i = p; i < p + m; ++i) {
+        d[i] = k * d[i];
+        x[i] += d[i];
+      }
+    });
     return absl::OkStatus();
   }
 };

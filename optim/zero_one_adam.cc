@@ -84,8 +84,8 @@ namespace {
 absl::Status MomentumStep(const OptimizerOptions& o, const ArrayOps& ops, float lr, const float* g,
                           uint64_t first, size_t n, float* m, const float* den, float* x) {
   absl::Status st = ops.UpdateMomentum(g, o.beta1, 1.0f - o.beta1, n, m);
-  ForEachWeightDecay(o, first, n, [&](size_t p, size_t c, float wd) {
-    if (st.ok()) st = ops.ApplyMomentum(m + p, den + p, lr, wd, c, x + p);
+  ForEachRangeSetting(o, first, n, [&](size_t p, size_t c, float wd, float ls) {
+    if (st.ok()) st = ops.ApplyMomentum(m + p, den + p, lr * ls, wd, c, x + p);
   });
   return st;
 }
@@ -105,8 +105,8 @@ absl::Status ZeroOneVarianceStep(const OptimizerOptions& o, const ArrayOps& ops,
   absl::Status st = ops.UpdateMoments(g, o.beta1, 1.0f - o.beta1, o.beta2, 1.0f - o.beta2, n, m, v);
   const float c = ZeroOneVarianceCorrection(o, step);
   if (st.ok()) st = ops.VarianceDenominators(v, c, o.v_floor, o.eps, n, den);
-  ForEachWeightDecay(o, first, n, [&](size_t p, size_t q, float wd) {
-    if (st.ok()) st = ops.ApplyMomentum(m + p, den + p, lr, wd, q, x + p);
+  ForEachRangeSetting(o, first, n, [&](size_t p, size_t q, float wd, float ls) {
+    if (st.ok()) st = ops.ApplyMomentum(m + p, den + p, lr * ls, wd, q, x + p);
   });
   return st;
 }
@@ -257,7 +257,13 @@ absl::Status ZeroOneAdam::Apply(uint64_t step, float lr, bool last_warmup, Paylo
   if (!s->frozen) return MomentumStep(o_, ops, lr, *a, b, n, m, den, x);
   // A sync step: the replica moves as the master did; the local model
   // starts again from it, with m the mean update per unit of learning rate.
-  return ops.ApplySync(*a, den, s->lrs, n, s->x_sync + b, m, x);
+  // m is per unit of the range's own lr: the sum of lrs times its scale.
+  absl::Status st;
+  ForEachRangeSetting(o_, b, n, [&](size_t p, size_t c, float, float ls) {
+    if (st.ok())
+      st = ops.ApplySync(*a + p, den + p, s->lrs * ls, c, s->x_sync + b + p, m + p, x + p);
+  });
+  return st;
 }
 
 absl::Status Validate(const OptimizerOptions& o) {

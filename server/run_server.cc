@@ -168,6 +168,7 @@ absl::StatusOr<OptimizerOptions> ShardOptimizer(const control::RegisterReply& re
     return st;
   }
   optimizer->weight_decay_ranges = DecayRangesOf(reg.weight_decay_ranges());
+  optimizer->lr_scale_ranges = LrScaleRangesOf(reg.lr_scale_ranges());
   optimizer->layer_ends.assign(reg.layer_ends().begin(), reg.layer_ends().end());
   return optimizer;
 }

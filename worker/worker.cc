@@ -400,12 +400,15 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
   req.set_host(Hostname());
   req.set_device(DeviceName(*choice));
   req.set_num_params(o.num_params);
+  std::vector<DecayRange> decay;
   for (const WeightDecayRange& r : o.weight_decay) {
-    control::WeightDecayRange* p = req.add_weight_decay_ranges();
-    p->set_begin(r.begin);
-    p->set_end(r.end);
-    p->set_weight_decay(r.weight_decay);
+    decay.push_back(DecayRange{r.begin, r.end, r.weight_decay});
   }
+  std::vector<LrScaleRange> scales;
+  for (const LearningRateScale& r : o.lr_scale) {
+    scales.push_back(LrScaleRange{r.begin, r.end, r.scale});
+  }
+  AddRanges(decay, scales, &req);
   for (uint64_t e : o.layer_ends) req.add_layer_ends(e);
   for (const WorkerOptions::LocalTensor& t : o.local_state) {
     control::LocalTensor* l = req.add_local_state();
@@ -469,6 +472,7 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
     }
   }
   opt_options->weight_decay_ranges = DecayRangesOf(reg.weight_decay_ranges());
+  opt_options->lr_scale_ranges = LrScaleRangesOf(reg.lr_scale_ranges());
   opt_options->layer_ends.assign(reg.layer_ends().begin(), reg.layer_ends().end());
   auto opt = WorkerOptimizer::Create(*opt_options);
   if (!opt.ok()) return Fail(opt.status());

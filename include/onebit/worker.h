@@ -50,6 +50,16 @@ struct WeightDecayRange {
   float weight_decay = 0.0f;
 };
 
+// Parameters [begin, end) that step at the job's learning rate times
+// `scale` (param groups with their own lr, e.g. layer-wise lr decay). The
+// scale multiplies the lr of every step, so a schedule (or
+// set_learning_rate) moves all ranges alike.
+struct LearningRateScale {
+  uint64_t begin = 0;
+  uint64_t end = 0;
+  float scale = 1.0f;
+};
+
 struct WorkerOptions {
   // "host:port" of the job's coordinator. Required.
   std::string coordinator;
@@ -70,6 +80,10 @@ struct WorkerOptions {
   // Ranges of x with their own weight decay: sorted, disjoint, within d.
   // Every worker must declare the same, else the job fails naming both.
   std::vector<WeightDecayRange> weight_decay;
+  // Ranges of x with their own lr scale: sorted, disjoint, within d, each
+  // scale finite and >= 0. Every worker must declare the same, else the job
+  // fails naming both.
+  std::vector<LearningRateScale> lr_scale;
   // The ends of your model's tensors in x, in order, the last one d (for
   // W0 of 784 x 256 then b0 of 256: {200704, 200960, ...}). onebit-lamb's
   // trust ratios are per tensor, and a --model external job using it

@@ -24,8 +24,10 @@ which the job checks at registration (naming the first that differs).
 
 import atexit
 import contextlib
+import math
 import os
 import re
+import struct
 import sys
 import zlib
 
@@ -147,8 +149,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """The job's optimizer over the parameter servers, as a torch Optimizer.
 
     `params`: a model or its parameters (or param groups; a group's
-    'weight_decay' applies to its parameters; every group trains at the
-    same lr). Pass the model itself where you can: then its buffers and
+    'weight_decay' and 'lr' apply to its parameters). Groups with their own
+    lr (layer-wise lr decay in fine-tuning) keep the ratios they were made
+    with: the servers hold each group's lr as a multiple of the first
+    group's with a non-zero lr (the reference group), and the lr a step
+    sends is the reference group's. A scheduler must therefore move every
+    group by the same factor (LambdaLR with one lambda, warm-up, cosine to
+    0, StepLR); one that changes the ratios is an error naming the group.
+    A group without 'lr' takes `lr`, or the job's where all groups agree.
+    Pass the model itself where you can: then its buffers and
     frozen parameters, which stay local to each worker, are checked to
     start equal on every rank, and errors name parameters as the model does.
     One DistributedOptimizer per process, made once.
@@ -205,18 +214,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             local = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
             local += list(module.named_buffers())
         groups = [dict(g, params=[p for p in g["params"] if p.requires_grad]) for g in groups]
-        given = [(k, float(g["lr"])) for k, g in enumerate(groups) if "lr" in g]
-        if len({v for _, v in given}) > 1:
-            raise OnebitError(
-                "param groups with different learning rates ("
-                + ", ".join(f"group {k}: {v!r}" for k, v in given)
-                + "): onebit-ps trains every parameter at one learning rate, the job's; give "
-                "every group the same lr (weight_decay may differ per group)")
+        scales = _lr_scales(groups, lr)
         total = sum(p.numel() for g in groups for p in g["params"])
         if total == 0:
             raise OnebitError("DistributedOptimizer: no parameters that require grad")
-        ranges, ends, offset = [], [], 0
-        for g in groups:
+        ranges, lr_ranges, ends, offset = [], [], [], 0
+        for g, scale in zip(groups, scales):
             for p in g["params"]:
                 if p.dtype != torch.float32 or p.is_sparse:
                     kind = "sparse " if p.is_sparse else ""
@@ -227,9 +230,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         "precision)")
                 if "weight_decay" in g:
                     ranges.append((offset, offset + p.numel(), float(g["weight_decay"])))
+                if scale != 1.0:
+                    lr_ranges.append((offset, offset + p.numel(), scale))
                 offset += p.numel()
                 ends.append(offset)  # every tensor is a layer of onebit-lamb
-        ranges = _merge(ranges)
+        ranges, lr_ranges = _merge(ranges), _merge(lr_ranges)
         if lr is not None:
             settings["lr"] = lr
         if betas is not None:
@@ -243,7 +248,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                       local_state=[(n, _crc(t)) for n, t in local],
                                       metrics_port=_settings["metrics_port"],
                                       metrics_host=_settings["metrics_host"],
-                                      metrics_linger_s=_settings["metrics_linger_s"])
+                                      metrics_linger_s=_settings["metrics_linger_s"],
+                                      lr_scale=lr_ranges)
         # Joined: from here on, an exit without finish() fails the job (see
         # _exit_check), and this process cannot join again.
         self._ended = False
@@ -251,8 +257,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         job = self._worker.job
         self.job = job
         for g in groups:
-            g.setdefault("lr", job["lr"])
+            g.setdefault("lr", job["lr"] if lr is None else lr)
         super().__init__(groups, {"lr": job["lr"]})
+        # The servers step group k at the sent lr times scales[k]; the lr
+        # sent is the reference group's (the first with a non-zero lr).
+        self._scales = scales
+        self._ref = next((k for k, g in enumerate(groups) if g["lr"] != 0), 0)
         # Views of the worker's buffers, on the CPU or on its GPU.
         self._x = torch.utils.dlpack.from_dlpack(self._worker.params_dlpack())
         self._g = torch.utils.dlpack.from_dlpack(self._worker.grads_dlpack())
@@ -317,12 +327,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         servers with the step (they refuse one set after a push)."""
         if self._lr_sent:
             return
-        lr = self.param_groups[0]["lr"]
-        if any(g["lr"] != lr for g in self.param_groups):
-            self._fail("param groups with different learning rates ("
-                       + ", ".join(f"group {k}: {g['lr']!r}" for k, g in enumerate(self.param_groups))
-                       + "): onebit-ps trains every parameter at one learning rate; a "
-                       "scheduler must set the same on every group")
+        lr = self.param_groups[self._ref]["lr"]
+        for k, (g, scale) in enumerate(zip(self.param_groups, self._scales)):
+            want = lr * scale
+            # The servers' float32 product: a relative 1e-6 covers its rounding.
+            if abs(g["lr"] - want) > 1e-6 * max(abs(want), abs(g["lr"])):
+                self._fail(
+                    f"param group {k} has lr {g['lr']!r}, but the servers step it at {scale!r} "
+                    f"x group {self._ref}'s lr {lr!r} = {want!r}: each group's lr keeps the "
+                    "ratio to the others it had when the optimizer was made (the servers hold "
+                    "it per range of parameters); a scheduler must move every group by one "
+                    "factor")
         if lr != self._last_lr:
             self._worker.set_learning_rate(float(lr))
             self._last_lr = lr
@@ -582,12 +597,34 @@ def _text(value):
 
 def _merge(ranges):
     out = []
-    for b, e, wd in ranges:
-        if out and out[-1][1] == b and out[-1][2] == wd:
-            out[-1] = (out[-1][0], e, wd)
+    for b, e, v in ranges:
+        if out and out[-1][1] == b and out[-1][2] == v:
+            out[-1] = (out[-1][0], e, v)
         else:
-            out.append((b, e, wd))
+            out.append((b, e, v))
     return out
+
+
+def _lr_scales(groups, lr):
+    """Each group's lr over the reference group's (the first non-zero), as
+    the servers' float32 multipliers; all 1.0 where every group trains at
+    one lr."""
+    lrs = [g.get("lr", lr) for g in groups]
+    if len({v for v in lrs if v is not None}) <= 1:
+        return [1.0] * len(groups)
+    if None in lrs:
+        k = lrs.index(None)
+        raise OnebitError(
+            f"param group {k} has no lr while other groups have different ones ("
+            + ", ".join(f"group {j}: {v!r}" for j, v in enumerate(lrs) if v is not None)
+            + "): give it an lr, or pass lr= to DistributedOptimizer for the groups without one")
+    for k, v in enumerate(lrs):
+        if not (math.isfinite(v) and v >= 0):
+            raise OnebitError(f"param group {k} has lr {v!r}: want a finite lr >= 0")
+    ref = next(v for v in lrs if v != 0)
+    # float32, as the servers hold them, so the check in _send_lr compares
+    # with what they compute.
+    return [struct.unpack("f", struct.pack("f", v / ref))[0] for v in lrs]
 
 
 def finish():

@@ -103,7 +103,8 @@ std::unique_ptr<onebit::Worker> Connect(
     const std::map<std::string, std::string>& settings, double register_timeout_s,
     const std::string& secret_file, bool insecure, const std::vector<uint64_t>& layer_ends,
     const std::vector<std::pair<std::string, uint32_t>>& local_state, int metrics_port,
-    const std::string& metrics_host, double metrics_linger_s) {
+    const std::string& metrics_host, double metrics_linger_s,
+    const std::vector<std::tuple<uint64_t, uint64_t, float>>& lr_scale) {
   onebit::WorkerOptions o;
   if (coordinator.empty()) {
     auto env = onebit::WorkerOptionsFromEnvironment(num_params);
@@ -120,6 +121,7 @@ std::unique_ptr<onebit::Worker> Connect(
   if (!advertise_host.empty()) o.advertise_host = advertise_host;
   o.register_timeout = absl::Seconds(register_timeout_s);
   for (const auto& [b, e, v] : wd) o.weight_decay.push_back({b, e, v});
+  for (const auto& [b, e, v] : lr_scale) o.lr_scale.push_back({b, e, v});
   o.layer_ends = layer_ends;
   for (const auto& [name, crc] : local_state) o.local_state.push_back({name, crc});
   o.settings = settings;
@@ -159,9 +161,12 @@ PYBIND11_MODULE(_onebit, m) {
                   py::arg("local_state") = std::vector<std::pair<std::string, uint32_t>>{},
                   py::arg("metrics_port") = -2, py::arg("metrics_host") = "",
                   py::arg("metrics_linger_s") = -1.0,
+                  py::arg("lr_scale") = std::vector<std::tuple<uint64_t, uint64_t, float>>{},
                   "Registers with the coordinator ('' : from the environment) and waits for "
                   "the job. secret_file: the job secret ('': $ONEBIT_SECRET_FILE); insecure: "
-                  "none; layer_ends: where each tensor ends in x; local_state: (name, CRC-32) "
+                  "none; weight_decay, lr_scale: (begin, end, value) ranges of x with their "
+                  "own weight decay, their own lr multiplier; layer_ends: where each tensor ends "
+                  "in x; local_state: (name, CRC-32) "
                   "of each tensor the job does not train, which must match across workers; "
                   "metrics_port: serve this worker's Prometheus metrics there (-1: none, 0: any "
                   "free port; -2: the environment's), on metrics_host ('': the bind host), "

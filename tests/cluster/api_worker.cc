@@ -12,6 +12,8 @@
 //   --lr_rank R --lr_value V   ... rank R sets V instead
 //   --wd B:E:V       parameters [B, E) decay by V instead of the job's
 //   --wd_rank R      ... except on rank R, which declares no range
+//   --lr_scale B:E:V parameters [B, E) step at the job's lr times V
+//   --lr_scale_rank R  ... except on rank R, which declares twice V
 //   --set NAME=VALUE a job setting this program chooses (repeatable)
 //   --set_rank R     ... on every rank but R, which declares none
 //   --layers E1,E2,..  the tensors' ends (WorkerOptions::layer_ends)
@@ -50,8 +52,8 @@ int Fail(const std::string& what, const absl::Status& st) {
 int main(int argc, char** argv) {
   uint64_t d = 1000, steps = 6;
   int bad_d_rank = -1, lr_rank = -1, release = 0;
-  std::string init = "rank", wd;
-  int wd_rank = -1, set_rank = -1, layers_rank = -1;
+  std::string init = "rank", wd, lr_scale;
+  int wd_rank = -1, set_rank = -1, layers_rank = -1, lr_scale_rank = -1;
   std::string layers, bad_loss;
   bool no_loss = false;
   std::vector<std::string> settings;
@@ -88,6 +90,10 @@ int main(int argc, char** argv) {
       wd = v;
     else if (k == "--wd_rank")
       wd_rank = std::atoi(v);
+    else if (k == "--lr_scale")
+      lr_scale = v;
+    else if (k == "--lr_scale_rank")
+      lr_scale_rank = std::atoi(v);
     else if (k == "--set")
       settings.push_back(v);
     else if (k == "--set_rank")
@@ -114,6 +120,14 @@ int main(int argc, char** argv) {
     range.end = std::strtoull(end + 1, &end, 10);
     range.weight_decay = std::strtof(end + 1, nullptr);
     options->weight_decay.push_back(range);
+  }
+  if (!lr_scale.empty()) {
+    onebit::LearningRateScale range;
+    char* end = nullptr;
+    range.begin = std::strtoull(lr_scale.c_str(), &end, 10);
+    range.end = std::strtoull(end + 1, &end, 10);
+    range.scale = std::strtof(end + 1, nullptr) * (my_rank == lr_scale_rank ? 2.0f : 1.0f);
+    options->lr_scale.push_back(range);
   }
   for (const char* at = layers.c_str(); *at != '\0';) {
     char* end = nullptr;

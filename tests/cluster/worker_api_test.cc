@@ -165,6 +165,40 @@ TEST(WorkerApi, WorkersDeclaringOtherWeightDecayRangesAreRefused) {
   EXPECT_THAT(j.run.output, ::testing::ContainsRegex("worker 2 declare|but worker 2 declared"));
 }
 
+TEST(WorkerApi, LrScaleRangesStepTheirParametersAtTheirOwnLr) {
+  // Adam, elementwise: with [0, 500) at x0.5 of lr 0.02, those elements
+  // must equal a job at lr 0.01, and the rest a job at 0.02 (0.5 scales
+  // exactly).
+  auto at = [](const char* lr) {
+    return std::vector<std::string>{"--optimizer=adam", lr, "--weight_decay=0.1", "--block_size=32",
+                                    "--chunk_elems=64"};
+  };
+  Job ranged = RunApiJob("lr_ranged", 2, 2, at("--lr=0.02"), "--steps 5 --lr_scale 0:500:0.5");
+  Job half = RunApiJob("lr_half", 2, 2, at("--lr=0.01"), "--steps 5");
+  Job whole = RunApiJob("lr_whole", 2, 2, at("--lr=0.02"), "--steps 5");
+  ASSERT_EQ(ranged.run.code, 0) << ranged.run.output;
+  ASSERT_EQ(half.run.code, 0) << half.run.output;
+  ASSERT_EQ(whole.run.code, 0) << whole.run.output;
+  EXPECT_EQ(Field(ranged.summary, "replicas_equal"), "true");
+  const std::vector<float>& r = ranged.replicas[1];
+  EXPECT_EQ(FirstDifference({r.begin(), r.begin() + 500},
+                            {half.replicas[1].begin(), half.replicas[1].begin() + 500}),
+            "");
+  EXPECT_EQ(FirstDifference({r.begin() + 500, r.end()},
+                            {whole.replicas[1].begin() + 500, whole.replicas[1].end()}, 500),
+            "");
+  EXPECT_NE(FirstDifference(r, whole.replicas[1]), "");
+}
+
+TEST(WorkerApi, WorkersDeclaringOtherLrScaleRangesAreRefused) {
+  Job j = RunApiJob("lr_scale_mismatch", 3, 1, kOnebitAdam,
+                    "--steps 2 --lr_scale 0:500:0.25 --lr_scale_rank 2");
+  EXPECT_NE(j.run.code, 0);
+  EXPECT_THAT(j.run.output, HasSubstr("lr-scale ranges"));
+  EXPECT_THAT(j.run.output, HasSubstr("[0, 500): x0.25"));
+  EXPECT_THAT(j.run.output, HasSubstr("[0, 500): x0.5"));
+}
+
 // onebit-lamb with the program's own tensors: the shards hold whole ones
 // (on 2 servers: [0, 600), then [600, 1000)); without them the job cannot
 // be sharded and says why; workers declaring other tensors are refused.

@@ -452,17 +452,35 @@ TEST(WeightDecayRanges, PiecesCoverTheRangeWithTheirOwnValues) {
   OptimizerOptions o;
   o.weight_decay = 0.5f;
   o.weight_decay_ranges = {{10, 20, 0.0f}, {20, 25, 0.25f}, {40, 50, 1.0f}};
-  std::vector<std::tuple<size_t, size_t, float>> got;
-  ForEachWeightDecay(o, 15, 30, [&](size_t p, size_t n, float wd) { got.emplace_back(p, n, wd); });
+  using Piece = std::tuple<size_t, size_t, float, float>;
+  std::vector<Piece> got;
+  auto record = [&](size_t p, size_t n, float wd, float ls) { got.emplace_back(p, n, wd, ls); };
+  ForEachRangeSetting(o, 15, 30, record);
   // [15, 45): 15..20 at 0, 20..25 at 0.25, 25..40 at the job's, 40..45 at 1.
-  std::vector<std::tuple<size_t, size_t, float>> want = {
-      {0, 5, 0.0f}, {5, 5, 0.25f}, {10, 15, 0.5f}, {25, 5, 1.0f}};
-  EXPECT_EQ(got, want);
+  EXPECT_EQ(got, (std::vector<Piece>{
+                     {0, 5, 0.0f, 1}, {5, 5, 0.25f, 1}, {10, 15, 0.5f, 1}, {25, 5, 1.0f, 1}}));
   got.clear();
-  ForEachWeightDecay(o, 0, 5, [&](size_t p, size_t n, float wd) { got.emplace_back(p, n, wd); });
-  EXPECT_EQ(got, (std::vector<std::tuple<size_t, size_t, float>>{{0, 5, 0.5f}}));
+  ForEachRangeSetting(o, 0, 5, record);
+  EXPECT_EQ(got, (std::vector<Piece>{{0, 5, 0.5f, 1}}));
+  // Lr scales cut the pieces where either setting changes.
+  o.lr_scale_ranges = {{0, 12, 2.0f}, {22, 30, 0.5f}};
+  got.clear();
+  ForEachRangeSetting(o, 5, 40, record);
+  EXPECT_EQ(got, (std::vector<Piece>{{0, 5, 0.5f, 2},
+                                     {5, 2, 0.0f, 2},
+                                     {7, 8, 0.0f, 1},
+                                     {15, 2, 0.25f, 1},
+                                     {17, 3, 0.25f, 0.5f},
+                                     {20, 5, 0.5f, 0.5f},
+                                     {25, 10, 0.5f, 1},
+                                     {35, 5, 1.0f, 1}}));
   o.weight_decay_ranges = {{10, 20, 0.0f}, {15, 30, 0.1f}};
   EXPECT_THAT(std::string(ValidateOptimizerOptions(o).message()), HasSubstr("disjoint"));
+  o.weight_decay_ranges.clear();
+  o.lr_scale_ranges = {{0, 12, -1.0f}};
+  EXPECT_THAT(std::string(ValidateOptimizerOptions(o).message()), HasSubstr("--lr: range 0"));
+  o.lr_scale_ranges = {{5, 5, 1.0f}};
+  EXPECT_THAT(std::string(ValidateOptimizerOptions(o).message()), HasSubstr("non-empty"));
 }
 
 // Server and worker give each element the step of its own range's weight
@@ -505,6 +523,58 @@ TEST(WeightDecayRanges, EachElementStepsWithItsRangesDecay) {
       EXPECT_EQ(x[0][i], x[in ? 2 : 1][i]) << "element " << i;
     }
     EXPECT_NE(x[1], x[2]);  // the decay matters
+  }
+}
+
+// Every optimizer steps each element at its own range's lr: a job with
+// [0, 64) at x0.5 equals, element for element, the job at lr / 2 there and
+// the job at lr elsewhere, through warm-up, freeze, compression and (0/1
+// Adam) local and sync steps. 0.5 scales exactly; 64 is a layer end and a
+// block boundary, and blocks and layers never mix elements across it.
+TEST(LrScaleRanges, EveryOptimizerStepsEachElementAtItsRangesLr) {
+  const uint64_t d = 192, cut = 64;
+  for (const AlgorithmRow* row : AlgorithmRows()) {
+    const OptimizerKind kind = row->traits.kind;
+    SCOPED_TRACE(std::string(OptimizerKindName(kind)));
+    auto run = [&](float lr, bool scaled) {
+      ReferenceOptions ro;
+      ro.workers = 2;
+      ro.steps = 14;
+      ro.map = IsLayerwise(kind) ? *ShardMap::CreateAligned(d, 2, 32, {cut, d})
+                                 : *ShardMap::Create(d, 2, 32);
+      OptimizerOptions& o = ro.optimizer;
+      o.kind = kind;
+      o.lr = lr;
+      o.weight_decay = 0.1f;
+      o.codec.block_size = 32;
+      o.worker_codec = o.server_codec = std::string(DefaultCodec(kind));
+      o.reply = DefaultReplyMode(kind);
+      o.layer_ends = {cut, d};
+      o.zero_one.var_freeze_step = 6;
+      o.zero_one.var_update_scaler = 2;
+      o.zero_one.local_step_scaler = 2;
+      o.zero_one.local_step_clipper = 4;
+      o.zero_one.steps = ro.steps;
+      if (scaled) o.lr_scale_ranges = {{0, cut, 0.5f}};
+      ro.freeze.step = 4;
+      std::vector<float> x0(d);
+      for (uint64_t j = 0; j < d; ++j) x0[j] = std::sin(static_cast<float>(j) + 0.5f);
+      auto r = RunReference(ro, x0, [&](const float* x, uint32_t rank, uint64_t step, float* g) {
+        for (uint64_t j = 0; j < d; ++j) {
+          g[j] = x[j] - std::cos(static_cast<float>(j + 3 * rank + step));
+        }
+        return 0.0;
+      });
+      EXPECT_TRUE(r.ok()) << r.status();
+      return r.ok() ? r->workers[1].x : std::vector<float>();
+    };
+    const std::vector<float> ranged = run(0.02f, true), half = run(0.01f, false),
+                             whole = run(0.02f, false);
+    ASSERT_EQ(ranged.size(), d);
+    for (uint64_t j = 0; j < d; ++j) {
+      EXPECT_EQ(ranged[j], j < cut ? half[j] : whole[j]) << "element " << j;
+    }
+    EXPECT_NE(half, whole);  // the lr matters
   }
 }
 

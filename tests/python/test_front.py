@@ -82,15 +82,18 @@ def test_nan_gradient_is_an_exception_and_fails_the_job(tmp_path, overlap):
     assert s.get("status", "").startswith("failed")
 
 
-@pytest.mark.parametrize("groups", [False, True])
+@pytest.mark.parametrize("groups", ["", "--groups", "--lr_groups"])
 def test_warmup_adam_over_the_servers_tracks_torch_adamw(tmp_path, groups):
     # Adam forever (no freeze), bias correction on, decoupled weight decay 0.01:
-    # the same update as torch.optim.AdamW, computed by the server.
+    # the same update as torch.optim.AdamW, computed by the servers; with
+    # param groups of their own weight decay, and of their own lr under a
+    # schedule (on two shards, so the ranges cross a shard boundary).
     out = tmp_path / "run"
-    cmd = [os.path.join(BIN, "onebit-launch"), "--workers=1", "--servers=1", "--model=external",
-           "--optimizer=adam", "--bias_correction", "--weight_decay=0.01", "--lr=0.001",
-           f"--out={out}", f"--worker_cmd=/usr/bin/python3 {HERE}/adamw_worker.py 100 1e-5"
-           + (" --groups" if groups else "")]
+    servers = 2 if groups == "--lr_groups" else 1
+    cmd = [os.path.join(BIN, "onebit-launch"), "--workers=1", f"--servers={servers}",
+           "--model=external", "--optimizer=adam", "--bias_correction", "--weight_decay=0.01",
+           "--lr=0.001", f"--out={out}",
+           f"--worker_cmd=/usr/bin/python3 {HERE}/adamw_worker.py 100 1e-5 {groups}"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr
     assert "largest relative difference" in r.stderr
@@ -374,15 +377,16 @@ def test_an_exception_in_a_backward_hook_ends_the_job_failed_at_once(tmp_path):
 
 
 def test_an_error_in_the_fronts_own_hook_fails_the_job_at_once(tmp_path):
-    # A scheduler that gives the groups different learning rates: the front
+    # A scheduler that changes the ratio of the groups' learning rates (made
+    # equal, then 0.001 and 0.002): the servers hold the ratio, so the front
     # refuses in its hook, at the first push of the step.
     start = time.monotonic()
     r, s = launch(tmp_path, 2, 1, ["--optimizer=adam", "--heartbeat_timeout=60s",
                                    "--step_timeout=60s"], "6 --group_lrs_at 2")
     assert r.returncode != 0
-    assert re.search(r"\[worker[01]\] torch_worker: step 2: param groups with different learning "
-                     r"rates \(group 0: 0\.001, group 1: 0\.002\)", r.stderr), r.stderr
-    assert "aborted by its program: param groups with different learning rates" in s["status"]
+    assert re.search(r"\[worker[01]\] torch_worker: step 2: param group 1 has lr 0\.002, but the "
+                     r"servers step it at 1\.0 x group 0's lr 0\.001 = 0\.001", r.stderr), r.stderr
+    assert "aborted by its program: param group 1 has lr 0.002" in s["status"]
     assert time.monotonic() - start < 30
 
 
@@ -495,3 +499,24 @@ def test_workers_serve_their_metrics_on_the_port_the_launcher_gives_them(tmp_pat
                          text), text
         assert 'role="worker"' in text and str(summary["job_id"]) not in text
         assert re.search(r"onebit_worker_loss{[^}]*} [0-9.e+-]+", text), text
+
+
+def test_param_groups_lrs_become_the_servers_lr_scales():
+    # The ratios to the first non-zero group's lr, as float32 (the servers'
+    # multipliers); groups at one lr need none; a group without an lr among
+    # differing ones, or a negative lr, is refused by name.
+    sys.path.insert(0, os.path.join(BIN, "python"))
+    from onebit_ps import OnebitError, _lr_scales
+    w = [object()]
+    assert _lr_scales([{"params": w}, {"params": w, "lr": 0.1}], 0.1) == [1.0, 1.0]
+    assert _lr_scales([{"params": w}, {"params": w}], None) == [1.0, 1.0]
+    scales = _lr_scales([{"params": w, "lr": 0.0}, {"params": w, "lr": 0.4},
+                         {"params": w, "lr": 0.1}], None)
+    assert scales == [0.0, 1.0, 0.25]
+    assert _lr_scales([{"params": w, "lr": 0.3}, {"params": w, "lr": 0.1}], None)[1] == \
+        pytest.approx(1 / 3, rel=1e-7)
+    with pytest.raises(OnebitError, match=r"param group 1 has no lr while other groups have "
+                                          r"different ones \(group 0: 0\.1, group 2: 0\.2\)"):
+        _lr_scales([{"params": w, "lr": 0.1}, {"params": w}, {"params": w, "lr": 0.2}], None)
+    with pytest.raises(OnebitError, match=r"param group 0 has lr -0\.1: want a finite lr >= 0"):
+        _lr_scales([{"params": w, "lr": -0.1}, {"params": w, "lr": 0.2}], None)
