@@ -75,8 +75,10 @@ absl::Status ValidateRequest(const data::Header& h, const DataPlaneJob& job, uin
     // Not saying which id would be right.
     return bad(absl::StrFormat("wrong job id %016x (not this job's)", h.job_id()));
   }
-  if (h.kind() != data::PUSH && h.kind() != data::INIT && h.kind() != data::PULL) {
-    return bad("unexpected message kind ", data::Kind_Name(h.kind()), " (want PUSH, INIT or PULL)");
+  if (h.kind() != data::PUSH && h.kind() != data::INIT && h.kind() != data::PULL &&
+      h.kind() != data::STATE_PULL) {
+    return bad("unexpected message kind ", data::Kind_Name(h.kind()),
+               " (want PUSH, INIT, PULL or STATE_PULL)");
   }
   if (h.rank() >= job.workers) {
     return bad("unknown worker rank ", h.rank(), " (job has ", job.workers, " workers)");
@@ -118,8 +120,9 @@ absl::Status ValidateRequest(const data::Header& h, const DataPlaneJob& job, uin
   if (h.has_lr() && (h.kind() != data::PUSH || !std::isfinite(h.lr()) || h.lr() < 0)) {
     return bad("learning rate ", h.lr(), " (a PUSH may carry a finite lr >= 0)");
   }
-  // A PULL asks for data: it carries none.
-  const size_t need = h.kind() == data::PULL ? 0 : codec->EncodedSize(h.count());
+  // A PULL or STATE_PULL asks for data: it carries none.
+  const bool pull = h.kind() == data::PULL || h.kind() == data::STATE_PULL;
+  const size_t need = pull ? 0 : codec->EncodedSize(h.count());
   if (h.payload_bytes() != need) {
     return bad("wrong payload length ", h.payload_bytes(), " in header (", codec->name(), " needs ",
                need, " bytes for ", h.count(), " elements)");

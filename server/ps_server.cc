@@ -278,6 +278,22 @@ absl::Status PsServer::HandleRequest(const std::string& routing_id, const data::
     }
     return DrainInOrder(c, index);
   }
+  if (h.kind() == data::STATE_PULL) {
+    // The state as of the start of the current step: between steps of the
+    // puller, so none of its chunks has moved yet.
+    if (!StateIsOfStep(h.step())) {
+      return absl::InvalidArgumentError(absl::StrCat("STATE_PULL for step ", h.step(),
+                                                     ", but shard ", options_.shard, " is at step ",
+                                                     state_.step));
+    }
+    if (c.pushed[h.rank()]) {
+      return absl::InvalidArgumentError(absl::StrCat("STATE_PULL from rank ", h.rank(),
+                                                     " for chunk ", index,
+                                                     " after pushing to step ", state_.step));
+    }
+    SendState(h.rank(), h.step(), c);
+    return absl::OkStatus();
+  }
   if (h.kind() == data::PULL) {
     // x as of the start of the current step: the initial x at step 0 (once
     // rank 0's INIT is in), a checkpoint's after a resume. A checkpoint
@@ -428,6 +444,40 @@ void PsServer::SendParams(uint32_t rank, uint64_t step, const Chunk& c) {
   h.set_codec(init_codec_->name());
   h.set_block_size(options_.job.map.block_size());
   h.set_payload_bytes(buf->size());
+  const SharedBytes shared = buf;
+  zmq::message_t payload = ShareFrame(shared, 0, shared->size());
+  Send(WorkerIdentity(options_.job.job_id, rank), h, &payload);
+}
+
+void PsServer::SendState(uint32_t rank, uint64_t step, const Chunk& c) {
+  const uint64_t n = c.range.size();
+  const uint64_t off = c.range.begin - state_.begin;
+  // x, then each array the algorithm holds now (all of the shard's length).
+  std::vector<std::pair<const char*, const std::vector<float>*>> arrays = {{"x", &state_.x}};
+  for (const auto& [name, a] : {std::pair<const char*, const std::vector<float>*>{"m", &state_.m},
+                                {"v", &state_.v},
+                                {"den", &state_.den},
+                                {"e", &state_.e}}) {
+    if (a->size() == state_.x.size()) arrays.emplace_back(name, a);
+  }
+  auto buf = std::make_shared<std::vector<uint8_t>>(4 * n * arrays.size());
+  data::Header h;
+  h.set_version(kProtocolVersion);
+  h.set_job_id(options_.job.job_id);
+  h.set_kind(data::STATE);
+  h.set_rank(rank);
+  h.set_step(step);
+  h.set_shard(options_.shard);
+  h.set_begin(c.range.begin);
+  h.set_count(n);
+  h.set_codec(init_codec_->name());
+  h.set_block_size(options_.job.map.block_size());
+  h.set_payload_bytes(buf->size());
+  h.set_frozen(state_.frozen);
+  for (size_t k = 0; k < arrays.size(); ++k) {
+    h.add_arrays(arrays[k].first);
+    std::memcpy(buf->data() + 4 * n * k, arrays[k].second->data() + off, 4 * n);
+  }
   const SharedBytes shared = buf;
   zmq::message_t payload = ShareFrame(shared, 0, shared->size());
   Send(WorkerIdentity(options_.job.job_id, rank), h, &payload);

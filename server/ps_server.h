@@ -128,6 +128,8 @@ class PsServer {
   // PARAMS: chunk c's x to worker `rank`, as of `step`, the step its PULL
   // named (the shard's, or one of the local steps it skipped).
   void SendParams(uint32_t rank, uint64_t step, const Chunk& c);
+  // STATE: chunk c's x and optimizer state arrays, fp32, to `rank`.
+  void SendState(uint32_t rank, uint64_t step, const Chunk& c);
   // `why`: the refusal it answers (counted in the metrics); none for a
   // failure that is not a request's (a step timeout).
   void SendError(const std::string& routing_id, const data::Header* request,

@@ -1,8 +1,10 @@
 #include "worker/ps_client.h"
 
 #include <algorithm>
+#include <cstring>
 #include <iterator>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "net/data_plane.h"
 #include "zmq_addon.hpp"
@@ -64,7 +66,7 @@ absl::Status PsClient::SendChunk(
     const std::function<absl::Status(const Range&, uint8_t*)>& encode) {
   Chunk& c = chunks_[i];
   const size_t n = c.range.size();
-  const size_t bytes = kind == data::PULL ? 0 : codec.EncodedSize(n);
+  const size_t bytes = kind == data::PULL || kind == data::STATE_PULL ? 0 : codec.EncodedSize(n);
   // Reuse the buffer once ZeroMQ has let go of it, else take a fresh one.
   if (c.buf == nullptr || c.buf.use_count() > 1 || c.buf->size() != bytes) {
     c.buf = std::make_shared<std::vector<uint8_t>>(bytes);
@@ -221,6 +223,69 @@ absl::Status PsClient::PullParams(uint64_t step, Replica* replica, const Check& 
         return replica->WriteX(r.begin, r.size(), x.data());
       },
       check);
+}
+
+absl::StatusOr<PsClient::ServerState> PsClient::PullState(uint64_t step, const Check& check) {
+  for (size_t i = 0; i < chunks_.size(); ++i) {
+    absl::Status st = SendChunk(i, step, *fp32_, data::STATE_PULL,
+                                [](const Range&, uint8_t*) { return absl::OkStatus(); });
+    if (!st.ok()) return st;
+  }
+  const uint64_t d = options_.map.num_params();
+  ServerState out;
+  std::map<std::string, uint64_t> filled;  // elements received per array
+  std::vector<bool> got(chunks_.size(), false);
+  int frozen = -1;
+  absl::Status st = ReceiveAll(
+      absl::StrCat("the optimizer state at step ", step),
+      [&](uint32_t k, std::vector<zmq::message_t>& frames) -> absl::Status {
+        data::Header h;
+        auto i = CheckReply(k, step, data::STATE, frames, &h);
+        if (!i.ok()) return i.status();
+        const Range& r = chunks_[*i].range;
+        auto bad = [&](auto&&... parts) {
+          return absl::DataLossError(absl::StrCat("bad optimizer state from server ", k,
+                                                  " for chunk [", r.begin, ", ", r.end,
+                                                  "): ", parts...));
+        };
+        // Only the names a shard may hold: memory stays within 5 d floats.
+        for (const std::string& name : h.arrays()) {
+          if (name != "x" && name != "m" && name != "v" && name != "den" && name != "e") {
+            return bad("unknown array '", absl::CHexEscape(name), "'");
+          }
+        }
+        const size_t need = 4 * r.size() * h.arrays_size();
+        if (frames.size() != 2 || h.payload_bytes() != need || frames[1].size() != need) {
+          return bad("payload of ", frames.size() == 2 ? frames[1].size() : 0, " bytes, want ",
+                     need);
+        }
+        if (got[*i]) return bad("sent twice");
+        if (frozen >= 0 && frozen != static_cast<int>(h.frozen())) {
+          return bad("the servers disagree on whether v is frozen");
+        }
+        frozen = h.frozen();
+        got[*i] = true;
+        const auto* payload = static_cast<const uint8_t*>(frames[1].data());
+        for (int a = 0; a < h.arrays_size(); ++a) {
+          std::vector<float>& into = out.arrays[h.arrays(a)];
+          if (into.empty()) into.resize(d);
+          std::memcpy(into.data() + r.begin, payload + 4 * r.size() * a, 4 * r.size());
+          filled[h.arrays(a)] += r.size();
+        }
+        return absl::OkStatus();
+      },
+      check);
+  if (!st.ok()) return st;
+  for (const auto& [name, n] : filled) {
+    if (n != d) {
+      return absl::DataLossError(absl::StrCat("the servers' optimizer state: array '", name,
+                                              "' came for ", n, " of the ", d,
+                                              " parameters (the shards disagree on what they "
+                                              "hold)"));
+    }
+  }
+  out.frozen = frozen == 1;
+  return out;
 }
 
 absl::Status PsClient::HandleReply(uint32_t server, std::vector<zmq::message_t>& frames,

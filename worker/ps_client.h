@@ -57,6 +57,16 @@ class PsClient {
   // before step 0 on every other rank (rank 0's x, once it has arrived);
   // on every rank of a job resumed at `step`.
   absl::Status PullParams(uint64_t step, Replica* replica, const Check& check);
+  // Between steps (none of `step`'s chunks pushed): fetches every shard's
+  // master x and optimizer state arrays as of the start of `step`, by name
+  // ("x", "m", "v", "den", "e"; d floats each, an array every shard holds),
+  // and whether the servers are in the compression phase. Changes nothing
+  // on the servers.
+  struct ServerState {
+    bool frozen = false;
+    std::map<std::string, std::vector<float>> arrays;
+  };
+  absl::StatusOr<ServerState> PullState(uint64_t step, const Check& check);
 
   // A step in parts: BeginStep, then PushReady as gradient ranges become
   // final (each chunk is pushed once all of it is ready), then CompleteStep,

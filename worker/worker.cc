@@ -779,6 +779,40 @@ absl::Status Worker::ReportEvaluation(double test_loss, double test_accuracy) {
 
 absl::Status Worker::ReadParams(float* out) const { return impl_->replica->ReadX(out); }
 
+absl::StatusOr<OptimizerState> Worker::GatherOptimizerState() {
+  Impl& w = *impl_;
+  if (absl::Status st = w.Usable(); !st.ok()) return st;
+  if (!w.broadcast) {
+    return absl::FailedPreconditionError(
+        "GatherOptimizerState() before BroadcastParameters(): the servers hold no state yet");
+  }
+  if (w.client->in_step()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("GatherOptimizerState() in the middle of step ", w.step,
+                     " (GradientsReady without Step): call it between steps"));
+  }
+  auto server = w.client->PullState(w.step, [&w] { return w.CheckJob(); });
+  if (!server.ok()) {
+    return w.FailOrRejoin(
+        absl::Status(server.status().code(),
+                     absl::StrCat("gathering the optimizer state: ", server.status().message())));
+  }
+  auto mine = w.replica->SaveState(Replica::Parts{});
+  if (!mine.ok()) return mine.status();
+  OptimizerState out;
+  out.step = w.step;
+  out.frozen = server->frozen;
+  out.server = std::move(server->arrays);
+  for (auto& [name, a] : {std::pair<const char*, std::vector<float>*>{"mbar", &mine->mbar},
+                          {"e", &mine->e},
+                          {"den", &mine->den},
+                          {"v", &mine->v},
+                          {"x_sync", &mine->x_sync}}) {
+    if (a->size() == w.job.num_params) out.worker[name] = std::move(*a);
+  }
+  return out;
+}
+
 absl::Status Worker::Finish() {
   Impl& w = *impl_;
   if (absl::Status st = w.Usable(); !st.ok()) return st;

@@ -192,6 +192,23 @@ struct StepOptions {
   double epoch = 0;
 };
 
+// The job's optimizer state as of the start of step `step`, gathered from
+// every server and this worker (Worker::GatherOptimizerState).
+struct OptimizerState {
+  uint64_t step = 0;    // steps completed
+  bool frozen = false;  // in the compression phase: v is frozen
+  // The servers' arrays, d floats each, in x's order: "x" (the master copy),
+  // and those the job's optimizer holds there now: "m" (Adam's first
+  // moment; the warm-up's, or 0/1 Adam's and 1-bit LAMB's), "v" (the
+  // second moment; frozen after the freeze), "den" (the frozen sqrt(v) +
+  // eps), "e" (the servers' error feedback).
+  std::map<std::string, std::vector<float>> server;
+  // This worker's own, d floats each: "mbar" (after the freeze the momentum
+  // its replica steps with: the servers' averaged one under momentum
+  // replies), "e" (its error feedback), "den", "v", "x_sync" (0/1 Adam).
+  std::map<std::string, std::vector<float>> worker;
+};
+
 struct StepStats {
   uint64_t step = 0;        // the step just completed (0-based)
   bool compressed = false;  // it ran in the compression phase (1-bit)
@@ -279,6 +296,14 @@ class Worker {
 
   // Copies params() to host memory (d floats).
   absl::Status ReadParams(float* out) const;
+
+  // The optimizer state as of now, for inspection or to continue elsewhere
+  // (the job's own --checkpoint_dir stays the way to resume it): requires
+  // BroadcastParameters() and no step in progress (not between a
+  // GradientsReady and its Step). Every server answers from its shard
+  // without changing anything; the other workers need not take part. Holds
+  // up to 5 d floats from the servers and 5 d of this worker's.
+  absl::StatusOr<OptimizerState> GatherOptimizerState();
 
   // Ends this worker's part: sends the checksums of its parameters to the
   // coordinator, which compares them with every other replica and the

@@ -24,6 +24,7 @@ which the job checks at registration (naming the first that differs).
 
 import atexit
 import contextlib
+import json
 import math
 import os
 import re
@@ -519,16 +520,56 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return message
 
     def state_dict(self):
-        raise NotImplementedError(
-            "DistributedOptimizer.state_dict(): the optimizer's state (Adam's m and v, the "
-            "frozen variance, both error-feedback buffers) lives on the servers and workers of "
-            "the job, which checkpoint it (--checkpoint_dir, --checkpoint_every); a job started "
-            "again resumes from its last checkpoint by itself, at opt.steps_done")
+        """The optimizer's state, gathered from the servers, as
+        torch.optim.AdamW's state_dict(): per parameter 'step', 'exp_avg'
+        (Adam's m; after the freeze the momentum the replicas step with),
+        'exp_avg_sq' (v; frozen after the freeze), and param_groups with
+        lr, betas, eps and weight_decay; so that
+        torch.optim.AdamW(params).load_state_dict(opt.state_dict())
+        continues with plain torch (equal to the job's next step where the
+        job runs adam with bias_correction). onebit-ps's own state is under
+        'onebit': the optimizer, step, frozen, and every array of the
+        servers ('server': x, m, v, den, e) and of this worker ('worker':
+        mbar, e, ...) as flat tensors over all parameters. Call it between
+        steps; any rank may, alone. The job's --checkpoint_dir stays the way
+        to resume a onebit-ps job."""
+        try:
+            s = self._worker.optimizer_state()
+        except OnebitError as e:
+            raise OnebitError(f"state_dict(): {e}") from None
+
+        def flat(arrays):
+            return {k: torch.frombuffer(bytearray(b), dtype=torch.float32) for k, b in arrays.items()}
+        server, worker = flat(s["server"]), flat(s["worker"])
+        zeros = torch.zeros(self._x.numel())
+        m = worker["mbar"] if s["frozen"] and "mbar" in worker else server.get("m", zeros)
+        v = server.get("v", zeros)
+        settings = json.loads(self.job["config_json"])
+        state, groups, i = {}, [], 0
+        for g in self.param_groups:
+            ids = []
+            for p in g["params"]:
+                _, offset, n = self._slices[i]
+                state[i] = {"step": torch.tensor(float(s["step"])),
+                            "exp_avg": m[offset:offset + n].view_as(p).clone().to(p.device),
+                            "exp_avg_sq": v[offset:offset + n].view_as(p).clone().to(p.device)}
+                ids.append(i)
+                i += 1
+            groups.append({"lr": g["lr"], "betas": (settings["beta1"], settings["beta2"]),
+                           "eps": settings["eps"],
+                           "weight_decay": g.get("weight_decay", settings["weight_decay"]),
+                           "amsgrad": False, "foreach": None, "maximize": False,
+                           "capturable": False, "params": ids})
+        return {"state": state, "param_groups": groups,
+                "onebit": {"optimizer": self.job["optimizer"], "step": s["step"],
+                           "frozen": s["frozen"], "server": server, "worker": worker}}
 
     def load_state_dict(self, state_dict):
         raise NotImplementedError(
-            "DistributedOptimizer.load_state_dict(): a onebit-ps job resumes from its own "
-            "checkpoints (--checkpoint_dir) when started again; continue at opt.steps_done")
+            "DistributedOptimizer.load_state_dict(): not available: a onebit-ps job's state "
+            "lives on its servers and is restored from the job's own checkpoints "
+            "(--checkpoint_dir) when it is started again (continue at opt.steps_done); "
+            "state_dict() gives the state to continue with plain torch")
 
     def finish(self):
         self._worker.finish()

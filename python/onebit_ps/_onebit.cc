@@ -251,6 +251,31 @@ PYBIND11_MODULE(_onebit, m) {
             return d;
           },
           py::arg("loss") = py::none(), py::arg("epoch") = 0.0)
+      .def(
+          "optimizer_state",
+          [](onebit::Worker& w) {
+            absl::StatusOr<onebit::OptimizerState> s;
+            {
+              py::gil_scoped_release release;
+              s = w.GatherOptimizerState();
+            }
+            if (!s.ok()) Raise(s.status());
+            auto arrays = [](const std::map<std::string, std::vector<float>>& in) {
+              py::dict d;
+              for (const auto& [name, a] : in) {
+                d[py::str(name)] = py::bytes(reinterpret_cast<const char*>(a.data()), 4 * a.size());
+              }
+              return d;
+            };
+            py::dict d;
+            d["step"] = s->step;
+            d["frozen"] = s->frozen;
+            d["server"] = arrays(s->server);
+            d["worker"] = arrays(s->worker);
+            return d;
+          },
+          "The optimizer state between steps (Worker::GatherOptimizerState): step, frozen, "
+          "and the servers' and this worker's arrays by name, as bytes of d float32 each.")
       .def("report_evaluation",
            [](onebit::Worker& w, double test_loss, double test_accuracy) {
              Check(w.ReportEvaluation(test_loss, test_accuracy));

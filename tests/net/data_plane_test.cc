@@ -69,6 +69,17 @@ TEST_F(DataHeader, AcceptsGoodPushesIncludingTheShortLastChunk) {
   init.set_codec(fp32_->name());
   init.set_payload_bytes(512);
   EXPECT_TRUE(Check(init, 512).ok()) << Check(init, 512);
+  // A STATE_PULL from any rank asks for fp32 state and carries nothing.
+  data::Header state = Good();
+  state.set_kind(data::STATE_PULL);
+  state.set_codec(fp32_->name());
+  state.set_payload_bytes(0);
+  EXPECT_TRUE(Check(state, 0).ok()) << Check(state, 0);
+  state.set_payload_bytes(512);
+  EXPECT_THAT(std::string(Check(state, 512).message()), HasSubstr("wrong payload length 512"));
+  state.set_kind(data::STATE);
+  state.set_payload_bytes(0);
+  EXPECT_THAT(std::string(Check(state, 0).message()), HasSubstr("unexpected message kind STATE"));
 }
 
 // Protobuf parses an int's worth of bytes: a frame of 2 GiB made it abort

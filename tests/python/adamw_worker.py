@@ -1,7 +1,10 @@
 """One worker running the job's adam (bias correction, decoupled weight
 decay) through the servers beside torch.optim.AdamW on a copy of the same
 model and batches; prints the largest relative difference of the weights
-(per tensor, in norm) over the steps and exits 1 above the bound."""
+(per tensor, in norm) over the steps and exits 1 above the bound.
+--state_dict: then opt.state_dict() must hold AdamW's exp_avg, exp_avg_sq
+and step (within the bound), and a fresh torch.optim.AdamW loading it must
+continue as the AdamW that ran all along (20 more steps, within the bound)."""
 import copy
 import sys
 
@@ -63,5 +66,44 @@ for t in range(steps):
         rel = ((a - b).norm() / b.norm()).item()
         worst = max(worst, rel)
 print(f"adamw_worker: {steps} steps, largest relative difference {worst:.3g}", file=sys.stderr)
+if "--state_dict" in sys.argv:
+    mine, theirs = opt.state_dict(), ref.state_dict()
+    assert mine["onebit"]["step"] == steps and not mine["onebit"]["frozen"], mine["onebit"]
+    assert sorted(mine["onebit"]["server"]) == ["m", "v", "x"], sorted(mine["onebit"]["server"])
+    assert len(mine["state"]) == len(theirs["state"]) == 4
+    for k, want in theirs["state"].items():
+        got = mine["state"][k]
+        assert float(got["step"]) == float(want["step"]) == steps
+        for key in ("exp_avg", "exp_avg_sq"):
+            rel = ((got[key] - want[key]).norm() / want[key].norm()).item()
+            print(f"adamw_worker: state {k} {key} relative difference {rel:.3g}", file=sys.stderr)
+            # The servers' 1 - beta2 is a float32 difference (0.99998713e-3),
+            # torch's a double (1e-3): v differs by 1.3e-5 relative from that
+            # alone, which Adam's step mostly cancels (v / (1 - beta2^t)).
+            worst = max(worst, rel / 5 if key == "exp_avg_sq" else rel)
+    for a, b in zip(mine["param_groups"], theirs["param_groups"]):
+        assert (a["lr"], a["betas"], a["eps"], a["weight_decay"]) == \
+            (b["lr"], b["betas"], b["eps"], b["weight_decay"]), (a, b)
+    # Continue with plain torch: a copy of the job's model and a fresh AdamW
+    # loading the state, beside the AdamW that ran all along.
+    cont = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in cont.parameters():
+            p.data = p.data.clone()
+    fresh = torch.optim.AdamW(param_groups(cont, lr), lr=lr)
+    fresh.load_state_dict(mine)
+    for t in range(steps, steps + 20):
+        x = torch.randn(32, 10, generator=gen)
+        y = (x[:, 0] + x[:, 1] > 0).long() + (x[:, 2] > 1).long()
+        for m, o in ((cont, fresh), (twin, ref)):
+            o.zero_grad()
+            loss_fn(m(x), y).backward()
+            o.step()
+    after = 0.0
+    for a, b in zip(cont.parameters(), twin.parameters()):
+        after = max(after, ((a - b).norm() / b.norm()).item())
+    print(f"adamw_worker: continued in torch, largest relative difference {after:.3g}",
+          file=sys.stderr)
+    worst = max(worst, after)
 onebit_ps.finish()
 sys.exit(0 if worst <= bound else 1)

@@ -58,6 +58,20 @@ def test_four_by_two_cluster_of_torch_workers_ends_with_equal_replicas(tmp_path,
     assert float(by_step[3]["epoch"]) == 1.0 and float(by_step[11]["epoch"]) == 3.0
     assert float(by_step[3]["test_accuracy"]) == pytest.approx(float(evals[0][1]), abs=1e-6)
     assert by_step[4]["test_accuracy"] == ""
+    # state_dict() on every rank after the last step: the servers' arrays of
+    # the optimizer's phase, and one m and v for all (momentum replies: the
+    # replicas' momentum is the servers' averaged one).
+    states = re.findall(r"\[worker(\d)\] torch_worker: rank \d state step 12 frozen (\w+) "
+                        r"server (\[.*?\]) worker (\[.*?\]) crc (\d+) (\d+)", r.stderr)
+    assert sorted(int(w) for w, *_ in states) == [0, 1, 2, 3], r.stderr
+    assert len({tuple(rest) for _, *rest in states}) == 1
+    _, frozen, server, worker, _, _ = states[0]
+    if optimizer == "onebit-adam":
+        # The servers let m go at the freeze: the workers carry it on.
+        assert (frozen, server, worker) == ("True", "['den', 'e', 'v', 'x']",
+                                            "['den', 'e', 'mbar']")
+    else:
+        assert (frozen, server, worker) == ("False", "['m', 'v', 'x']", "[]")
 
 
 def test_auto_freeze_on_four_by_two(tmp_path):
@@ -82,7 +96,7 @@ def test_nan_gradient_is_an_exception_and_fails_the_job(tmp_path, overlap):
     assert s.get("status", "").startswith("failed")
 
 
-@pytest.mark.parametrize("groups", ["", "--groups", "--lr_groups"])
+@pytest.mark.parametrize("groups", ["", "--groups", "--lr_groups", "--groups --state_dict"])
 def test_warmup_adam_over_the_servers_tracks_torch_adamw(tmp_path, groups):
     # Adam forever (no freeze), bias correction on, decoupled weight decay 0.01:
     # the same update as torch.optim.AdamW, computed by the servers; with

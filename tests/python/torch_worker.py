@@ -22,14 +22,16 @@ lines; run by the tests through onebit-launch --worker_cmd.
       --group_lrs_at STEP: two param groups (the layers); at that step they
         get different learning rates (0.001 and 0.002)
 A job resumed from a checkpoint, or rolled back to one, continues at
-opt.steps_done, the data where it was. Writes the final parameters to
-$ONEBIT_DUMP_X when set.
+opt.steps_done, the data where it was. At the end every rank prints what
+opt.state_dict() gathered (CRC-32s of exp_avg and exp_avg_sq). Writes the
+final parameters to $ONEBIT_DUMP_X when set.
 """
 import json
 import os
 import signal
 import sys
 import time
+import zlib
 
 import torch
 
@@ -180,11 +182,27 @@ while t < steps:
 for name, tensor in model.state_dict().items():
     if name != "frozen":
         assert base <= tensor.data_ptr() < base + 4 * opt._x.numel(), name
+def _crc(t):
+    return zlib.crc32(t.numpy().tobytes())
+
+
+# The optimizer's state, gathered from the servers: the torch view of it is
+# the onebit view's m (after the freeze the replica's momentum) and v.
+sd = opt.state_dict()
+ob = sd["onebit"]
+flat = lambda key: torch.cat([sd["state"][i][key].flatten() for i in sorted(sd["state"])])
+m_of = ob["worker"]["mbar"] if ob["frozen"] and "mbar" in ob["worker"] else ob["server"]["m"]
+assert torch.equal(flat("exp_avg"), m_of) and torch.equal(flat("exp_avg_sq"), ob["server"]["v"])
+if json.loads(opt.job["config_json"])["server_reply"] != "delta":  # replicas equal the master
+    assert torch.equal(ob["server"]["x"], opt._x)
+print(f"torch_worker: rank {onebit_ps.rank()} state step {ob['step']} frozen {ob['frozen']} "
+      f"server {sorted(ob['server'])} worker {sorted(ob['worker'])} "
+      f"crc {_crc(flat('exp_avg'))} {_crc(flat('exp_avg_sq'))}", file=sys.stderr)
 try:
-    opt.state_dict()
-    sys.exit("torch_worker: state_dict() should raise NotImplementedError")
+    opt.load_state_dict(sd)
+    sys.exit("torch_worker: load_state_dict() should raise NotImplementedError")
 except NotImplementedError as e:
-    assert "lives on the servers" in str(e)
+    assert "restored from the job's own checkpoints" in str(e)
 print(f"torch_worker: rank {onebit_ps.rank()} final loss {loss.item():.4f}", file=sys.stderr)
 if os.environ.get("ONEBIT_DUMP_X"):
     opt._x.numpy().tofile(os.environ["ONEBIT_DUMP_X"])
