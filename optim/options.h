@@ -170,33 +170,26 @@ std::string LrScaleRangesText(const std::vector<LrScaleRange>& ranges);
 // through it, so each element steps with its own range's settings.
 template <typename Fn>
 void ForEachRangeSetting(const OptimizerOptions& o, uint64_t b, size_t n, Fn&& fn) {
-  const std::vector<DecayRange>& wd = o.weight_decay_ranges;
-  const std::vector<LrScaleRange>& ls = o.lr_scale_ranges;
   size_t i = 0, j = 0;
   uint64_t at = b;
   const uint64_t end = b + n;
+  // The value at `at` of one sorted list of ranges (`fallback` outside
+  // them), moving *k past the ranges that end before it and cutting `stop`
+  // at the next boundary.
+  auto value_at = [&](const auto& ranges, size_t* k, float fallback, auto value, uint64_t* stop) {
+    while (*k < ranges.size() && ranges[*k].end <= at) ++*k;
+    if (*k == ranges.size()) return fallback;
+    const auto& r = ranges[*k];
+    *stop = std::min<uint64_t>(*stop, r.begin <= at ? r.end : r.begin);
+    return r.begin <= at ? value(r) : fallback;
+  };
   while (at < end) {
-    while (i < wd.size() && wd[i].end <= at) ++i;
-    while (j < ls.size() && ls[j].end <= at) ++j;
     uint64_t stop = end;
-    float decay = o.weight_decay;
-    if (i < wd.size()) {
-      if (wd[i].begin <= at) {
-        decay = wd[i].weight_decay;
-        stop = std::min<uint64_t>(stop, wd[i].end);
-      } else {
-        stop = std::min<uint64_t>(stop, wd[i].begin);
-      }
-    }
-    float scale = 1.0f;
-    if (j < ls.size()) {
-      if (ls[j].begin <= at) {
-        scale = ls[j].lr_scale;
-        stop = std::min<uint64_t>(stop, ls[j].end);
-      } else {
-        stop = std::min<uint64_t>(stop, ls[j].begin);
-      }
-    }
+    const float decay = value_at(
+        o.weight_decay_ranges, &i, o.weight_decay,
+        [](const DecayRange& r) { return r.weight_decay; }, &stop);
+    const float scale = value_at(
+        o.lr_scale_ranges, &j, 1.0f, [](const LrScaleRange& r) { return r.lr_scale; }, &stop);
     fn(at - b, stop - at, decay, scale);
     at = stop;
   }

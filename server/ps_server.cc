@@ -432,20 +432,26 @@ void PsServer::SendParams(uint32_t rank, uint64_t step, const Chunk& c) {
     failure_ = absl::InternalError(absl::StrCat("encoding the initial x: ", st.message()));
     return;
   }
+  SendFp32(data::PARAMS, rank, step, c, buf, {});
+}
+
+void PsServer::SendFp32(int kind, uint32_t rank, uint64_t step, const Chunk& c,
+                        const SharedBytes& payload_bytes,
+                        const std::function<void(data::Header&)>& more) {
   data::Header h;
   h.set_version(kProtocolVersion);
   h.set_job_id(options_.job.job_id);
-  h.set_kind(data::PARAMS);
+  h.set_kind(static_cast<data::Kind>(kind));
   h.set_rank(rank);
   h.set_step(step);
   h.set_shard(options_.shard);
   h.set_begin(c.range.begin);
-  h.set_count(n);
+  h.set_count(c.range.size());
   h.set_codec(init_codec_->name());
   h.set_block_size(options_.job.map.block_size());
-  h.set_payload_bytes(buf->size());
-  const SharedBytes shared = buf;
-  zmq::message_t payload = ShareFrame(shared, 0, shared->size());
+  h.set_payload_bytes(payload_bytes->size());
+  if (more) more(h);
+  zmq::message_t payload = ShareFrame(payload_bytes, 0, payload_bytes->size());
   Send(WorkerIdentity(options_.job.job_id, rank), h, &payload);
 }
 
@@ -461,26 +467,13 @@ void PsServer::SendState(uint32_t rank, uint64_t step, const Chunk& c) {
     if (a->size() == state_.x.size()) arrays.emplace_back(name, a);
   }
   auto buf = std::make_shared<std::vector<uint8_t>>(4 * n * arrays.size());
-  data::Header h;
-  h.set_version(kProtocolVersion);
-  h.set_job_id(options_.job.job_id);
-  h.set_kind(data::STATE);
-  h.set_rank(rank);
-  h.set_step(step);
-  h.set_shard(options_.shard);
-  h.set_begin(c.range.begin);
-  h.set_count(n);
-  h.set_codec(init_codec_->name());
-  h.set_block_size(options_.job.map.block_size());
-  h.set_payload_bytes(buf->size());
-  h.set_frozen(state_.frozen);
   for (size_t k = 0; k < arrays.size(); ++k) {
-    h.add_arrays(arrays[k].first);
     std::memcpy(buf->data() + 4 * n * k, arrays[k].second->data() + off, 4 * n);
   }
-  const SharedBytes shared = buf;
-  zmq::message_t payload = ShareFrame(shared, 0, shared->size());
-  Send(WorkerIdentity(options_.job.job_id, rank), h, &payload);
+  SendFp32(data::STATE, rank, step, c, buf, [&](data::Header& h) {
+    h.set_frozen(state_.frozen);
+    for (const auto& array : arrays) h.add_arrays(array.first);
+  });
 }
 
 std::optional<bool> PsServer::LastWarmup() {

@@ -130,6 +130,10 @@ class PsServer {
   void SendParams(uint32_t rank, uint64_t step, const Chunk& c);
   // STATE: chunk c's x and optimizer state arrays, fp32, to `rank`.
   void SendState(uint32_t rank, uint64_t step, const Chunk& c);
+  // Sends `payload` (fp32 data of chunk c) to `rank` as a message of
+  // `kind` (a data::Kind) for `step`; `more` adds its own header fields.
+  void SendFp32(int kind, uint32_t rank, uint64_t step, const Chunk& c, const SharedBytes& payload,
+                const std::function<void(data::Header&)>& more);
   // `why`: the refusal it answers (counted in the metrics); none for a
   // failure that is not a request's (a step timeout).
   void SendError(const std::string& routing_id, const data::Header* request,
