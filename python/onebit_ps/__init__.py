@@ -63,6 +63,8 @@ class JobStopped(SystemExit):
 
 _settings = {}
 _optimizer = None  # this process's DistributedOptimizer, once it joined the job
+# The parameter types the front trains; the servers' masters are fp32.
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def init(coordinator=None, rank=None, device=None, secret_file=None, insecure=None,
@@ -158,6 +160,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     group by the same factor (LambdaLR with one lambda, warm-up, cosine to
     0, StepLR); one that changes the ratios is an error naming the group.
     A group without 'lr' takes `lr`, or the job's where all groups agree.
+    Parameters may be float32 (then views of the worker's buffer), bfloat16
+    or float16: the servers keep fp32 master weights, each push sends the
+    gradient converted to fp32 (the wire carries fp32 or the job's codecs,
+    as for a float32 model), and after every step the parameter takes the
+    new master weights rounded to its dtype. GradScaler is not supported
+    (a step skipped on one rank would have to be skipped on all).
     Pass the model itself where you can: then its buffers and
     frozen parameters, which stay local to each worker, are checked to
     start equal on every rank, and errors name parameters as the model does.
@@ -222,13 +230,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ranges, lr_ranges, ends, offset = [], [], [], 0
         for g, scale in zip(groups, scales):
             for p in g["params"]:
-                if p.dtype != torch.float32 or p.is_sparse:
+                if p.dtype not in _DTYPES or p.is_sparse:
                     kind = "sparse " if p.is_sparse else ""
                     raise OnebitError(
                         f"{names[id(p)]} is a {kind}{p.dtype} parameter of shape "
-                        f"{tuple(p.shape)}: onebit-ps trains dense float32 parameters (keep "
-                        "the model in float32; autocast may still run its layers in lower "
-                        "precision)")
+                        f"{tuple(p.shape)}: onebit-ps trains dense float32, bfloat16 or "
+                        "float16 parameters")
                 if "weight_decay" in g:
                     ranges.append((offset, offset + p.numel(), float(g["weight_decay"])))
                 if scale != 1.0:
@@ -269,6 +276,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._g = torch.utils.dlpack.from_dlpack(self._worker.grads_dlpack())
         self._cuda = self._x.is_cuda
         self._slices, self._names, self._grads = [], [], []
+        # bfloat16/float16 parameters: index -> the fp32 views of x and of the
+        # gradient buffer their values go through (the servers keep fp32
+        # masters; the model holds them rounded).
+        self._low = {}
         offset = 0
         with torch.no_grad():
             for g in self.param_groups:
@@ -283,14 +294,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     n = p.numel()
                     view = self._x[offset:offset + n].view_as(p)
                     view.copy_(p.data)
-                    p.data = view
                     # Each gradient a tensor of its own over the buffer: views of
                     # one tensor share its version counter, and a change to a
                     # gradient after its push must be seen per parameter.
                     grad = torch.utils.dlpack.from_dlpack(self._g[offset:offset + n]).view_as(p)
                     grad.zero_()
-                    p.grad = grad
-                    self._grads.append(grad)
+                    if p.dtype == torch.float32:
+                        p.data = view
+                        p.grad = grad
+                    else:
+                        # autograd keeps a gradient in its parameter's dtype: the
+                        # push copies it into the buffer as fp32.
+                        self._low[len(self._slices)] = (view, grad)
+                        p.grad = torch.zeros_like(p)
+                    self._grads.append(p.grad)
                     self._slices.append((p, offset, n))
                     self._names.append(name)
                     offset += n
@@ -307,6 +324,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._hooks.append(node)  # keep it alive: the hook lives on it
                 node.register_hook(self._make_hook(i))
         self._worker.broadcast_parameters()
+        self._refresh()
         self._last_lr = job["lr"]
         self._lr_sent = False
         self.last_stats = None  # the last step()'s figures (step, compressed, bytes, step_s)
@@ -351,6 +369,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if p.grad is not self._grads[i]:
             self._grads[i].copy_(p.grad)
             p.grad = self._grads[i]
+        if i in self._low:
+            self._low[i][1].copy_(self._grads[i])  # into the buffer, as fp32
+
+    def _refresh(self):
+        """The bfloat16/float16 parameters take the worker's new x, rounded
+        (the fp32 ones are views of it)."""
+        with torch.no_grad():
+            for i, (view, _) in self._low.items():
+                self._slices[i][0].data.copy_(view)
 
     def _push(self, i):
         p, offset, n = self._slices[i]
@@ -381,6 +408,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             except RolledBack:
                 self._lr_sent = False
                 self._pushed = {}
+                self._refresh()
                 raise
             except OnebitError:
                 raise  # the job has failed with it already
@@ -428,6 +456,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for i, (p, _, _) in enumerate(self._slices):
             if p.grad is not self._grads[i]:
                 p.grad = self._grads[i]
+            if i in self._low:
+                self._grads[i].zero_()
 
     def _list(self, indices):
         names = [self._names[i] for i in sorted(indices)]
@@ -485,11 +515,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             value = float(loss) if loss is not None else None
             self._sync()
             self.last_stats = self._worker.step(value, float(epoch or 0.0))
+            self._refresh()
         except Stopped as e:
             self._ended = True
             print(f"onebit_ps: {e}", file=sys.stderr)
             raise JobStopped(str(e)) from None
         except RolledBack:
+            self._refresh()
             raise
         except OnebitError as e:
             raise OnebitError(self._name_element(str(e))) from None

@@ -42,8 +42,8 @@ def check(ok, what):
 
 
 model = Model()
-if case == "half":
-    model.half()
+if case == "double":
+    model.double()
 c = torch.tensor([1.0, -2.0, 3.0, -4.0, 5.0]) * 1e4  # norm about 7.4e4
 overlap = not case.endswith("no_overlap")
 try:

@@ -74,6 +74,21 @@ def test_four_by_two_cluster_of_torch_workers_ends_with_equal_replicas(tmp_path,
         assert (frozen, server, worker) == ("False", "['m', 'v', 'x']", "[]")
 
 
+@pytest.mark.parametrize("optimizer", ["adam", "onebit-adam"])
+def test_a_bfloat16_model_trains_on_fp32_masters(tmp_path, optimizer):
+    # torch_worker --bf16 checks after every step that each bfloat16
+    # parameter is the worker's fp32 x rounded; the replicas (fp32) end equal
+    # and the model learns.
+    r, s = launch(tmp_path, 2, 2, [f"--optimizer={optimizer}", "--freeze_step=5", "--lr=0.01"],
+                  "16 --bf16")
+    assert r.returncode == 0, r.stderr
+    assert s["replicas_equal"] is True
+    assert s["compress_steps"] == (11 if optimizer == "onebit-adam" else 0)
+    assert learned(r.stderr, s), r.stderr
+    # The wire carried what a float32 model's would: fp32 in the warm-up.
+    assert s["params"] == 20 * 32 + 32 + 32 * 4 + 4
+
+
 def test_auto_freeze_on_four_by_two(tmp_path):
     r, s = launch(tmp_path, 4, 2, ["--optimizer=onebit-adam", "--freeze=auto:0.5:5", "--lr=0.01"],
                   "30")
@@ -366,7 +381,8 @@ def test_buffers_that_differ_between_ranks_fail_the_job_naming_them(tmp_path):
 
 @pytest.mark.parametrize("case,message", [
     ("second_optimizer", "this process has made a DistributedOptimizer already (rank "),
-    ("half", "w is a torch.float16 parameter of shape (5,): onebit-ps trains dense float32"),
+    ("double", "w is a torch.float64 parameter of shape (5,): onebit-ps trains dense float32, "
+               "bfloat16 or float16 parameters"),
 ])
 def test_unsupported_uses_are_refused_naming_what(tmp_path, case, message):
     r, s = grad_case(tmp_path, case, 1)

@@ -21,6 +21,9 @@ lines; run by the tests through onebit-launch --worker_cmd.
         ZeroDivisionError in that step's backward (uncaught: the program dies)
       --group_lrs_at STEP: two param groups (the layers); at that step they
         get different learning rates (0.001 and 0.002)
+      --bf16: the model and its inputs in bfloat16 (fp32 masters on the
+        servers); after every step each parameter must equal the worker's
+        x rounded to bfloat16
 A job resumed from a checkpoint, or rolled back to one, continues at
 opt.steps_done, the data where it was. At the end every rank prints what
 opt.state_dict() gathered (CRC-32s of exp_avg and exp_avg_sq). Writes the
@@ -48,6 +51,8 @@ model = torch.nn.Sequential(torch.nn.Linear(20, hidden), torch.nn.ReLU(), torch.
 model.register_buffer("frozen", torch.ones(3))  # a buffer: stays local
 if "--model_device" in sys.argv:
     model.to(sys.argv[sys.argv.index("--model_device") + 1])
+dtype = torch.bfloat16 if "--bf16" in sys.argv else torch.float32
+model.to(dtype)
 shapes = [tuple(p.shape) for p in model.parameters()]
 keys = list(model.state_dict().keys())
 try:
@@ -70,17 +75,32 @@ except onebit_ps.OnebitError as e:
 # The shapes are the model's own, in the model's order.
 assert [tuple(p.shape) for p in model.parameters()] == shapes, "shapes changed"
 assert list(model.state_dict().keys()) == keys
-# Views, not copies: every trainable tensor lives in the worker's buffer.
+# Views, not copies: every float32 trainable tensor lives in the worker's
+# buffer; a bfloat16 one holds the worker's x rounded.
 base = opt._x.data_ptr()
-for p in model.parameters():
-    assert base <= p.data_ptr() < base + 4 * opt._x.numel(), "parameter is not a view"
-    assert p.grad.data_ptr() != p.data_ptr()
+
+
+def check_params():
+    offset = 0
+    for p in model.parameters():
+        assert p.dtype == dtype and p.grad.dtype == dtype
+        if dtype == torch.float32:
+            assert base <= p.data_ptr() < base + 4 * opt._x.numel(), "parameter is not a view"
+        else:
+            x = opt._x[offset:offset + p.numel()].view_as(p)
+            assert torch.equal(p.data, x.to(dtype)), "parameter is not the rounded master"
+        assert p.grad.data_ptr() != p.data_ptr()
+        offset += p.numel()
+
+
+check_params()
 
 sched = (torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
          if "--schedule" in sys.argv else None)
 loss_fn = torch.nn.CrossEntropyLoss()
 eval_x = torch.randn(256, 20, generator=torch.Generator().manual_seed(99))
 eval_y = (eval_x[:, 0] > 0).long() + 2 * (eval_x[:, 1] > 0).long()
+eval_x = eval_x.to(dtype)
 stop_at = int(sys.argv[sys.argv.index("--stop_server_at") + 1]) if "--stop_server_at" in sys.argv else -1
 
 
@@ -89,7 +109,7 @@ def batch(t):
     # job sees what it would have.
     gen = torch.Generator().manual_seed(1000 * onebit_ps.rank() + t)
     x = torch.randn(16, 20, generator=gen)
-    return x, (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+    return x.to(dtype), (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
 
 
 def signal_server_0(sig):
@@ -158,6 +178,7 @@ while t < steps:
         sys.exit(3)
     try:
         opt.step(loss=loss, epoch=(t + 1) / 4)  # 4 steps an "epoch"
+        check_params()
         if sched is not None:
             sched.step()
     except onebit_ps.RolledBack as e:
@@ -180,8 +201,9 @@ while t < steps:
     t += 1
 # Still views after training: state_dict() shares the worker's memory.
 for name, tensor in model.state_dict().items():
-    if name != "frozen":
+    if name != "frozen" and dtype == torch.float32:
         assert base <= tensor.data_ptr() < base + 4 * opt._x.numel(), name
+check_params()
 def _crc(t):
     return zlib.crc32(t.numpy().tobytes())
 
