@@ -20,6 +20,10 @@
 //   --layers_rank R  ... except on rank R, which declares one tensor fewer
 //   --bad_loss R:T:V rank R reports the loss V (e.g. nan, inf) at step T,
 //                    with StepOptions::has_loss
+//   --gather         GatherOptimizerState() in step 0 between GradientsReady
+//                    and Step (must be refused) and after the last step
+//                    (prints the arrays; the servers' x must be this
+//                    replica's)
 //   --no_loss        report no loss (StepOptions' default, a NaN)
 // Writes its final x to $ONEBIT_DUMP_X when set. Exits 1 with the error.
 #include <cmath>
@@ -55,13 +59,13 @@ int main(int argc, char** argv) {
   std::string init = "rank", wd, lr_scale;
   int wd_rank = -1, set_rank = -1, layers_rank = -1, lr_scale_rank = -1;
   std::string layers, bad_loss;
-  bool no_loss = false;
+  bool no_loss = false, gather = false;
   std::vector<std::string> settings;
   double lr = -1, lr_value = 0;
   for (int i = 1; i < argc; i += 2) {
     const std::string k = argv[i];
-    if (k == "--no_loss") {
-      no_loss = true;
+    if (k == "--no_loss" || k == "--gather") {
+      (k == "--no_loss" ? no_loss : gather) = true;
       --i;  // a flag without a value
       continue;
     }
@@ -171,6 +175,12 @@ int main(int argc, char** argv) {
         return Fail("GradientsReady", st);
       }
     }
+    if (gather && t == 0) {
+      auto mid = w.GatherOptimizerState();
+      if (mid.ok()) return Fail("gather", absl::InternalError("a gather mid-step was not refused"));
+      std::fprintf(stderr, "api_worker: gather mid-step refused: %s\n",
+                   std::string(mid.status().message()).c_str());
+    }
     onebit::StepOptions so;
     if (!no_loss) so.loss = loss / static_cast<double>(d);
     if (!bad_loss.empty()) {
@@ -184,6 +194,21 @@ int main(int argc, char** argv) {
     }
     auto stats = w.Step(so);
     if (!stats.ok()) return Fail("step", stats.status());
+  }
+  if (gather) {
+    auto state = w.GatherOptimizerState();
+    if (!state.ok()) return Fail("gather", state.status());
+    std::vector<float> mine(d);
+    if (absl::Status st = w.ReadParams(mine.data()); !st.ok()) return Fail("read", st);
+    if (state->server["x"] != mine) {
+      return Fail("gather", absl::InternalError("the servers' x is not this replica's"));
+    }
+    std::string server, worker;
+    for (const auto& [name, a] : state->server) server += (server.empty() ? "" : ",") + name;
+    for (const auto& [name, a] : state->worker) worker += (worker.empty() ? "" : ",") + name;
+    std::fprintf(stderr, "api_worker: rank %u state step %llu frozen %d server %s worker %s\n",
+                 rank, static_cast<unsigned long long>(state->step), state->frozen ? 1 : 0,
+                 server.c_str(), worker.c_str());
   }
   if (const char* dump = std::getenv("ONEBIT_DUMP_X")) {
     std::vector<float> out(d);

@@ -274,6 +274,31 @@ TEST(Faults, BadRequestsAreRefusedByNameAndChangeNothing) {
     data::Header h = header(0, 0, c, data::INIT);
     w0.Send(h, Fp32Bytes(x.data() + c * chunk, h.count()));
   }
+  {
+    // The optimizer state between steps (after the INIT, on its socket):
+    // Adam's x, m and v of the chunk as of step 0; a request for another
+    // step, or carrying a payload, is refused by name.
+    data::Header pull = header(0, 0, 1, data::STATE_PULL);
+    pull.set_payload_bytes(0);
+    w0.Send(pull, "");
+    auto [h, payload] = w0.Receive();
+    ASSERT_EQ(h.kind(), data::STATE) << h.error();
+    EXPECT_EQ(h.begin(), chunk);
+    EXPECT_FALSE(h.frozen());
+    ASSERT_EQ(std::vector<std::string>(h.arrays().begin(), h.arrays().end()),
+              (std::vector<std::string>{"x", "m", "v"}));
+    ASSERT_EQ(payload.size(), 3 * 4 * chunk);
+    EXPECT_EQ(payload.substr(0, 4 * chunk), Fp32Bytes(x.data() + chunk, chunk));
+    EXPECT_EQ(payload.substr(4 * chunk), std::string(2 * 4 * chunk, '\0'));  // m, v start at 0
+    pull.set_rank(1);
+    pull.set_step(1);
+    w1.Send(pull, "");
+    w1.ExpectError("STATE_PULL for step 1, but shard 0 is at step 0");
+    pull.set_step(0);
+    pull.set_payload_bytes(4);
+    w1.Send(pull, "abcd");
+    w1.ExpectError("wrong payload length 4");
+  }
   // Replies carry Δ; both workers must get the same bytes; x += Δ.
   // Receives into `replies` (kept from earlier calls) until every chunk's
   // reply is in, or until the first error when `until_error`.

@@ -199,6 +199,21 @@ TEST(WorkerApi, WorkersDeclaringOtherLrScaleRangesAreRefused) {
   EXPECT_THAT(j.run.output, HasSubstr("[0, 500): x0.5"));
 }
 
+TEST(WorkerApi, GatherOptimizerStateBetweenStepsOnly) {
+  // onebit-adam past its freeze: the servers hold the frozen v, its den and
+  // their error feedback (m went to the workers at the freeze); the servers'
+  // x is every replica's (momentum replies). Mid-step the call is refused.
+  Job j = RunApiJob("gather", 2, 2, kOnebitAdam, "--steps 6 --release 2 --gather");
+  ASSERT_EQ(j.run.code, 0) << j.run.output;
+  for (int r : {0, 1}) {
+    EXPECT_THAT(j.run.output, HasSubstr(absl::StrCat("api_worker: rank ", r,
+                                                     " state step 6 frozen 1 server den,e,v,x "
+                                                     "worker den,e,mbar")));
+  }
+  EXPECT_THAT(j.run.output, HasSubstr("api_worker: gather mid-step refused: "
+                                      "GatherOptimizerState() in the middle of step 0"));
+}
+
 // onebit-lamb with the program's own tensors: the shards hold whole ones
 // (on 2 servers: [0, 600), then [600, 1000)); without them the job cannot
 // be sharded and says why; workers declaring other tensors are refused.
