@@ -21,7 +21,6 @@ import gzip
 import json
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -109,48 +108,19 @@ def batches():
             yield epoch, s, train_x[i], train_y[i]
 
 
-def bench(block=20):
-    """Blocks of `block` batches: forward + backward of the twin (no onebit-ps) on each,
-    then the steps on the same batches. Per block: wall and CPU time (this process, all
-    its threads) per iteration; the first step of a block, which waits for the slowest
-    rank's twin block, is not counted. Prints each phase's means over its blocks."""
-    blocks, it, t = {}, batches(), 0
-    clocks = lambda: (time.perf_counter(), time.process_time())
-    while t < total_steps:
-        chunk = [next(it) for _ in range(min(block, total_steps - t))]
-        t += len(chunk)
-        w0, c0 = clocks()
-        for _, _, x, y in chunk:
-            twin.zero_grad()
-            F.cross_entropy(twin(x), y).backward()
-        w1, c1 = clocks()
-        twin_wall, twin_cpu = (w1 - w0) / len(chunk), (c1 - c0) / len(chunk)
-        phases, in_step = set(), 0.0
-        for n, (epoch, s, x, y) in enumerate(chunk):
-            if n == 1:
-                w0, c0 = clocks()
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            w1 = time.perf_counter()
-            opt.step() if args.local else opt.step(loss=loss, epoch=epoch + (s + 1) / steps_per_epoch)
-            in_step += (time.perf_counter() - w1) if n else 0.0
-            phases.add("local" if args.local else "compress" if opt.last_stats["compressed"] else "warmup")
-        w1, c1 = clocks()
-        if t > len(chunk) and len(phases) == 1 and len(chunk) > 1:  # not the first block; one phase
-            k = len(chunk) - 1
-            blocks.setdefault(phases.pop(), []).append(
-                (twin_wall, twin_cpu, (w1 - w0) / k, (c1 - c0) / k, in_step / k))
-    for phase, b in blocks.items():
-        fb, fb_cpu, st, st_cpu, call = (statistics.mean(v[i] for v in b) * 1e3 for i in range(5))
-        print(f"fashion_mnist_cnn bench: rank {rank} overlap {'off' if args.no_overlap else 'on'} "
-              f"phase {phase} blocks {len(b)} fwd_bwd_ms {fb:.2f} step_ms {st:.2f} ratio {st / fb:.3f} "
-              f"in_step_call_ms {call:.2f} fwd_bwd_cpu_ms {fb_cpu:.2f} step_cpu_ms {st_cpu:.2f}",
-              file=sys.stderr, flush=True)
+def bench_backward(m, xy):
+    loss = F.cross_entropy(m(xy[0]), xy[1])
+    loss.backward()
+    return loss
 
 
 if args.bench:  # instead of training (tools/bench/pytorch_front)
-    bench()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import front_bench
+    front_bench.run("fashion_mnist_cnn", rank, opt, model, twin, bench_backward,
+                    (({"epoch": epoch + (s + 1) / steps_per_epoch}, (x, y))
+                     for epoch, s, x, y in batches()),
+                    total_steps, args.local, not args.no_overlap)
     if not args.local:
         onebit_ps.finish()
     sys.exit()

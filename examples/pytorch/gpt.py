@@ -18,9 +18,12 @@ Each onebit-ps worker clips its own gradient (the front has no all-reduce
 for a global norm); --split 2 makes the local run clip each half of its
 batch the same way, so that onebit-ps adam (--bias_correction) must match it
 to rounding. tools/gpt-report runs all the optimizers; docs/transformers.md.
+--bench STEPS times the steps against forward + backward (+ clipping) alone
+(tools/bench/pytorch_front --model gpt).
 The onebit-ps lines are marked; everything else is plain PyTorch.
 """
 import argparse
+import copy
 import json
 import math
 import os
@@ -56,6 +59,8 @@ p.add_argument("--eval_every", type=int, default=50, metavar="STEPS",
                help="validation loss every STEPS steps and after the last")
 p.add_argument("--eval_windows", type=int, default=256, help="validation sequences scored")
 p.add_argument("--seed", type=int, default=0)
+p.add_argument("--bench", type=int, default=0, metavar="STEPS",
+               help="instead of training: time the steps against forward + backward alone")
 args = p.parse_args()
 if args.split > 1 and not args.local:
     p.error("--split is for --local (a job's workers split the batch themselves)")
@@ -169,6 +174,7 @@ def evaluate(model):
 torch.set_num_threads(1)
 torch.manual_seed(args.seed)
 model = GPT()
+twin = copy.deepcopy(model) if args.bench else None  # --bench: no onebit-ps
 if args.local:
     rank, world = 0, 1
     opt = torch.optim.AdamW(param_groups(model), lr=args.lr, betas=(0.9, 0.999), eps=1e-8)
@@ -213,6 +219,24 @@ def backward(xy):
         q.grad.copy_(s / args.split)
     return sum(losses) / args.split
 
+
+def bench_backward(m, xy):
+    loss = loss_of(m, xy)
+    loss.backward()
+    if args.clip:
+        torch.nn.utils.clip_grad_norm_(list(m.parameters()), args.clip)
+    return loss
+
+
+if args.bench:  # instead of training (tools/bench/pytorch_front --model gpt)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import front_bench
+    front_bench.run("gpt", rank, opt, model, twin, bench_backward,
+                    (({"epoch": 0.0}, batch()) for _ in iter(int, 1)), args.bench, args.local,
+                    not args.local and args.clip == 0)
+    if not args.local:
+        onebit_ps.finish()
+    sys.exit()
 
 rows = []  # --local --out: metrics.csv rows
 start = time.time()
