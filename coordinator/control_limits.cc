@@ -14,8 +14,8 @@ namespace {
 constexpr uint64_t kMetricsRowBytes = 128;  // StepMetrics: 113 and its tag
 constexpr uint64_t kChecksumBytes = 80;     // ShardChecksum: 64
 // A tensor of the model in Register: its end (11), its decay range (31),
-// a local tensor's name (up to 256) and crc32 (5).
-constexpr uint64_t kTensorBytes = 320;
+// its lr-scale range (31), a local tensor's name (up to 256) and crc32 (5).
+constexpr uint64_t kTensorBytes = 352;
 // Strings and small repeated fields: error reasons, endpoints, host and
 // device names, settings, checkpoint parts, freeze checks.
 constexpr uint64_t kAllowanceBytes = 1 << 20;
