@@ -1,9 +1,8 @@
 // What the workers declare when they register, reconciled: the parameter
 // count d (--model external), the weight-decay and lr-scale ranges, the
-// tensors, the job
-// settings their program sets, and the tensors outside the optimizer. The
-// first worker's declarations stand; every other worker must declare the
-// same, or is refused naming both.
+// tensors, the job settings their program sets, and the tensors outside the
+// optimizer. The first worker's declarations stand; every other worker must
+// declare the same, or is refused naming both.
 //
 // Not thread-safe: CoordinatorService calls it under its mutex.
 #ifndef ONEBIT_COORDINATOR_DECLARED_SETTINGS_H_

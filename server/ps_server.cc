@@ -272,6 +272,7 @@ absl::Status PsServer::HandleRequest(const std::string& routing_id, const data::
       return absl::InvalidArgumentError(absl::StrCat("bad INIT payload: ", st.message()));
     }
     c.initialized = true;
+    c.state.reset();  // x changed
     for (uint32_t r = 0; r < options_.job.workers; ++r) {
       if (c.waiting[r]) SendParams(r, 0, c);
       c.waiting[r] = false;
@@ -286,7 +287,7 @@ absl::Status PsServer::HandleRequest(const std::string& routing_id, const data::
                                                      ", but shard ", options_.shard, " is at step ",
                                                      state_.step));
     }
-    if (c.pushed[h.rank()]) {
+    if (c.done || c.pushed[h.rank()]) {
       return absl::InvalidArgumentError(absl::StrCat("STATE_PULL from rank ", h.rank(),
                                                      " for chunk ", index,
                                                      " after pushing to step ", state_.step));
@@ -435,13 +436,13 @@ void PsServer::SendParams(uint32_t rank, uint64_t step, const Chunk& c) {
   SendFp32(data::PARAMS, rank, step, c, buf, {});
 }
 
-void PsServer::SendFp32(int kind, uint32_t rank, uint64_t step, const Chunk& c,
+void PsServer::SendFp32(data::Kind kind, uint32_t rank, uint64_t step, const Chunk& c,
                         const SharedBytes& payload_bytes,
                         const std::function<void(data::Header&)>& more) {
   data::Header h;
   h.set_version(kProtocolVersion);
   h.set_job_id(options_.job.job_id);
-  h.set_kind(static_cast<data::Kind>(kind));
+  h.set_kind(kind);
   h.set_rank(rank);
   h.set_step(step);
   h.set_shard(options_.shard);
@@ -455,24 +456,30 @@ void PsServer::SendFp32(int kind, uint32_t rank, uint64_t step, const Chunk& c,
   Send(WorkerIdentity(options_.job.job_id, rank), h, &payload);
 }
 
-void PsServer::SendState(uint32_t rank, uint64_t step, const Chunk& c) {
-  const uint64_t n = c.range.size();
-  const uint64_t off = c.range.begin - state_.begin;
-  // x, then each array the algorithm holds now (all of the shard's length).
-  std::vector<std::pair<const char*, const std::vector<float>*>> arrays = {{"x", &state_.x}};
-  for (const auto& [name, a] : {std::pair<const char*, const std::vector<float>*>{"m", &state_.m},
-                                {"v", &state_.v},
-                                {"den", &state_.den},
-                                {"e", &state_.e}}) {
-    if (a->size() == state_.x.size()) arrays.emplace_back(name, a);
+void PsServer::SendState(uint32_t rank, uint64_t step, Chunk& c) {
+  if (c.state == nullptr) {
+    const uint64_t n = c.range.size();
+    const uint64_t off = c.range.begin - state_.begin;
+    // x, then each array the algorithm holds now (all of the shard's length).
+    std::vector<const std::vector<float>*> arrays = {&state_.x};
+    c.state_arrays = {"x"};
+    for (const auto& [name, a] : {std::pair<const char*, const std::vector<float>*>{"m", &state_.m},
+                                  {"v", &state_.v},
+                                  {"den", &state_.den},
+                                  {"e", &state_.e}}) {
+      if (a->size() != state_.x.size()) continue;
+      arrays.push_back(a);
+      c.state_arrays.push_back(name);
+    }
+    auto buf = std::make_shared<std::vector<uint8_t>>(4 * n * arrays.size());
+    for (size_t k = 0; k < arrays.size(); ++k) {
+      std::memcpy(buf->data() + 4 * n * k, arrays[k]->data() + off, 4 * n);
+    }
+    c.state = std::move(buf);
   }
-  auto buf = std::make_shared<std::vector<uint8_t>>(4 * n * arrays.size());
-  for (size_t k = 0; k < arrays.size(); ++k) {
-    std::memcpy(buf->data() + 4 * n * k, arrays[k].second->data() + off, 4 * n);
-  }
-  SendFp32(data::STATE, rank, step, c, buf, [&](data::Header& h) {
+  SendFp32(data::STATE, rank, step, c, c.state, [&](data::Header& h) {
     h.set_frozen(state_.frozen);
-    for (const auto& array : arrays) h.add_arrays(array.first);
+    for (const char* name : c.state_arrays) h.add_arrays(name);
   });
 }
 
@@ -610,6 +617,7 @@ void PsServer::EndStep() {
     std::fill(ch.pushed.begin(), ch.pushed.end(), false);
     std::fill(ch.pulled.begin(), ch.pulled.end(), false);
     ch.done = false;
+    ch.state.reset();  // of the step just ended
   }
   if (last_warmup) {
     optimizer_->EnterCompression(&state_);

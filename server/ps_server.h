@@ -99,6 +99,12 @@ class PsServer {
     // The reply payload, reused once ZeroMQ has released every message over
     // it (fresh 4 MB buffers cost page faults on every step).
     std::shared_ptr<std::vector<uint8_t>> reply;
+    // STATE's payload and its arrays' names, built at the first STATE_PULL
+    // of a step and shared by every answer until the chunk's state changes
+    // (INIT, the end of the step): however many a peer asks for, the
+    // server holds one per chunk.
+    SharedBytes state;
+    std::vector<const char*> state_arrays;
   };
 
   PsServer(PsServerOptions options, zmq::socket_t* socket);
@@ -129,11 +135,11 @@ class PsServer {
   // named (the shard's, or one of the local steps it skipped).
   void SendParams(uint32_t rank, uint64_t step, const Chunk& c);
   // STATE: chunk c's x and optimizer state arrays, fp32, to `rank`.
-  void SendState(uint32_t rank, uint64_t step, const Chunk& c);
-  // Sends `payload` (fp32 data of chunk c) to `rank` as a message of
-  // `kind` (a data::Kind) for `step`; `more` adds its own header fields.
-  void SendFp32(int kind, uint32_t rank, uint64_t step, const Chunk& c, const SharedBytes& payload,
-                const std::function<void(data::Header&)>& more);
+  void SendState(uint32_t rank, uint64_t step, Chunk& c);
+  // Sends `payload` (fp32 data of chunk c) to `rank` as a message of `kind`
+  // for `step`; `more` adds its own header fields.
+  void SendFp32(data::Kind kind, uint32_t rank, uint64_t step, const Chunk& c,
+                const SharedBytes& payload, const std::function<void(data::Header&)>& more);
   // `why`: the refusal it answers (counted in the metrics); none for a
   // failure that is not a request's (a step timeout).
   void SendError(const std::string& routing_id, const data::Header* request,

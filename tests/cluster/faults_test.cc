@@ -371,6 +371,25 @@ TEST(Faults, BadRequestsAreRefusedByNameAndChangeNothing) {
   w0.Send(header(0, 0, 2, data::PUSH), Fp32Bytes(g0.data() + 2 * chunk, chunk));
   w0.ExpectError("step 0 is from the past (shard 0 is at step 1)");
 
+  {
+    // The state of step 1, asked twice: the step's x (the replicas'), its m
+    // and v no longer zero, and the same bytes both times (one payload per
+    // chunk and step, shared by every answer).
+    data::Header pull = header(0, 1, 1, data::STATE_PULL);
+    pull.set_payload_bytes(0);
+    std::vector<std::string> got;
+    for (int k = 0; k < 2; ++k) {
+      w0.Send(pull, "");
+      auto [h, payload] = w0.Receive();
+      ASSERT_EQ(h.kind(), data::STATE) << h.error();
+      ASSERT_EQ(payload.size(), 3 * 4 * chunk);
+      got.push_back(payload);
+    }
+    EXPECT_EQ(got[0], got[1]);
+    EXPECT_EQ(got[0].substr(0, 4 * chunk), Fp32Bytes(x.data() + chunk, chunk));
+    EXPECT_NE(got[0].substr(4 * chunk, 4 * chunk), std::string(4 * chunk, '\0'));
+  }
+
   // Step 1.
   ASSERT_TRUE((*model)->Gradient(x.data(), 0, 1, g0.data()).ok());
   ASSERT_TRUE((*model)->Gradient(x.data(), 1, 1, g1.data()).ok());
