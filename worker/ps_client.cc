@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <iterator>
+#include <set>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -248,11 +249,14 @@ absl::StatusOr<PsClient::ServerState> PsClient::PullState(uint64_t step, const C
                                                   " for chunk [", r.begin, ", ", r.end,
                                                   "): ", parts...));
         };
-        // Only the names a shard may hold: memory stays within 5 d floats.
+        // Only the names a shard may hold, each once: memory stays within
+        // 5 d floats, and an array counted to d came from every chunk.
+        std::set<std::string> names;
         for (const std::string& name : h.arrays()) {
           if (name != "x" && name != "m" && name != "v" && name != "den" && name != "e") {
             return bad("unknown array '", absl::CHexEscape(name), "'");
           }
+          if (!names.insert(name).second) return bad("array '", name, "' twice");
         }
         const size_t need = 4 * r.size() * h.arrays_size();
         if (frames.size() != 2 || h.payload_bytes() != need || frames[1].size() != need) {

@@ -132,6 +132,24 @@ TEST(WorkerApi, RanksDisagreeingOnTheLearningRateFailTheStepNamingThem) {
   EXPECT_THAT(j.summary, HasSubstr("learning rate"));
 }
 
+// A job with a range [0, cut) of its own setting: its elements there equal
+// job `inside`'s (that setting everywhere), the rest job `outside`'s (the
+// job's own), and the setting made a difference.
+void ExpectRangedEqualsEachSide(const Job& ranged, const Job& inside, const Job& outside,
+                                size_t cut) {
+  for (const Job* j : {&ranged, &inside, &outside}) {
+    ASSERT_EQ(j->run.code, 0) << j->run.output;
+    ASSERT_EQ(j->replicas.size(), 2u);
+  }
+  EXPECT_EQ(Field(ranged.summary, "replicas_equal"), "true");
+  const std::vector<float>& r = ranged.replicas[1];
+  const std::vector<float>& in = inside.replicas[1];
+  const std::vector<float>& out = outside.replicas[1];
+  EXPECT_EQ(FirstDifference({r.begin(), r.begin() + cut}, {in.begin(), in.begin() + cut}), "");
+  EXPECT_EQ(FirstDifference({r.begin() + cut, r.end()}, {out.begin() + cut, out.end()}, cut), "");
+  EXPECT_NE(FirstDifference(r, out), "");
+}
+
 TEST(WorkerApi, WeightDecayRangesReplaceTheJobsOnTheirParameters) {
   // Adam is elementwise here (the gradient of x_i depends on x_i alone), so
   // with [0, 500) at weight decay 0 those elements must equal a job without
@@ -140,21 +158,9 @@ TEST(WorkerApi, WeightDecayRangesReplaceTheJobsOnTheirParameters) {
                                           "--block_size=32", "--chunk_elems=64"};
   std::vector<std::string> none = decay;
   none[2] = "--weight_decay=0";
-  Job ranged = RunApiJob("ranged", 2, 2, decay, "--steps 5 --wd 0:500:0");
-  Job with = RunApiJob("with", 2, 2, decay, "--steps 5");
-  Job without = RunApiJob("without", 2, 2, none, "--steps 5");
-  ASSERT_EQ(ranged.run.code, 0) << ranged.run.output;
-  ASSERT_EQ(with.run.code, 0) << with.run.output;
-  ASSERT_EQ(without.run.code, 0) << without.run.output;
-  EXPECT_EQ(Field(ranged.summary, "replicas_equal"), "true");
-  const std::vector<float>& r = ranged.replicas[1];
-  EXPECT_EQ(FirstDifference({r.begin(), r.begin() + 500},
-                            {without.replicas[1].begin(), without.replicas[1].begin() + 500}),
-            "");
-  EXPECT_EQ(FirstDifference({r.begin() + 500, r.end()},
-                            {with.replicas[1].begin() + 500, with.replicas[1].end()}, 500),
-            "");
-  EXPECT_NE(FirstDifference(r, with.replicas[1]), "");
+  ExpectRangedEqualsEachSide(RunApiJob("ranged", 2, 2, decay, "--steps 5 --wd 0:500:0"),
+                             RunApiJob("without", 2, 2, none, "--steps 5"),
+                             RunApiJob("with", 2, 2, decay, "--steps 5"), 500);
 }
 
 TEST(WorkerApi, WorkersDeclaringOtherWeightDecayRangesAreRefused) {
@@ -173,21 +179,10 @@ TEST(WorkerApi, LrScaleRangesStepTheirParametersAtTheirOwnLr) {
     return std::vector<std::string>{"--optimizer=adam", lr, "--weight_decay=0.1", "--block_size=32",
                                     "--chunk_elems=64"};
   };
-  Job ranged = RunApiJob("lr_ranged", 2, 2, at("--lr=0.02"), "--steps 5 --lr_scale 0:500:0.5");
-  Job half = RunApiJob("lr_half", 2, 2, at("--lr=0.01"), "--steps 5");
-  Job whole = RunApiJob("lr_whole", 2, 2, at("--lr=0.02"), "--steps 5");
-  ASSERT_EQ(ranged.run.code, 0) << ranged.run.output;
-  ASSERT_EQ(half.run.code, 0) << half.run.output;
-  ASSERT_EQ(whole.run.code, 0) << whole.run.output;
-  EXPECT_EQ(Field(ranged.summary, "replicas_equal"), "true");
-  const std::vector<float>& r = ranged.replicas[1];
-  EXPECT_EQ(FirstDifference({r.begin(), r.begin() + 500},
-                            {half.replicas[1].begin(), half.replicas[1].begin() + 500}),
-            "");
-  EXPECT_EQ(FirstDifference({r.begin() + 500, r.end()},
-                            {whole.replicas[1].begin() + 500, whole.replicas[1].end()}, 500),
-            "");
-  EXPECT_NE(FirstDifference(r, whole.replicas[1]), "");
+  ExpectRangedEqualsEachSide(
+      RunApiJob("lr_ranged", 2, 2, at("--lr=0.02"), "--steps 5 --lr_scale 0:500:0.5"),
+      RunApiJob("lr_half", 2, 2, at("--lr=0.01"), "--steps 5"),
+      RunApiJob("lr_whole", 2, 2, at("--lr=0.02"), "--steps 5"), 500);
 }
 
 TEST(WorkerApi, WorkersDeclaringOtherLrScaleRangesAreRefused) {
