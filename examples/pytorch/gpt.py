@@ -24,6 +24,7 @@ The onebit-ps lines are marked; everything else is plain PyTorch.
 """
 import argparse
 import copy
+import itertools
 import json
 import math
 import os
@@ -232,7 +233,7 @@ if args.bench:  # instead of training (tools/bench/pytorch_front --model gpt)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import front_bench
     front_bench.run("gpt", rank, opt, model, twin, bench_backward,
-                    (({"epoch": 0.0}, batch()) for _ in iter(int, 1)), args.bench, args.local,
+                    (({"epoch": 0.0}, batch()) for _ in itertools.count()), args.bench, args.local,
                     not args.local and args.clip == 0)
     if not args.local:
         onebit_ps.finish()
