@@ -18,6 +18,21 @@ Models:
              torch.Generator seeded 1 draws a randperm per epoch; rank r's batch at
              (s * world + r) * batch), the cosine schedule over the whole run
              (CosineAnnealingLR), --lr 3e-3 by netbench.
+  gpt        the byte-level GPT of examples/pytorch/gpt.py on Debian's fortunes
+             (--gpt_size, default its "default": 136 960 parameters), as that
+             script trains it over onebit-ps: its own classes, functions and
+             argument defaults (its statements that define them, compiled from
+             the script's source, with --size, --steps, --batch, --lr and
+             --eval_every passed to its parser), the same initial weights
+             (torch.manual_seed(seed) before GPT()), the same batches (its
+             batch(): one generator seeded seed + 1 draws the global batch's
+             windows, rank r takes the r-th --batch of them), AdamW with its
+             param_groups (weight decay 0.1 on the Linear weights only), its
+             warm-up + cosine lr_factor (LambdaLR), its clip of the gradient
+             norm at 1.0, and its evaluate(): the validation loss (and next-byte
+             accuracy) in metrics.csv's test_loss (test_accuracy) columns. One
+             difference: DDP clips the averaged gradient, each onebit-ps worker
+             (the PyTorch front has no all-reduce) its own before pushing it.
   synthetic  --dim parameters as --matrices square-ish matrices (PowerSGD compresses
              only matrices), loss sum(w * c) with a fixed random c per rank: the
              gradient is c, a 25 M-float copy, so the step is communication.
@@ -25,10 +40,11 @@ Models:
 Every rank writes DIR/rank<r>.csv (step, wall_s, its NIC's tx and rx bytes
 during the step: GLOO_SOCKET_IFNAME's counters under /sys/class/net, which
 `ip netns exec` mounts for the namespace; the seconds of forward + backward
-with the allreduce, and of AdamW's step); rank 0 also writes DIR/metrics.csv
-in the columns of a onebit-ps run folder (docs/design.md §2; bytes are rank
-0's NIC times the world size) with its test score every --eval_every steps,
-and DIR/summary.json.
+with the allreduce (gpt: and the clipping), and of AdamW's step); rank 0
+also writes DIR/metrics.csv in the columns of a onebit-ps run folder
+(docs/design.md §2; bytes are rank 0's NIC times the world size) with its
+test score every --eval_every steps (gpt: its validation loss and next-byte
+accuracy), and DIR/summary.json.
 """
 import argparse
 import ast
@@ -45,7 +61,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 p = argparse.ArgumentParser()
-p.add_argument("--model", choices=["mlp", "cnn", "synthetic"], default="mlp")
+p.add_argument("--model", choices=["mlp", "cnn", "gpt", "synthetic"], default="mlp")
 p.add_argument("--steps", type=int, required=True)
 p.add_argument("--batch", type=int, default=64, help="per rank")
 p.add_argument("--lr", type=float, default=1e-3)
@@ -55,8 +71,9 @@ p.add_argument("--powersgd_rank", type=int, default=2)
 p.add_argument("--powersgd_start", type=int, default=2,
                help="PowerSGD's start_powerSGD_iter: vanilla allreduce before (>= 2)")
 p.add_argument("--eval_every", type=int, default=0,
-               help="mlp, cnn: score the test set every N steps")
+               help="mlp, cnn: score the test set every N steps; gpt: the validation loss")
 p.add_argument("--cosine", action="store_true", help="cnn: the cosine lr schedule over --steps")
+p.add_argument("--gpt_size", default="default", help="gpt: the example's --size")
 p.add_argument("--max_train", type=int, default=0)
 p.add_argument("--max_test", type=int, default=0)
 p.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
@@ -148,6 +165,47 @@ def example_net():
     return scope["Net"]
 
 
+def example_gpt(argv):
+    """The definitions of examples/pytorch/gpt.py itself, not copies (importing
+    the script would train): its argument parser (every top-level statement
+    before `args = p.parse_args()`), given argv; then, in the script's order,
+    only the statements that define the names below (the model's size, the
+    lr warm-up, the corpus and validation windows, the batch generator, and
+    the classes and functions). Returns their scope; the caller sets rank and
+    world before calling batch()."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples",
+                        "pytorch", "gpt.py")
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    assigned = {"n_layer", "n_head", "width", "context", "warmup", "train", "val", "starts",
+                "val_xy", "gen"}
+    defined = {"corpus", "Block", "GPT", "param_groups", "lr_factor", "loss_of", "evaluate",
+               "batch"}
+
+    def targets(node):
+        names = set()
+        for t in node.targets:
+            names |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+        return names
+
+    parse = next((i for i, n in enumerate(tree.body) if isinstance(n, ast.Assign)
+                  and targets(n) == {"args"}), None)
+    if parse is None:
+        sys.exit(f"ddp_worker: no `args = p.parse_args()` in {path}")
+    head = tree.body[:parse]
+    tail = [n for n in tree.body[parse + 1:]
+            if (isinstance(n, ast.Assign) and targets(n) <= assigned)
+            or (isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name in defined)]
+    scope = {"__name__": "gpt_example", "__doc__": ast.get_docstring(tree, clean=False) or ""}
+    exec(compile(ast.Module(body=head, type_ignores=[]), path, "exec"), scope)
+    scope["args"] = scope["p"].parse_args(argv)
+    exec(compile(ast.Module(body=tail, type_ignores=[]), path, "exec"), scope)
+    missing = sorted((assigned | defined) - set(scope))
+    if missing:
+        sys.exit(f"ddp_worker: {path} no longer defines {', '.join(missing)} at its top level")
+    return scope
+
+
 def idx(name, offset):
     with gzip.open(os.path.join(args.data, name)) as f:
         return np.frombuffer(f.read(), dtype=np.uint8, offset=offset)
@@ -198,6 +256,22 @@ elif args.model == "cnn":
     torch.manual_seed(0)
     model = Net()
     cnn_gen = torch.Generator().manual_seed(1)
+elif args.model == "gpt":
+    # As examples/pytorch/gpt.py builds, initialises and feeds it, with its defaults.
+    gpt = example_gpt(["--size", args.gpt_size, "--steps", str(args.steps), "--batch",
+                       str(args.batch), "--lr", repr(args.lr), "--eval_every",
+                       str(args.eval_every or args.steps)])
+    gpt["rank"], gpt["world"] = rank, world
+    gpt_args = gpt["args"]
+    # gpt.py's epoch: training bytes read per step over the training bytes.
+    steps_per_epoch = len(gpt["train"]) / (world * args.batch * gpt["context"])
+    torch.manual_seed(gpt_args.seed)
+    model = gpt["GPT"]()
+    clip_params = list(model.parameters())
+    # The causal masks: bool buffers, constant and equal on every rank, which
+    # gloo cannot broadcast (DDP's construction broadcasts every buffer).
+    DDP._set_params_and_buffers_to_ignore_for_model(
+        model, [n for n, b in model.named_buffers() if b.dtype == torch.bool])
 else:
     steps_per_epoch = 0
     rows = args.dim // args.matrices
@@ -242,9 +316,14 @@ elif args.hook == "powersgd":
                                         matrix_approximation_rank=args.powersgd_rank,
                                         start_powerSGD_iter=max(2, args.powersgd_start))
     ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
-                        weight_decay=0.0)
-sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, args.steps) if args.cosine else None
+if args.model == "gpt":
+    # gpt.py --local's optimizer and schedule: its param groups, warm-up + cosine.
+    opt = torch.optim.AdamW(gpt["param_groups"](model), lr=args.lr, betas=(0.9, 0.999), eps=1e-8)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, gpt["lr_factor"])
+else:
+    opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
+                            weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, args.steps) if args.cosine else None
 
 
 def phase(step):
@@ -255,6 +334,8 @@ def phase(step):
 
 
 def evaluate():
+    if args.model == "gpt":  # the validation loss per byte and next-byte accuracy
+        return gpt["evaluate"](model)
     model.eval()
     with torch.no_grad():
         out = torch.cat([model(x) for x in test_x.split(1000)])
@@ -293,9 +374,14 @@ for step in range(args.steps):
         first = ((step % steps_per_epoch) * world + rank) * args.batch
         ids = perm[first:first + args.batch]
         loss = F.cross_entropy(ddp(train_x[ids]), train_y[ids])
+    elif args.model == "gpt":
+        loss = gpt["loss_of"](ddp, gpt["batch"]())
     else:
         loss = ddp()
     loss.backward()  # DDP's hooks allreduce the buckets during the backward
+    if args.model == "gpt" and gpt_args.clip:
+        # gpt.py's clip, here of the averaged gradient (onebit-ps: each worker's own).
+        torch.nn.utils.clip_grad_norm_(clip_params, gpt_args.clip)
     to = time.perf_counter()
     opt.step()
     if sched is not None:
@@ -327,8 +413,12 @@ if metrics is not None:
                    "wall_s": wall, "final_loss": loss.item(), "test_accuracy": accuracy,
                    "test_loss": test_loss, "status": "ok"}, f, indent=2)
 dist.barrier()
-print(f"ddp rank {rank}: {args.steps} steps in {wall:.1f} s"
-      + (f", test accuracy {accuracy:.4f}" if accuracy is not None else ""), file=sys.stderr)
+score = ""
+if args.model == "gpt" and test_loss is not None:
+    score = f", validation loss {test_loss:.4f}, next-byte accuracy {accuracy:.4f}"
+elif accuracy is not None:
+    score = f", test accuracy {accuracy:.4f}"
+print(f"ddp rank {rank}: {args.steps} steps in {wall:.1f} s{score}", file=sys.stderr)
 sys.stderr.flush()
 # Every file is written: skip the interpreter's and gloo's teardown (seconds on a busy machine).
 os._exit(0)
