@@ -10,7 +10,9 @@ the gradient, and without step 0 (no gap before it), the hand-over step (onebit-
 last warm-up step, which also carries m and v) and the first step of the
 compression phase; the time to the target is wall_s of the first test score
 at or above it (rank 0 scores the test set every --eval-every steps on both
-sides, inside the timed loop); bytes per step per worker are the systems'
+sides, inside the timed loop; gpt: the first validation loss at or below
+it, from metrics.csv's test_loss column, which both sides fill with it);
+bytes per step per worker are the systems'
 own count: onebit-ps's payload (metrics.csv bytes_up + bytes_down over the
 workers), DDP's as its rank 0's NIC counted them during the step (wire bytes:
 with the TCP/IP headers); "wire" is every worker NIC's tx + rx over the whole
@@ -33,8 +35,10 @@ with open(os.path.join(out, "config.env")) as f:
         k, _, v = line.rstrip("\n").partition("=")
         cfg[k] = v
 workers = int(cfg["workers"])
-TARGET = {"mlp": float(cfg["target"]), "cnn": float(cfg.get("cnn_target", "0.87"))}
-TRAINED = ("mlp", "cnn")  # the models with a test set: time to accuracy
+TARGET = {"mlp": float(cfg["target"]), "cnn": float(cfg.get("cnn_target", "0.87")),
+          "gpt": float(cfg.get("gpt_target", "2.6"))}
+TRAINED = ("mlp", "cnn", "gpt")  # the models with a score: time to the target
+LOSS_SCORED = ("gpt",)  # scored by validation loss (lower is better), not test accuracy
 SYSTEMS = [
     ("adam", "onebit-ps adam (fp32 PS)"),
     ("onebit-adam", "onebit-ps onebit-adam, freeze at 15 %"),
@@ -67,8 +71,9 @@ def nic_total(d):
     return sum(a[0] - b[0] + a[1] - b[1] for a, b in zip(after, before))
 
 
-def figures(d, onebit, target):
-    """The figures of one run folder, or None when it failed."""
+def figures(d, onebit, target, by_loss=False):
+    """The figures of one run folder, or None when it failed. by_loss: the
+    score is test_loss (the gpt's validation loss), reached at or below target."""
     if os.path.exists(os.path.join(d, "FAILED")) or not os.path.exists(os.path.join(d, "metrics.csv")):
         return None
     rows = read_rows(d)
@@ -101,9 +106,14 @@ def figures(d, onebit, target):
     f["comp_bytes"] = statistics.mean(comp_b) if comp_b else None
     f["bytes"] = statistics.mean(by)
     f["wire"] = nic_total(d) / workers / n
-    acc = [(wall[i], float(r["test_accuracy"])) for i, r in enumerate(rows) if r.get("test_accuracy")]
-    f["final_acc"] = acc[-1][1] if acc else None
-    f["tta"] = next((w for w, a in acc if a >= target), None)
+    col = "test_loss" if by_loss else "test_accuracy"
+
+    def reached(v):
+        return v <= target if by_loss else v >= target
+    acc = [(i, wall[i], float(r[col])) for i, r in enumerate(rows) if r.get(col)]
+    f["final_acc"] = acc[-1][2] if acc else None
+    f["tta"] = next((w for _, w, a in acc if reached(a)), None)
+    f["tta_step"] = next((i for i, _, a in acc if reached(a)), None)
     f["opt"] = None
     r0 = os.path.join(d, "rank0.csv")
     if os.path.exists(r0):  # DDP: the time of rank 0's AdamW step
@@ -121,8 +131,6 @@ def figures(d, onebit, target):
                     if m and m.group(2) != "-":
                         fb.append(float(m.group(2)) / 1e3)
     f["fwd_bwd"] = median(fb)
-    f["tta_step"] = next((i for i, r in enumerate(rows)
-                          if r.get("test_accuracy") and float(r["test_accuracy"]) >= target), None)
     return f
 
 
@@ -131,8 +139,8 @@ for model in models:
     for s in systems:
         base = os.path.join(out, model, s)
         runs = sorted(r for r in os.listdir(base) if r.startswith("run")) if os.path.isdir(base) else []
-        per = [figures(os.path.join(base, r), not s.startswith("ddp"), TARGET.get(model, 1.0))
-               for r in runs]
+        per = [figures(os.path.join(base, r), not s.startswith("ddp"), TARGET.get(model, 1.0),
+                       model in LOSS_SCORED) for r in runs]
         ok = [p for p in per if p]
         med = {}
         if ok:
@@ -194,6 +202,21 @@ for model in models:
     target = TARGET.get(model)
     if model in TRAINED:
         mt = f" (first {cfg['max_train']} training images)" if cfg["max_train"] != "0" else ""
+    if model == "gpt":
+        size = cfg.get("gpt_size", "default")
+        put(f"## gpt: the byte-level GPT of examples/pytorch/gpt.py (size {size})")
+        put("")
+        put(f"{workers} workers x local batch 16 windows of 64 bytes of Debian's fortunes, "
+            f"{cfg.get('gpt_steps', '?')} steps, peak lr 5e-3 on the script's warm-up (10 % of the "
+            "steps) + cosine schedule, AdamW with its param groups (weight decay 0.1 on the Linear "
+            "weights only) and bias correction on both sides, the gradient norm clipped at 1.0: "
+            "onebit-ps through the PyTorch front (each worker clips its own gradient, then pushes "
+            "it at step(): overlap=False), DDP through ddp_worker.py (clipping the averaged "
+            "gradient), with the script's own model, initial weights and batches; freeze and "
+            "PowerSGD start at 15 % of the steps. The validation loss (nats per byte on 256 "
+            f"held-out windows, lower is better) every {cfg.get('gpt_eval_every', '?')} steps and "
+            f"after the last. Time to loss: to the first validation loss ≤ {target}.")
+        put("")
     if model == "cnn":
         put(f"## cnn: the PyTorch conv net of examples/pytorch/fashion_mnist_cnn.py{mt}")
         put("")
@@ -215,7 +238,12 @@ for model in models:
             "the same data order on both sides; test set scored every "
             f"{cfg['eval_every']} steps. Time to accuracy: to the first score ≥ {target}.")
         put("")
-    if model in TRAINED:
+    if model in LOSS_SCORED:
+        put("| system | warm-up step | compression step | hand-over step | freeze step | "
+            f"time to loss ≤ {target} | steps to {target} | final val loss | total time | "
+            "MB/step/worker warm-up | MB/step/worker compression | wire MB/step/worker |")
+        put("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    elif model in TRAINED:
         put("| system | warm-up step | compression step | hand-over step | freeze step | "
             f"time to {target} | steps to {target} | final test acc | total time | "
             "MB/step/worker warm-up | MB/step/worker compression | wire MB/step/worker |")
@@ -253,9 +281,12 @@ for model in models:
              ms(d["handover_step"]),
              "—" if d["freeze"] is None else str(int(d["freeze"]))]
         if model in TRAINED:
+            final = "—" if d["final_acc"] is None else f"{d['final_acc']:.4f}"
+            if model in LOSS_SCORED:
+                final = with_ratio(final, d["final_acc"], base.get("final_acc"))
             c += [with_ratio(secs(d["tta"]), d["tta"], base.get("tta")),
                   "not reached" if d["tta_step"] is None else str(int(d["tta_step"]) + 1),
-                  "—" if d["final_acc"] is None else f"{d['final_acc']:.4f}"]
+                  final]
         c += [with_ratio(secs(d["wall"]), d["wall"], base.get("wall")),
               with_ratio(mb(d["warm_bytes"]), d["warm_bytes"], base.get("warm_bytes")),
               with_ratio(mb(d["comp_bytes"]), d["comp_bytes"], base.get("warm_bytes")),
@@ -276,7 +307,9 @@ for model in models:
     put("")
     put(f"![step time per phase, {model}](step_time_{model}.png)")
     put(f"![bytes per step per phase, {model}](bytes_{model}.png)")
-    if model in TRAINED:
+    if model in LOSS_SCORED:
+        put(f"![validation loss against wall time, {model}](val_loss_{model}.png)")
+    elif model in TRAINED:
         put(f"![test accuracy against wall time, {model}]({'accuracy' if model == 'mlp' else 'accuracy_' + model}.png)")
     put("")
 
@@ -295,6 +328,10 @@ put("- *MB/step/worker*: what one worker sends plus receives per step, as the sy
 put("- A DDP step ends when rank 0's optimizer step ends; a onebit-ps step when its replies are "
     "applied. Both include computing the gradient; rank 0's test scores fall inside the timed loop "
     "on both sides, so the step after a score is longer (the medians leave it out).")
+if "gpt" in models:
+    put("- *final val loss* (gpt): the last validation loss, in parentheses divided by DDP fp32's "
+        "(above 1: worse). *time to loss*: wall_s of the first validation loss at or below the "
+        "target (scored every --gpt-eval-every steps, so a multiple of that many steps).")
 put("- Every run's folder is under `<model>/<system>/run<k>/` with the logs; its metrics.csv "
     "has a row per step.")
 with open(os.path.join(out, "report.md"), "w") as f:
@@ -311,18 +348,24 @@ script = ['set terminal pngcairo size 960,560 font ",11"', "set datafile separat
 for model in [m for m in models if m in TRAINED]:
     curves = []
     target = TARGET[model]
+    by_loss = model in LOSS_SCORED
+    column = 11 if by_loss else 12  # metrics.csv's test_loss, test_accuracy
     for s in systems:
         d = os.path.join(out, model, s, "run1")
         if os.path.exists(os.path.join(d, "metrics.csv")) and not os.path.exists(os.path.join(d, "FAILED")):
-            curves.append(f"'{d}/metrics.csv' using 4:($12 > 0 ? $12 : 1/0) every ::1 with linespoints "
-                          f"pointtype 7 pointsize 0.6 title '{gp_escape(LABEL[s])}'")
+            curves.append(f"'{d}/metrics.csv' using 4:(${column} > 0 ? ${column} : 1/0) every ::1 "
+                          f"with linespoints pointtype 7 pointsize 0.6 title '{gp_escape(LABEL[s])}'")
     if curves:
-        png = "accuracy.png" if model == "mlp" else f"accuracy_{model}.png"
+        if by_loss:
+            png, what = f"val_loss_{model}.png", "validation loss"
+        else:
+            png, what = ("accuracy.png" if model == "mlp" else f"accuracy_{model}.png"), "test accuracy"
         script += [f"set output '{out}/{png}'",
-                   f"set title '{model}: test accuracy against wall time ({cfg['rate']}, run 1)'",
-                   "set xlabel 'wall time (s)'", "set ylabel 'test accuracy'",
+                   f"set title '{model}: {what} against wall time ({cfg['rate']}, run 1)'",
+                   "set xlabel 'wall time (s)'", f"set ylabel '{what}'",
+                   "set key inside top right" if by_loss else "set key inside bottom right",
                    f"set arrow 1 from graph 0, first {target} to graph 1, first {target} nohead dashtype 2",
-                   "plot " + ", ".join(curves), "unset arrow 1"]
+                   "plot " + ", ".join(curves), "unset arrow 1", "set key inside bottom right"]
 for model in models:
     tab = os.path.join(out, f"bars_{model}.csv")
     shown = [s for s in systems if data[(model, s)].get("_ok")]
