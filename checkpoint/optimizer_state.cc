@@ -114,6 +114,8 @@ StateWriter SaveServerShard(const ServerShardState& s, bool with_den,
   w.SetValue("step", absl::StrCat(of));
   w.SetValue("frozen", s.frozen ? "1" : "0");
   w.SetValue("floored", absl::StrCat(s.floored));
+  // Only in a seeded job's files: one without it counts from 0.
+  if (s.bias_steps != 0) w.SetValue("bias_steps", absl::StrCat(s.bias_steps));
   return w;
 }
 
@@ -149,6 +151,11 @@ absl::Status LoadServerArrays(const std::vector<const StateReader*>& files, uint
   out.begin = begin;
   out.step = *step;
   out.frozen = *frozen == "1";
+  if (first.header().values().count("bias_steps") > 0) {
+    auto bias = U64Value(first, "bias_steps");
+    if (!bias.ok()) return bias.status();
+    out.bias_steps = *bias;
+  }
   for (const auto& [name, field] : ShardArrays()) {
     if (HasSection(first, name) && wanted(name)) (out.*field).assign(n, 0.0f);
   }

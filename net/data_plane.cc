@@ -76,9 +76,9 @@ absl::Status ValidateRequest(const data::Header& h, const DataPlaneJob& job, uin
     return bad(absl::StrFormat("wrong job id %016x (not this job's)", h.job_id()));
   }
   if (h.kind() != data::PUSH && h.kind() != data::INIT && h.kind() != data::PULL &&
-      h.kind() != data::STATE_PULL) {
+      h.kind() != data::STATE_PULL && h.kind() != data::STATE_PUSH) {
     return bad("unexpected message kind ", data::Kind_Name(h.kind()),
-               " (want PUSH, INIT, PULL or STATE_PULL)");
+               " (want PUSH, INIT, PULL, STATE_PULL or STATE_PUSH)");
   }
   if (h.rank() >= job.workers) {
     return bad("unknown worker rank ", h.rank(), " (job has ", job.workers, " workers)");
@@ -89,6 +89,9 @@ absl::Status ValidateRequest(const data::Header& h, const DataPlaneJob& job, uin
   }
   if (h.kind() == data::INIT && h.rank() != 0) {
     return bad("INIT from rank ", h.rank(), " (only rank 0 sends the initial x)");
+  }
+  if (h.kind() == data::STATE_PUSH && h.rank() != 0) {
+    return bad("STATE_PUSH from rank ", h.rank(), " (only rank 0 seeds the optimizer state)");
   }
   if (h.shard() >= job.map.num_shards()) {
     return bad("shard ", h.shard(), " out of range (job has ", job.map.num_shards(), " shards)");

@@ -23,6 +23,7 @@ const AlgorithmRow& AdamRow() {
     r->traits.kind = OptimizerKind::kAdam;
     r->traits.name = "adam";
     r->traits.fp16_warmup = true;
+    r->traits.adam_state_on_servers = true;
     r->traits.server_arrays = {"m", "v"};
     r->make = MakeAlgorithm<Adam>;
     return r;

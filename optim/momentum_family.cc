@@ -57,7 +57,7 @@ absl::Status MomentumFamily::Step(uint64_t step, float lr, bool last_warmup, flo
     // With bias correction the frozen v is the corrected one, v / (1 - b2^t),
     // divided by the same float the step itself used.
     const float k2 = MakeAdamCoefficients(o_.beta1, o_.beta2, o_.eps, o_.weight_decay, lr,
-                                          o_.bias_correction, step)
+                                          o_.bias_correction, s->bias_steps + step)
                          .k2;
     for (size_t i = 0; i < n; ++i) {
       if (o_.bias_correction) v[i] = v[i] / k2;

@@ -40,6 +40,7 @@ const AlgorithmRow& NaiveOnebitAdamRow() {
     r->traits.name = "naive-onebit-adam";
     r->traits.compression = true;
     r->traits.fp16_warmup = true;
+    r->traits.adam_state_on_servers = true;
     r->traits.default_reply = ReplyMode::kDelta;
     r->traits.worker_arrays = {"mbar", "e_w"};
     r->traits.server_arrays = {"m", "v", "e_s"};

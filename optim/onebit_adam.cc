@@ -35,6 +35,7 @@ const AlgorithmRow& OnebitAdamRow() {
     r->traits.worker_momentum = true;
     r->traits.den_of_frozen_v = true;
     r->traits.fp16_warmup = true;
+    r->traits.adam_state_on_servers = true;
     r->traits.worker_arrays = {"mbar", "e_w", "den"};
     // e_s takes m's place at the freeze.
     r->traits.server_arrays = {"m or e_s", "v", "den"};

@@ -64,6 +64,11 @@ struct AlgorithmTraits {
   // synchronisations (x apart from x_sync, its own m̄): no other process
   // holds them, so every worker's checkpoint file keeps its x and m̄.
   bool local_model = false;
+  // Until the freeze (adam: always) the whole optimizer state is Adam's m
+  // and v on the servers, bias-corrected when asked, and the workers hold
+  // none: an Adam state taken elsewhere (torch's m, v and step) can seed a
+  // job before its first step (data::STATE_PUSH).
+  bool adam_state_on_servers = false;
   ReplyMode default_reply = ReplyMode::kMomentum;
   uint32_t default_block_size = 0;  // 0: CodecOptions' default
   // The d-length fp32 arrays the state holds besides a worker's x and g, and

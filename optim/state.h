@@ -20,6 +20,9 @@ struct ServerShardState {
   uint32_t shard = 0;
   uint64_t begin = 0;  // global index of x[0]
   uint64_t step = 0;   // completed steps
+  // Adam steps taken before this job by a state it was seeded with
+  // (data::STATE_PUSH): bias correction counts t from bias_steps + step.
+  uint64_t bias_steps = 0;
   std::vector<float> x;
   std::vector<float> m;        // Adam first moment (warm-up; naive: always)
   std::vector<float> v;        // Adam second moment; after the freeze, the floored v

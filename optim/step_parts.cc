@@ -46,8 +46,8 @@ absl::Status AdamStepOnShard(const OptimizerOptions& o, uint64_t step, float lr,
                              uint64_t off, size_t n, ServerShardState* s) {
   float* x = s->x.data() + off;
   ForEachRangeSetting(o, s->begin + off, n, [&](size_t p, size_t m, float wd, float ls) {
-    const AdamCoefficients c =
-        MakeAdamCoefficients(o.beta1, o.beta2, o.eps, wd, lr * ls, o.bias_correction, step);
+    const AdamCoefficients c = MakeAdamCoefficients(o.beta1, o.beta2, o.eps, wd, lr * ls,
+                                                    o.bias_correction, s->bias_steps + step);
     AdamUpdate(c, m, g + p, s->m.data() + off + p, s->v.data() + off + p, x + p);
   });
   return CheckFinite(o, "the Adam update", step, s->begin + off, x, n);

@@ -295,6 +295,7 @@ absl::Status PsServer::HandleRequest(const std::string& routing_id, const data::
     SendState(h.rank(), h.step(), c);
     return absl::OkStatus();
   }
+  if (h.kind() == data::STATE_PUSH) return SeedState(h, payload, c, index, why);
   if (h.kind() == data::PULL) {
     // x as of the start of the current step: the initial x at step 0 (once
     // rank 0's INIT is in), a checkpoint's after a resume. A checkpoint
@@ -456,6 +457,49 @@ void PsServer::SendFp32(data::Kind kind, uint32_t rank, uint64_t step, const Chu
   Send(WorkerIdentity(options_.job.job_id, rank), h, &payload);
 }
 
+absl::Status PsServer::SeedState(const data::Header& h, zmq::message_t& payload, Chunk& c,
+                                 uint64_t chunk_index, Refusal* why) {
+  auto refuse = [&](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat("STATE_PUSH: ", parts...));
+  };
+  if (!TraitsOf(options_.optimizer.kind).adam_state_on_servers) {
+    *why = Refusal::kBadPayload;
+    return refuse(OptimizerKindName(options_.optimizer.kind),
+                  "'s state is not Adam's m and v on the servers alone; only adam, onebit-adam "
+                  "and naive-onebit-adam can be seeded");
+  }
+  // Before anything of step 0 applied: the workers' first replies then
+  // come from the seeded state, and every replica stays equal.
+  if (h.step() != 0 || state_.step != 0 || c.done || c.pushed[0]) {
+    return refuse("for step ", h.step(), " of chunk ", chunk_index, ", but shard ", options_.shard,
+                  " is at step ", state_.step,
+                  c.done || c.pushed[0] ? " and rank 0 has pushed to it" : "",
+                  ": a state is seeded only before the job's first step");
+  }
+  if (state_.frozen) return refuse("shard ", options_.shard, " is past the warm-up (v frozen)");
+  *why = Refusal::kBadPayload;
+  std::vector<float>* into = nullptr;
+  if (h.arrays_size() == 1 && h.arrays(0) == "m") into = &state_.m;
+  if (h.arrays_size() == 1 && h.arrays(0) == "v") into = &state_.v;
+  if (into == nullptr || into->size() != state_.x.size()) {
+    return refuse("names ", h.arrays_size(), " arrays (",
+                  absl::CHexEscape(absl::StrJoin(h.arrays(), ", ")), "); want one, m or v");
+  }
+  if (seeded_bias_steps_ && *seeded_bias_steps_ != h.bias_steps()) {
+    return refuse("bias_steps ", h.bias_steps(), ", but an earlier STATE_PUSH said ",
+                  *seeded_bias_steps_);
+  }
+  absl::Status st = init_codec_->Decode(static_cast<const uint8_t*>(payload.data()), h.count(),
+                                        into->data() + (h.begin() - state_.begin));
+  if (!st.ok()) return refuse("bad payload: ", st.message());
+  seeded_bias_steps_ = h.bias_steps();
+  state_.bias_steps = h.bias_steps();
+  c.state.reset();
+  SendFp32(data::STATE_TAKEN, 0, 0, c, std::make_shared<const std::vector<uint8_t>>(),
+           [&](data::Header& reply) { reply.add_arrays(h.arrays(0)); });
+  return absl::OkStatus();
+}
+
 void PsServer::SendState(uint32_t rank, uint64_t step, Chunk& c) {
   if (c.state == nullptr) {
     const uint64_t n = c.range.size();
@@ -479,6 +523,7 @@ void PsServer::SendState(uint32_t rank, uint64_t step, Chunk& c) {
   }
   SendFp32(data::STATE, rank, step, c, c.state, [&](data::Header& h) {
     h.set_frozen(state_.frozen);
+    h.set_bias_steps(state_.bias_steps);
     for (const char* name : c.state_arrays) h.add_arrays(name);
   });
 }
@@ -631,8 +676,8 @@ void PsServer::EndStep() {
   const FreezeOptions& f = options_.freeze;
   if (f.automatic && !state_.frozen && HasCompressionPhase(options_.optimizer.kind) &&
       state_.step % f.window == 0) {
-    const double change =
-        FreezeCheckChange(options_.optimizer, f.window, state_.step, state_.v, state_.v_check);
+    const double change = FreezeCheckChange(
+        options_.optimizer, f.window, state_.bias_steps + state_.step, state_.v, state_.v_check);
     state_.v_check = state_.v;
     if (metrics_ != nullptr) metrics_->FreezeChecked(change);
     options_.report_freeze_check(state_.step, change);

@@ -136,6 +136,10 @@ class PsServer {
   void SendParams(uint32_t rank, uint64_t step, const Chunk& c);
   // STATE: chunk c's x and optimizer state arrays, fp32, to `rank`.
   void SendState(uint32_t rank, uint64_t step, Chunk& c);
+  // STATE_PUSH: rank 0 seeds chunk c's m or v (and the shard's bias_steps)
+  // before the job's first step; answered with STATE_TAKEN.
+  absl::Status SeedState(const data::Header& h, zmq::message_t& payload, Chunk& c,
+                         uint64_t chunk_index, Refusal* why);
   // Sends `payload` (fp32 data of chunk c) to `rank` as a message of `kind`
   // for `step`; `more` adds its own header fields.
   void SendFp32(data::Kind kind, uint32_t rank, uint64_t step, const Chunk& c,
@@ -156,10 +160,11 @@ class PsServer {
   std::optional<absl::Time> waiting_since_;  // for a freeze decision
   std::vector<Chunk> chunks_;
   uint64_t chunks_done_ = 0;
-  std::optional<absl::Time> step_started_;  // first push of the current step
-  std::optional<uint64_t> end_step_;        // the job's step count, once known
-  bool step_lr_known_ = false;              // the current step's lr has been agreed...
-  std::optional<float> step_lr_;            // ...as this (nullopt: the schedule's)
+  std::optional<absl::Time> step_started_;     // first push of the current step
+  std::optional<uint64_t> end_step_;           // the job's step count, once known
+  bool step_lr_known_ = false;                 // the current step's lr has been agreed...
+  std::optional<float> step_lr_;               // ...as this (nullopt: the schedule's)
+  std::optional<uint64_t> seeded_bias_steps_;  // the STATE_PUSHes' (all must agree)
   bool reported_finished_ = false;
   uint64_t dropped_ = 0;  // messages of an earlier incarnation
   RefusalLog refusals_;

@@ -62,9 +62,9 @@ absl::StatusOr<std::unique_ptr<PsClient>> PsClient::Connect(PsClientOptions opti
   return c;
 }
 
-absl::Status PsClient::SendChunk(
-    size_t i, uint64_t step, const Codec& codec, int kind,
-    const std::function<absl::Status(const Range&, uint8_t*)>& encode) {
+absl::Status PsClient::SendChunk(size_t i, uint64_t step, const Codec& codec, int kind,
+                                 const std::function<absl::Status(const Range&, uint8_t*)>& encode,
+                                 const std::function<void(data::Header&)>& more) {
   Chunk& c = chunks_[i];
   const size_t n = c.range.size();
   const size_t bytes = kind == data::PULL || kind == data::STATE_PULL ? 0 : codec.EncodedSize(n);
@@ -91,6 +91,7 @@ absl::Status PsClient::SendChunk(
   h.set_block_size(options_.map.block_size());
   h.set_payload_bytes(bytes);
   if (kind == data::PUSH && lr_) h.set_lr(*lr_);
+  if (more) more(h);
   const std::string header = h.SerializeAsString();
   zmq::socket_t& s = sockets_[c.shard];
   try {
@@ -226,6 +227,47 @@ absl::Status PsClient::PullParams(uint64_t step, Replica* replica, const Check& 
       check);
 }
 
+absl::Status PsClient::PushState(const std::map<std::string, const float*>& arrays,
+                                 uint64_t bias_steps, const Check& check) {
+  // One array at a time: each message is one fp32 chunk, within the
+  // servers' frame limit.
+  for (const auto& entry : arrays) {
+    // Not a structured binding: lambdas below capture them (clang 14 cannot).
+    const std::string& name = entry.first;
+    const float* values = entry.second;
+    for (size_t i = 0; i < chunks_.size(); ++i) {
+      absl::Status st = SendChunk(
+          i, 0, *fp32_, data::STATE_PUSH,
+          [&](const Range& r, uint8_t* out) {
+            return fp32_->Encode(values + r.begin, r.size(), out);
+          },
+          [&](data::Header& h) {
+            h.add_arrays(name);
+            h.set_bias_steps(bias_steps);
+          });
+      if (!st.ok()) return st;
+    }
+    std::vector<bool> got(chunks_.size(), false);
+    absl::Status st = ReceiveAll(
+        absl::StrCat("the seeded optimizer state '", name, "'"),
+        [&](uint32_t k, std::vector<zmq::message_t>& frames) -> absl::Status {
+          data::Header h;
+          auto i = CheckReply(k, 0, data::STATE_TAKEN, frames, &h);
+          if (!i.ok()) return i.status();
+          if (h.arrays_size() != 1 || h.arrays(0) != name || got[*i]) {
+            return absl::DataLossError(absl::StrCat(
+                "bad reply from server ", k, ": STATE_TAKEN for chunk [", chunks_[*i].range.begin,
+                ", ", chunks_[*i].range.end, ") twice or for another array than '", name, "'"));
+          }
+          got[*i] = true;
+          return absl::OkStatus();
+        },
+        check);
+    if (!st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<PsClient::ServerState> PsClient::PullState(uint64_t step, const Check& check) {
   for (size_t i = 0; i < chunks_.size(); ++i) {
     absl::Status st = SendChunk(i, step, *fp32_, data::STATE_PULL,
@@ -237,6 +279,8 @@ absl::StatusOr<PsClient::ServerState> PsClient::PullState(uint64_t step, const C
   std::map<std::string, uint64_t> filled;  // elements received per array
   std::vector<bool> got(chunks_.size(), false);
   int frozen = -1;
+  uint64_t bias_steps = 0;
+  bool got_any = false;
   absl::Status st = ReceiveAll(
       absl::StrCat("the optimizer state at step ", step),
       [&](uint32_t k, std::vector<zmq::message_t>& frames) -> absl::Status {
@@ -267,7 +311,12 @@ absl::StatusOr<PsClient::ServerState> PsClient::PullState(uint64_t step, const C
         if (frozen >= 0 && frozen != static_cast<int>(h.frozen())) {
           return bad("the servers disagree on whether v is frozen");
         }
+        if (got_any && bias_steps != h.bias_steps()) {
+          return bad("the servers disagree on the state's bias_steps");
+        }
         frozen = h.frozen();
+        bias_steps = h.bias_steps();
+        got_any = true;
         got[*i] = true;
         const auto* payload = static_cast<const uint8_t*>(frames[1].data());
         for (int a = 0; a < h.arrays_size(); ++a) {
@@ -289,6 +338,7 @@ absl::StatusOr<PsClient::ServerState> PsClient::PullState(uint64_t step, const C
     }
   }
   out.frozen = frozen == 1;
+  out.bias_steps = bias_steps;
   return out;
 }
 

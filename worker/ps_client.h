@@ -64,9 +64,16 @@ class PsClient {
   // on the servers.
   struct ServerState {
     bool frozen = false;
+    uint64_t bias_steps = 0;  // Adam steps of a seeded state before this job
     std::map<std::string, std::vector<float>> arrays;
   };
   absl::StatusOr<ServerState> PullState(uint64_t step, const Check& check);
+  // Rank 0 only, before its first push of step 0: sets each named array
+  // ("m" or "v"; d floats, host memory) on every shard, and the shards'
+  // bias_steps, and waits until every server has taken it. A server that
+  // refuses (another optimizer, a step under way) answers with its reason.
+  absl::Status PushState(const std::map<std::string, const float*>& arrays, uint64_t bias_steps,
+                         const Check& check);
 
   // A step in parts: BeginStep, then PushReady as gradient ranges become
   // final (each chunk is pushed once all of it is ready), then CompleteStep,
@@ -120,8 +127,10 @@ class PsClient {
   explicit PsClient(PsClientOptions options) : options_(std::move(options)) {}
   // Encodes chunk i with `encode` (which writes codec.EncodedSize(n) bytes)
   // and sends it.
+  // `more`, when given, adds header fields of the kind's own.
   absl::Status SendChunk(size_t i, uint64_t step, const Codec& codec, int kind,
-                         const std::function<absl::Status(const Range&, uint8_t*)>& encode);
+                         const std::function<absl::Status(const Range&, uint8_t*)>& encode,
+                         const std::function<void(data::Header&)>& more = nullptr);
   absl::Status PushChunk(size_t i, Replica* replica);
   // The step's learning rate: the caller's, else the job's schedule's.
   float StepLr() const;

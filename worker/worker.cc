@@ -779,6 +779,52 @@ absl::Status Worker::ReportEvaluation(double test_loss, double test_accuracy) {
 
 absl::Status Worker::ReadParams(float* out) const { return impl_->replica->ReadX(out); }
 
+absl::Status Worker::SeedOptimizerState(const AdamSeed& seed) {
+  Impl& w = *impl_;
+  if (absl::Status st = w.Usable(); !st.ok()) return st;
+  auto refuse = [](auto&&... parts) {
+    return absl::FailedPreconditionError(absl::StrCat("SeedOptimizerState(): ", parts...));
+  };
+  if (!w.broadcast) return refuse("before BroadcastParameters()");
+  if (w.step != 0 || w.resumed) {
+    return refuse("the job is at step ", w.step, w.resumed ? " (resumed from its checkpoint)" : "",
+                  ": a state is seeded only before the job's first step");
+  }
+  if (w.client->in_step()) return refuse("step 0 has begun (GradientsReady was called)");
+  if (!w.optimizer->traits().adam_state_on_servers) {
+    return refuse("--optimizer ", w.optimizer->traits().name,
+                  " keeps a state that is not Adam's m and v on the servers alone; only adam, "
+                  "onebit-adam and naive-onebit-adam can be seeded");
+  }
+  if (w.replica->phase() == Phase::kCompress) {
+    return refuse("the job compresses from step 0 (no warm-up): there is no Adam state to seed");
+  }
+  const uint64_t d = w.job.num_params;
+  for (const auto& [name, a] :
+       {std::pair<const char*, const std::vector<float>*>{"m", &seed.m}, {"v", &seed.v}}) {
+    if (a->size() != d) {
+      return absl::InvalidArgumentError(absl::StrCat("SeedOptimizerState(): ", name, " has ",
+                                                     a->size(), " values, the model ", d));
+    }
+    for (uint64_t i = 0; i < d; ++i) {
+      const float x = (*a)[i];
+      if (!std::isfinite(x) || (a == &seed.v && x < 0)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("SeedOptimizerState(): ", name, "[", i, "] is ", x,
+                         a == &seed.v ? " (want finite, >= 0)" : " (want finite)"));
+      }
+    }
+  }
+  if (w.job.rank != 0) return absl::OkStatus();
+  absl::Status st = w.client->PushState({{"m", seed.m.data()}, {"v", seed.v.data()}}, seed.steps,
+                                        [&w] { return w.CheckJob(); });
+  if (!st.ok()) {
+    return w.FailOrRejoin(
+        absl::Status(st.code(), absl::StrCat("seeding the optimizer state: ", st.message())));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<OptimizerState> Worker::GatherOptimizerState() {
   Impl& w = *impl_;
   if (absl::Status st = w.Usable(); !st.ok()) return st;
@@ -802,6 +848,7 @@ absl::StatusOr<OptimizerState> Worker::GatherOptimizerState() {
   OptimizerState out;
   out.step = w.step;
   out.frozen = server->frozen;
+  out.bias_steps = server->bias_steps;
   out.server = std::move(server->arrays);
   for (auto& [name, a] : {std::pair<const char*, std::vector<float>*>{"mbar", &mine->mbar},
                           {"e", &mine->e},

@@ -207,6 +207,17 @@ struct OptimizerState {
   // its replica steps with: the servers' averaged one under momentum
   // replies), "e" (its error feedback), "den", "v", "x_sync" (0/1 Adam).
   std::map<std::string, std::vector<float>> worker;
+  // The Adam steps a seeded state had taken before this job
+  // (SeedOptimizerState): bias correction counts from bias_steps + step.
+  uint64_t bias_steps = 0;
+};
+
+// An Adam state taken elsewhere, e.g. torch.optim.AdamW's exp_avg,
+// exp_avg_sq and step, to start a job from (Worker::SeedOptimizerState).
+struct AdamSeed {
+  uint64_t steps = 0;    // Adam steps it has taken; bias correction goes on from them
+  std::vector<float> m;  // the first moment, d floats in x's order
+  std::vector<float> v;  // the second moment (not bias-corrected), d floats, >= 0
 };
 
 struct StepStats {
@@ -304,6 +315,17 @@ class Worker {
   // without changing anything; the other workers need not take part. Holds
   // up to 5 d floats from the servers and 5 d of this worker's.
   absl::StatusOr<OptimizerState> GatherOptimizerState();
+
+  // Starts the job's optimizer from `seed` instead of zero moments: Adam's
+  // m and v on every shard, and seed.steps as the steps bias correction
+  // has counted. Requires BroadcastParameters(), a job at step 0 (not
+  // resumed from a checkpoint), no GradientsReady yet, and an optimizer
+  // whose state is then Adam's on the servers alone (adam, onebit-adam,
+  // naive-onebit-adam). Rank 0 sends it and waits until every server has
+  // it; any other rank checks it only (rank 0's becomes the job's, as its
+  // parameters do). A seed of the wrong size or with a value that is not
+  // finite (v < 0) is refused naming the element, and changes nothing.
+  absl::Status SeedOptimizerState(const AdamSeed& seed);
 
   // Ends this worker's part: sends the checksums of its parameters to the
   // coordinator, which compares them with every other replica and the

@@ -582,7 +582,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ids = []
             for p in g["params"]:
                 _, offset, n = self._slices[i]
-                state[i] = {"step": torch.tensor(float(s["step"])),
+                state[i] = {"step": torch.tensor(float(s["bias_steps"] + s["step"])),
                             "exp_avg": m[offset:offset + n].view_as(p).clone().to(p.device),
                             "exp_avg_sq": v[offset:offset + n].view_as(p).clone().to(p.device)}
                 ids.append(i)
@@ -594,14 +594,89 @@ class DistributedOptimizer(torch.optim.Optimizer):
                            "capturable": False, "params": ids})
         return {"state": state, "param_groups": groups,
                 "onebit": {"optimizer": self.job["optimizer"], "step": s["step"],
-                           "frozen": s["frozen"], "server": server, "worker": worker}}
+                           "bias_steps": s["bias_steps"], "frozen": s["frozen"], "server": server, "worker": worker}}
 
     def load_state_dict(self, state_dict):
-        raise NotImplementedError(
-            "DistributedOptimizer.load_state_dict(): not available: a onebit-ps job's state "
-            "lives on its servers and is restored from the job's own checkpoints "
-            "(--checkpoint_dir) when it is started again (continue at opt.steps_done); "
-            "state_dict() gives the state to continue with plain torch")
+        """Starts the job from an optimizer state in torch.optim.Adam's or
+        AdamW's format (a torch checkpoint's, or state_dict() of an earlier
+        onebit-ps job): each parameter's exp_avg and exp_avg_sq become the
+        servers' Adam m and v, and its step the steps bias correction goes on
+        from; the groups' lr (and initial_lr) are taken, as torch does. Call
+        it after making the optimizer and before the first step, on every
+        rank as a torch script does: rank 0's is sent (as its weights are),
+        the others' are checked only. The parameters are the model's: load
+        its weights before making the optimizer. For adam, onebit-adam and
+        naive-onebit-adam (whose state before the freeze is Adam's on the
+        servers); the state's betas, eps and each group's weight_decay must
+        be the job's. A state from after a freeze (state_dict()'s
+        'onebit'/'frozen') is refused: its error feedback belongs to that
+        job, which resumes from its own --checkpoint_dir."""
+        try:
+            groups, saved = state_dict["param_groups"], state_dict["state"]
+        except (TypeError, KeyError) as e:
+            raise OnebitError(f"load_state_dict(): not an optimizer state_dict (no {e})") from None
+        ours = state_dict.get("onebit")
+        if ours is not None and ours.get("frozen"):
+            raise OnebitError(
+                f"load_state_dict(): the state is from after the freeze of a {ours.get('optimizer')} "
+                f"job (step {ours.get('step')}): its error feedback and frozen v belong to that "
+                "job; resume it from its --checkpoint_dir")
+        if len(groups) != len(self.param_groups):
+            raise OnebitError(f"load_state_dict(): the state has {len(groups)} param groups, "
+                              f"this optimizer {len(self.param_groups)}")
+        settings = json.loads(self.job["config_json"])
+        job_betas = (settings["beta1"], settings["beta2"])
+        d = self._x.numel()
+        m, v = torch.zeros(d), torch.zeros(d)
+        steps, i = None, 0
+        for k, (g, sg) in enumerate(zip(self.param_groups, groups)):
+            if len(sg["params"]) != len(g["params"]):
+                raise OnebitError(f"load_state_dict(): param group {k} of the state has "
+                                  f"{len(sg['params'])} parameters, this optimizer's "
+                                  f"{len(g['params'])}")
+            if sg.get("amsgrad"):
+                raise OnebitError(f"load_state_dict(): param group {k} uses amsgrad, which "
+                                  "onebit-ps's Adam does not")
+            betas = tuple(sg.get("betas", job_betas))
+            for what, theirs, job_value in (("beta1", betas[0], job_betas[0]),
+                                            ("beta2", betas[1], job_betas[1]),
+                                            ("eps", sg.get("eps", settings["eps"]), settings["eps"])):
+                if theirs != job_value:
+                    raise OnebitError(f"load_state_dict(): param group {k} has {what} {theirs}, "
+                                      f"the job {job_value}: give the job --{what} {theirs}")
+            wd = g.get("weight_decay", settings["weight_decay"])
+            if sg.get("weight_decay", wd) != wd:
+                raise OnebitError(f"load_state_dict(): param group {k} has weight_decay "
+                                  f"{sg['weight_decay']}, this optimizer's group {wd}")
+            for pid in sg["params"]:
+                p, offset, n = self._slices[i]
+                name = self._names[i]
+                i += 1
+                st = saved.get(pid)
+                if st is None or "exp_avg" not in st or "exp_avg_sq" not in st:
+                    raise OnebitError(f"load_state_dict(): {name} has no exp_avg and "
+                                      "exp_avg_sq in the state (torch makes them at its first step)")
+                t = float(st.get("step", 0))
+                if t != int(t) or t < 0 or (steps is not None and t != steps):
+                    raise OnebitError(f"load_state_dict(): {name} is at step {t}, "
+                                      f"{'the others at ' + str(steps) if steps is not None else 'want a count'}: "
+                                      "onebit-ps counts one step for all")
+                steps = t
+                for key, flat in (("exp_avg", m), ("exp_avg_sq", v)):
+                    a = st[key]
+                    if tuple(a.shape) != tuple(p.shape):
+                        raise OnebitError(f"load_state_dict(): {key} of {name} has shape "
+                                          f"{tuple(a.shape)}, the parameter {tuple(p.shape)}")
+                    flat[offset:offset + n] = a.detach().reshape(-1).to("cpu", torch.float32)
+        try:
+            self._worker.seed_optimizer_state(int(steps or 0), m.numpy().tobytes(),
+                                              v.numpy().tobytes())
+        except OnebitError as e:
+            raise OnebitError(f"load_state_dict(): {e}") from None
+        for g, sg in zip(self.param_groups, groups):
+            for key in ("lr", "initial_lr"):
+                if key in sg:
+                    g[key] = sg[key]
 
     def finish(self):
         self._worker.finish()

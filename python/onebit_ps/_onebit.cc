@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <optional>
@@ -270,12 +271,35 @@ PYBIND11_MODULE(_onebit, m) {
             py::dict d;
             d["step"] = s->step;
             d["frozen"] = s->frozen;
+            d["bias_steps"] = s->bias_steps;
             d["server"] = arrays(s->server);
             d["worker"] = arrays(s->worker);
             return d;
           },
           "The optimizer state between steps (Worker::GatherOptimizerState): step, frozen, "
           "and the servers' and this worker's arrays by name, as bytes of d float32 each.")
+      .def(
+          "seed_optimizer_state",
+          [](onebit::Worker& w, uint64_t steps, const py::bytes& m, const py::bytes& v) {
+            onebit::AdamSeed seed;
+            seed.steps = steps;
+            for (const auto& [from, into] : {std::pair{&m, &seed.m}, std::pair{&v, &seed.v}}) {
+              const std::string bytes = *from;
+              if (bytes.size() % 4 != 0) {
+                throw py::value_error("seed_optimizer_state: m and v must be float32 bytes");
+              }
+              into->resize(bytes.size() / 4);
+              std::memcpy(into->data(), bytes.data(), 4 * into->size());
+            }
+            absl::Status st;
+            {
+              py::gil_scoped_release release;
+              st = w.SeedOptimizerState(seed);
+            }
+            Check(st);
+          },
+          "Starts the job from an Adam state (Worker::SeedOptimizerState): steps taken, and m "
+          "and v as bytes of d float32 each.")
       .def("report_evaluation",
            [](onebit::Worker& w, double test_loss, double test_accuracy) {
              Check(w.ReportEvaluation(test_loss, test_accuracy));

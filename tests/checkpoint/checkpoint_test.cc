@@ -400,6 +400,26 @@ TEST(OptimizerState, AShardRestoresBitForBitAndOntoOtherShardBoundaries) {
   EXPECT_THAT(std::string(st.message()), HasSubstr("not one checkpoint"));
 }
 
+TEST(OptimizerState, ASeededShardKeepsItsBiasStepsAndAnUnseededOneCountsFromZero) {
+  const std::string dir = TempRoot("bias_steps");
+  ServerShardState seeded = Shard(0, 0, 100, 7);
+  seeded.bias_steps = 30;
+  ASSERT_TRUE(SaveServerShard(seeded).WriteTo(dir, "seeded.state").ok());
+  ASSERT_TRUE(SaveServerShard(Shard(0, 0, 100, 7)).WriteTo(dir, "plain.state").ok());
+  auto rs = StateReader::Open(dir + "/seeded.state");
+  auto rp = StateReader::Open(dir + "/plain.state");
+  ASSERT_TRUE(rs.ok() && rp.ok());
+  // Files written before seeding existed have no such value: 0.
+  EXPECT_FALSE(rp->Value("bias_steps").ok());
+  ServerShardState back;
+  back.bias_steps = 99;
+  ASSERT_TRUE(LoadServerShard({&*rs}, 0, 100, &back).ok());
+  EXPECT_EQ(back.bias_steps, 30u);
+  EXPECT_EQ(back.step, 7u);
+  ASSERT_TRUE(LoadServerShard({&*rp}, 0, 100, &back).ok());
+  EXPECT_EQ(back.bias_steps, 0u);
+}
+
 TEST(OptimizerState, AWorkersStateRestoresBitForBitExceptX) {
   const std::string dir = TempRoot("worker");
   WorkerState w;

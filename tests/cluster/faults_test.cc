@@ -299,6 +299,31 @@ TEST(Faults, BadRequestsAreRefusedByNameAndChangeNothing) {
     w1.Send(pull, "abcd");
     w1.ExpectError("wrong payload length 4");
   }
+  {
+    // Seeding Adam's state before step 0 (rank 0): one array per message,
+    // answered with STATE_TAKEN; all must name the same bias_steps. Zeros,
+    // so that the job below runs as it would have.
+    data::Header seed = header(0, 0, 1, data::STATE_PUSH);
+    seed.add_arrays("e");
+    const std::string zeros(4 * chunk, '\0');
+    w0.Send(seed, zeros);
+    w0.ExpectError("STATE_PUSH: names 1 arrays (e); want one, m or v");
+    seed.set_arrays(0, "v");
+    w0.Send(seed, zeros);
+    auto [h, payload] = w0.Receive();
+    ASSERT_EQ(h.kind(), data::STATE_TAKEN) << h.error();
+    EXPECT_EQ(h.begin(), chunk);
+    ASSERT_EQ(h.arrays_size(), 1);
+    EXPECT_EQ(h.arrays(0), "v");
+    EXPECT_TRUE(payload.empty());
+    seed.set_bias_steps(3);
+    w0.Send(seed, zeros);
+    w0.ExpectError("STATE_PUSH: bias_steps 3, but an earlier STATE_PUSH said 0");
+    seed.set_rank(1);
+    seed.set_bias_steps(0);
+    w1.Send(seed, zeros);
+    w1.ExpectError("STATE_PUSH from rank 1 (only rank 0 seeds the optimizer state)");
+  }
   // Replies carry Δ; both workers must get the same bytes; x += Δ.
   // Receives into `replies` (kept from earlier calls) until every chunk's
   // reply is in, or until the first error when `until_error`.
@@ -370,6 +395,12 @@ TEST(Faults, BadRequestsAreRefusedByNameAndChangeNothing) {
   // A push of the finished step is from the past.
   w0.Send(header(0, 0, 2, data::PUSH), Fp32Bytes(g0.data() + 2 * chunk, chunk));
   w0.ExpectError("step 0 is from the past (shard 0 is at step 1)");
+  {
+    data::Header seed = header(0, 1, 2, data::STATE_PUSH);
+    seed.add_arrays("m");
+    w0.Send(seed, std::string(4 * chunk, '\0'));
+    w0.ExpectError("shard 0 is at step 1: a state is seeded only before the job's first step");
+  }
 
   {
     // The state of step 1, asked twice: the step's x (the replicas'), its m

@@ -80,6 +80,19 @@ TEST_F(DataHeader, AcceptsGoodPushesIncludingTheShortLastChunk) {
   state.set_kind(data::STATE);
   state.set_payload_bytes(0);
   EXPECT_THAT(std::string(Check(state, 0).message()), HasSubstr("unexpected message kind STATE"));
+  // A STATE_PUSH carries one fp32 array of the chunk, from rank 0 only.
+  data::Header seed = init;
+  seed.set_kind(data::STATE_PUSH);
+  seed.add_arrays("m");
+  EXPECT_TRUE(Check(seed, 512).ok()) << Check(seed, 512);
+  EXPECT_THAT(std::string(Check(seed, 256).message()), HasSubstr("frame has 256"));
+  seed.set_rank(1);
+  EXPECT_THAT(std::string(Check(seed, 512).message()),
+              HasSubstr("STATE_PUSH from rank 1 (only rank 0 seeds the optimizer state)"));
+  seed.set_rank(0);
+  seed.set_kind(data::STATE_TAKEN);
+  EXPECT_THAT(std::string(Check(seed, 512).message()),
+              HasSubstr("unexpected message kind STATE_TAKEN"));
 }
 
 // Protobuf parses an int's worth of bytes: a frame of 2 GiB made it abort

@@ -128,6 +128,70 @@ def test_warmup_adam_over_the_servers_tracks_torch_adamw(tmp_path, groups):
     assert "largest relative difference" in r.stderr
 
 
+def seed_job(out, workers, servers, flags, args):
+    cmd = [os.path.join(BIN, "onebit-launch"), f"--workers={workers}", f"--servers={servers}",
+           "--model=external", "--weight_decay=0.01", "--lr=0.001", f"--out={out}",
+           "--launch_register_timeout=30s",
+           f"--worker_cmd=/usr/bin/python3 {HERE}/seed_worker.py {args}"] + flags
+    if "--optimizer=zero-one-adam" not in flags:  # it has no such setting
+        cmd.append("--bias_correction")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+    return r, summary
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "onebit-adam"])
+def test_load_state_dict_continues_torch_adamws_training_over_the_servers(tmp_path, optimizer):
+    # 30 steps of torch.optim.AdamW, then its model and state_dict() start a
+    # job that runs 20 more beside it: bias correction goes on from step 30
+    # (without it the first steps would differ by ~2 %).
+    r, s = seed_job(tmp_path / "run", 1, 1, [f"--optimizer={optimizer}", "--freeze_step=100"],
+                    "0 20 --torch 30 --bound 1e-5")
+    assert r.returncode == 0, r.stderr
+    assert "30 steps in torch, then 20 over the servers" in r.stderr
+    assert s["status"] == "ok" and s["steps"] == 20
+
+
+def test_a_job_seeded_with_another_jobs_state_dict_continues_it_bitwise(tmp_path):
+    # Job "whole" runs steps 0-40 (freeze at 30). Job "first" runs 0-8 and
+    # saves the model and opt.state_dict(); job "rest" loads them and runs
+    # 8-40 (freeze at 22 of its own steps): with a server killed at its
+    # step 13 and the job rolled back to a checkpoint of the warm-up, so the
+    # seeded bias_steps must survive the checkpoint too. Bit for bit equal.
+    job = ["--optimizer=onebit-adam", "--chunk_elems=64", "--block_size=32"]
+    dumps = {k: tmp_path / k for k in ("whole", "rest")}
+    for d in dumps.values():
+        d.mkdir()
+    r, _ = seed_job(tmp_path / "whole-run", 2, 2, job + ["--freeze_step=30"],
+                    f"0 40 --dump {dumps['whole']}")
+    assert r.returncode == 0, r.stderr
+    saved = tmp_path / "first.pt"
+    r, _ = seed_job(tmp_path / "first-run", 2, 2, job + ["--freeze_step=30"], f"0 8 --save {saved}")
+    assert r.returncode == 0, r.stderr
+    ckpt = [f"--checkpoint_dir={tmp_path}/ckpt", "--checkpoint_every=5", "--max_restarts=1"]
+    r, s = seed_job(tmp_path / "rest-run", 2, 2, job + ["--freeze_step=22"] + ckpt,
+                    f"8 40 --load {saved} --dump {dumps['rest']} --kill_server_at 21")
+    assert r.returncode == 0, r.stderr
+    assert s["status"] == "ok" and s["rollbacks"] == 1, s
+    assert s["resumed_from_step"] in (5, 10), s  # in the warm-up: bias correction still counts
+    assert s["compress_steps"] == 10
+    for w in range(2):
+        got = (dumps["rest"] / f"params-{w}.f32").read_bytes()
+        assert len(got) == 4 * (10 * 16 + 16 + 16 * 3 + 3)
+        assert got == (dumps["whole"] / f"params-{w}.f32").read_bytes(), w
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "zero-one-adam"])
+def test_load_state_dict_refuses_what_it_cannot_seed_by_name(tmp_path, optimizer):
+    # seed_worker.py --errors asserts each message; the job then trains.
+    r, s = seed_job(tmp_path / "run", 1, 1, [f"--optimizer={optimizer}", "--steps=2"],
+                    "0 2 --errors")
+    assert r.returncode == 0, r.stderr
+    refused = re.findall(r"seed_worker: refused: (.*)", r.stderr)
+    assert len(refused) == (2 if optimizer == "zero-one-adam" else 7), r.stderr
+    assert s["status"] == "ok" and s["steps"] == 2
+
+
 @pytest.mark.parametrize("schedule", [False, True])
 def test_pushing_from_the_backward_hooks_changes_nothing(tmp_path, schedule):
     # With a scheduler too: its lr must reach the servers before the hooks'

@@ -220,11 +220,12 @@ if json.loads(opt.job["config_json"])["server_reply"] != "delta":  # replicas eq
 print(f"torch_worker: rank {onebit_ps.rank()} state step {ob['step']} frozen {ob['frozen']} "
       f"server {sorted(ob['server'])} worker {sorted(ob['worker'])} "
       f"crc {_crc(flat('exp_avg'))} {_crc(flat('exp_avg_sq'))}", file=sys.stderr)
+# After training the state is refused (seeding is for before the first step).
 try:
     opt.load_state_dict(sd)
-    sys.exit("torch_worker: load_state_dict() should raise NotImplementedError")
-except NotImplementedError as e:
-    assert "restored from the job's own checkpoints" in str(e)
+    sys.exit("torch_worker: load_state_dict() after training should be refused")
+except onebit_ps.OnebitError as e:
+    assert ("after the freeze" if ob["frozen"] else "only before the job's first step") in str(e), e
 print(f"torch_worker: rank {onebit_ps.rank()} final loss {loss.item():.4f}", file=sys.stderr)
 if os.environ.get("ONEBIT_DUMP_X"):
     opt._x.numpy().tofile(os.environ["ONEBIT_DUMP_X"])
