@@ -76,9 +76,9 @@ absl::Status ValidateRequest(const data::Header& h, const DataPlaneJob& job, uin
     return bad(absl::StrFormat("wrong job id %016x (not this job's)", h.job_id()));
   }
   if (h.kind() != data::PUSH && h.kind() != data::INIT && h.kind() != data::PULL &&
-      h.kind() != data::STATE_PULL && h.kind() != data::STATE_PUSH) {
+      h.kind() != data::STATE_PULL && h.kind() != data::STATE_PUSH && h.kind() != data::VOTE) {
     return bad("unexpected message kind ", data::Kind_Name(h.kind()),
-               " (want PUSH, INIT, PULL, STATE_PULL or STATE_PUSH)");
+               " (want PUSH, INIT, PULL, STATE_PULL, STATE_PUSH or VOTE)");
   }
   if (h.rank() >= job.workers) {
     return bad("unknown worker rank ", h.rank(), " (job has ", job.workers, " workers)");
@@ -89,6 +89,10 @@ absl::Status ValidateRequest(const data::Header& h, const DataPlaneJob& job, uin
   }
   if (h.kind() == data::INIT && h.rank() != 0) {
     return bad("INIT from rank ", h.rank(), " (only rank 0 sends the initial x)");
+  }
+  if (h.kind() == data::VOTE && (h.shard() != 0 || h.begin() != 0)) {
+    return bad("VOTE for shard ", h.shard(), " at element ", h.begin(),
+               " (votes name chunk 0 of shard 0)");
   }
   if (h.kind() == data::STATE_PUSH && h.rank() != 0) {
     return bad("STATE_PUSH from rank ", h.rank(), " (only rank 0 seeds the optimizer state)");
@@ -123,8 +127,9 @@ absl::Status ValidateRequest(const data::Header& h, const DataPlaneJob& job, uin
   if (h.has_lr() && (h.kind() != data::PUSH || !std::isfinite(h.lr()) || h.lr() < 0)) {
     return bad("learning rate ", h.lr(), " (a PUSH may carry a finite lr >= 0)");
   }
-  // A PULL or STATE_PULL asks for data: it carries none.
-  const bool pull = h.kind() == data::PULL || h.kind() == data::STATE_PULL;
+  // A PULL or STATE_PULL asks for data, a VOTE is its header: none carries any.
+  const bool pull =
+      h.kind() == data::PULL || h.kind() == data::STATE_PULL || h.kind() == data::VOTE;
   const size_t need = pull ? 0 : codec->EncodedSize(h.count());
   if (h.payload_bytes() != need) {
     return bad("wrong payload length ", h.payload_bytes(), " in header (", codec->name(), " needs ",

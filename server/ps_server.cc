@@ -296,6 +296,7 @@ absl::Status PsServer::HandleRequest(const std::string& routing_id, const data::
     return absl::OkStatus();
   }
   if (h.kind() == data::STATE_PUSH) return SeedState(h, payload, c, index, why);
+  if (h.kind() == data::VOTE) return TakeVote(h, why);
   if (h.kind() == data::PULL) {
     // x as of the start of the current step: the initial x at step 0 (once
     // rank 0's INIT is in), a checkpoint's after a resume. A checkpoint
@@ -455,6 +456,44 @@ void PsServer::SendFp32(data::Kind kind, uint32_t rank, uint64_t step, const Chu
   if (more) more(h);
   zmq::message_t payload = ShareFrame(payload_bytes, 0, payload_bytes->size());
   Send(WorkerIdentity(options_.job.job_id, rank), h, &payload);
+}
+
+absl::Status PsServer::TakeVote(const data::Header& h, Refusal* why) {
+  const uint32_t rank = h.rank();
+  if (!StateIsOfStep(h.step())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("VOTE for step ", h.step(), ", but shard 0 is at step ", state_.step));
+  }
+  // Votes come before any push of the step: a rank that pushed without
+  // one steps without the loss scale's agreement.
+  for (const Chunk& c : chunks_) {
+    for (uint32_t r = 0; r < options_.job.workers; ++r) {
+      if (c.done || c.pushed[r]) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "VOTE from rank ", rank, " for step ", state_.step, ", but rank ", r,
+            " has pushed to it without one: every rank must step through the same loss scaler"));
+      }
+    }
+  }
+  votes_.resize(options_.job.workers);
+  if (votes_[rank]) {
+    *why = Refusal::kDuplicate;
+    return absl::InvalidArgumentError(
+        absl::StrCat("duplicate VOTE from rank ", rank, " for step ", state_.step));
+  }
+  votes_[rank] = h.found_inf();
+  bool found_inf = false;
+  for (const std::optional<bool>& v : votes_) {
+    if (!v) return absl::OkStatus();
+    found_inf = found_inf || *v;
+  }
+  votes_.clear();  // the next round (the same step again, after a skip)
+  const SharedBytes none = std::make_shared<const std::vector<uint8_t>>();
+  for (uint32_t r = 0; r < options_.job.workers; ++r) {
+    SendFp32(data::VERDICT, r, h.step(), chunks_[0], none,
+             [&](data::Header& reply) { reply.set_found_inf(found_inf); });
+  }
+  return absl::OkStatus();
 }
 
 absl::Status PsServer::SeedState(const data::Header& h, zmq::message_t& payload, Chunk& c,

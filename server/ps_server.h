@@ -140,6 +140,9 @@ class PsServer {
   // before the job's first step; answered with STATE_TAKEN.
   absl::Status SeedState(const data::Header& h, zmq::message_t& payload, Chunk& c,
                          uint64_t chunk_index, Refusal* why);
+  // VOTE (shard 0): rank h.rank()'s overflow flag for the current step;
+  // the last of the N answers every rank with the VERDICT.
+  absl::Status TakeVote(const data::Header& h, Refusal* why);
   // Sends `payload` (fp32 data of chunk c) to `rank` as a message of `kind`
   // for `step`; `more` adds its own header fields.
   void SendFp32(data::Kind kind, uint32_t rank, uint64_t step, const Chunk& c,
@@ -165,6 +168,7 @@ class PsServer {
   bool step_lr_known_ = false;                 // the current step's lr has been agreed...
   std::optional<float> step_lr_;               // ...as this (nullopt: the schedule's)
   std::optional<uint64_t> seeded_bias_steps_;  // the STATE_PUSHes' (all must agree)
+  std::vector<std::optional<bool>> votes_;     // by rank: the current round's VOTEs
   bool reported_finished_ = false;
   uint64_t dropped_ = 0;  // messages of an earlier incarnation
   RefusalLog refusals_;

@@ -67,7 +67,9 @@ absl::Status PsClient::SendChunk(size_t i, uint64_t step, const Codec& codec, in
                                  const std::function<void(data::Header&)>& more) {
   Chunk& c = chunks_[i];
   const size_t n = c.range.size();
-  const size_t bytes = kind == data::PULL || kind == data::STATE_PULL ? 0 : codec.EncodedSize(n);
+  const size_t bytes = kind == data::PULL || kind == data::STATE_PULL || kind == data::VOTE
+                           ? 0
+                           : codec.EncodedSize(n);
   // Reuse the buffer once ZeroMQ has let go of it, else take a fresh one.
   if (c.buf == nullptr || c.buf.use_count() > 1 || c.buf->size() != bytes) {
     c.buf = std::make_shared<std::vector<uint8_t>>(bytes);
@@ -152,11 +154,14 @@ absl::StatusOr<size_t> PsClient::CheckReply(uint32_t server, uint64_t step, int 
 absl::Status PsClient::ReceiveAll(
     const std::string& what,
     const std::function<absl::Status(uint32_t k, std::vector<zmq::message_t>&)>& handle,
-    const Check& check) {
+    const Check& check, bool only_server_0) {
   const size_t S = sockets_.size();
-  std::vector<size_t> outstanding(S);
+  std::vector<size_t> expected(S), outstanding(S);
   size_t left = 0;
-  for (uint32_t k = 0; k < S; ++k) left += outstanding[k] = by_shard_[k].size();
+  for (uint32_t k = 0; k < S; ++k) {
+    expected[k] = only_server_0 ? (k == 0 ? 1 : 0) : by_shard_[k].size();
+    left += outstanding[k] = expected[k];
+  }
   std::vector<absl::Time> last_heard(S, absl::Now());
   std::vector<zmq::pollitem_t> items(S);
   while (left > 0) {
@@ -181,7 +186,7 @@ absl::Status PsClient::ReceiveAll(
         return absl::DeadlineExceededError(absl::StrCat(
             "no reply from server ", k, " (", options_.server_endpoints[k], ") for ", what,
             " within ", absl::FormatDuration(options_.reply_timeout), " (", outstanding[k], " of ",
-            by_shard_[k].size(), " chunks outstanding): is it dead?"));
+            expected[k], " replies outstanding): is it dead?"));
       }
     }
     if (absl::Status st = check(); !st.ok()) return st;
@@ -266,6 +271,27 @@ absl::Status PsClient::PushState(const std::map<std::string, const float*>& arra
     if (!st.ok()) return st;
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<bool> PsClient::Vote(uint64_t step, bool found_inf, const Check& check) {
+  const size_t first = by_shard_[0][0];  // chunk 0 of shard 0
+  absl::Status st = SendChunk(
+      first, step, *fp32_, data::VOTE, [](const Range&, uint8_t*) { return absl::OkStatus(); },
+      [&](data::Header& h) { h.set_found_inf(found_inf); });
+  if (!st.ok()) return st;
+  bool any = false;
+  st = ReceiveAll(
+      absl::StrCat("the verdict on step ", step, "'s overflow"),
+      [&](uint32_t k, std::vector<zmq::message_t>& frames) -> absl::Status {
+        data::Header h;
+        auto i = CheckReply(k, step, data::VERDICT, frames, &h);
+        if (!i.ok()) return i.status();
+        any = h.found_inf();
+        return absl::OkStatus();
+      },
+      check, /*only_server_0=*/true);
+  if (!st.ok()) return st;
+  return any;
 }
 
 absl::StatusOr<PsClient::ServerState> PsClient::PullState(uint64_t step, const Check& check) {

@@ -74,6 +74,10 @@ class PsClient {
   // refuses (another optimizer, a step under way) answers with its reason.
   absl::Status PushState(const std::map<std::string, const float*>& arrays, uint64_t bias_steps,
                          const Check& check);
+  // Before the first push of `step`: sends this rank's overflow flag to
+  // server 0 and waits for the verdict of all N: whether any rank's
+  // gradient overflowed (then every rank skips the step).
+  absl::StatusOr<bool> Vote(uint64_t step, bool found_inf, const Check& check);
 
   // A step in parts: BeginStep, then PushReady as gradient ranges become
   // final (each chunk is pushed once all of it is ready), then CompleteStep,
@@ -137,12 +141,13 @@ class PsClient {
   // Begins the replica's step (once, at the first push or the completion,
   // so that SetStepLr still counts) and learns what the step sends.
   absl::Status BeginReplicaStep(Replica* replica);
-  // Receives until every chunk of every server has been answered; `handle`
-  // takes one message of server k (and fails the wait with its error).
+  // Receives until every chunk of every server has been answered (with
+  // `only_server_0`: one message of server 0); `handle` takes one message
+  // of server k (and fails the wait with its error).
   absl::Status ReceiveAll(
       const std::string& what,
       const std::function<absl::Status(uint32_t k, std::vector<zmq::message_t>&)>& handle,
-      const Check& check);
+      const Check& check, bool only_server_0 = false);
   // Checks what every reply header must have: parses it, turns ERROR into
   // its reason, checks version, job, kind, step, shard and chunk; returns
   // the chunk's index into chunks_.

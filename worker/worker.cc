@@ -825,6 +825,26 @@ absl::Status Worker::SeedOptimizerState(const AdamSeed& seed) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<bool> Worker::AgreeOnOverflow(bool found_inf) {
+  Impl& w = *impl_;
+  if (absl::Status st = w.Usable(); !st.ok()) return st;
+  if (!w.broadcast) {
+    return absl::FailedPreconditionError("AgreeOnOverflow() before BroadcastParameters()");
+  }
+  if (w.client->in_step() && w.client->pushed_any()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "AgreeOnOverflow(): step ", w.step,
+        " has pushed gradients already; the ranks agree before the step's first push"));
+  }
+  auto any = w.client->Vote(w.step, found_inf, [&w] { return w.CheckJob(); });
+  if (!any.ok()) {
+    return w.FailOrRejoin(absl::Status(
+        any.status().code(),
+        absl::StrCat("agreeing on step ", w.step, "'s overflow: ", any.status().message())));
+  }
+  return *any;
+}
+
 absl::StatusOr<OptimizerState> Worker::GatherOptimizerState() {
   Impl& w = *impl_;
   if (absl::Status st = w.Usable(); !st.ok()) return st;

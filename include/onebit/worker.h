@@ -327,6 +327,14 @@ class Worker {
   // finite (v < 0) is refused naming the element, and changes nothing.
   absl::Status SeedOptimizerState(const AdamSeed& seed);
 
+  // For a dynamic loss scale (torch's GradScaler): whether any rank's
+  // gradient of the coming step overflowed, given this rank's
+  // `found_inf`. Every rank calls it before the step's first
+  // GradientsReady; it returns once all have (through server 0). When it
+  // returns true every rank must skip the step (push nothing; the step
+  // does not advance) and vote again before the next try.
+  absl::StatusOr<bool> AgreeOnOverflow(bool found_inf);
+
   // Ends this worker's part: sends the checksums of its parameters to the
   // coordinator, which compares them with every other replica and the
   // masters. In a job with a fixed step count, call it after the last step.

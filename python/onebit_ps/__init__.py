@@ -164,8 +164,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     or float16: the servers keep fp32 master weights, each push sends the
     gradient converted to fp32 (the wire carries fp32 or the job's codecs,
     as for a float32 model), and after every step the parameter takes the
-    new master weights rounded to its dtype. GradScaler is not supported
-    (a step skipped on one rank would have to be skipped on all).
+    new master weights rounded to its dtype. torch's GradScaler steps it
+    (scaler.step(opt)) with overlap=False: the ranks agree first whether
+    any gradient overflowed; if one did, every rank skips the step (the
+    job's step does not advance, nothing reaches the servers, and the
+    scaler backs off); else the gradients are unscaled (by the scaler's
+    1/scale in float32, or already by scaler.unscale_(opt)) and pushed.
     Pass the model itself where you can: then its buffers and
     frozen parameters, which stay local to each worker, are checked to
     start equal on every rank, and errors name parameters as the model does.
@@ -196,6 +200,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     torch (every rank must skip it alike), but one in which only some lack
     a gradient, or a parameter set requires_grad=False after the optimizer
     was made, is an error naming them."""
+
+    # torch's GradScaler.step() then calls step(grad_scaler=scaler) and
+    # leaves the unscaling and the overflow check to it.
+    _step_supports_amp_scaling = True
 
     def __init__(self, params, lr=None, overlap=True, betas=None, **settings):
         global _optimizer
@@ -323,6 +331,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 node = p.expand_as(p).grad_fn.next_functions[0][0]
                 self._hooks.append(node)  # keep it alive: the hook lives on it
                 node.register_hook(self._make_hook(i))
+        self._overlap = overlap
+        self.skipped_steps = 0  # steps a GradScaler skipped (a gradient overflowed)
         self._worker.broadcast_parameters()
         self._refresh()
         self._last_lr = job["lr"]
@@ -502,15 +512,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return False
 
     @torch.no_grad()
-    def step(self, closure=None, loss=None, epoch=None):
+    def step(self, closure=None, loss=None, epoch=None, grad_scaler=None):
         """One step over the servers. `loss` and `epoch` (fractional epochs
-        done after it), when given, go to the job's metrics.csv."""
+        done after it), when given, go to the job's metrics.csv.
+        `grad_scaler`: passed by torch's GradScaler.step(opt) (see the class
+        docstring); returns None when the step was skipped."""
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         try:
             if self._gather():
                 return loss  # no gradient at all: torch's step does nothing
+            if grad_scaler is not None and self._unscale(grad_scaler):
+                self.skipped_steps += 1
+                return None
             self._send_lr()
             value = float(loss) if loss is not None else None
             self._sync()
@@ -529,6 +544,41 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._lr_sent = False
             self._pushed = {}
         return loss
+
+    def _unscale(self, scaler):
+        """GradScaler.step(): agrees with the other ranks whether any
+        gradient overflowed and records it for scaler.update(); unscales the
+        gradients when none did. True: every rank skips this step."""
+        from torch.cuda.amp.grad_scaler import OptState
+        if self._pushed:
+            self._fail(
+                f"GradScaler.step(): backward() had pushed {self._list(self._pushed)} to the "
+                "servers still scaled (overlap=True pushes each gradient as backward() computes "
+                "it, before the ranks can agree whether one overflowed); make the optimizer "
+                "with overlap=False to step through a GradScaler")
+        state = scaler._per_optimizer_states[id(self)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        unscaled = state["stage"] is OptState.UNSCALED  # scaler.unscale_(opt) ran
+        if unscaled:
+            local = any(float(f) != 0 for f in state["found_inf_per_device"].values())
+        else:
+            local = not bool(torch.isfinite(self._g).all())
+        self._sync()
+        found = self._worker.agree_on_overflow(local)
+        scale = scaler._scale
+        state["found_inf_per_device"] = {
+            scale.device: torch.full((1,), 1.0 if found else 0.0, device=scale.device)}
+        if found:
+            self._pushed = {}
+            return True
+        if not unscaled:
+            # As torch's unscale_: 1/scale computed in double, used as a float32.
+            inv = scale.double().reciprocal().float().to(self._g.device)
+            self._g.mul_(inv)
+            for i, (_, low_grad) in self._low.items():
+                self._grads[i].copy_(low_grad)  # the model's view of what is pushed
+        return False
 
     def report_evaluation(self, accuracy, loss=float("nan")):
         """Your test-set score after the step just taken, for metrics.csv and

@@ -300,6 +300,19 @@ PYBIND11_MODULE(_onebit, m) {
           },
           "Starts the job from an Adam state (Worker::SeedOptimizerState): steps taken, and m "
           "and v as bytes of d float32 each.")
+      .def(
+          "agree_on_overflow",
+          [](onebit::Worker& w, bool found_inf) {
+            absl::StatusOr<bool> any;
+            {
+              py::gil_scoped_release release;
+              any = w.AgreeOnOverflow(found_inf);
+            }
+            if (!any.ok()) Raise(any.status());
+            return *any;
+          },
+          "Whether any rank's gradient of the coming step overflowed "
+          "(Worker::AgreeOnOverflow); every rank calls it before its first push.")
       .def("report_evaluation",
            [](onebit::Worker& w, double test_loss, double test_accuracy) {
              Check(w.ReportEvaluation(test_loss, test_accuracy));

@@ -324,6 +324,25 @@ TEST(Faults, BadRequestsAreRefusedByNameAndChangeNothing) {
     w1.Send(seed, zeros);
     w1.ExpectError("STATE_PUSH from rank 1 (only rank 0 seeds the optimizer state)");
   }
+  {
+    // A loss scale's vote before step 0: one per rank, the verdict to both
+    // once both are in (rank 1's overflow makes it true).
+    data::Header vote = header(0, 0, 0, data::VOTE);
+    vote.set_payload_bytes(0);
+    w0.Send(vote, "");
+    w0.Send(vote, "");
+    w0.ExpectError("duplicate VOTE from rank 0 for step 0");
+    vote.set_rank(1);
+    vote.set_found_inf(true);
+    w1.Send(vote, "");
+    for (FakeWorker* w : {&w0, &w1}) {
+      auto [h, payload] = w->Receive();
+      ASSERT_EQ(h.kind(), data::VERDICT) << h.error();
+      EXPECT_EQ(h.step(), 0u);
+      EXPECT_TRUE(h.found_inf());
+      EXPECT_TRUE(payload.empty());
+    }
+  }
   // Replies carry Δ; both workers must get the same bytes; x += Δ.
   // Receives into `replies` (kept from earlier calls) until every chunk's
   // reply is in, or until the first error when `until_error`.

@@ -89,6 +89,15 @@ TEST_F(DataHeader, AcceptsGoodPushesIncludingTheShortLastChunk) {
   seed.set_rank(1);
   EXPECT_THAT(std::string(Check(seed, 512).message()),
               HasSubstr("STATE_PUSH from rank 1 (only rank 0 seeds the optimizer state)"));
+  // A VOTE is a header for chunk 0 of shard 0 (this server owns shard 1).
+  data::Header vote = state;
+  vote.set_kind(data::VOTE);
+  vote.set_payload_bytes(0);
+  EXPECT_THAT(std::string(Check(vote, 0).message()),
+              HasSubstr("VOTE for shard 1 at element 640 (votes name chunk 0 of shard 0)"));
+  vote.set_shard(0);
+  vote.set_begin(0);
+  EXPECT_TRUE(Check(vote, 0, /*shard=*/0).ok()) << Check(vote, 0, 0);
   seed.set_rank(0);
   seed.set_kind(data::STATE_TAKEN);
   EXPECT_THAT(std::string(Check(seed, 512).message()),

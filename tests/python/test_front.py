@@ -192,6 +192,61 @@ def test_load_state_dict_refuses_what_it_cannot_seed_by_name(tmp_path, optimizer
     assert s["status"] == "ok" and s["steps"] == 2
 
 
+def scaler_job(out, mode, args=""):
+    cmd = [os.path.join(BIN, "onebit-launch"), "--workers=3", "--servers=2", "--model=external",
+           "--optimizer=onebit-adam", "--freeze_step=4", "--lr=0.01", "--chunk_elems=64",
+           "--block_size=32", f"--out={out}", "--launch_register_timeout=30s",
+           f"--worker_cmd=/usr/bin/python3 {HERE}/scaler_worker.py 12 {mode} {args}"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+    return r, summary
+
+
+@pytest.mark.parametrize("mode,plain,inf_at", [("scaled", "plain", 5), ("clip", "plainclip", 2)])
+def test_a_grad_scaler_skips_an_overflowed_step_on_every_rank_and_is_otherwise_exact(
+        tmp_path, mode, plain, inf_at):
+    # Rank 1's gradient of one iteration overflows (in the compression phase,
+    # or in the warm-up with scaler.unscale_ and clipping before the step):
+    # every rank skips it, the scale backs off alike everywhere, and the job
+    # ends bit for bit where one without a scaler that left that iteration
+    # out ends (a power-of-two scale unscales exactly).
+    dumps, runs = {}, {}
+    for m in (mode, plain):
+        dumps[m] = tmp_path / m
+        dumps[m].mkdir()
+        r, s = scaler_job(tmp_path / f"{m}-run", m, f"--inf_at {inf_at} --dump {dumps[m]}")
+        assert r.returncode == 0, r.stderr
+        assert s["steps"] == 11 and s["replicas_equal"] is True, s
+        runs[m] = r.stderr
+    for w in range(3):
+        got = (dumps[mode] / f"params-{w}.f32").read_bytes()
+        assert len(got) == 4 * (10 * 16 + 16 + 16 * 3 + 3)
+        assert got == (dumps[plain] / f"params-{w}.f32").read_bytes(), w
+    # Every rank: the same scale after each iteration, halved at the skip
+    # (and doubled after 3 clean steps), the skipped one not a job step.
+    by_rank = {}
+    for w, t, done, what, scale in re.findall(
+            r"\[worker(\d)\] scaler_worker: rank \d iteration (\d+) steps_done (\d+) (\w+) "
+            r"scale ([0-9.]+)", runs[mode]):
+        by_rank.setdefault(w, []).append((int(t), int(done), what, float(scale)))
+    assert sorted(by_rank) == ["0", "1", "2"]
+    assert by_rank["0"] == by_rank["1"] == by_rank["2"]
+    log = by_rank["0"]
+    assert [t for t, _, what, _ in log if what == "skipped"] == [inf_at]
+    assert log[inf_at][1] == inf_at and log[-1][1] == 11
+    assert log[inf_at][3] == log[inf_at - 1][3] / 2
+    assert log[inf_at + 3][3] == 2 * log[inf_at][3]  # grown after 3 clean steps
+
+
+def test_a_grad_scaler_with_overlap_fails_the_job_naming_overlap_false(tmp_path):
+    r, s = scaler_job(tmp_path / "run", "scaled", "--overlap")
+    assert r.returncode != 0
+    assert ("GradScaler.step(): backward() had pushed 0.weight, 0.bias, 2.weight, 2.bias to the "
+            "servers still scaled") in r.stderr
+    assert "make the optimizer with overlap=False to step through a GradScaler" in r.stderr
+    assert s.get("status", "").startswith("failed")
+
+
 @pytest.mark.parametrize("schedule", [False, True])
 def test_pushing_from_the_backward_hooks_changes_nothing(tmp_path, schedule):
     # With a scheduler too: its lr must reach the servers before the hooks'
