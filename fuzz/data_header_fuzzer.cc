@@ -82,11 +82,14 @@ void Serve(const data::Header& h, const DataPlaneJob& job, uint32_t owned, const
     if (job.push_codec->DecodeAdd(payload, h.count(), w, acc.data()).ok()) {
       for (float a : acc) FUZZ_CHECK(std::isfinite(a));
     }
-  } else if (h.kind() == data::INIT) {
+  } else if (h.kind() == data::INIT || h.kind() == data::STATE_PUSH) {
+    FUZZ_CHECK(h.rank() == 0);
     std::vector<float> x(s.size(), 0.0f);
     (void)job.init_codec->Decode(payload, h.count(), x.data() + (h.begin() - s.begin));
   } else {
-    FUZZ_CHECK(h.kind() == data::PULL && h.payload_bytes() == 0);
+    FUZZ_CHECK((h.kind() == data::PULL || h.kind() == data::STATE_PULL || h.kind() == data::VOTE) &&
+               h.payload_bytes() == 0);
+    if (h.kind() == data::VOTE) FUZZ_CHECK(owned == 0 && h.begin() == 0);
   }
 }
 
@@ -121,7 +124,9 @@ std::vector<fuzz::Seed> Seeds() {
       if (chunks > 1 && j == 0) which.push_back(chunks - 1);
       for (uint64_t c : which) {
         const Range r = ChunkRange(job.map, shard, job.chunk_elems, c);
-        for (data::Kind kind : {data::PUSH, data::INIT, data::PULL}) {
+        for (data::Kind kind :
+             {data::PUSH, data::INIT, data::PULL, data::STATE_PULL, data::STATE_PUSH, data::VOTE}) {
+          if (kind == data::VOTE && (shard != 0 || c != 0)) continue;  // votes name chunk 0 of 0
           const Codec* codec = kind == data::PUSH ? job.push_codec : job.init_codec;
           data::Header h;
           h.set_version(kProtocolVersion);
@@ -135,8 +140,9 @@ std::vector<fuzz::Seed> Seeds() {
           h.set_codec(codec->name());
           h.set_block_size(kBlock);
           if (kind == data::PUSH && c == 0) h.set_lr(0.01f);
+          if (kind == data::STATE_PUSH) h.add_arrays("m");
           std::string payload;
-          if (kind != data::PULL) {
+          if (kind == data::PUSH || kind == data::INIT || kind == data::STATE_PUSH) {
             payload.resize(codec->EncodedSize(r.size()));
             FUZZ_CHECK(
                 codec->Encode(x.data(), r.size(), reinterpret_cast<uint8_t*>(&payload[0])).ok());
