@@ -124,8 +124,8 @@ std::vector<fuzz::Seed> Seeds() {
       if (chunks > 1 && j == 0) which.push_back(chunks - 1);
       for (uint64_t c : which) {
         const Range r = ChunkRange(job.map, shard, job.chunk_elems, c);
-        for (data::Kind kind :
-             {data::PUSH, data::INIT, data::PULL, data::STATE_PULL, data::STATE_PUSH, data::VOTE}) {
+        for (data::Kind kind : {data::PUSH, data::INIT, data::PULL, data::STATE_PULL,
+                                data::STATE_PUSH, data::VOTE, data::GRAD_SCALE}) {
           if (kind == data::VOTE && (shard != 0 || c != 0)) continue;  // votes name chunk 0 of 0
           const Codec* codec = kind == data::PUSH ? job.push_codec : job.init_codec;
           data::Header h;
@@ -141,6 +141,7 @@ std::vector<fuzz::Seed> Seeds() {
           h.set_block_size(kBlock);
           if (kind == data::PUSH && c == 0) h.set_lr(0.01f);
           if (kind == data::STATE_PUSH) h.add_arrays("m");
+          if (kind == data::GRAD_SCALE) h.set_grad_scale(0.5f);
           std::string payload;
           if (kind == data::PUSH || kind == data::INIT || kind == data::STATE_PUSH) {
             payload.resize(codec->EncodedSize(r.size()));

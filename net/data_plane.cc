@@ -76,9 +76,10 @@ absl::Status ValidateRequest(const data::Header& h, const DataPlaneJob& job, uin
     return bad(absl::StrFormat("wrong job id %016x (not this job's)", h.job_id()));
   }
   if (h.kind() != data::PUSH && h.kind() != data::INIT && h.kind() != data::PULL &&
-      h.kind() != data::STATE_PULL && h.kind() != data::STATE_PUSH && h.kind() != data::VOTE) {
+      h.kind() != data::STATE_PULL && h.kind() != data::STATE_PUSH && h.kind() != data::VOTE &&
+      h.kind() != data::GRAD_SCALE) {
     return bad("unexpected message kind ", data::Kind_Name(h.kind()),
-               " (want PUSH, INIT, PULL, STATE_PULL, STATE_PUSH or VOTE)");
+               " (want PUSH, INIT, PULL, STATE_PULL, STATE_PUSH, VOTE or GRAD_SCALE)");
   }
   if (h.rank() >= job.workers) {
     return bad("unknown worker rank ", h.rank(), " (job has ", job.workers, " workers)");
@@ -124,12 +125,20 @@ absl::Status ValidateRequest(const data::Header& h, const DataPlaneJob& job, uin
   if (h.block_size() != job.map.block_size()) {
     return bad("wrong block size ", h.block_size(), " (job uses ", job.map.block_size(), ")");
   }
+  if (h.kind() == data::GRAD_SCALE && !(std::isfinite(h.grad_scale()) && h.grad_scale() >= 0)) {
+    return bad("gradient scale ", h.grad_scale(), " (want finite, >= 0)");
+  }
+  if (h.scale_pending() && (h.kind() != data::PUSH || h.codec() != "fp32")) {
+    return bad("scale_pending on a ", data::Kind_Name(h.kind()), " of codec '",
+               absl::CHexEscape(h.codec()), "' (only an fp32 PUSH can wait for its scale)");
+  }
   if (h.has_lr() && (h.kind() != data::PUSH || !std::isfinite(h.lr()) || h.lr() < 0)) {
     return bad("learning rate ", h.lr(), " (a PUSH may carry a finite lr >= 0)");
   }
-  // A PULL or STATE_PULL asks for data, a VOTE is its header: none carries any.
-  const bool pull =
-      h.kind() == data::PULL || h.kind() == data::STATE_PULL || h.kind() == data::VOTE;
+  // A PULL or STATE_PULL asks for data, a VOTE or GRAD_SCALE is its header:
+  // none carries any.
+  const bool pull = h.kind() == data::PULL || h.kind() == data::STATE_PULL ||
+                    h.kind() == data::VOTE || h.kind() == data::GRAD_SCALE;
   const size_t need = pull ? 0 : codec->EncodedSize(h.count());
   if (h.payload_bytes() != need) {
     return bad("wrong payload length ", h.payload_bytes(), " in header (", codec->name(), " needs ",

@@ -76,11 +76,11 @@ inline uint64_t DataPlaneId(uint64_t job_id, uint64_t incarnation) { return job_
 // Parses frame 0. Errors say "malformed header".
 absl::StatusOr<data::Header> ParseHeader(const void* data, size_t size);
 
-// Checks a PUSH, INIT, PULL, STATE_PULL, STATE_PUSH or VOTE request against the job and the shard
-// this server owns, without the step (the server checks that against its own state): version, job
-// id, kind, rank vs routing id, shard, chunk range and count, codec, block size, payload length
-// (header vs codec vs the frame's size). The error message names the problem, e.g. "unknown worker
-// rank 7 (job has 2 workers)".
+// Checks a PUSH, INIT, PULL, STATE_PULL, STATE_PUSH, VOTE or GRAD_SCALE request against the job and
+// the shard this server owns, without the step (the server checks that against its own state):
+// version, job id, kind, rank vs routing id, shard, chunk range and count, codec, block size,
+// payload length (header vs codec vs the frame's size). The error message names the problem, e.g.
+// "unknown worker rank 7 (job has 2 workers)".
 absl::Status ValidateRequest(const data::Header& h, const DataPlaneJob& job, uint32_t owned_shard,
                              absl::string_view routing_id, size_t payload_frame_bytes);
 

@@ -98,6 +98,7 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Create(PsServerOptions optio
     c.pulled.assign(o.job.workers, false);
     c.waiting.assign(o.job.workers, false);
     c.lr.resize(o.job.workers);
+    c.scale_pending.assign(o.job.workers, false);
   }
   if (o.job.steps > 0) {
     s->end_step_ = o.job.steps;
@@ -183,11 +184,15 @@ absl::Status PsServer::Serve(const std::function<bool()>& should_stop,
 }
 
 std::string PsServer::MissingRanks() const {
-  std::vector<uint32_t> missing;
+  std::vector<std::string> missing;
   for (uint32_t r = 0; r < options_.job.workers; ++r) {
-    bool all = true;
-    for (const Chunk& c : chunks_) all &= c.done || c.pushed[r];
-    if (!all) missing.push_back(r);
+    bool all = true, scale = false;
+    for (const Chunk& c : chunks_) {
+      all &= c.done || c.pushed[r];
+      scale |= !c.done && c.scale_pending[r] && (r >= grad_scales_.size() || !grad_scales_[r]);
+    }
+    if (!all) missing.push_back(absl::StrCat(r));
+    if (all && scale) missing.push_back(absl::StrCat(r, " (its GRAD_SCALE)"));
   }
   return absl::StrCat(missing.size() == 1 ? "rank " : "ranks ", absl::StrJoin(missing, ", "));
 }
@@ -297,6 +302,7 @@ absl::Status PsServer::HandleRequest(const std::string& routing_id, const data::
   }
   if (h.kind() == data::STATE_PUSH) return SeedState(h, payload, c, index, why);
   if (h.kind() == data::VOTE) return TakeVote(h, why);
+  if (h.kind() == data::GRAD_SCALE) return TakeGradScale(h, why);
   if (h.kind() == data::PULL) {
     // x as of the start of the current step: the initial x at step 0 (once
     // rank 0's INIT is in), a checkpoint's after a resume. A checkpoint
@@ -349,6 +355,7 @@ absl::Status PsServer::HandleRequest(const std::string& routing_id, const data::
   c.pushed[h.rank()] = true;
   c.held[h.rank()] = std::move(payload);
   c.lr[h.rank()] = h.has_lr() ? std::optional<float>(h.lr()) : std::nullopt;
+  c.scale_pending[h.rank()] = h.scale_pending();
   ++pending_pushes_;
   if (!step_started_) step_started_ = absl::Now();
   return DrainInOrder(c, index);
@@ -359,12 +366,23 @@ absl::Status PsServer::DrainInOrder(Chunk& c, uint64_t index) {
   const float w = 1.0f / static_cast<float>(n_workers);
   while (c.next_rank < n_workers && c.held[c.next_rank]) {
     const uint32_t r = c.next_rank;
+    const bool scaled = c.scale_pending[r];
+    if (scaled && (r >= grad_scales_.size() || !grad_scales_[r])) break;  // until its GRAD_SCALE
     zmq::message_t& m = *c.held[r];
     // acc starts at +0.0f; zeroed here rather than at the end of the step so
     // it is in cache for the decode-add.
     if (r == 0) std::fill(c.acc.begin(), c.acc.end(), 0.0f);
-    absl::Status st = options_.job.push_codec->DecodeAdd(static_cast<const uint8_t*>(m.data()),
-                                                         c.range.size(), w, c.acc.data());
+    const uint8_t* payload = static_cast<const uint8_t*>(m.data());
+    std::vector<float> times_scale;
+    if (scaled) {
+      // The worker's g * s in float32, as it would have pushed it, then
+      // the same decode-add: bitwise what scaling before the push gives.
+      times_scale.resize(c.range.size());
+      std::memcpy(times_scale.data(), payload, 4 * c.range.size());
+      for (float& v : times_scale) v *= *grad_scales_[r];
+      payload = reinterpret_cast<const uint8_t*>(times_scale.data());
+    }
+    absl::Status st = options_.job.push_codec->DecodeAdd(payload, c.range.size(), w, c.acc.data());
     c.held[r].reset();
     if (!st.ok()) {
       // The codec left acc untouched; rank r may push this chunk again.
@@ -456,6 +474,26 @@ void PsServer::SendFp32(data::Kind kind, uint32_t rank, uint64_t step, const Chu
   if (more) more(h);
   zmq::message_t payload = ShareFrame(payload_bytes, 0, payload_bytes->size());
   Send(WorkerIdentity(options_.job.job_id, rank), h, &payload);
+}
+
+absl::Status PsServer::TakeGradScale(const data::Header& h, Refusal* why) {
+  const uint32_t rank = h.rank();
+  if (h.step() != state_.step) {
+    return absl::InvalidArgumentError(absl::StrCat("GRAD_SCALE for step ", h.step(), ", but shard ",
+                                                   options_.shard, " is at step ", state_.step));
+  }
+  grad_scales_.resize(options_.job.workers);
+  if (grad_scales_[rank]) {
+    *why = Refusal::kDuplicate;
+    return absl::InvalidArgumentError(
+        absl::StrCat("duplicate GRAD_SCALE from rank ", rank, " for step ", state_.step));
+  }
+  grad_scales_[rank] = h.grad_scale();
+  for (uint64_t i = 0; i < chunks_.size(); ++i) {
+    if (chunks_[i].done || chunks_[i].ready) continue;
+    if (absl::Status st = DrainInOrder(chunks_[i], i); !st.ok()) return st;
+  }
+  return absl::OkStatus();
 }
 
 absl::Status PsServer::TakeVote(const data::Header& h, Refusal* why) {
@@ -696,8 +734,10 @@ void PsServer::EndStep() {
   step_started_.reset();
   step_lr_known_ = false;
   step_lr_.reset();
+  grad_scales_.clear();
   for (Chunk& ch : chunks_) {
     ch.next_rank = 0;
+    std::fill(ch.scale_pending.begin(), ch.scale_pending.end(), false);
     std::fill(ch.pushed.begin(), ch.pushed.end(), false);
     std::fill(ch.pulled.begin(), ch.pulled.end(), false);
     ch.done = false;

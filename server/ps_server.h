@@ -94,6 +94,7 @@ class PsServer {
     std::vector<bool> pulled;              // by rank: asked for x this step (PULL)
     std::vector<bool> waiting;             // by rank: PULL before INIT, answered when it comes
     std::vector<std::optional<float>> lr;  // by rank, this step: the lr of its push
+    std::vector<bool> scale_pending;       // by rank, this step: waits for its GRAD_SCALE
     bool ready = false;                    // every push is in; waits for the freeze decision
     bool done = false;                     // this step's update applied and replied
     // The reply payload, reused once ZeroMQ has released every message over
@@ -143,6 +144,9 @@ class PsServer {
   // VOTE (shard 0): rank h.rank()'s overflow flag for the current step;
   // the last of the N answers every rank with the VERDICT.
   absl::Status TakeVote(const data::Header& h, Refusal* why);
+  // GRAD_SCALE: rank h.rank()'s factor for its scale_pending pushes of the
+  // step; the chunks waiting for it go on.
+  absl::Status TakeGradScale(const data::Header& h, Refusal* why);
   // Sends `payload` (fp32 data of chunk c) to `rank` as a message of `kind`
   // for `step`; `more` adds its own header fields.
   void SendFp32(data::Kind kind, uint32_t rank, uint64_t step, const Chunk& c,
@@ -163,12 +167,13 @@ class PsServer {
   std::optional<absl::Time> waiting_since_;  // for a freeze decision
   std::vector<Chunk> chunks_;
   uint64_t chunks_done_ = 0;
-  std::optional<absl::Time> step_started_;     // first push of the current step
-  std::optional<uint64_t> end_step_;           // the job's step count, once known
-  bool step_lr_known_ = false;                 // the current step's lr has been agreed...
-  std::optional<float> step_lr_;               // ...as this (nullopt: the schedule's)
-  std::optional<uint64_t> seeded_bias_steps_;  // the STATE_PUSHes' (all must agree)
-  std::vector<std::optional<bool>> votes_;     // by rank: the current round's VOTEs
+  std::optional<absl::Time> step_started_;         // first push of the current step
+  std::optional<uint64_t> end_step_;               // the job's step count, once known
+  bool step_lr_known_ = false;                     // the current step's lr has been agreed...
+  std::optional<float> step_lr_;                   // ...as this (nullopt: the schedule's)
+  std::optional<uint64_t> seeded_bias_steps_;      // the STATE_PUSHes' (all must agree)
+  std::vector<std::optional<bool>> votes_;         // by rank: the current round's VOTEs
+  std::vector<std::optional<float>> grad_scales_;  // by rank: this step's GRAD_SCALE
   bool reported_finished_ = false;
   uint64_t dropped_ = 0;  // messages of an earlier incarnation
   RefusalLog refusals_;

@@ -67,14 +67,17 @@ absl::Status PsClient::SendChunk(size_t i, uint64_t step, const Codec& codec, in
                                  const std::function<void(data::Header&)>& more) {
   Chunk& c = chunks_[i];
   const size_t n = c.range.size();
-  const size_t bytes = kind == data::PULL || kind == data::STATE_PULL || kind == data::VOTE
-                           ? 0
-                           : codec.EncodedSize(n);
-  // Reuse the buffer once ZeroMQ has let go of it, else take a fresh one.
-  if (c.buf == nullptr || c.buf.use_count() > 1 || c.buf->size() != bytes) {
+  const bool header_only = kind == data::PULL || kind == data::STATE_PULL || kind == data::VOTE ||
+                           kind == data::GRAD_SCALE;
+  const size_t bytes = header_only ? 0 : codec.EncodedSize(n);
+  // Reuse the buffer once ZeroMQ has let go of it, else take a fresh one
+  // (a header-only message leaves the chunk's for its next push).
+  static const SharedBytes kNone = std::make_shared<const std::vector<uint8_t>>();
+  if (!header_only && (c.buf == nullptr || c.buf.use_count() > 1 || c.buf->size() != bytes)) {
     c.buf = std::make_shared<std::vector<uint8_t>>(bytes);
   }
-  absl::Status st = encode(c.range, c.buf->data());
+  const SharedBytes payload = header_only ? kNone : c.buf;
+  absl::Status st = header_only ? absl::OkStatus() : encode(c.range, c.buf->data());
   if (!st.ok()) {
     return absl::Status(
         st.code(), absl::StrCat("encoding chunk [", c.range.begin, ", ", c.range.end, ") of step ",
@@ -93,12 +96,13 @@ absl::Status PsClient::SendChunk(size_t i, uint64_t step, const Codec& codec, in
   h.set_block_size(options_.map.block_size());
   h.set_payload_bytes(bytes);
   if (kind == data::PUSH && lr_) h.set_lr(*lr_);
+  if (kind == data::PUSH && defer_scale_) h.set_scale_pending(true);
   if (more) more(h);
   const std::string header = h.SerializeAsString();
   zmq::socket_t& s = sockets_[c.shard];
   try {
     s.send(CopyFrame(header), zmq::send_flags::sndmore);
-    s.send(ShareFrame(c.buf, 0, bytes), zmq::send_flags::none);
+    s.send(ShareFrame(payload, 0, bytes), zmq::send_flags::none);
   } catch (const zmq::error_t& e) {
     return absl::UnavailableError(absl::StrCat(
         "sending to server ", c.shard, " (", options_.server_endpoints[c.shard], "): ", e.what()));
@@ -407,12 +411,13 @@ absl::Status PsClient::HandleReply(uint32_t server, std::vector<zmq::message_t>&
   return absl::OkStatus();
 }
 
-absl::Status PsClient::BeginStep(uint64_t step, std::optional<float> lr) {
+absl::Status PsClient::BeginStep(uint64_t step, std::optional<float> lr, bool defer_scale) {
   if (in_step_) {
     return absl::FailedPreconditionError(
         absl::StrCat("step ", step_, " has begun and not completed"));
   }
   in_step_ = true;
+  defer_scale_ = defer_scale;
   step_ = step;
   lr_ = lr;
   replica_begun_ = false;
@@ -452,6 +457,11 @@ absl::Status PsClient::PushChunk(size_t i, Replica* replica) {
   const uint64_t begin_ns = MonotonicNs();
   if (pushed_count_ == 0) start_ns_ = begin_ns;
   const WorkerOptimizer& opt = *options_.optimizer;
+  if (defer_scale_ && !CanDeferScale(step_, replica->phase())) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", step_, " pushes ", opt.push_codec(kind_).name(),
+                     " that are not the gradient itself: its scale cannot follow the pushes"));
+  }
   absl::Status st = SendChunk(
       i, step_, opt.push_codec(kind_), data::PUSH,
       [&](const Range& r, uint8_t* out) { return replica->Push(step_, r.begin, r.size(), out); });
@@ -494,7 +504,17 @@ absl::Status PsClient::PushReady(uint64_t b, uint64_t e, Replica* replica) {
   return absl::OkStatus();
 }
 
-absl::Status PsClient::CompleteStep(Replica* replica, const Check& check) {
+bool PsClient::CanDeferScale(uint64_t step, Phase phase) const {
+  // A full-precision step pushes the gradient as it is, and no worker rule
+  // keeps anything made from it (Apply sees only the reply): with fp32 on
+  // the wire a server can scale it afterwards, exactly.
+  const WorkerOptimizer& opt = *options_.optimizer;
+  return opt.KindOf(step, phase) == StepKind::kFull &&
+         opt.push_codec(StepKind::kFull).kind() == CodecKind::kFp32;
+}
+
+absl::Status PsClient::CompleteStep(Replica* replica, const Check& check,
+                                    std::optional<float> grad_scale) {
   if (!in_step_) return absl::FailedPreconditionError("no step has begun");
   in_step_ = false;  // a failed step is not retried: the job fails
   if (absl::Status st = BeginReplicaStep(replica); !st.ok()) return st;
@@ -507,9 +527,26 @@ absl::Status PsClient::CompleteStep(Replica* replica, const Check& check) {
     apply_ns_ = MonotonicNs() - local_start;
     return st;
   }
+  if (grad_scale.has_value() != defer_scale_) {
+    return absl::FailedPreconditionError(
+        defer_scale_
+            ? absl::StrCat("step ", step_, "'s pushes wait for a gradient scale; none given")
+            : absl::StrCat("a gradient scale for step ", step_,
+                           ", whose pushes were not made to wait for one"));
+  }
   for (size_t i = 0; i < chunks_.size(); ++i) {
     if (pushed_[i]) continue;
     if (absl::Status st = PushChunk(i, replica); !st.ok()) return st;
+  }
+  if (defer_scale_) {
+    for (uint32_t k = 0; k < sockets_.size(); ++k) {
+      if (by_shard_[k].empty()) continue;
+      absl::Status st = SendChunk(
+          by_shard_[k][0], step_, *fp32_, data::GRAD_SCALE,
+          [](const Range&, uint8_t*) { return absl::OkStatus(); },
+          [&](data::Header& h) { h.set_grad_scale(*grad_scale); });
+      if (!st.ok()) return st;
+    }
   }
   int last_warmup = -1;  // unknown until the first reply
   std::vector<bool> got(chunks_.size(), false);

@@ -87,12 +87,22 @@ class PsClient {
   // CompleteStep has the replica take it alone. `lr`: the step's
   // learning rate when the caller sets it (sent with every push; the servers
   // check that all workers agree); nullopt: the job's schedule.
-  absl::Status BeginStep(uint64_t step, std::optional<float> lr);
+  // Whether step `step`, in `phase`, can push before its gradient scale is
+  // known (BeginStep's defer_scale): a full-precision step with fp32 on the
+  // wire, which pushes the gradient itself (every warm-up and zero-one-adam
+  // variance step of a job with the fp32 warm-up codec).
+  bool CanDeferScale(uint64_t step, Phase phase) const;
+  // `defer_scale`: this step's pushes carry scale_pending (fp32 gradient
+  // pushes only: CanDeferScale), and CompleteStep's `grad_scale` follows them.
+  absl::Status BeginStep(uint64_t step, std::optional<float> lr, bool defer_scale = false);
   // Changes the current step's lr while none of its chunks has gone out.
   absl::Status SetStepLr(std::optional<float> lr);
   // [b, e) of the replica's gradient is final for this step.
   absl::Status PushReady(uint64_t b, uint64_t e, Replica* replica);
-  absl::Status CompleteStep(Replica* replica, const Check& check);
+  // `grad_scale`: given exactly when the step was begun with defer_scale;
+  // sent to every server once the pushes are out.
+  absl::Status CompleteStep(Replica* replica, const Check& check,
+                            std::optional<float> grad_scale = std::nullopt);
   // All three at once.
   absl::Status PushPull(uint64_t step, Replica* replica, const Check& check);
 
@@ -164,6 +174,7 @@ class PsClient {
   std::vector<size_t> by_begin_;               // chunks_ indices in the order of x
   // The current step.
   bool in_step_ = false;
+  bool defer_scale_ = false;  // this step's pushes wait for a GRAD_SCALE
   uint64_t step_ = 0;
   std::optional<float> lr_;
   bool replica_begun_ = false;

@@ -88,8 +88,9 @@ struct Worker::Impl {
   std::unique_ptr<Replica> replica;
 
   bool broadcast = false;
-  bool resumed = false;        // from a checkpoint: x comes from the servers
-  absl::Duration wall_before;  // training time before the checkpoint
+  bool defer_scale_next = false;  // DeferGradientScale(): the coming step waits for its scale
+  bool resumed = false;           // from a checkpoint: x comes from the servers
+  absl::Duration wall_before;     // training time before the checkpoint
   bool finished = false;
   absl::Status failure;
   uint64_t step = 0;        // steps completed
@@ -229,7 +230,9 @@ struct Worker::Impl {
     step_start = absl::Now();
     if (!t0) t0 = step_start - wall_before;
     step_phase = replica->phase();
-    return client->BeginStep(step, lr);
+    const bool defer = defer_scale_next;
+    defer_scale_next = false;
+    return client->BeginStep(step, lr, defer);
   }
   void FlushMetrics() {
     if (last) member->heartbeat().AddMetrics(*last);
@@ -529,6 +532,7 @@ absl::Status Worker::Impl::Rejoin() {
   // The old incarnation's sockets go first; the member finishes its files
   // and heartbeat.
   client.reset();
+  defer_scale_next = false;  // the step it was for does not happen
   if (absl::Status st = member->Rejoin(step); !st.ok()) return Fail(st);
   absl::Status st = ConnectToServers();
   if (st.ok()) {
@@ -713,7 +717,8 @@ absl::StatusOr<StepStats> Worker::Step(const StepOptions& options) {
   if (absl::Status st = w.BeginStepIfNeeded(true); !st.ok()) {
     return absl::IsCancelled(st) ? st : w.FailOrRejoin(st);
   }
-  absl::Status st = w.client->CompleteStep(w.replica.get(), [&w] { return w.CheckJob(); });
+  absl::Status st = w.client->CompleteStep(
+      w.replica.get(), [&w] { return w.CheckJob(); }, options.gradient_scale);
   if (!st.ok()) return w.FailOrRejoin(st);
   const absl::Time end = absl::Now();
   StepStats s;
@@ -822,6 +827,27 @@ absl::Status Worker::SeedOptimizerState(const AdamSeed& seed) {
     return w.FailOrRejoin(
         absl::Status(st.code(), absl::StrCat("seeding the optimizer state: ", st.message())));
   }
+  return absl::OkStatus();
+}
+
+bool Worker::CanDeferGradientScale() const {
+  return impl_->client->CanDeferScale(impl_->step, impl_->replica->phase());
+}
+
+absl::Status Worker::DeferGradientScale() {
+  Impl& w = *impl_;
+  if (absl::Status st = w.Usable(); !st.ok()) return st;
+  if (w.client->in_step()) {
+    return absl::FailedPreconditionError(absl::StrCat("DeferGradientScale(): step ", w.step,
+                                                      " has begun (GradientsReady was called)"));
+  }
+  if (!CanDeferGradientScale()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "DeferGradientScale(): step ", w.step,
+        " does not push the gradient itself in fp32 (a compression-phase step, or a warm-up "
+        "codec other than fp32): scale the gradient before pushing it"));
+  }
+  w.defer_scale_next = true;
   return absl::OkStatus();
 }
 

@@ -32,6 +32,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -190,6 +191,10 @@ struct StepOptions {
   bool has_loss = false;
   // Fractional epochs done after this step, for metrics.csv (0: none).
   double epoch = 0;
+  // The factor this step's gradients count with, given exactly when the
+  // step was made to wait for one (Worker::DeferGradientScale): finite,
+  // >= 0 (a clip coefficient).
+  std::optional<float> gradient_scale;
 };
 
 // The job's optimizer state as of the start of step `step`, gathered from
@@ -334,6 +339,20 @@ class Worker {
   // returns true every rank must skip the step (push nothing; the step
   // does not advance) and vote again before the next try.
   absl::StatusOr<bool> AgreeOnOverflow(bool found_inf);
+
+  // Clipping with overlap: the coming step pushes its gradients as
+  // GradientsReady releases them, before the factor they count with is
+  // known; Step(StepOptions{.gradient_scale = s}) then sends s to every
+  // server, which multiplies each of this worker's pushes by it (in
+  // float32) before summing: bitwise what multiplying the gradient by s
+  // before pushing gives. Possible only while CanDeferGradientScale():
+  // the step pushes the gradient itself, in fp32 (a warm-up step, or a
+  // zero-one-adam variance step, with the default fp32 warm-up codec; not
+  // a 1-bit step, whose push is made from the scaled gradient). Call
+  // before the step's first GradientsReady; an error otherwise, naming the
+  // reason.
+  bool CanDeferGradientScale() const;
+  absl::Status DeferGradientScale();
 
   // Ends this worker's part: sends the checksums of its parameters to the
   // coordinator, which compares them with every other replica and the

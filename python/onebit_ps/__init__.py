@@ -192,7 +192,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     the parameter, never lost silently. To accumulate over several
     backward() passes, run all but a step's last one under
     `with opt.no_sync():`; to change gradients between backward() and
-    step() (clipping), pass overlap=False.
+    step(), pass overlap=False. `clip_grad_norm`: clip this worker's
+    gradient each step as torch.nn.utils.clip_grad_norm_(params, max) would
+    (the norm over this optimizer's parameters, in its order; the last one
+    in `last_grad_norm`), with overlap where the step pushes fp32 gradients
+    (the warm-up): they go out unscaled during backward() and the servers
+    apply the factor; in a 1-bit step the pushes wait for step().
 
     Every parameter is updated at every step, as the servers hold its
     state: a step in which none has a gradient (.grad None, as after
@@ -205,8 +210,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # leaves the unscaling and the overflow check to it.
     _step_supports_amp_scaling = True
 
-    def __init__(self, params, lr=None, overlap=True, betas=None, **settings):
+    def __init__(self, params, lr=None, overlap=True, betas=None, clip_grad_norm=None,
+                 **settings):
         global _optimizer
+        if clip_grad_norm is not None and not (math.isfinite(clip_grad_norm) and clip_grad_norm > 0):
+            raise OnebitError(f"clip_grad_norm={clip_grad_norm!r}: want a finite norm > 0")
         if _optimizer is not None:
             raise OnebitError(
                 f"this process has made a DistributedOptimizer already (rank {_optimizer.rank}): "
@@ -332,6 +340,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._hooks.append(node)  # keep it alive: the hook lives on it
                 node.register_hook(self._make_hook(i))
         self._overlap = overlap
+        self._clip = clip_grad_norm
+        self._clip_mode = None  # this step's: "defer" (pushed, scale follows) or "hold"
+        self.last_grad_norm = None  # the norm clip_grad_norm saw at the last step
         self.skipped_steps = 0  # steps a GradScaler skipped (a gradient overflowed)
         self._worker.broadcast_parameters()
         self._refresh()
@@ -391,6 +402,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _push(self, i):
         p, offset, n = self._slices[i]
+        if self._clip is not None:
+            if self._clip_mode is None:
+                # The warm-up's fp32 gradients go out now and the servers
+                # scale them when the clip factor follows; where the push is
+                # not the gradient itself (1-bit momenta), they wait for it.
+                self._clip_mode = "defer" if self._worker.can_defer_gradient_scale() else "hold"
+                if self._clip_mode == "defer":
+                    self._worker.defer_gradient_scale()
+            if self._clip_mode == "hold":
+                return
         if i in self._pushed:
             self._fail(
                 f"{self._names[i]}: a second backward() accumulated into its gradient after "
@@ -418,6 +439,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             except RolledBack:
                 self._lr_sent = False
                 self._pushed = {}
+                self._clip_mode = None
                 self._refresh()
                 raise
             except OnebitError:
@@ -497,7 +519,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"the gradient of {self._list(changed)} changed after backward() had pushed it "
                 "to the servers (clip_grad_norm_, a scaling, another backward(), or any write "
                 "to .grad before step()): the servers have the unchanged one. With overlap=True "
-                "the gradient backward() computes is final; pass overlap=False to "
+                "the gradient backward() computes is final; to clip, make the optimizer with "
+                "clip_grad_norm=MAX (it clips with overlap); pass overlap=False to "
                 "DistributedOptimizer to change gradients before step(), or use opt.no_sync() "
                 "to accumulate")
         if missing and len(missing) == len(self._slices):
@@ -526,10 +549,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if grad_scaler is not None and self._unscale(grad_scaler):
                 self.skipped_steps += 1
                 return None
+            scale = self._clip_grads() if self._clip is not None else None
             self._send_lr()
             value = float(loss) if loss is not None else None
             self._sync()
-            self.last_stats = self._worker.step(value, float(epoch or 0.0))
+            self.last_stats = self._worker.step(value, float(epoch or 0.0), scale)
             self._refresh()
         except Stopped as e:
             self._ended = True
@@ -543,7 +567,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._lr_sent = False
             self._pushed = {}
+            self._clip_mode = None
         return loss
+
+    def _clip_grads(self):
+        """clip_grad_norm: this worker's gradient norm over all its
+        parameters, computed as torch.nn.utils.clip_grad_norm_ does (in the
+        optimizer's parameter order), and the factor min(1, max / (norm +
+        1e-6)). Returns the factor for the servers when the step's pushes
+        went out unscaled (None: the gradient is scaled here, before its
+        pushes)."""
+        grads = [self._low[i][1] if i in self._low else self._grads[i]
+                 for i in range(len(self._slices))]
+        total = torch.norm(torch.stack([torch.norm(g.detach(), 2.0) for g in grads]), 2.0)
+        self.last_grad_norm = float(total)
+        coef = torch.clamp(self._clip / (total + 1e-6), max=1.0)
+        if self._clip_mode == "defer":
+            return float(coef)
+        self._g.mul_(coef.to(self._g.device))
+        return None
 
     def _unscale(self, scaler):
         """GradScaler.step(): agrees with the other ranks whether any

@@ -229,8 +229,10 @@ PYBIND11_MODULE(_onebit, m) {
            })
       .def(
           "step",
-          [](onebit::Worker& w, std::optional<double> loss, double epoch) {
+          [](onebit::Worker& w, std::optional<double> loss, double epoch,
+             std::optional<float> gradient_scale) {
             onebit::StepOptions o;
+            o.gradient_scale = gradient_scale;
             // A loss given is reported, NaN included (which fails the step).
             if (loss) {
               o.loss = *loss;
@@ -251,7 +253,8 @@ PYBIND11_MODULE(_onebit, m) {
             d["step_s"] = s->step_s;
             return d;
           },
-          py::arg("loss") = py::none(), py::arg("epoch") = 0.0)
+          py::arg("loss") = py::none(), py::arg("epoch") = 0.0,
+          py::arg("gradient_scale") = py::none())
       .def(
           "optimizer_state",
           [](onebit::Worker& w) {
@@ -313,6 +316,8 @@ PYBIND11_MODULE(_onebit, m) {
           },
           "Whether any rank's gradient of the coming step overflowed "
           "(Worker::AgreeOnOverflow); every rank calls it before its first push.")
+      .def("can_defer_gradient_scale", &onebit::Worker::CanDeferGradientScale)
+      .def("defer_gradient_scale", [](onebit::Worker& w) { Check(w.DeferGradientScale()); })
       .def("report_evaluation",
            [](onebit::Worker& w, double test_loss, double test_accuracy) {
              Check(w.ReportEvaluation(test_loss, test_accuracy));

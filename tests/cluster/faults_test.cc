@@ -343,6 +343,19 @@ TEST(Faults, BadRequestsAreRefusedByNameAndChangeNothing) {
       EXPECT_TRUE(payload.empty());
     }
   }
+  {
+    // A gradient scale names the shard's current step, once per rank; one
+    // for pushes that did not wait for it changes nothing.
+    data::Header scale = header(0, 1, 0, data::GRAD_SCALE);
+    scale.set_payload_bytes(0);
+    scale.set_grad_scale(1.0f);
+    w0.Send(scale, "");
+    w0.ExpectError("GRAD_SCALE for step 1, but shard 0 is at step 0");
+    scale.set_step(0);
+    w0.Send(scale, "");
+    w0.Send(scale, "");
+    w0.ExpectError("duplicate GRAD_SCALE from rank 0 for step 0");
+  }
   // Replies carry Δ; both workers must get the same bytes; x += Δ.
   // Receives into `replies` (kept from earlier calls) until every chunk's
   // reply is in, or until the first error when `until_error`.

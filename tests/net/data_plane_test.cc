@@ -98,6 +98,19 @@ TEST_F(DataHeader, AcceptsGoodPushesIncludingTheShortLastChunk) {
   vote.set_shard(0);
   vote.set_begin(0);
   EXPECT_TRUE(Check(vote, 0, /*shard=*/0).ok()) << Check(vote, 0, 0);
+  // A GRAD_SCALE is a header for chunk 0 of the server's shard, its factor
+  // finite and >= 0; only an fp32 PUSH may wait for one.
+  data::Header scale = vote;
+  scale.set_kind(data::GRAD_SCALE);
+  scale.set_grad_scale(0.25f);
+  EXPECT_TRUE(Check(scale, 0, /*shard=*/0).ok()) << Check(scale, 0, 0);
+  scale.set_grad_scale(-1.0f);
+  EXPECT_THAT(std::string(Check(scale, 0, 0).message()),
+              HasSubstr("gradient scale -1 (want finite, >= 0)"));
+  data::Header pending = Good();
+  pending.set_scale_pending(true);
+  EXPECT_THAT(std::string(Check(pending).message()),
+              HasSubstr("scale_pending on a PUSH of codec 'fp16' (only an fp32 PUSH can wait"));
   seed.set_rank(0);
   seed.set_kind(data::STATE_TAKEN);
   EXPECT_THAT(std::string(Check(seed, 512).message()),

@@ -7,7 +7,9 @@ update() reading the found_inf the optimizer recorded.
 
     scaler_worker.py STEPS MODE [--inf_at T] [--dump DIR] [--overlap]
 MODE: plain (no scaler), scaled, clip (scaler.unscale_, then
-clip_grad_norm_ 0.5), plainclip (clip without a scaler). --inf_at T: rank
+clip_grad_norm_ 0.5), plainclip (torch's clip_grad_norm_ 0.5 without a
+scaler), clipopt (the optimizer's clip_grad_norm=0.5, no scaler; prints how
+many gradients backward() had pushed before each step). --inf_at T: rank
 1's gradient of iteration T is inf (with plain: iteration T is left out,
 as a scaler skips it). Prints the scale after every iteration; writes the
 parameters to DIR/params-<rank>.f32."""
@@ -22,7 +24,7 @@ import onebit_ps
 
 p = argparse.ArgumentParser()
 p.add_argument("steps", type=int)
-p.add_argument("mode", choices=["plain", "scaled", "clip", "plainclip"])
+p.add_argument("mode", choices=["plain", "scaled", "clip", "plainclip", "clipopt"])
 p.add_argument("--inf_at", type=int, default=-1)
 p.add_argument("--dump")
 p.add_argument("--overlap", action="store_true")
@@ -79,7 +81,8 @@ model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.L
 loss_fn = torch.nn.CrossEntropyLoss()
 onebit_ps.init()
 rank = onebit_ps.rank()
-opt = onebit_ps.DistributedOptimizer(model, lr=0.01, overlap=args.overlap)
+opt = onebit_ps.DistributedOptimizer(model, lr=0.01, overlap=args.overlap,
+                                     clip_grad_norm=0.5 if args.mode == "clipopt" else None)
 scaler = CpuGradScaler(2.0 ** 10, 3) if args.mode in ("scaled", "clip") else None
 for t in range(args.steps):
     if args.mode.startswith("plain") and t == args.inf_at:
@@ -92,8 +95,14 @@ for t in range(args.steps):
     if scaler is None:
         loss.backward()
         if args.mode == "plainclip":
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        pushed = len(opt._pushed)
         opt.step(loss=loss)
+        if args.mode == "clipopt":
+            print(f"scaler_worker: rank {rank} iteration {t} pushed before step {pushed} "
+                  f"norm {opt.last_grad_norm!r}", file=sys.stderr)
+        elif args.mode == "plainclip":
+            print(f"scaler_worker: rank {rank} iteration {t} norm {float(norm)!r}", file=sys.stderr)
         continue
     if t == args.inf_at and rank == 1:
         model[2].bias.register_hook(lambda grad: torch.full_like(grad, float("inf")))

@@ -238,6 +238,33 @@ def test_a_grad_scaler_skips_an_overflowed_step_on_every_rank_and_is_otherwise_e
     assert log[inf_at + 3][3] == 2 * log[inf_at][3]  # grown after 3 clean steps
 
 
+def test_clip_grad_norm_clips_with_overlap_exactly_as_torch_clips_without(tmp_path):
+    # The optimizer's clip_grad_norm=0.5 with overlap=True against torch's
+    # clip_grad_norm_(0.5) with overlap=False: the same norms and, bit for
+    # bit, the same replicas. In the warm-up (4 steps) backward() pushes
+    # every gradient and the servers scale them when the factor follows; in
+    # the compression phase the pushes wait for step().
+    dumps, runs = {}, {}
+    for m in ("clipopt", "plainclip"):
+        dumps[m] = tmp_path / m
+        dumps[m].mkdir()
+        r, s = scaler_job(tmp_path / f"{m}-run", m,
+                          f"--dump {dumps[m]}" + (" --overlap" if m == "clipopt" else ""))
+        assert r.returncode == 0, r.stderr
+        assert s["steps"] == 12 and s["replicas_equal"] is True, s
+        runs[m] = r.stderr
+    for w in range(3):
+        got = (dumps["clipopt"] / f"params-{w}.f32").read_bytes()
+        assert got == (dumps["plainclip"] / f"params-{w}.f32").read_bytes(), w
+    ours = re.findall(r"\[worker0\] scaler_worker: rank 0 iteration (\d+) pushed before step (\d+) "
+                      r"norm ([0-9.e-]+)", runs["clipopt"])
+    torchs = re.findall(r"\[worker0\] scaler_worker: rank 0 iteration (\d+) norm ([0-9.e-]+)",
+                        runs["plainclip"])
+    assert [(t, n) for t, _, n in ours] == torchs and len(torchs) == 12
+    assert [int(p) for _, p, _ in ours] == [4] * 4 + [0] * 8
+    assert max(float(n) for _, n in torchs) > 0.5  # some steps were clipped
+
+
 def test_a_grad_scaler_with_overlap_fails_the_job_naming_overlap_false(tmp_path):
     r, s = scaler_job(tmp_path / "run", "scaled", "--overlap")
     assert r.returncode != 0
