@@ -20,6 +20,7 @@ import time
 import torch
 
 import onebit_ps
+from local_servers import signal_server
 
 p = argparse.ArgumentParser()
 p.add_argument("start", type=int)
@@ -117,27 +118,13 @@ if ref is not None:
 worst = 0.0
 
 
-def kill_server_0():
-    # onebit-launch started the servers; this worker is its child too.
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except OSError:
-            continue
-        if ppid == os.getppid() and argv[0].endswith(b"onebit-server") and b"--shard=0" in argv:
-            os.kill(int(pid), signal.SIGKILL)
-            return
-    sys.exit("seed_worker: server 0 not found")
 
 
 t = args.start
 while t < args.stop:
     if t == args.kill_server_at and rank == 0:
         time.sleep(1.5)  # the checkpoints of the steps before written: the launcher restarts
-        kill_server_0()
+        signal_server(0, signal.SIGKILL)
         args.kill_server_at = -1
     x, y = batch(t, rank)
     opt.zero_grad()

@@ -39,6 +39,7 @@ import zlib
 import torch
 
 import onebit_ps
+from local_servers import signal_server
 
 steps = int(sys.argv[1])
 nan_at = int(sys.argv[sys.argv.index("--nan_at") + 1]) if "--nan_at" in sys.argv else -1
@@ -113,19 +114,7 @@ def batch(t):
 
 
 def signal_server_0(sig):
-    # onebit-launch started the servers; this worker is its child too.
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except OSError:
-            continue
-        if ppid == os.getppid() and argv[0].endswith(b"onebit-server") and b"--shard=0" in argv:
-            os.kill(int(pid), sig)
-            return
-    sys.exit("torch_worker: server 0 not found")
+    signal_server(0, sig)
 
 
 sigterm_at = int(sys.argv[sys.argv.index("--sigterm_at") + 1]) if "--sigterm_at" in sys.argv else -1
