@@ -255,6 +255,9 @@ struct LaunchPlan {
   int max_restarts = 0;
   bool live = false;   // live recovery: a lost process alone is started again
   int child_nice = 0;  // of the servers and workers (--child_nice, resolved)
+  // NAME=K for a --worker_cmd program's math libraries' threads, those the
+  // caller's environment leaves unset.
+  std::vector<std::string> thread_env;
 };
 
 // One start of the whole job: the coordinator, then the servers and the
@@ -441,6 +444,7 @@ class Attempt {
           env.push_back("ONEBIT_DEVICE=" + devices[std::min<size_t>(i, devices.size() - 1)]);
         }
         if (!python_path.empty()) env.push_back("PYTHONPATH=" + python_path);
+        env.insert(env.end(), plan_.thread_env.begin(), plan_.thread_env.end());
         if (absl::GetFlag(FLAGS_dump_params)) {
           env.push_back(absl::StrCat("ONEBIT_DUMP_X=", out, "/replica_w", i, ".f32"));
         }
@@ -775,6 +779,29 @@ LaunchPlan PlanFromCommandLine(int argc, char** argv) {
                  "launch: %llu processes on %u cores: the servers and workers run at niceness "
                  "%d, so that the coordinator keeps its share (--child_nice)\n",
                  static_cast<unsigned long long>(processes), cores, plan.child_nice);
+  }
+  // torch's OpenMP and OpenBLAS start a thread per core by default, and
+  // OpenBLAS's idle threads spin (sched_yield) after each call: N programs
+  // on one host's cores then take each other's CPU, and the servers'
+  // (measured: 4 GPT workers and 2 servers on 2 cores, a compression step
+  // of 104 ms with the defaults against 49 ms with one thread each). So each
+  // worker program gets its share of the cores (the workers' compute is
+  // what competes; servers and coordinator mostly wait meanwhile), unless
+  // the caller chose.
+  if (!worker_cmd.empty()) {
+    const uint64_t share = std::max<uint64_t>(1, cores / cfg.cluster().workers());
+    std::string shown;
+    for (const char* name : {"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"}) {
+      if (std::getenv(name) != nullptr) continue;
+      plan.thread_env.push_back(absl::StrCat(name, "=", share));
+      absl::StrAppend(&shown, shown.empty() ? "" : " ", plan.thread_env.back());
+    }
+    if (!shown.empty()) {
+      std::fprintf(stderr,
+                   "launch: worker programs get %s (%u cores for %u workers; set them in the "
+                   "environment to choose)\n",
+                   shown.c_str(), cores, cfg.cluster().workers());
+    }
   }
   if (plan.max_restarts < 0) ExitFlagError("max_restarts", "must be >= 0");
   // A --worker_cmd program imports our onebit_ps first; its own PYTHONPATH
