@@ -128,6 +128,24 @@ def test_warmup_adam_over_the_servers_tracks_torch_adamw(tmp_path, groups):
     assert "largest relative difference" in r.stderr
 
 
+def test_worker_programs_get_their_share_of_the_cores_unless_the_caller_chose(tmp_path):
+    # torch's OpenMP and OpenBLAS would start a thread per core in every
+    # worker (OpenBLAS's spin when idle); a value in the environment stays.
+    share = max(1, (os.cpu_count() or 1) // 2)
+    cmd = [os.path.join(BIN, "onebit-launch"), "--workers=2", "--servers=1", "--model=external",
+           "--optimizer=adam", f"--out={tmp_path / 'run'}", "--launch_register_timeout=30s",
+           f"--worker_cmd=/usr/bin/python3 {HERE}/env_worker.py"]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+    env["OPENBLAS_NUM_THREADS"] = "3"
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    want = f"OMP_NUM_THREADS={share} OPENBLAS_NUM_THREADS=3 MKL_NUM_THREADS={share}"
+    assert r.stderr.count(f"env_worker: {want}") == 2, r.stderr
+    assert (f"launch: worker programs get OMP_NUM_THREADS={share} MKL_NUM_THREADS={share} "
+            f"({os.cpu_count()} cores for 2 workers") in r.stderr
+
+
 def seed_job(out, workers, servers, flags, args):
     cmd = [os.path.join(BIN, "onebit-launch"), f"--workers={workers}", f"--servers={servers}",
            "--model=external", "--weight_decay=0.01", "--lr=0.001", f"--out={out}",
