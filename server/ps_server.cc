@@ -183,13 +183,17 @@ absl::Status PsServer::Serve(const std::function<bool()>& should_stop,
   }
 }
 
+std::optional<float> PsServer::GradScaleOf(uint32_t rank) const {
+  return rank < grad_scales_.size() ? grad_scales_[rank] : std::nullopt;
+}
+
 std::string PsServer::MissingRanks() const {
   std::vector<std::string> missing;
   for (uint32_t r = 0; r < options_.job.workers; ++r) {
     bool all = true, scale = false;
     for (const Chunk& c : chunks_) {
       all &= c.done || c.pushed[r];
-      scale |= !c.done && c.scale_pending[r] && (r >= grad_scales_.size() || !grad_scales_[r]);
+      scale |= !c.done && c.scale_pending[r] && !GradScaleOf(r);
     }
     if (!all) missing.push_back(absl::StrCat(r));
     if (all && scale) missing.push_back(absl::StrCat(r, " (its GRAD_SCALE)"));
@@ -366,21 +370,21 @@ absl::Status PsServer::DrainInOrder(Chunk& c, uint64_t index) {
   const float w = 1.0f / static_cast<float>(n_workers);
   while (c.next_rank < n_workers && c.held[c.next_rank]) {
     const uint32_t r = c.next_rank;
-    const bool scaled = c.scale_pending[r];
-    if (scaled && (r >= grad_scales_.size() || !grad_scales_[r])) break;  // until its GRAD_SCALE
+    const std::optional<float> scale = GradScaleOf(r);
+    if (c.scale_pending[r] && !scale) break;  // until its GRAD_SCALE
     zmq::message_t& m = *c.held[r];
     // acc starts at +0.0f; zeroed here rather than at the end of the step so
     // it is in cache for the decode-add.
     if (r == 0) std::fill(c.acc.begin(), c.acc.end(), 0.0f);
     const uint8_t* payload = static_cast<const uint8_t*>(m.data());
-    std::vector<float> times_scale;
-    if (scaled) {
+    if (c.scale_pending[r]) {
       // The worker's g * s in float32, as it would have pushed it, then
       // the same decode-add: bitwise what scaling before the push gives.
-      times_scale.resize(c.range.size());
-      std::memcpy(times_scale.data(), payload, 4 * c.range.size());
-      for (float& v : times_scale) v *= *grad_scales_[r];
-      payload = reinterpret_cast<const uint8_t*>(times_scale.data());
+      // (Into one buffer kept for it: fresh MB-sized ones fault pages.)
+      scaled_.resize(c.range.size());
+      std::memcpy(scaled_.data(), payload, 4 * c.range.size());
+      for (float& v : scaled_) v *= *scale;
+      payload = reinterpret_cast<const uint8_t*>(scaled_.data());
     }
     absl::Status st = options_.job.push_codec->DecodeAdd(payload, c.range.size(), w, c.acc.data());
     c.held[r].reset();
@@ -503,15 +507,18 @@ absl::Status PsServer::TakeVote(const data::Header& h, Refusal* why) {
         absl::StrCat("VOTE for step ", h.step(), ", but shard 0 is at step ", state_.step));
   }
   // Votes come before any push of the step: a rank that pushed without
-  // one steps without the loss scale's agreement.
-  for (const Chunk& c : chunks_) {
-    for (uint32_t r = 0; r < options_.job.workers; ++r) {
-      if (c.done || c.pushed[r]) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "VOTE from rank ", rank, " for step ", state_.step, ", but rank ", r,
-            " has pushed to it without one: every rank must step through the same loss scaler"));
+  // one steps without the loss scale's agreement. (Counted, so that a vote
+  // costs O(1); the chunks are searched only to name the rank.)
+  if (pending_pushes_ > 0 || chunks_done_ > 0) {
+    uint32_t pusher = 0;
+    for (const Chunk& c : chunks_) {
+      for (uint32_t r = 0; r < options_.job.workers; ++r) {
+        if (c.pushed[r]) pusher = r;
       }
     }
+    return absl::InvalidArgumentError(absl::StrCat(
+        "VOTE from rank ", rank, " for step ", state_.step, ", but rank ", pusher,
+        " has pushed to it without one: every rank must step through the same loss scaler"));
   }
   votes_.resize(options_.job.workers);
   if (votes_[rank]) {

@@ -147,6 +147,8 @@ class PsServer {
   // GRAD_SCALE: rank h.rank()'s factor for its scale_pending pushes of the
   // step; the chunks waiting for it go on.
   absl::Status TakeGradScale(const data::Header& h, Refusal* why);
+  // Rank `rank`'s GRAD_SCALE of the current step, once it has come.
+  std::optional<float> GradScaleOf(uint32_t rank) const;
   // Sends `payload` (fp32 data of chunk c) to `rank` as a message of `kind`
   // for `step`; `more` adds its own header fields.
   void SendFp32(data::Kind kind, uint32_t rank, uint64_t step, const Chunk& c,
@@ -174,6 +176,7 @@ class PsServer {
   std::optional<uint64_t> seeded_bias_steps_;      // the STATE_PUSHes' (all must agree)
   std::vector<std::optional<bool>> votes_;         // by rank: the current round's VOTEs
   std::vector<std::optional<float>> grad_scales_;  // by rank: this step's GRAD_SCALE
+  std::vector<float> scaled_;  // a scale_pending push times its GRAD_SCALE, being summed
   bool reported_finished_ = false;
   uint64_t dropped_ = 0;  // messages of an earlier incarnation
   RefusalLog refusals_;

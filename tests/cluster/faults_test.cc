@@ -411,6 +411,18 @@ TEST(Faults, BadRequestsAreRefusedByNameAndChangeNothing) {
   // A duplicate while chunk 0 waits for rank 1's retry; its error queues
   // behind the replies of chunks 1-3 on w0.
   std::vector<std::string> r0, r1, e0, e1;
+  {
+    // A loss scale's vote after pushes of its step: every rank votes first.
+    data::Header vote = header(0, 0, 0, data::VOTE);
+    vote.set_payload_bytes(0);
+    w0.Send(vote, "");
+    collect(w0, 0, &r0, &e0, /*until_error=*/true);
+    ASSERT_EQ(e0.size(), 1u);
+    EXPECT_THAT(e0[0], HasSubstr("VOTE from rank 0 for step 0, but rank "));
+    EXPECT_THAT(e0[0], HasSubstr(" has pushed to it without one: every rank must step through "
+                                 "the same loss scaler"));
+    e0.clear();
+  }
   w0.Send(header(0, 0, 1, data::PUSH), Fp32Bytes(g0.data() + chunk, chunk));
   collect(w0, 0, &r0, &e0, /*until_error=*/true);
   ASSERT_EQ(e0.size(), 1u);
