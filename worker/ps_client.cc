@@ -121,6 +121,12 @@ absl::Status PsClient::SendInit(const float* x) {
   return absl::OkStatus();
 }
 
+absl::Status PsClient::SendHeader(size_t i, uint64_t step, int kind,
+                                  const std::function<void(data::Header&)>& more) {
+  return SendChunk(
+      i, step, *fp32_, kind, [](const Range&, uint8_t*) { return absl::OkStatus(); }, more);
+}
+
 absl::StatusOr<size_t> PsClient::CheckReply(uint32_t server, uint64_t step, int kind,
                                             const std::vector<zmq::message_t>& frames,
                                             data::Header* h) {
@@ -200,8 +206,7 @@ absl::Status PsClient::ReceiveAll(
 
 absl::Status PsClient::PullParams(uint64_t step, Replica* replica, const Check& check) {
   for (size_t i = 0; i < chunks_.size(); ++i) {
-    absl::Status st = SendChunk(i, step, *fp32_, data::PULL,
-                                [](const Range&, uint8_t*) { return absl::OkStatus(); });
+    absl::Status st = SendHeader(i, step, data::PULL);
     if (!st.ok()) return st;
   }
   std::vector<bool> got(chunks_.size(), false);
@@ -279,9 +284,8 @@ absl::Status PsClient::PushState(const std::map<std::string, const float*>& arra
 
 absl::StatusOr<bool> PsClient::Vote(uint64_t step, bool found_inf, const Check& check) {
   const size_t first = by_shard_[0][0];  // chunk 0 of shard 0
-  absl::Status st = SendChunk(
-      first, step, *fp32_, data::VOTE, [](const Range&, uint8_t*) { return absl::OkStatus(); },
-      [&](data::Header& h) { h.set_found_inf(found_inf); });
+  absl::Status st =
+      SendHeader(first, step, data::VOTE, [&](data::Header& h) { h.set_found_inf(found_inf); });
   if (!st.ok()) return st;
   bool any = false;
   st = ReceiveAll(
@@ -300,8 +304,7 @@ absl::StatusOr<bool> PsClient::Vote(uint64_t step, bool found_inf, const Check& 
 
 absl::StatusOr<PsClient::ServerState> PsClient::PullState(uint64_t step, const Check& check) {
   for (size_t i = 0; i < chunks_.size(); ++i) {
-    absl::Status st = SendChunk(i, step, *fp32_, data::STATE_PULL,
-                                [](const Range&, uint8_t*) { return absl::OkStatus(); });
+    absl::Status st = SendHeader(i, step, data::STATE_PULL);
     if (!st.ok()) return st;
   }
   const uint64_t d = options_.map.num_params();
@@ -541,10 +544,8 @@ absl::Status PsClient::CompleteStep(Replica* replica, const Check& check,
   if (defer_scale_) {
     for (uint32_t k = 0; k < sockets_.size(); ++k) {
       if (by_shard_[k].empty()) continue;
-      absl::Status st = SendChunk(
-          by_shard_[k][0], step_, *fp32_, data::GRAD_SCALE,
-          [](const Range&, uint8_t*) { return absl::OkStatus(); },
-          [&](data::Header& h) { h.set_grad_scale(*grad_scale); });
+      absl::Status st = SendHeader(by_shard_[k][0], step_, data::GRAD_SCALE,
+                                   [&](data::Header& h) { h.set_grad_scale(*grad_scale); });
       if (!st.ok()) return st;
     }
   }

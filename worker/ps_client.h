@@ -145,6 +145,10 @@ class PsClient {
   absl::Status SendChunk(size_t i, uint64_t step, const Codec& codec, int kind,
                          const std::function<absl::Status(const Range&, uint8_t*)>& encode,
                          const std::function<void(data::Header&)>& more = nullptr);
+  // A message of chunk i that is its header alone (PULL, STATE_PULL, VOTE,
+  // GRAD_SCALE).
+  absl::Status SendHeader(size_t i, uint64_t step, int kind,
+                          const std::function<void(data::Header&)>& more = nullptr);
   absl::Status PushChunk(size_t i, Replica* replica);
   // The step's learning rate: the caller's, else the job's schedule's.
   float StepLr() const;
