@@ -831,7 +831,10 @@ absl::Status Worker::SeedOptimizerState(const AdamSeed& seed) {
 }
 
 bool Worker::CanDeferGradientScale() const {
-  return impl_->client->CanDeferScale(impl_->step, impl_->replica->phase());
+  // An unusable worker (failed, stopped, finished) may have no client.
+  const Impl& w = *impl_;
+  return w.Usable().ok() && w.client != nullptr &&
+         w.client->CanDeferScale(w.step, w.replica->phase());
 }
 
 absl::Status Worker::DeferGradientScale() {

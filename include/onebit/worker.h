@@ -350,7 +350,8 @@ class Worker {
   // zero-one-adam variance step, with the default fp32 warm-up codec; not
   // a 1-bit step, whose push is made from the scaled gradient). Call
   // before the step's first GradientsReady; an error otherwise, naming the
-  // reason.
+  // reason. CanDeferGradientScale() is false for a worker that can take no
+  // step (failed, stopped or finished).
   bool CanDeferGradientScale() const;
   absl::Status DeferGradientScale();
 

@@ -686,7 +686,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                            "capturable": False, "params": ids})
         return {"state": state, "param_groups": groups,
                 "onebit": {"optimizer": self.job["optimizer"], "step": s["step"],
-                           "bias_steps": s["bias_steps"], "frozen": s["frozen"], "server": server, "worker": worker}}
+                           "bias_steps": s["bias_steps"], "frozen": s["frozen"],
+                           "server": server, "worker": worker}}
 
     def load_state_dict(self, state_dict):
         """Starts the job from an optimizer state in torch.optim.Adam's or
