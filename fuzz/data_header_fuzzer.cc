@@ -33,14 +33,18 @@ struct JobSpec {
   uint64_t params;
   uint32_t shards;
   uint64_t chunk_elems;
+  uint64_t push_chunk_elems;  // a compressed step's grid (0: chunk_elems)
 };
-// Block size 64 throughout. The last has more shards than blocks: shards 2
-// and 3 are empty.
+// Block size 64 throughout. The third has more shards than blocks: shards 2
+// and 3 are empty. The last is at a compressed step, whose pushes have
+// chunks of their own.
 constexpr JobSpec kJobs[] = {
-    {"onebit", 3, 1000, 2, 128},
-    {"fp16", 1, 1000, 3, 64},
-    {"fp32", 2, 100, 4, 64},
+    {"onebit", 3, 1000, 2, 128, 0},
+    {"fp16", 1, 1000, 3, 64, 0},
+    {"fp32", 2, 100, 4, 64, 0},
+    {"onebit", 2, 1000, 2, 128, 320},
 };
+constexpr size_t kNumJobs = sizeof(kJobs) / sizeof(kJobs[0]);
 constexpr uint32_t kBlock = 64;
 
 struct Job {
@@ -60,6 +64,7 @@ const Job& GetJob(size_t i) {
       j.job.steps = 10;
       j.job.map = *ShardMap::Create(s.params, s.shards, kBlock);
       j.job.chunk_elems = s.chunk_elems;
+      j.job.push_chunk_elems = s.push_chunk_elems;
       j.job.push_codec = j.push.get();
       j.job.init_codec = j.init.get();
       v->push_back(std::move(j));
@@ -69,13 +74,19 @@ const Job& GetJob(size_t i) {
   return (*jobs)[i];
 }
 
+// The chunk size of a request of `kind`.
+uint64_t GridOf(const DataPlaneJob& job, data::Kind kind) {
+  return kind == data::PUSH && job.push_chunk_elems != 0 ? job.push_chunk_elems : job.chunk_elems;
+}
+
 // The server's handling of an accepted request, minus its state machine.
 void Serve(const data::Header& h, const DataPlaneJob& job, uint32_t owned, const uint8_t* payload) {
   const Range s = job.map.shard(owned);
   FUZZ_CHECK(h.begin() >= s.begin && h.count() >= 1 && h.begin() + h.count() <= s.end);
-  const uint64_t index = (h.begin() - s.begin) / job.chunk_elems;
-  FUZZ_CHECK(index < NumChunks(s.size(), job.chunk_elems));
-  FUZZ_CHECK(ChunkRange(job.map, owned, job.chunk_elems, index).size() == h.count());
+  const uint64_t elems = GridOf(job, h.kind());
+  const uint64_t index = (h.begin() - s.begin) / elems;
+  FUZZ_CHECK(index < NumChunks(s.size(), elems));
+  FUZZ_CHECK(ChunkRange(job.map, owned, elems, index).size() == h.count());
   if (h.kind() == data::PUSH) {
     std::vector<float> acc(h.count(), 0.0f);
     const float w = 1.0f / static_cast<float>(job.workers);
@@ -112,20 +123,21 @@ std::string Encode(uint8_t flags, const std::string& header, const std::string& 
 std::vector<fuzz::Seed> Seeds() {
   std::vector<fuzz::Seed> seeds;
   const std::vector<float> x(128, 0.5f);
-  for (uint8_t j = 0; j < 3; ++j) {
+  for (uint8_t j = 0; j < kNumJobs; ++j) {
     const DataPlaneJob& job = GetJob(j).job;
     for (uint32_t shard = 0; shard < job.map.num_shards(); ++shard) {
       const Range s = job.map.shard(shard);
-      const uint64_t chunks = NumChunks(s.size(), job.chunk_elems);
       const uint8_t flags = static_cast<uint8_t>(j | (shard << 2));
-      // The first chunk, and in the first job the last (short) one.
-      std::vector<uint64_t> which;
-      if (chunks > 0) which.push_back(0);
-      if (chunks > 1 && j == 0) which.push_back(chunks - 1);
-      for (uint64_t c : which) {
-        const Range r = ChunkRange(job.map, shard, job.chunk_elems, c);
-        for (data::Kind kind : {data::PUSH, data::INIT, data::PULL, data::STATE_PULL,
-                                data::STATE_PUSH, data::VOTE, data::GRAD_SCALE}) {
+      for (data::Kind kind : {data::PUSH, data::INIT, data::PULL, data::STATE_PULL,
+                              data::STATE_PUSH, data::VOTE, data::GRAD_SCALE}) {
+        const uint64_t elems = GridOf(job, kind);
+        const uint64_t chunks = NumChunks(s.size(), elems);
+        // The first chunk, and in the first and last jobs the last (short) one.
+        std::vector<uint64_t> which;
+        if (chunks > 0) which.push_back(0);
+        if (chunks > 1 && (j == 0 || j == kNumJobs - 1)) which.push_back(chunks - 1);
+        for (uint64_t c : which) {
+          const Range r = ChunkRange(job.map, shard, elems, c);
           if (kind == data::VOTE && (shard != 0 || c != 0)) continue;  // votes name chunk 0 of 0
           const Codec* codec = kind == data::PUSH ? job.push_codec : job.init_codec;
           data::Header h;
@@ -149,9 +161,10 @@ std::vector<fuzz::Seed> Seeds() {
                 codec->Encode(x.data(), r.size(), reinterpret_cast<uint8_t*>(&payload[0])).ok());
           }
           h.set_payload_bytes(payload.size());
-          const std::string name = std::string(kJobs[j].push_codec) + "-shard" +
-                                   std::to_string(shard) + "-chunk" + std::to_string(c) + "-" +
-                                   data::Kind_Name(kind);
+          const std::string name = std::string(kJobs[j].push_codec) +
+                                   (kJobs[j].push_chunk_elems != 0 ? "-compressed" : "") +
+                                   "-shard" + std::to_string(shard) + "-chunk" + std::to_string(c) +
+                                   "-" + data::Kind_Name(kind);
           seeds.push_back({name, Encode(flags, h.SerializeAsString(), "", payload)});
           if (j != 0 || shard != 1 || c != 0 || kind != data::PUSH) continue;
           // Each refusal once, from this good push.
@@ -214,7 +227,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace onebit;
   fuzz::Input in(data, size);
   const uint8_t flags = in.Byte();
-  const DataPlaneJob& job = GetJob((flags & 3) % 3).job;
+  const DataPlaneJob& job = GetJob((flags & 3) % kNumJobs).job;
   const uint32_t owned = ((flags >> 2) & 3) % job.map.num_shards();
   const std::string frame0 = in.Bytes();
   const std::string routing = (flags & 16) ? in.Bytes() : std::string();

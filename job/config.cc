@@ -246,6 +246,12 @@ absl::Status ValidateConfig(const control::TrainingConfig& c) {
     return SettingError("chunk_elems",
                         "must be 0 (auto) or a positive multiple of --block_size, at most 2^24");
   }
+  if (c.compression().compressed_chunk_elems() != 0 &&
+      (c.compression().compressed_chunk_elems() % c.compression().block_size() != 0 ||
+       c.compression().compressed_chunk_elems() > kMaxChunkElems)) {
+    return SettingError("compressed_chunk_elems",
+                        "must be 0 (auto) or a positive multiple of --block_size, at most 2^24");
+  }
   if (c.timeouts().step_ms() < 1) return SettingError("step_timeout", "must be >= 1ms");
   if (c.timeouts().heartbeat_ms() < 100)
     return SettingError("heartbeat_timeout", "must be >= 100ms");

@@ -127,6 +127,11 @@ constexpr JobSetting kSettings[] = {
     {"chunk_elems", "compression.chunk_elems", T::kUint64, "0", "data plane",
      "elements per data-plane chunk (multiple of --block_size, at most 2^24); 0: an eighth of "
      "the largest shard, between 16 Ki and 1 Mi (64 KB to 4 MB of fp32)"},
+    {"compressed_chunk_elems", "compression.compressed_chunk_elems", T::kUint64, "0", "data plane",
+     "elements per chunk of the steps that push through the compression codecs (multiple of "
+     "--block_size, at most 2^24); 0: a quarter of the largest shard, at least 512 Ki elements "
+     "(64 KB of 1-bit payload) and --chunk_elems, at most the shard; the result is the same "
+     "whatever the chunks"},
     {"step_timeout", "timeouts.step_ms", T::kDuration, "30s", "data plane",
      "how long a server waits for the missing pushes of a step, and a worker for its replies "
      "(worker waits twice this)"},

@@ -29,6 +29,23 @@ uint64_t ChunkElemsFor(uint64_t setting, const ShardMap& map) {
   return std::max(b, (want + b - 1) / b * b);
 }
 
+uint64_t CompressedChunkElemsFor(uint64_t setting, uint64_t chunk_elems, const ShardMap& map,
+                                 const Codec& compressed) {
+  if (setting != 0) return setting;
+  constexpr uint64_t kMin = uint64_t{1} << 19;
+  uint64_t largest = 0;
+  for (uint32_t k = 0; k < map.num_shards(); ++k) largest = std::max(largest, map.shard(k).size());
+  const uint64_t b = map.block_size();
+  uint64_t want = std::min(largest, std::max((largest + 3) / 4, kMin));
+  want = (want + b - 1) / b * b;
+  // chunk_elems is a multiple of the block, so a payload of k such chunks
+  // is k times one's.
+  const uint64_t per_chunk = std::max<uint64_t>(1, compressed.EncodedSize(chunk_elems));
+  const uint64_t fit = std::max<uint64_t>(1, 4 * chunk_elems / per_chunk);
+  const uint64_t cap = std::min(kMaxChunkElems / chunk_elems, fit) * chunk_elems;
+  return std::clamp(want, chunk_elems, std::max(chunk_elems, cap));
+}
+
 uint64_t NumChunks(uint64_t size, uint64_t chunk_elems) {
   return (size + chunk_elems - 1) / chunk_elems;
 }
@@ -106,12 +123,15 @@ absl::Status ValidateRequest(const data::Header& h, const DataPlaneJob& job, uin
                ")");
   }
   const Range s = job.map.shard(h.shard());
-  if (h.begin() < s.begin || h.begin() >= s.end || (h.begin() - s.begin) % job.chunk_elems != 0) {
+  // A step's pushes are cut by its own grid; everything else by the warm-up's.
+  const uint64_t elems =
+      h.kind() == data::PUSH && job.push_chunk_elems != 0 ? job.push_chunk_elems : job.chunk_elems;
+  if (h.begin() < s.begin || h.begin() >= s.end || (h.begin() - s.begin) % elems != 0) {
     return bad("element range begins at ", h.begin(), ", not at a chunk of shard ", h.shard(), " [",
-               s.begin, ", ", s.end, ") with chunks of ", job.chunk_elems);
+               s.begin, ", ", s.end, ") with chunks of ", elems);
   }
-  const uint64_t chunk = (h.begin() - s.begin) / job.chunk_elems;
-  const Range want = ChunkRange(job.map, h.shard(), job.chunk_elems, chunk);
+  const uint64_t chunk = (h.begin() - s.begin) / elems;
+  const Range want = ChunkRange(job.map, h.shard(), elems, chunk);
   if (h.count() != want.size()) {
     return bad("wrong element count ", h.count(), " for chunk ", chunk, " of shard ", h.shard(),
                " (want ", want.size(), ")");
@@ -176,7 +196,9 @@ void ConfigureDataSocket(zmq::socket_t* s) {
   s->set(zmq::sockopt::rcvbuf, 4 << 20);
 }
 
-uint64_t ServerFrameLimit(uint64_t chunk_elems) { return 4 * chunk_elems + 4096; }
+uint64_t ServerFrameLimit(uint64_t chunk_elems, uint64_t compressed_setting) {
+  return 4 * std::max(chunk_elems, compressed_setting) + 4096;
+}
 
 void ConfigureServerDataSocket(zmq::socket_t* s, uint64_t max_frame_bytes) {
   ConfigureDataSocket(s);

@@ -30,9 +30,11 @@ constexpr uint64_t kMaxFrameBytes = 4 * kMaxChunkElems;
 // server, as ZeroMQ counts it: an fp32 chunk (INIT, warm-up PUSH; every
 // other codec is narrower) or a header (a few dozen bytes), plus 4 KiB (a
 // CURVE socket counts each frame with its encryption, 33 bytes more).
-// ZeroMQ refuses a larger one from its size prefix, before buffering any of
-// it.
-uint64_t ServerFrameLimit(uint64_t chunk_elems);
+// `compressed_setting`: the job's --compressed_chunk_elems; a chunk of that
+// many elements may be as wide as fp32 (the automatic size, 0, fits within
+// an fp32 chunk of chunk_elems). ZeroMQ refuses a larger frame from its size
+// prefix, before buffering any of it.
+uint64_t ServerFrameLimit(uint64_t chunk_elems, uint64_t compressed_setting = 0);
 
 // What a server checks a request against. Plain values; the codecs are owned
 // by the caller and must outlive this.
@@ -42,7 +44,14 @@ struct DataPlaneJob {
   uint64_t steps = 0;  // 0: not fixed (the job ends when the workers finish)
   ShardMap map = ShardMap::Create(0, 1, 32).value();
   uint64_t chunk_elems = 0;  // a multiple of map.block_size()
+  // The chunks of the steps that push through the compression codecs:
+  // --compressed_chunk_elems, which PsServer::Create resolves (0: auto) by
+  // CompressedChunkElemsFor.
+  uint64_t compressed_chunk_elems = 0;
+  // The current step's push codec and chunk size (chunk_elems or
+  // compressed_chunk_elems): what its PUSHes must have.
   const Codec* push_codec = nullptr;
+  uint64_t push_chunk_elems = 0;      // 0: chunk_elems
   const Codec* init_codec = nullptr;  // fp32
 };
 
@@ -53,6 +62,21 @@ struct DataPlaneJob {
 // and 1 Mi elements (64 KB to 4 MB of fp32: smaller ones cost more per byte
 // than they save), rounded up to a multiple of the codec block.
 uint64_t ChunkElemsFor(uint64_t setting, const ShardMap& map);
+
+// The chunk size of the steps that push through `compressed` (the
+// compression phase's codec), on a job with warm-up chunks of `chunk_elems`:
+// `setting` (--compressed_chunk_elems), or where it is 0 (auto, the
+// default) a quarter of the largest shard but at least 512 Ki elements
+// (64 KB of 1-bit payload), at most the shard. A 1-bit chunk is 1/32 of an
+// fp32 one, and each message costs its sender and server a fixed amount of
+// CPU (ZeroMQ's wake-ups, a header, a reply per worker): the warm-up's grid
+// would send 32 times the messages per byte. Never smaller than
+// chunk_elems, nor so large that its payload outgrows an fp32 chunk of
+// chunk_elems (so the servers' frame limit stays ServerFrameLimit's).
+// Rounded up to a multiple of the codec block: a chunk's blocks, and so
+// the result, are the same whatever the grid.
+uint64_t CompressedChunkElemsFor(uint64_t setting, uint64_t chunk_elems, const ShardMap& map,
+                                 const Codec& compressed);
 
 // Number of chunks of a shard of `size` elements (0 for an empty shard).
 uint64_t NumChunks(uint64_t size, uint64_t chunk_elems);

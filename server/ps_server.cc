@@ -87,18 +87,32 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Create(PsServerOptions optio
     o.restored.reset();
   }
   o.job.init_codec = s->init_codec_.get();
+  o.job.compressed_chunk_elems =
+      CompressedChunkElemsFor(o.job.compressed_chunk_elems, o.job.chunk_elems, o.job.map,
+                              s->optimizer_->push_codec(StepKind::kCompressed));
   const uint64_t n = NumChunks(r.size(), o.job.chunk_elems);
-  s->chunks_.resize(n);
+  s->slices_.resize(n);
   for (uint64_t i = 0; i < n; ++i) {
-    Chunk& c = s->chunks_[i];
+    Slice& c = s->slices_[i];
     c.range = ChunkRange(o.job.map, o.shard, o.job.chunk_elems, i);
-    c.acc.assign(c.range.size(), 0.0f);
-    c.pushed.assign(o.job.workers, false);
-    c.held.resize(o.job.workers);
     c.pulled.assign(o.job.workers, false);
     c.waiting.assign(o.job.workers, false);
-    c.lr.resize(o.job.workers);
-    c.scale_pending.assign(o.job.workers, false);
+  }
+  s->acc_.assign(r.size(), 0.0f);
+  for (int g = 0; g < 2; ++g) {
+    const uint64_t elems = g == 0 ? o.job.chunk_elems : o.job.compressed_chunk_elems;
+    if (g == 1 && elems == o.job.chunk_elems) break;  // one grid serves both
+    std::vector<Chunk>& grid = s->grids_[g];
+    grid.resize(NumChunks(r.size(), elems));
+    for (uint64_t i = 0; i < grid.size(); ++i) {
+      Chunk& c = grid[i];
+      c.range = ChunkRange(o.job.map, o.shard, elems, i);
+      c.acc = s->acc_.data() + (c.range.begin - r.begin);
+      c.pushed.assign(o.job.workers, false);
+      c.held.resize(o.job.workers);
+      c.lr.resize(o.job.workers);
+      c.scale_pending.assign(o.job.workers, false);
+    }
   }
   if (o.job.steps > 0) {
     s->end_step_ = o.job.steps;
@@ -121,7 +135,7 @@ absl::Status PsServer::SetEndStep(uint64_t steps) {
     return absl::FailedPreconditionError(
         absl::StrCat("told the job ends after ", steps, " steps, but it has ", *end_step_));
   }
-  if (chunks_.empty()) state_.step = steps;
+  if (slices_.empty()) state_.step = steps;
   if (state_.step != steps) {
     return absl::FailedPreconditionError(absl::StrCat("the workers finished after ", steps,
                                                       " steps, but shard ", options_.shard,
@@ -169,7 +183,7 @@ absl::Status PsServer::Serve(const std::function<bool()>& should_stop,
       // reply names the step it is about (a header of no request says 0).
       for (uint32_t r = 0; r < options_.job.workers; ++r) {
         bool pushed = false;
-        for (const Chunk& c : chunks_) pushed |= c.done || c.pushed[r];
+        for (const Chunk& c : chunks()) pushed |= c.done || c.pushed[r];
         if (!pushed) continue;
         data::Header about;
         about.set_job_id(options_.job.job_id);
@@ -191,7 +205,7 @@ std::string PsServer::MissingRanks() const {
   std::vector<std::string> missing;
   for (uint32_t r = 0; r < options_.job.workers; ++r) {
     bool all = true, scale = false;
-    for (const Chunk& c : chunks_) {
+    for (const Chunk& c : chunks()) {
       all &= c.done || c.pushed[r];
       scale |= !c.done && c.scale_pending[r] && !GradScaleOf(r);
     }
@@ -261,12 +275,15 @@ absl::Status PsServer::HandleRequest(const std::string& routing_id, const data::
   (void)routing_id;  // ValidateRequest tied it to h.rank()
   // Most refusals below are of a step this shard is not at.
   *why = Refusal::kWrongStep;
-  const uint64_t index = (h.begin() - state_.begin) / options_.job.chunk_elems;
-  Chunk& c = chunks_[index];
+  // ValidateRequest checked the range against the grid of its kind.
+  const uint64_t index =
+      (h.begin() - state_.begin) /
+      (h.kind() == data::PUSH ? options_.job.push_chunk_elems : options_.job.chunk_elems);
   const uint64_t steps = options_.job.steps;
   if (h.kind() == data::INIT) {
+    Slice& c = slices_[index];
     if (h.step() != 0) return absl::InvalidArgumentError("INIT must carry step 0");
-    if (state_.step > 0 || c.done) {
+    if (state_.step > 0 || ChunkAt(h.begin()).done) {
       return absl::InvalidArgumentError(
           absl::StrCat("INIT is from the past (shard ", options_.shard, " is past step 0)"));
     }
@@ -286,7 +303,9 @@ absl::Status PsServer::HandleRequest(const std::string& routing_id, const data::
       if (c.waiting[r]) SendParams(r, 0, c);
       c.waiting[r] = false;
     }
-    return DrainInOrder(c, index);
+    // The pushes of step 0 that waited for x.
+    Chunk& pushed = ChunkAt(h.begin());
+    return DrainInOrder(pushed, &pushed - chunks().data());
   }
   if (h.kind() == data::STATE_PULL) {
     // The state as of the start of the current step: between steps of the
@@ -296,15 +315,16 @@ absl::Status PsServer::HandleRequest(const std::string& routing_id, const data::
                                                      ", but shard ", options_.shard, " is at step ",
                                                      state_.step));
     }
-    if (c.done || c.pushed[h.rank()]) {
+    const Chunk& pushed = ChunkAt(h.begin());
+    if (pushed.done || pushed.pushed[h.rank()]) {
       return absl::InvalidArgumentError(absl::StrCat("STATE_PULL from rank ", h.rank(),
                                                      " for chunk ", index,
                                                      " after pushing to step ", state_.step));
     }
-    SendState(h.rank(), h.step(), c);
+    SendState(h.rank(), h.step(), slices_[index]);
     return absl::OkStatus();
   }
-  if (h.kind() == data::STATE_PUSH) return SeedState(h, payload, c, index, why);
+  if (h.kind() == data::STATE_PUSH) return SeedState(h, payload, slices_[index], index, why);
   if (h.kind() == data::VOTE) return TakeVote(h, why);
   if (h.kind() == data::GRAD_SCALE) return TakeGradScale(h, why);
   if (h.kind() == data::PULL) {
@@ -316,7 +336,9 @@ absl::Status PsServer::HandleRequest(const std::string& routing_id, const data::
       return absl::InvalidArgumentError(absl::StrCat("PULL for step ", h.step(), ", but shard ",
                                                      options_.shard, " is at step ", state_.step));
     }
-    if (c.done || c.pushed[h.rank()]) {
+    Slice& c = slices_[index];
+    const Chunk& pushed = ChunkAt(h.begin());
+    if (pushed.done || pushed.pushed[h.rank()]) {
       *why = Refusal::kDuplicate;
       return absl::InvalidArgumentError(absl::StrCat("PULL from rank ", h.rank(), " for chunk ",
                                                      index, " after pushing to step ",
@@ -351,6 +373,7 @@ absl::Status PsServer::HandleRequest(const std::string& routing_id, const data::
                                                    options_.shard, " is at step ", state_.step,
                                                    ")"));
   }
+  Chunk& c = chunks()[index];
   if (c.pushed[h.rank()] || c.done) {
     *why = Refusal::kDuplicate;
     return absl::InvalidArgumentError(absl::StrCat("duplicate push from rank ", h.rank(),
@@ -375,7 +398,7 @@ absl::Status PsServer::DrainInOrder(Chunk& c, uint64_t index) {
     zmq::message_t& m = *c.held[r];
     // acc starts at +0.0f; zeroed here rather than at the end of the step so
     // it is in cache for the decode-add.
-    if (r == 0) std::fill(c.acc.begin(), c.acc.end(), 0.0f);
+    if (r == 0) std::fill(c.acc, c.acc + c.range.size(), 0.0f);
     const uint8_t* payload = static_cast<const uint8_t*>(m.data());
     if (c.scale_pending[r]) {
       // The worker's g * s in float32, as it would have pushed it, then
@@ -386,7 +409,7 @@ absl::Status PsServer::DrainInOrder(Chunk& c, uint64_t index) {
       for (float& v : scaled_) v *= *scale;
       payload = reinterpret_cast<const uint8_t*>(scaled_.data());
     }
-    absl::Status st = options_.job.push_codec->DecodeAdd(payload, c.range.size(), w, c.acc.data());
+    absl::Status st = options_.job.push_codec->DecodeAdd(payload, c.range.size(), w, c.acc);
     c.held[r].reset();
     if (!st.ok()) {
       // The codec left acc untouched; rank r may push this chunk again.
@@ -405,7 +428,7 @@ absl::Status PsServer::DrainInOrder(Chunk& c, uint64_t index) {
     }
     ++c.next_rank;
   }
-  if (c.next_rank == n_workers && (c.initialized || state_.step > 0)) {
+  if (c.next_rank == n_workers && (state_.step > 0 || Initialized(c))) {
     if (absl::Status st = AgreeOnLr(c, index); !st.ok()) {
       failure_ = st;
       if (metrics_ != nullptr) metrics_->Refused(Refusal::kLrMismatch);
@@ -446,7 +469,7 @@ absl::Status PsServer::AgreeOnLr(const Chunk& c, uint64_t index) {
   return absl::OkStatus();
 }
 
-void PsServer::SendParams(uint32_t rank, uint64_t step, const Chunk& c) {
+void PsServer::SendParams(uint32_t rank, uint64_t step, const Slice& c) {
   const uint64_t n = c.range.size();
   auto buf = std::make_shared<std::vector<uint8_t>>(init_codec_->EncodedSize(n));
   // Under --server-reply delta the workers' x is the replica, not the master.
@@ -457,10 +480,10 @@ void PsServer::SendParams(uint32_t rank, uint64_t step, const Chunk& c) {
     failure_ = absl::InternalError(absl::StrCat("encoding the initial x: ", st.message()));
     return;
   }
-  SendFp32(data::PARAMS, rank, step, c, buf, {});
+  SendFp32(data::PARAMS, rank, step, c.range, buf, {});
 }
 
-void PsServer::SendFp32(data::Kind kind, uint32_t rank, uint64_t step, const Chunk& c,
+void PsServer::SendFp32(data::Kind kind, uint32_t rank, uint64_t step, const Range& range,
                         const SharedBytes& payload_bytes,
                         const std::function<void(data::Header&)>& more) {
   data::Header h;
@@ -470,8 +493,8 @@ void PsServer::SendFp32(data::Kind kind, uint32_t rank, uint64_t step, const Chu
   h.set_rank(rank);
   h.set_step(step);
   h.set_shard(options_.shard);
-  h.set_begin(c.range.begin);
-  h.set_count(c.range.size());
+  h.set_begin(range.begin);
+  h.set_count(range.size());
   h.set_codec(init_codec_->name());
   h.set_block_size(options_.job.map.block_size());
   h.set_payload_bytes(payload_bytes->size());
@@ -493,9 +516,9 @@ absl::Status PsServer::TakeGradScale(const data::Header& h, Refusal* why) {
         absl::StrCat("duplicate GRAD_SCALE from rank ", rank, " for step ", state_.step));
   }
   grad_scales_[rank] = h.grad_scale();
-  for (uint64_t i = 0; i < chunks_.size(); ++i) {
-    if (chunks_[i].done || chunks_[i].ready) continue;
-    if (absl::Status st = DrainInOrder(chunks_[i], i); !st.ok()) return st;
+  for (uint64_t i = 0; i < chunks().size(); ++i) {
+    if (chunks()[i].done || chunks()[i].ready) continue;
+    if (absl::Status st = DrainInOrder(chunks()[i], i); !st.ok()) return st;
   }
   return absl::OkStatus();
 }
@@ -511,7 +534,7 @@ absl::Status PsServer::TakeVote(const data::Header& h, Refusal* why) {
   // costs O(1); the chunks are searched only to name the rank.)
   if (pending_pushes_ > 0 || chunks_done_ > 0) {
     uint32_t pusher = 0;
-    for (const Chunk& c : chunks_) {
+    for (const Chunk& c : chunks()) {
       for (uint32_t r = 0; r < options_.job.workers; ++r) {
         if (c.pushed[r]) pusher = r;
       }
@@ -535,14 +558,14 @@ absl::Status PsServer::TakeVote(const data::Header& h, Refusal* why) {
   votes_.clear();  // the next round (the same step again, after a skip)
   const SharedBytes none = std::make_shared<const std::vector<uint8_t>>();
   for (uint32_t r = 0; r < options_.job.workers; ++r) {
-    SendFp32(data::VERDICT, r, h.step(), chunks_[0], none,
+    SendFp32(data::VERDICT, r, h.step(), slices_[0].range, none,
              [&](data::Header& reply) { reply.set_found_inf(found_inf); });
   }
   return absl::OkStatus();
 }
 
-absl::Status PsServer::SeedState(const data::Header& h, zmq::message_t& payload, Chunk& c,
-                                 uint64_t chunk_index, Refusal* why) {
+absl::Status PsServer::SeedState(const data::Header& h, zmq::message_t& payload, Slice& c,
+                                 uint64_t slice_index, Refusal* why) {
   auto refuse = [&](auto&&... parts) {
     return absl::InvalidArgumentError(absl::StrCat("STATE_PUSH: ", parts...));
   };
@@ -554,10 +577,11 @@ absl::Status PsServer::SeedState(const data::Header& h, zmq::message_t& payload,
   }
   // Before anything of step 0 applied: the workers' first replies then
   // come from the seeded state, and every replica stays equal.
-  if (h.step() != 0 || state_.step != 0 || c.done || c.pushed[0]) {
-    return refuse("for step ", h.step(), " of chunk ", chunk_index, ", but shard ", options_.shard,
+  const Chunk& pushed = ChunkAt(h.begin());
+  if (h.step() != 0 || state_.step != 0 || pushed.done || pushed.pushed[0]) {
+    return refuse("for step ", h.step(), " of chunk ", slice_index, ", but shard ", options_.shard,
                   " is at step ", state_.step,
-                  c.done || c.pushed[0] ? " and rank 0 has pushed to it" : "",
+                  pushed.done || pushed.pushed[0] ? " and rank 0 has pushed to it" : "",
                   ": a state is seeded only before the job's first step");
   }
   if (state_.frozen) return refuse("shard ", options_.shard, " is past the warm-up (v frozen)");
@@ -579,12 +603,12 @@ absl::Status PsServer::SeedState(const data::Header& h, zmq::message_t& payload,
   seeded_bias_steps_ = h.bias_steps();
   state_.bias_steps = h.bias_steps();
   c.state.reset();
-  SendFp32(data::STATE_TAKEN, 0, 0, c, std::make_shared<const std::vector<uint8_t>>(),
+  SendFp32(data::STATE_TAKEN, 0, 0, c.range, std::make_shared<const std::vector<uint8_t>>(),
            [&](data::Header& reply) { reply.add_arrays(h.arrays(0)); });
   return absl::OkStatus();
 }
 
-void PsServer::SendState(uint32_t rank, uint64_t step, Chunk& c) {
+void PsServer::SendState(uint32_t rank, uint64_t step, Slice& c) {
   if (c.state == nullptr) {
     const uint64_t n = c.range.size();
     const uint64_t off = c.range.begin - state_.begin;
@@ -605,7 +629,7 @@ void PsServer::SendState(uint32_t rank, uint64_t step, Chunk& c) {
     }
     c.state = std::move(buf);
   }
-  SendFp32(data::STATE, rank, step, c, c.state, [&](data::Header& h) {
+  SendFp32(data::STATE, rank, step, c.range, c.state, [&](data::Header& h) {
     h.set_frozen(state_.frozen);
     h.set_bias_steps(state_.bias_steps);
     for (const char* name : c.state_arrays) h.add_arrays(name);
@@ -627,7 +651,7 @@ std::optional<bool> PsServer::LastWarmup() {
 
 void PsServer::CompleteReady() {
   bool any = false;
-  for (const Chunk& c : chunks_) any |= c.ready;
+  for (const Chunk& c : chunks()) any |= c.ready;
   if (!any) return;
   std::optional<bool> last = LastWarmup();
   if (!last) {
@@ -639,8 +663,8 @@ void PsServer::CompleteReady() {
     CompleteShard();
     return;
   }
-  for (uint64_t i = 0; i < chunks_.size() && failure_.ok(); ++i) {
-    if (chunks_[i].ready) Complete(chunks_[i], i);
+  for (uint64_t i = 0; i < chunks().size() && failure_.ok(); ++i) {
+    if (chunks()[i].ready) Complete(chunks()[i], i);
   }
 }
 
@@ -662,7 +686,7 @@ void PsServer::Complete(Chunk& c, uint64_t index) {
   const bool last_warmup = LastWarmup().value_or(false);
   const StepKind kind = optimizer_->KindOf(state_.step, PhaseOf(state_));
   PrepareReply(c, kind, last_warmup);
-  absl::Status st = optimizer_->Step(state_.step, StepLr(), last_warmup, c.acc.data(),
+  absl::Status st = optimizer_->Step(state_.step, StepLr(), last_warmup, c.acc,
                                      c.range.begin - state_.begin, n, &state_, c.reply->data());
   apply_ns_ += MonotonicNs() - pushed_ns;
   pending_pushes_ -= options_.job.workers;
@@ -672,21 +696,21 @@ void PsServer::Complete(Chunk& c, uint64_t index) {
     return;
   }
   SendReply(c, kind, last_warmup, pushed_ns);
-  if (++chunks_done_ < chunks_.size()) return;
+  if (++chunks_done_ < chunks().size()) return;
   EndStep();
 }
 
 void PsServer::CompleteShard() {
-  for (const Chunk& c : chunks_) {
+  for (const Chunk& c : chunks()) {
     if (!c.ready) return;
   }
   const uint64_t pushed_ns = MonotonicNs();
   const bool last_warmup = LastWarmup().value_or(false);
   const StepKind kind = optimizer_->KindOf(state_.step, PhaseOf(state_));
   std::vector<ServerOptimizer::ChunkSpan> spans;
-  for (Chunk& c : chunks_) {
+  for (Chunk& c : chunks()) {
     PrepareReply(c, kind, last_warmup);
-    spans.push_back({c.range.begin - state_.begin, c.range.size(), c.acc.data(), c.reply->data()});
+    spans.push_back({c.range.begin - state_.begin, c.range.size(), c.acc, c.reply->data()});
   }
   absl::Status st = optimizer_->StepShard(state_.step, StepLr(), last_warmup, spans, &state_);
   apply_ns_ += MonotonicNs() - pushed_ns;
@@ -695,8 +719,8 @@ void PsServer::CompleteShard() {
     failure_ = absl::InternalError(absl::StrCat("shard ", options_.shard, ": ", st.message()));
     return;
   }
-  for (Chunk& c : chunks_) SendReply(c, kind, last_warmup, pushed_ns);
-  chunks_done_ = chunks_.size();
+  for (Chunk& c : chunks()) SendReply(c, kind, last_warmup, pushed_ns);
+  chunks_done_ = chunks().size();
   EndStep();
 }
 
@@ -742,13 +766,15 @@ void PsServer::EndStep() {
   step_lr_known_ = false;
   step_lr_.reset();
   grad_scales_.clear();
-  for (Chunk& ch : chunks_) {
+  for (Chunk& ch : chunks()) {
     ch.next_rank = 0;
     std::fill(ch.scale_pending.begin(), ch.scale_pending.end(), false);
     std::fill(ch.pushed.begin(), ch.pushed.end(), false);
-    std::fill(ch.pulled.begin(), ch.pulled.end(), false);
     ch.done = false;
-    ch.state.reset();  // of the step just ended
+  }
+  for (Slice& sl : slices_) {
+    std::fill(sl.pulled.begin(), sl.pulled.end(), false);
+    sl.state.reset();  // of the step just ended
   }
   if (last_warmup) {
     optimizer_->EnterCompression(&state_);
@@ -784,14 +810,33 @@ void PsServer::SkipLocalSteps() {
   // Steps that send nothing (zero-one-adam's local steps) leave the shard
   // as it is: they end as they begin. The schedule ends every job on a
   // step that synchronises, so this stops at the job's end at the latest.
-  while (!chunks_.empty() && (!end_step_ || state_.step < *end_step_) &&
+  while (!slices_.empty() && (!end_step_ || state_.step < *end_step_) &&
          optimizer_->KindOf(state_.step, PhaseOf(state_)) == StepKind::kLocal) {
     ++state_.step;
     if (options_.on_step_end) options_.on_step_end(state_);
   }
   if (metrics_ != nullptr) metrics_->SetSteps(state_.step);
-  options_.job.push_codec =
-      &optimizer_->push_codec(optimizer_->KindOf(state_.step, PhaseOf(state_)));
+  const StepKind kind = optimizer_->KindOf(state_.step, PhaseOf(state_));
+  options_.job.push_codec = &optimizer_->push_codec(kind);
+  // The compressed steps' grid, where they have one of their own.
+  grid_ = kind == StepKind::kCompressed && !grids_[1].empty() ? 1 : 0;
+  options_.job.push_chunk_elems =
+      grid_ == 1 ? options_.job.compressed_chunk_elems : options_.job.chunk_elems;
+}
+
+PsServer::Chunk& PsServer::ChunkAt(uint64_t begin) {
+  const uint64_t elems =
+      grid_ == 1 ? options_.job.compressed_chunk_elems : options_.job.chunk_elems;
+  return chunks()[(begin - state_.begin) / elems];
+}
+
+bool PsServer::Initialized(const Chunk& c) const {
+  const uint64_t elems = options_.job.chunk_elems;
+  for (uint64_t i = (c.range.begin - state_.begin) / elems;
+       i < slices_.size() && slices_[i].range.begin < c.range.end; ++i) {
+    if (!slices_[i].initialized) return false;
+  }
+  return true;
 }
 
 void PsServer::SendError(const std::string& routing_id, const data::Header* request,

@@ -83,27 +83,35 @@ class PsServer {
   absl::Status SetEndStep(uint64_t steps);
 
  private:
-  // Aggregation of one chunk for the current step.
+  // Aggregation of one chunk for the current step. The chunks of a step
+  // are those of its grid: the warm-up's (fp32/fp16 pushes) or the
+  // compression phase's, coarser (DataPlaneJob::compressed_chunk_elems).
   struct Chunk {
     Range range;                                      // global
-    std::vector<float> acc;                           // running mean, ranks [0, next_rank) added
+    float* acc = nullptr;                             // into acc_: the running mean, ranks
+                                                      // [0, next_rank) added
     uint32_t next_rank = 0;                           // next rank to decode-add
     std::vector<bool> pushed;                         // by rank, this step
     std::vector<std::optional<zmq::message_t>> held;  // out-of-order payloads
-    bool initialized = false;              // INIT received (needed before step 0 applies)
-    std::vector<bool> pulled;              // by rank: asked for x this step (PULL)
-    std::vector<bool> waiting;             // by rank: PULL before INIT, answered when it comes
-    std::vector<std::optional<float>> lr;  // by rank, this step: the lr of its push
-    std::vector<bool> scale_pending;       // by rank, this step: waits for its GRAD_SCALE
-    bool ready = false;                    // every push is in; waits for the freeze decision
-    bool done = false;                     // this step's update applied and replied
+    std::vector<std::optional<float>> lr;             // by rank, this step: the lr of its push
+    std::vector<bool> scale_pending;  // by rank, this step: waits for its GRAD_SCALE
+    bool ready = false;               // every push is in; waits for the freeze decision
+    bool done = false;                // this step's update applied and replied
     // The reply payload, reused once ZeroMQ has released every message over
     // it (fresh 4 MB buffers cost page faults on every step).
     std::shared_ptr<std::vector<uint8_t>> reply;
+  };
+  // A chunk of the warm-up grid as the messages about x and the state see
+  // it (INIT, PULL, STATE_PULL, STATE_PUSH: fp32, whatever the step).
+  struct Slice {
+    Range range;                // global
+    bool initialized = false;   // INIT received (needed before step 0 applies)
+    std::vector<bool> pulled;   // by rank: asked for x this step (PULL)
+    std::vector<bool> waiting;  // by rank: PULL before INIT, answered when it comes
     // STATE's payload and its arrays' names, built at the first STATE_PULL
-    // of a step and shared by every answer until the chunk's state changes
+    // of a step and shared by every answer until the slice's state changes
     // (INIT, the end of the step): however many a peer asks for, the
-    // server holds one per chunk.
+    // server holds one per slice.
     SharedBytes state;
     std::vector<const char*> state_arrays;
   };
@@ -113,6 +121,12 @@ class PsServer {
   // On an error, *why says which kind of refusal it is.
   absl::Status HandleRequest(const std::string& routing_id, const data::Header& h,
                              zmq::message_t& payload, Refusal* why);
+  // The current step's chunks, and the one holding global element `begin`.
+  std::vector<Chunk>& chunks() { return grids_[grid_]; }
+  const std::vector<Chunk>& chunks() const { return grids_[grid_]; }
+  Chunk& ChunkAt(uint64_t begin);
+  // Whether every slice of c's range has had its INIT.
+  bool Initialized(const Chunk& c) const;
   absl::Status DrainInOrder(Chunk& c, uint64_t chunk_index);
   void Complete(Chunk& c, uint64_t chunk_index);
   // Layer-wise optimizers: once every chunk is ready, the whole shard's step.
@@ -132,15 +146,15 @@ class PsServer {
   // The pushes of a complete chunk agree on the step's learning rate, and
   // with the chunks before them; else the step fails and nothing applies.
   absl::Status AgreeOnLr(const Chunk& c, uint64_t chunk_index);
-  // PARAMS: chunk c's x to worker `rank`, as of `step`, the step its PULL
+  // PARAMS: slice c's x to worker `rank`, as of `step`, the step its PULL
   // named (the shard's, or one of the local steps it skipped).
-  void SendParams(uint32_t rank, uint64_t step, const Chunk& c);
-  // STATE: chunk c's x and optimizer state arrays, fp32, to `rank`.
-  void SendState(uint32_t rank, uint64_t step, Chunk& c);
-  // STATE_PUSH: rank 0 seeds chunk c's m or v (and the shard's bias_steps)
+  void SendParams(uint32_t rank, uint64_t step, const Slice& c);
+  // STATE: slice c's x and optimizer state arrays, fp32, to `rank`.
+  void SendState(uint32_t rank, uint64_t step, Slice& c);
+  // STATE_PUSH: rank 0 seeds slice c's m or v (and the shard's bias_steps)
   // before the job's first step; answered with STATE_TAKEN.
-  absl::Status SeedState(const data::Header& h, zmq::message_t& payload, Chunk& c,
-                         uint64_t chunk_index, Refusal* why);
+  absl::Status SeedState(const data::Header& h, zmq::message_t& payload, Slice& c,
+                         uint64_t slice_index, Refusal* why);
   // VOTE (shard 0): rank h.rank()'s overflow flag for the current step;
   // the last of the N answers every rank with the VERDICT.
   absl::Status TakeVote(const data::Header& h, Refusal* why);
@@ -149,9 +163,9 @@ class PsServer {
   absl::Status TakeGradScale(const data::Header& h, Refusal* why);
   // Rank `rank`'s GRAD_SCALE of the current step, once it has come.
   std::optional<float> GradScaleOf(uint32_t rank) const;
-  // Sends `payload` (fp32 data of chunk c) to `rank` as a message of `kind`
+  // Sends `payload` (fp32 data of `range`) to `rank` as a message of `kind`
   // for `step`; `more` adds its own header fields.
-  void SendFp32(data::Kind kind, uint32_t rank, uint64_t step, const Chunk& c,
+  void SendFp32(data::Kind kind, uint32_t rank, uint64_t step, const Range& range,
                 const SharedBytes& payload, const std::function<void(data::Header&)>& more);
   // `why`: the refusal it answers (counted in the metrics); none for a
   // failure that is not a request's (a step timeout).
@@ -167,8 +181,14 @@ class PsServer {
   std::unique_ptr<const ServerOptimizer> optimizer_;
   ServerShardState state_;
   std::optional<absl::Time> waiting_since_;  // for a freeze decision
-  std::vector<Chunk> chunks_;
-  uint64_t chunks_done_ = 0;
+  std::vector<Slice> slices_;                // the warm-up grid
+  // [0]: the warm-up grid's chunks; [1]: the compression phase's, where
+  // its chunks are larger (else empty, and grid_ stays 0). grid_: the
+  // current step's.
+  std::vector<Chunk> grids_[2];
+  size_t grid_ = 0;
+  std::vector<float> acc_;    // the shard's running means: each chunk's acc is its part
+  uint64_t chunks_done_ = 0;  // of chunks()
   std::optional<absl::Time> step_started_;         // first push of the current step
   std::optional<uint64_t> end_step_;               // the job's step count, once known
   bool step_lr_known_ = false;                     // the current step's lr has been agreed...

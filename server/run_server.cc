@@ -199,7 +199,10 @@ absl::StatusOr<PsServerOptions> IncarnationOptions(ServerProcess& p) {
   po.job.steps = cfg.model().steps();
   po.job.map = *map;
   po.job.chunk_elems = ChunkElemsFor(cfg.compression().chunk_elems(), po.job.map);
-  if (absl::Status st = p.data_port.Open(ServerFrameLimit(po.job.chunk_elems)); !st.ok()) {
+  po.job.compressed_chunk_elems = cfg.compression().compressed_chunk_elems();
+  if (absl::Status st =
+          p.data_port.Open(ServerFrameLimit(po.job.chunk_elems, po.job.compressed_chunk_elems));
+      !st.ok()) {
     return st;
   }
   po.shard = reg.rank();

@@ -42,30 +42,38 @@ absl::StatusOr<std::unique_ptr<PsClient>> PsClient::Connect(PsClientOptions opti
     }
     c->sockets_.push_back(std::move(s));
   }
-  c->by_shard_.resize(o.map.num_shards());
-  uint64_t max_chunks = 0;
-  for (uint32_t k = 0; k < o.map.num_shards(); ++k) {
-    max_chunks = std::max(max_chunks, NumChunks(o.map.shard(k).size(), o.chunk_elems));
+  c->MakeGrid(o.chunk_elems, &c->grids_[0]);
+  if (o.compressed_chunk_elems != 0 && o.compressed_chunk_elems != o.chunk_elems) {
+    c->MakeGrid(o.compressed_chunk_elems, &c->grids_[1]);
   }
-  for (uint64_t i = 0; i < max_chunks; ++i) {
-    for (uint32_t k = 0; k < o.map.num_shards(); ++k) {
-      if (i >= NumChunks(o.map.shard(k).size(), o.chunk_elems)) continue;
-      c->by_shard_[k].push_back(c->chunks_.size());
-      c->chunks_.push_back(Chunk{k, i, ChunkRange(o.map, k, o.chunk_elems, i), nullptr});
-    }
-  }
-  for (size_t i = 0; i < c->chunks_.size(); ++i) c->by_begin_.push_back(i);
-  std::sort(c->by_begin_.begin(), c->by_begin_.end(), [&](size_t a, size_t b) {
-    return c->chunks_[a].range.begin < c->chunks_[b].range.begin;
-  });
-  c->pushed_.assign(c->chunks_.size(), false);
+  c->pushed_.assign(std::max(c->grids_[0].chunks.size(), c->grids_[1].chunks.size()), false);
   return c;
 }
 
-absl::Status PsClient::SendChunk(size_t i, uint64_t step, const Codec& codec, int kind,
+void PsClient::MakeGrid(uint64_t chunk_elems, Grid* g) const {
+  const ShardMap& map = options_.map;
+  g->chunk_elems = chunk_elems;
+  g->by_shard.resize(map.num_shards());
+  uint64_t max_chunks = 0;
+  for (uint32_t k = 0; k < map.num_shards(); ++k) {
+    max_chunks = std::max(max_chunks, NumChunks(map.shard(k).size(), chunk_elems));
+  }
+  for (uint64_t i = 0; i < max_chunks; ++i) {
+    for (uint32_t k = 0; k < map.num_shards(); ++k) {
+      if (i >= NumChunks(map.shard(k).size(), chunk_elems)) continue;
+      g->by_shard[k].push_back(g->chunks.size());
+      g->chunks.push_back(Chunk{k, i, ChunkRange(map, k, chunk_elems, i), nullptr});
+    }
+  }
+  for (size_t i = 0; i < g->chunks.size(); ++i) g->by_begin.push_back(i);
+  std::sort(g->by_begin.begin(), g->by_begin.end(), [&](size_t a, size_t b) {
+    return g->chunks[a].range.begin < g->chunks[b].range.begin;
+  });
+}
+
+absl::Status PsClient::SendChunk(Chunk& c, uint64_t step, const Codec& codec, int kind,
                                  const std::function<absl::Status(const Range&, uint8_t*)>& encode,
                                  const std::function<void(data::Header&)>& more) {
-  Chunk& c = chunks_[i];
   const size_t n = c.range.size();
   const bool header_only = kind == data::PULL || kind == data::STATE_PULL || kind == data::VOTE ||
                            kind == data::GRAD_SCALE;
@@ -112,8 +120,8 @@ absl::Status PsClient::SendChunk(size_t i, uint64_t step, const Codec& codec, in
 }
 
 absl::Status PsClient::SendInit(const float* x) {
-  for (size_t i = 0; i < chunks_.size(); ++i) {
-    absl::Status st = SendChunk(i, 0, *fp32_, data::INIT, [&](const Range& r, uint8_t* out) {
+  for (Chunk& c : grids_[0].chunks) {
+    absl::Status st = SendChunk(c, 0, *fp32_, data::INIT, [&](const Range& r, uint8_t* out) {
       return fp32_->Encode(x + r.begin, r.size(), out);
     });
     if (!st.ok()) return st;
@@ -121,14 +129,14 @@ absl::Status PsClient::SendInit(const float* x) {
   return absl::OkStatus();
 }
 
-absl::Status PsClient::SendHeader(size_t i, uint64_t step, int kind,
+absl::Status PsClient::SendHeader(Chunk& c, uint64_t step, int kind,
                                   const std::function<void(data::Header&)>& more) {
   return SendChunk(
-      i, step, *fp32_, kind, [](const Range&, uint8_t*) { return absl::OkStatus(); }, more);
+      c, step, *fp32_, kind, [](const Range&, uint8_t*) { return absl::OkStatus(); }, more);
 }
 
-absl::StatusOr<size_t> PsClient::CheckReply(uint32_t server, uint64_t step, int kind,
-                                            const std::vector<zmq::message_t>& frames,
+absl::StatusOr<size_t> PsClient::CheckReply(const Grid& grid, uint32_t server, uint64_t step,
+                                            int kind, const std::vector<zmq::message_t>& frames,
                                             data::Header* h) {
   const std::string& ep = options_.server_endpoints[server];
   auto who = [&] { return absl::StrCat("server ", server, " (", ep, ")"); };
@@ -153,23 +161,23 @@ absl::StatusOr<size_t> PsClient::CheckReply(uint32_t server, uint64_t step, int 
   if (h->shard() != server) return bad("shard ", h->shard());
   const Range s = options_.map.shard(server);
   if (h->begin() < s.begin || h->begin() >= s.end ||
-      (h->begin() - s.begin) % options_.chunk_elems != 0) {
+      (h->begin() - s.begin) % grid.chunk_elems != 0) {
     return bad("range begins at ", h->begin());
   }
-  const size_t i = by_shard_[server][(h->begin() - s.begin) / options_.chunk_elems];
-  if (h->count() != chunks_[i].range.size()) return bad("count ", h->count());
+  const size_t i = grid.by_shard[server][(h->begin() - s.begin) / grid.chunk_elems];
+  if (h->count() != grid.chunks[i].range.size()) return bad("count ", h->count());
   return i;
 }
 
 absl::Status PsClient::ReceiveAll(
-    const std::string& what,
+    const Grid& grid, const std::string& what,
     const std::function<absl::Status(uint32_t k, std::vector<zmq::message_t>&)>& handle,
     const Check& check, bool only_server_0) {
   const size_t S = sockets_.size();
   std::vector<size_t> expected(S), outstanding(S);
   size_t left = 0;
   for (uint32_t k = 0; k < S; ++k) {
-    expected[k] = only_server_0 ? (k == 0 ? 1 : 0) : by_shard_[k].size();
+    expected[k] = only_server_0 ? (k == 0 ? 1 : 0) : grid.by_shard[k].size();
     left += outstanding[k] = expected[k];
   }
   std::vector<absl::Time> last_heard(S, absl::Now());
@@ -205,20 +213,22 @@ absl::Status PsClient::ReceiveAll(
 }
 
 absl::Status PsClient::PullParams(uint64_t step, Replica* replica, const Check& check) {
-  for (size_t i = 0; i < chunks_.size(); ++i) {
-    absl::Status st = SendHeader(i, step, data::PULL);
+  Grid& grid = grids_[0];
+  for (Chunk& c : grid.chunks) {
+    absl::Status st = SendHeader(c, step, data::PULL);
     if (!st.ok()) return st;
   }
-  std::vector<bool> got(chunks_.size(), false);
+  std::vector<bool> got(grid.chunks.size(), false);
   std::vector<float> x;
   return ReceiveAll(
+      grid,
       step == 0 ? std::string("the initial parameters")
                 : absl::StrCat("the parameters at step ", step),
       [&](uint32_t k, std::vector<zmq::message_t>& frames) -> absl::Status {
         data::Header h;
-        auto i = CheckReply(k, step, data::PARAMS, frames, &h);
+        auto i = CheckReply(grid, k, step, data::PARAMS, frames, &h);
         if (!i.ok()) return i.status();
-        const Range& r = chunks_[*i].range;
+        const Range& r = grid.chunks[*i].range;
         const size_t need = fp32_->EncodedSize(r.size());
         if (frames.size() != 2 || h.payload_bytes() != need || frames[1].size() != need) {
           return absl::DataLossError(absl::StrCat("bad initial parameters from server ", k,
@@ -245,13 +255,14 @@ absl::Status PsClient::PushState(const std::map<std::string, const float*>& arra
                                  uint64_t bias_steps, const Check& check) {
   // One array at a time: each message is one fp32 chunk, within the
   // servers' frame limit.
+  Grid& grid = grids_[0];
   for (const auto& entry : arrays) {
     // Not a structured binding: lambdas below capture them (clang 14 cannot).
     const std::string& name = entry.first;
     const float* values = entry.second;
-    for (size_t i = 0; i < chunks_.size(); ++i) {
+    for (Chunk& c : grid.chunks) {
       absl::Status st = SendChunk(
-          i, 0, *fp32_, data::STATE_PUSH,
+          c, 0, *fp32_, data::STATE_PUSH,
           [&](const Range& r, uint8_t* out) {
             return fp32_->Encode(values + r.begin, r.size(), out);
           },
@@ -261,17 +272,18 @@ absl::Status PsClient::PushState(const std::map<std::string, const float*>& arra
           });
       if (!st.ok()) return st;
     }
-    std::vector<bool> got(chunks_.size(), false);
+    std::vector<bool> got(grid.chunks.size(), false);
     absl::Status st = ReceiveAll(
-        absl::StrCat("the seeded optimizer state '", name, "'"),
+        grid, absl::StrCat("the seeded optimizer state '", name, "'"),
         [&](uint32_t k, std::vector<zmq::message_t>& frames) -> absl::Status {
           data::Header h;
-          auto i = CheckReply(k, 0, data::STATE_TAKEN, frames, &h);
+          auto i = CheckReply(grid, k, 0, data::STATE_TAKEN, frames, &h);
           if (!i.ok()) return i.status();
           if (h.arrays_size() != 1 || h.arrays(0) != name || got[*i]) {
-            return absl::DataLossError(absl::StrCat(
-                "bad reply from server ", k, ": STATE_TAKEN for chunk [", chunks_[*i].range.begin,
-                ", ", chunks_[*i].range.end, ") twice or for another array than '", name, "'"));
+            const Range& r = grid.chunks[*i].range;
+            return absl::DataLossError(
+                absl::StrCat("bad reply from server ", k, ": STATE_TAKEN for chunk [", r.begin,
+                             ", ", r.end, ") twice or for another array than '", name, "'"));
           }
           got[*i] = true;
           return absl::OkStatus();
@@ -283,16 +295,17 @@ absl::Status PsClient::PushState(const std::map<std::string, const float*>& arra
 }
 
 absl::StatusOr<bool> PsClient::Vote(uint64_t step, bool found_inf, const Check& check) {
-  const size_t first = by_shard_[0][0];  // chunk 0 of shard 0
+  Grid& grid = grids_[0];
+  Chunk& first = grid.chunks[grid.by_shard[0][0]];  // chunk 0 of shard 0
   absl::Status st =
       SendHeader(first, step, data::VOTE, [&](data::Header& h) { h.set_found_inf(found_inf); });
   if (!st.ok()) return st;
   bool any = false;
   st = ReceiveAll(
-      absl::StrCat("the verdict on step ", step, "'s overflow"),
+      grid, absl::StrCat("the verdict on step ", step, "'s overflow"),
       [&](uint32_t k, std::vector<zmq::message_t>& frames) -> absl::Status {
         data::Header h;
-        auto i = CheckReply(k, step, data::VERDICT, frames, &h);
+        auto i = CheckReply(grid, k, step, data::VERDICT, frames, &h);
         if (!i.ok()) return i.status();
         any = h.found_inf();
         return absl::OkStatus();
@@ -303,24 +316,25 @@ absl::StatusOr<bool> PsClient::Vote(uint64_t step, bool found_inf, const Check& 
 }
 
 absl::StatusOr<PsClient::ServerState> PsClient::PullState(uint64_t step, const Check& check) {
-  for (size_t i = 0; i < chunks_.size(); ++i) {
-    absl::Status st = SendHeader(i, step, data::STATE_PULL);
+  Grid& grid = grids_[0];
+  for (Chunk& c : grid.chunks) {
+    absl::Status st = SendHeader(c, step, data::STATE_PULL);
     if (!st.ok()) return st;
   }
   const uint64_t d = options_.map.num_params();
   ServerState out;
   std::map<std::string, uint64_t> filled;  // elements received per array
-  std::vector<bool> got(chunks_.size(), false);
+  std::vector<bool> got(grid.chunks.size(), false);
   int frozen = -1;
   uint64_t bias_steps = 0;
   bool got_any = false;
   absl::Status st = ReceiveAll(
-      absl::StrCat("the optimizer state at step ", step),
+      grid, absl::StrCat("the optimizer state at step ", step),
       [&](uint32_t k, std::vector<zmq::message_t>& frames) -> absl::Status {
         data::Header h;
-        auto i = CheckReply(k, step, data::STATE, frames, &h);
+        auto i = CheckReply(grid, k, step, data::STATE, frames, &h);
         if (!i.ok()) return i.status();
-        const Range& r = chunks_[*i].range;
+        const Range& r = grid.chunks[*i].range;
         auto bad = [&](auto&&... parts) {
           return absl::DataLossError(absl::StrCat("bad optimizer state from server ", k,
                                                   " for chunk [", r.begin, ", ", r.end,
@@ -378,9 +392,9 @@ absl::StatusOr<PsClient::ServerState> PsClient::PullState(uint64_t step, const C
 absl::Status PsClient::HandleReply(uint32_t server, std::vector<zmq::message_t>& frames,
                                    Replica* replica, std::vector<bool>* got, int* last_warmup) {
   data::Header h;
-  auto i = CheckReply(server, step_, data::REPLY, frames, &h);
+  auto i = CheckReply(step_grid(), server, step_, data::REPLY, frames, &h);
   if (!i.ok()) return i.status();
-  const Chunk& c = chunks_[*i];
+  const Chunk& c = step_grid().chunks[*i];
   auto bad = [&](auto&&... parts) {
     return absl::DataLossError(absl::StrCat("bad reply from server ", server, " (",
                                             options_.server_endpoints[server], "): ", parts...));
@@ -453,6 +467,7 @@ absl::Status PsClient::BeginReplicaStep(Replica* replica) {
   if (replica_begun_) return absl::OkStatus();
   replica_begun_ = true;
   kind_ = options_.optimizer->KindOf(step_, replica->phase());
+  step_grid_ = kind_ == StepKind::kCompressed && !grids_[1].chunks.empty() ? 1 : 0;
   return replica->BeginStep(step_, StepLr());
 }
 
@@ -466,7 +481,7 @@ absl::Status PsClient::PushChunk(size_t i, Replica* replica) {
                      " that are not the gradient itself: its scale cannot follow the pushes"));
   }
   absl::Status st = SendChunk(
-      i, step_, opt.push_codec(kind_), data::PUSH,
+      step_grid().chunks[i], step_, opt.push_codec(kind_), data::PUSH,
       [&](const Range& r, uint8_t* out) { return replica->Push(step_, r.begin, r.size(), out); });
   send_ns_ += MonotonicNs() - begin_ns;
   if (!st.ok()) return st;
@@ -498,9 +513,11 @@ absl::Status PsClient::PushReady(uint64_t b, uint64_t e, Replica* replica) {
   }
   ready_[b] = e;
   // Push every chunk that [b, e) now covers, in the order of x.
-  auto first = std::lower_bound(by_begin_.begin(), by_begin_.end(), b,
-                                [&](size_t i, uint64_t v) { return chunks_[i].range.begin < v; });
-  for (auto c = first; c != by_begin_.end() && chunks_[*c].range.end <= e; ++c) {
+  const Grid& grid = step_grid();
+  auto first =
+      std::lower_bound(grid.by_begin.begin(), grid.by_begin.end(), b,
+                       [&](size_t i, uint64_t v) { return grid.chunks[i].range.begin < v; });
+  for (auto c = first; c != grid.by_begin.end() && grid.chunks[*c].range.end <= e; ++c) {
     if (pushed_[*c]) continue;
     if (absl::Status st = PushChunk(*c, replica); !st.ok()) return st;
   }
@@ -537,23 +554,24 @@ absl::Status PsClient::CompleteStep(Replica* replica, const Check& check,
             : absl::StrCat("a gradient scale for step ", step_,
                            ", whose pushes were not made to wait for one"));
   }
-  for (size_t i = 0; i < chunks_.size(); ++i) {
+  for (size_t i = 0; i < step_grid().chunks.size(); ++i) {
     if (pushed_[i]) continue;
     if (absl::Status st = PushChunk(i, replica); !st.ok()) return st;
   }
   if (defer_scale_) {
+    Grid& fine = grids_[0];  // a GRAD_SCALE names a chunk of the warm-up's grid
     for (uint32_t k = 0; k < sockets_.size(); ++k) {
-      if (by_shard_[k].empty()) continue;
-      absl::Status st = SendHeader(by_shard_[k][0], step_, data::GRAD_SCALE,
+      if (fine.by_shard[k].empty()) continue;
+      absl::Status st = SendHeader(fine.chunks[fine.by_shard[k][0]], step_, data::GRAD_SCALE,
                                    [&](data::Header& h) { h.set_grad_scale(*grad_scale); });
       if (!st.ok()) return st;
     }
   }
   int last_warmup = -1;  // unknown until the first reply
-  std::vector<bool> got(chunks_.size(), false);
+  std::vector<bool> got(step_grid().chunks.size(), false);
   const uint64_t receive_ns = MonotonicNs();
   absl::Status st = ReceiveAll(
-      absl::StrCat("step ", step_),
+      step_grid(), absl::StrCat("step ", step_),
       [&](uint32_t k, std::vector<zmq::message_t>& frames) {
         return HandleReply(k, frames, replica, &got, &last_warmup);
       },

@@ -32,6 +32,9 @@ struct PsClientOptions {
   uint32_t rank = 0;
   ShardMap map = ShardMap::Create(0, 1, 32).value();
   uint64_t chunk_elems = 1 << 20;
+  // The compressed steps' chunks (CompressedChunkElemsFor, as the servers
+  // resolve it); 0: chunk_elems.
+  uint64_t compressed_chunk_elems = 0;
   const WorkerOptimizer* optimizer = nullptr;  // must outlive the client
   std::vector<std::string> server_endpoints;   // index = shard
   // CURVE (security/curve.h): this worker's keys and each server's public
@@ -138,16 +141,26 @@ class PsClient {
     Range range;     // global
     std::shared_ptr<std::vector<uint8_t>> buf;
   };
+  // The shards cut into chunks of one size.
+  struct Grid {
+    uint64_t chunk_elems = 0;
+    std::vector<Chunk> chunks;                  // send order: interleaved across servers
+    std::vector<std::vector<size_t>> by_shard;  // shard -> chunk index -> chunks index
+    std::vector<size_t> by_begin;               // chunks indices in the order of x
+  };
+  void MakeGrid(uint64_t chunk_elems, Grid* g) const;
+  // The current step's grid (once BeginReplicaStep has run).
+  Grid& step_grid() { return grids_[step_grid_]; }
   explicit PsClient(PsClientOptions options) : options_(std::move(options)) {}
-  // Encodes chunk i with `encode` (which writes codec.EncodedSize(n) bytes)
+  // Encodes chunk c with `encode` (which writes codec.EncodedSize(n) bytes)
   // and sends it.
   // `more`, when given, adds header fields of the kind's own.
-  absl::Status SendChunk(size_t i, uint64_t step, const Codec& codec, int kind,
+  absl::Status SendChunk(Chunk& c, uint64_t step, const Codec& codec, int kind,
                          const std::function<absl::Status(const Range&, uint8_t*)>& encode,
                          const std::function<void(data::Header&)>& more = nullptr);
   // A message of chunk i that is its header alone (PULL, STATE_PULL, VOTE,
   // GRAD_SCALE).
-  absl::Status SendHeader(size_t i, uint64_t step, int kind,
+  absl::Status SendHeader(Chunk& c, uint64_t step, int kind,
                           const std::function<void(data::Header&)>& more = nullptr);
   absl::Status PushChunk(size_t i, Replica* replica);
   // The step's learning rate: the caller's, else the job's schedule's.
@@ -155,17 +168,17 @@ class PsClient {
   // Begins the replica's step (once, at the first push or the completion,
   // so that SetStepLr still counts) and learns what the step sends.
   absl::Status BeginReplicaStep(Replica* replica);
-  // Receives until every chunk of every server has been answered (with
-  // `only_server_0`: one message of server 0); `handle` takes one message
-  // of server k (and fails the wait with its error).
+  // Receives until every chunk of `grid` of every server has been answered
+  // (with `only_server_0`: one message of server 0); `handle` takes one
+  // message of server k (and fails the wait with its error).
   absl::Status ReceiveAll(
-      const std::string& what,
+      const Grid& grid, const std::string& what,
       const std::function<absl::Status(uint32_t k, std::vector<zmq::message_t>&)>& handle,
       const Check& check, bool only_server_0 = false);
   // Checks what every reply header must have: parses it, turns ERROR into
-  // its reason, checks version, job, kind, step, shard and chunk; returns
-  // the chunk's index into chunks_.
-  absl::StatusOr<size_t> CheckReply(uint32_t server, uint64_t step, int kind,
+  // its reason, checks version, job, kind, step, shard and chunk of `grid`;
+  // returns the chunk's index into grid.chunks.
+  absl::StatusOr<size_t> CheckReply(const Grid& grid, uint32_t server, uint64_t step, int kind,
                                     const std::vector<zmq::message_t>& frames, data::Header* h);
   absl::Status HandleReply(uint32_t server, std::vector<zmq::message_t>& frames, Replica* replica,
                            std::vector<bool>* got, int* last_warmup);
@@ -173,9 +186,10 @@ class PsClient {
   PsClientOptions options_;
   std::unique_ptr<const Codec> fp32_;  // INIT, PULL
   std::vector<zmq::socket_t> sockets_;
-  std::vector<Chunk> chunks_;                  // send order: interleaved across servers
-  std::vector<std::vector<size_t>> by_shard_;  // shard -> chunk index -> chunks_ index
-  std::vector<size_t> by_begin_;               // chunks_ indices in the order of x
+  // [0]: the warm-up's grid, of every message but a compressed step's
+  // pushes and replies; [1]: those, where their chunks are larger.
+  Grid grids_[2];
+  size_t step_grid_ = 0;
   // The current step.
   bool in_step_ = false;
   bool defer_scale_ = false;  // this step's pushes wait for a GRAD_SCALE
@@ -183,7 +197,7 @@ class PsClient {
   std::optional<float> lr_;
   bool replica_begun_ = false;
   StepKind kind_ = StepKind::kFull;  // what the step sends, once the replica has begun it
-  std::vector<bool> pushed_;         // by chunks_ index
+  std::vector<bool> pushed_;         // by step_grid() chunks index
   size_t pushed_count_ = 0;
   size_t pushed_before_last_ready_ = 0;
   std::map<uint64_t, uint64_t> ready_;  // released ranges, merged: begin -> end

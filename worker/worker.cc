@@ -512,6 +512,9 @@ absl::Status Worker::Impl::ConnectToServers() {
   po.rank = job.rank;
   po.map = map;
   po.chunk_elems = ChunkElemsFor(cfg.compression().chunk_elems(), po.map);
+  po.compressed_chunk_elems =
+      CompressedChunkElemsFor(cfg.compression().compressed_chunk_elems(), po.chunk_elems, po.map,
+                              optimizer->push_codec(StepKind::kCompressed));
   po.optimizer = optimizer.get();
   for (const auto& s : reg.servers()) {
     po.server_endpoints.push_back(s.data_endpoint());

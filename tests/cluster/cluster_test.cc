@@ -25,6 +25,7 @@ struct Case {
   uint64_t dim, steps;
   std::string optimizer;
   std::string worker_codec;
+  std::string compressed_chunk_elems = "0";  // 0: auto
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
@@ -35,6 +36,7 @@ TEST_P(ClusterTest, ReplicasEqualMastersEqualReference) {
   const Case& k = GetParam();
   control::TrainingConfig cfg = MakeConfig(k.workers, k.servers, k.dim, k.steps, k.optimizer);
   testing::SetSetting(&cfg, "worker_codec", k.worker_codec);
+  testing::SetSetting(&cfg, "compressed_chunk_elems", k.compressed_chunk_elems);
   const OptimizerKind kind = *ParseOptimizerKind(k.optimizer);
   if (HasWarmup(kind) && HasCompressionPhase(kind))
     cfg.mutable_optimizer()->set_freeze_step(k.steps / 2);
@@ -68,11 +70,19 @@ TEST_P(ClusterTest, ReplicasEqualMastersEqualReference) {
   (*NewModel(cfg))->Init(x0.data());
   EXPECT_NE(FirstDifference(ReadFloats(out + "/replica_w0.f32"), x0), "");
 
-  // Messages one worker sends (and receives) per step: one per chunk. Each
-  // carries a header of a few dozen bytes besides its payload.
-  uint64_t messages = 0;
-  for (uint32_t s = 0; s < k.servers; ++s)
-    messages += NumChunks(map->shard(s).size(), cfg.compression().chunk_elems());
+  // Messages one worker sends (and receives) per step: one per chunk, of
+  // the warm-up's grid or the compression phase's. Each carries a header of
+  // a few dozen bytes besides its payload.
+  auto codec = NewCodec(k.worker_codec, CodecOptions{cfg.compression().block_size()});
+  ASSERT_TRUE(codec.ok()) << codec.status();
+  const uint64_t fine = cfg.compression().chunk_elems();
+  const uint64_t coarse =
+      CompressedChunkElemsFor(cfg.compression().compressed_chunk_elems(), fine, *map, **codec);
+  uint64_t warmup_messages = 0, compress_messages = 0;
+  for (uint32_t s = 0; s < k.servers; ++s) {
+    warmup_messages += NumChunks(map->shard(s).size(), fine);
+    compress_messages += NumChunks(map->shard(s).size(), coarse);
+  }
   constexpr uint64_t kMaxHeader = 96;
 
   // metrics.csv: one row per step with the reference's loss.
@@ -84,6 +94,7 @@ TEST_P(ClusterTest, ReplicasEqualMastersEqualReference) {
     std::vector<std::string> f = absl::StrSplit(lines[t + 1], ',');
     ASSERT_GE(f.size(), 6u);
     EXPECT_EQ(f[0], absl::StrCat(t));
+    const uint64_t messages = f[1] == "compress" ? compress_messages : warmup_messages;
     double loss = 0;
     ASSERT_TRUE(absl::SimpleAtod(f[2], &loss));
     // Workers report fp32 losses; the mean is taken in double.
@@ -131,6 +142,13 @@ INSTANTIATE_TEST_SUITE_P(
                       // d divisible by nothing convenient: 9973 is prime, so
                       // shards, chunks and the last block are all ragged.
                       Case{"w3s1_prime_d", 3, 1, 9973, 7, "adam", "fp32"},
+                      // The compression phase's own grid: by default 3 chunks
+                      // per shard of about 10 000 (4096, the most a
+                      // 256-element fp32 frame holds in 1 bit, twice, and a
+                      // ragged rest); here 96 elements, finer than the
+                      // warm-up's 256 and across its boundaries.
+                      Case{"w2s2_onebit_auto_grid", 2, 2, 20000, 8, "onebit-adam", "onebit"},
+                      Case{"w3s2_onebit_ragged_grid", 3, 2, 9973, 8, "onebit-adam", "onebit", "96"},
                       // 2 blocks over 3 servers: server 2's shard is empty.
                       Case{"w2s3_empty_shard", 2, 3, 40, 3, "sgd", "fp32"}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });

@@ -718,13 +718,13 @@ TEST(Mlp, ZeroOneAdamDefaultsTrainAsWellAsOnebitAdam) {
 // masters and server errors equal those of --overlap=false and of
 // onebit-reference bit for bit, through the warm-up and the compression phase.
 TEST(Mlp, OverlapPushesDuringTheBackwardAndChangesNothing) {
-  const std::vector<std::string> job = {"--workers=2",       "--servers=2",
-                                        "--model=mlp",       "--layers=784-64-32-10",
-                                        "--batch=32",        "--max_train=1024",
-                                        "--max_test=200",    "--epochs=2",
-                                        "--freeze_step=12",  "--optimizer=onebit-adam",
-                                        "--lr=2e-3",         "--block_size=256",
-                                        "--chunk_elems=2048"};
+  const std::vector<std::string> job = {"--workers=2",        "--servers=2",
+                                        "--model=mlp",        "--layers=784-64-32-10",
+                                        "--batch=32",         "--max_train=1024",
+                                        "--max_test=200",     "--epochs=2",
+                                        "--freeze_step=12",   "--optimizer=onebit-adam",
+                                        "--lr=2e-3",          "--block_size=256",
+                                        "--chunk_elems=2048", "--compressed_chunk_elems=4096"};
   auto run = [&](bool overlap) {
     const std::string dir = TempDir(overlap ? "mlp-overlap" : "mlp-no-overlap");
     std::vector<std::string> argv = {Bin("onebit-launch"), "--out=" + dir, "--dump_params",
@@ -738,11 +738,13 @@ TEST(Mlp, OverlapPushesDuringTheBackwardAndChangesNothing) {
   const auto [on, on_log] = run(true);
   const auto [off, off_log] = run(false);
   // 784-64-32-10: layers 1 and 2 (W1 b1 W2 b2) are [50240, 52650). The
-  // shards are [0, 26368) and [26368, 52650), 13 chunks of up to 2048 each;
-  // the last, [50944, 52650), lies in layers 1 and 2 and goes out before
-  // layer 0 is released. 26 chunks a step, 32 steps.
-  EXPECT_THAT(on_log, HasSubstr("worker 0: 32 of 832 chunks (3.8 %) went out during the backward"));
-  EXPECT_THAT(off_log, HasSubstr("worker 0: 0 of 832 chunks (0.0 %) went out during the backward "
+  // shards are [0, 26368) and [26368, 52650): in the 12 warm-up steps 13
+  // chunks of up to 2048 each; the last, [50944, 52650), lies in layers 1
+  // and 2 and goes out before layer 0 is released. In the 20 compressed
+  // steps 7 chunks of up to 4096 each, and again the last is [50944,
+  // 52650). 12 x 26 + 20 x 14 chunks, one a step overlapped.
+  EXPECT_THAT(on_log, HasSubstr("worker 0: 32 of 592 chunks (5.4 %) went out during the backward"));
+  EXPECT_THAT(off_log, HasSubstr("worker 0: 0 of 592 chunks (0.0 %) went out during the backward "
                                  "(--overlap=false)"));
   const std::string ref = TempDir("mlp-overlap-reference");
   std::vector<std::string> rargv = {Bin("onebit-reference"), "--out=" + ref};

@@ -20,9 +20,13 @@
 #include "absl/strings/str_split.h"
 #include "checkpoint/checkpoint_dir.h"
 #include "checkpoint/state_file.h"
+#include "compress/codec.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "job/config.h"
+#include "models/registry.h"
 #include "net/control.h"
+#include "net/data_plane.h"
 #include "tests/cluster/test_util.h"
 
 namespace onebit::testing {
@@ -104,31 +108,65 @@ int64_t ChunksPushed(const std::string& output, uint32_t rank) {
   return -1;
 }
 
-// A resumed start of a job ran the steps from `at` on: its workers pushed
-// the chunks of those of them that push (every step but zero-one-adam's
-// local steps, whose bytes_up is 0 in the metrics of the uninterrupted
-// job, run in `plain_dir`), the same number each (a start that trained
-// from scratch, ignoring the checkpoint, would push them all).
-void ExpectRanOnlyTheRest(const std::string& resumed, const std::string& plain,
-                          const std::string& plain_dir, uint32_t workers, uint64_t at) {
+// The chunks one worker pushes in a step of the job `flags` that sends
+// fp32/fp16, and in one that sends the compression codecs: the two grids of
+// net/data_plane.h.
+void ChunksPerStep(const std::vector<std::string>& flags, int64_t* full, int64_t* compressed) {
+  auto cfg = ConfigFromFlags(flags);
+  ASSERT_TRUE(cfg.ok()) << cfg.status();
+  auto map = ShardMapForConfig(*cfg, ModelLayerEnds(*cfg).value_or(std::vector<uint64_t>{}));
+  ASSERT_TRUE(map.ok()) << map.status();
+  auto options = OptimizerOptionsFromConfig(*cfg);
+  ASSERT_TRUE(options.ok()) << options.status();
+  options->codec.block_size = map->block_size();
+  auto codec = NewCodec(options->worker_codec, options->codec);
+  ASSERT_TRUE(codec.ok()) << codec.status();
+  const uint64_t fine = ChunkElemsFor(cfg->compression().chunk_elems(), *map);
+  const uint64_t coarse =
+      CompressedChunkElemsFor(cfg->compression().compressed_chunk_elems(), fine, *map, **codec);
+  *full = *compressed = 0;
+  for (uint32_t k = 0; k < map->num_shards(); ++k) {
+    *full += static_cast<int64_t>(NumChunks(map->shard(k).size(), fine));
+    *compressed += static_cast<int64_t>(NumChunks(map->shard(k).size(), coarse));
+  }
+}
+
+// A resumed start of the job `flags` ran the steps from `at` on: its
+// workers pushed the chunks of those of them that push (every step but
+// zero-one-adam's local steps, whose bytes_up is 0 in the metrics of the
+// uninterrupted job, run in `plain_dir`), the same number each (a start
+// that trained from scratch, ignoring the checkpoint, would push them all).
+// A step that pushes fp32 or fp16 (4 or 2 bytes an element from each
+// worker) sends the chunks of the warm-up's grid; one that pushes less,
+// the compression phase's.
+void ExpectRanOnlyTheRest(const std::vector<std::string>& flags, const std::string& resumed,
+                          const std::string& plain, const std::string& plain_dir, uint32_t workers,
+                          uint64_t at) {
   const std::string csv = ReadFile(plain_dir + "/metrics.csv");
   const std::vector<std::string> names = absl::StrSplit(csv.substr(0, csv.find('\n')), ',');
   const int up =
       static_cast<int>(std::find(names.begin(), names.end(), "bytes_up") - names.begin());
   ASSERT_LT(up, static_cast<int>(names.size())) << csv;
+  uint64_t params = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(Field(ReadFile(plain_dir + "/summary.json"), "params"), &params));
+  int64_t full = 0, compressed = 0;
+  ChunksPerStep(flags, &full, &compressed);
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
   const std::vector<std::string> rows = Rows(plain_dir);
-  int64_t pushing = 0, pushing_after = 0;
+  int64_t pushed = 0, pushed_after = 0;
   for (size_t i = 0; i < rows.size(); ++i) {
-    if (Column(rows[i], up) == "0") continue;
-    ++pushing;
-    if (i >= at) ++pushing_after;
+    uint64_t bytes = 0;
+    ASSERT_TRUE(absl::SimpleAtoi(Column(rows[i], up), &bytes)) << rows[i];
+    if (bytes == 0) continue;
+    const int64_t chunks = bytes >= 2 * params * workers ? full : compressed;
+    pushed += chunks;
+    if (i >= at) pushed_after += chunks;
   }
-  ASSERT_GT(pushing, 0) << csv;
+  ASSERT_GT(pushed, 0) << csv;
   for (uint32_t w = 0; w < workers; ++w) {
     const int64_t got = ChunksPushed(resumed, w), all = ChunksPushed(plain, w);
-    ASSERT_GT(all, 0) << "worker " << w << ": no chunk count in\n" << plain;
-    ASSERT_EQ(all % pushing, 0) << all;
-    EXPECT_EQ(got, all / pushing * pushing_after) << "worker " << w << " of the resumed start";
+    ASSERT_EQ(all, pushed) << "worker " << w << " of the uninterrupted job\n" << plain;
+    EXPECT_EQ(got, pushed_after) << "worker " << w << " of the resumed start";
   }
 }
 
@@ -236,7 +274,7 @@ TEST_P(Resume, EndsBitForBitWhereTheUninterruptedJobEnds) {
   ASSERT_TRUE(absl::SimpleAtoi(Field(want, "workers"), &workers));
   ASSERT_TRUE(absl::SimpleAtoi(Field(summary, "servers"), &servers));
   if (c.resume_flags.empty()) {  // another server count, another chunk grid
-    ExpectRanOnlyTheRest(resumed.output, plain.output, dir + "/plain", workers, at);
+    ExpectRanOnlyTheRest(c.flags, resumed.output, plain.output, dir + "/plain", workers, at);
   }
   for (uint32_t w = 0; w < workers; ++w) {
     const std::string f = absl::StrCat("/replica_w", w, ".f32");
@@ -510,7 +548,7 @@ void StopAndResume(const std::string& victim, const std::string& name,
   ASSERT_EQ(resumed.code, 0) << resumed.output;
   EXPECT_THAT(resumed.output,
               HasSubstr(absl::StrCat("resuming from the checkpoint of step ", at, " in ")));
-  ExpectRanOnlyTheRest(resumed.output, plain.output, dir + "/plain", 3, at);
+  ExpectRanOnlyTheRest(flags, resumed.output, plain.output, dir + "/plain", 3, at);
   for (const char* f : {"/replica_w0.f32", "/replica_w2.f32", "/master_s0.f32", "/master_s1.f32",
                         "/error_s0.f32"}) {
     ExpectSameDump(out + f, dir + "/plain" + f);

@@ -43,6 +43,15 @@ TEST(JobConfig, ValidationNamesTheFlag) {
   EXPECT_TRUE(ValidateConfig(c).ok()) << ValidateConfig(c);
   c.mutable_compression()->set_chunk_elems(100);
   EXPECT_THAT(std::string(ValidateConfig(c).message()), HasSubstr("--chunk_elems:"));
+  c = testing::MakeConfig(2, 2, 100, 3, "sgd");  // blocks of 32
+  c.mutable_compression()->set_compressed_chunk_elems(100);
+  EXPECT_THAT(std::string(ValidateConfig(c).message()),
+              HasSubstr("--compressed_chunk_elems: must be 0 (auto) or a positive multiple of "
+                        "--block_size, at most 2^24"));
+  c.mutable_compression()->set_compressed_chunk_elems(uint64_t{1} << 25);
+  EXPECT_THAT(std::string(ValidateConfig(c).message()), HasSubstr("--compressed_chunk_elems:"));
+  c.mutable_compression()->set_compressed_chunk_elems(96);  // finer than the warm-up's 256: fine
+  EXPECT_TRUE(ValidateConfig(c).ok()) << ValidateConfig(c);
   c = testing::MakeConfig(2, 2, 100, 3, "sgd");
   c.mutable_compression()->set_block_size(48);
   EXPECT_THAT(std::string(ValidateConfig(c).message()), HasSubstr("--block_size:"));

@@ -233,5 +233,77 @@ TEST(DataChunks, AutoSizeIsAnEighthOfTheLargestShardWithinBounds) {
   EXPECT_EQ(ChunkElemsFor(4096, *ShardMap::Create(25165824, 2, 2048)), 4096u);
 }
 
+// A compressed step's pushes are cut by its own grid (push_chunk_elems);
+// INIT, PULL and the state messages keep the warm-up's.
+TEST_F(DataHeader, PushesFollowTheStepsGridEverythingElseTheWarmupGrid) {
+  job_.push_chunk_elems = 320;  // shard 1 [512, 1000): [512, 832), [832, 1000)
+  data::Header push = Good();
+  push.set_begin(832);
+  push.set_count(168);
+  push.set_payload_bytes(336);
+  EXPECT_TRUE(Check(push, 336).ok()) << Check(push, 336);
+  // The warm-up grid's chunk [640, 768) is not one of this step's.
+  EXPECT_THAT(std::string(Check(Good()).message()),
+              HasSubstr("element range begins at 640, not at a chunk of shard 1 [512, 1000) with "
+                        "chunks of 320"));
+  data::Header wrong = push;
+  wrong.set_begin(512);  // [512, 832) has 320
+  EXPECT_THAT(std::string(Check(wrong, 336).message()),
+              HasSubstr("wrong element count 168 for chunk 0 of shard 1 (want 320)"));
+  data::Header pull = Good();
+  pull.set_kind(data::PULL);
+  pull.set_codec(fp32_->name());
+  pull.set_payload_bytes(0);
+  EXPECT_TRUE(Check(pull, 0).ok()) << Check(pull, 0);  // [640, 768): the warm-up's grid
+  pull.set_begin(832);
+  pull.set_count(168);
+  EXPECT_THAT(std::string(Check(pull, 0).message()), HasSubstr("with chunks of 128"));
+}
+
+// --compressed_chunk_elems 0: a quarter of the largest shard, at least
+// 512 Ki elements and the warm-up's chunk, at most the shard, and no wider
+// on the wire than an fp32 chunk of the warm-up's; a set value is kept.
+TEST(DataChunks, CompressedStepsHaveCoarserChunksWithinTheFrameOfAWarmupChunk) {
+  const CodecOptions b2048{2048};
+  auto onebit = *NewCodec("onebit", b2048);
+  auto fp16 = *NewCodec("fp16", b2048);
+  auto fp32 = *NewCodec("fp32", b2048);
+  // The GPT example on 2 servers: shards of 69 632 and 67 328; warm-up
+  // chunks of 16 Ki (4 + 5 per step), one 1-bit chunk per shard.
+  auto gpt = *ShardMap::Create(136960, 2, 2048);
+  ASSERT_EQ(ChunkElemsFor(0, gpt), 16384u);
+  EXPECT_EQ(CompressedChunkElemsFor(0, 16384, gpt, *onebit), 69632u);
+  // 25 M on 4 servers (shards of 6 291 456): warm-up chunks of 786 432, a
+  // quarter of the shard is 1 572 864.
+  auto big = *ShardMap::Create(25165824, 4, 2048);
+  ASSERT_EQ(ChunkElemsFor(0, big), 786432u);
+  EXPECT_EQ(CompressedChunkElemsFor(0, 786432, big, *onebit), 1572864u);
+  // 8 M on 1 server: a quarter is 2 Mi, above what fits a 64 KB warm-up
+  // chunk's frame: 1-bit payloads of 16 Ki elements take 2048 + 32 bytes,
+  // so 31 of them (507 904 elements) fit 65 536 bytes.
+  auto one = *ShardMap::Create(8 << 20, 1, 2048);
+  EXPECT_EQ(CompressedChunkElemsFor(0, 16384, one, *onebit), 507904u);
+  EXPECT_LE(onebit->EncodedSize(507904), 4u * 16384);
+  // fp16 is half of fp32: twice the warm-up chunk; fp32 the same.
+  EXPECT_EQ(CompressedChunkElemsFor(0, 786432, big, *fp16), 1572864u);
+  EXPECT_EQ(CompressedChunkElemsFor(0, 16384, one, *fp16), 32768u);
+  EXPECT_EQ(CompressedChunkElemsFor(0, 16384, one, *fp32), 16384u);
+  // Never smaller than the warm-up's chunk: the mlp's shards are smaller.
+  auto mlp = *ShardMap::Create(235146, 2, 2048);
+  EXPECT_EQ(CompressedChunkElemsFor(0, 1 << 20, mlp, *onebit), uint64_t{1} << 20);
+  // Rounded up to the block: a quarter of 9 973 000 is 2 493 250, and
+  // 2 493 312 the next multiple of 96 (warm-up chunks of 1 048 608).
+  auto ragged = *ShardMap::Create(9973000, 1, 96);
+  ASSERT_EQ(ChunkElemsFor(0, ragged), 1048608u);
+  EXPECT_EQ(
+      CompressedChunkElemsFor(0, 1048608, ragged, *NewCodec("onebit", CodecOptions{96}).value()),
+      2493312u);
+  EXPECT_EQ(CompressedChunkElemsFor(4096, 16384, one, *onebit), 4096u);
+  // An explicit size may be as wide as fp32: the servers take its frame.
+  EXPECT_EQ(ServerFrameLimit(16384), 4u * 16384 + 4096);
+  EXPECT_EQ(ServerFrameLimit(16384, 65536), 4u * 65536 + 4096);
+  EXPECT_EQ(ServerFrameLimit(16384, 4096), 4u * 16384 + 4096);
+}
+
 }  // namespace
 }  // namespace onebit
