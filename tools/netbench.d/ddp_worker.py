@@ -49,6 +49,7 @@ accuracy), and DIR/summary.json.
 import argparse
 import ast
 import gzip
+import itertools
 import json
 import os
 import sys
@@ -81,6 +82,10 @@ p.add_argument("--dim", type=int, default=25165824, help="synthetic: parameters"
 p.add_argument("--matrices", type=int, default=24, help="synthetic: as this many matrices")
 p.add_argument("--nic", default=os.environ.get("GLOO_SOCKET_IFNAME", ""))
 p.add_argument("--out", required=True)
+p.add_argument("--bench", type=int, default=0, metavar="STEPS",
+               help="cnn, gpt: time STEPS steps against forward + backward alone, as the "
+                    "examples' --bench (tools/bench/pytorch_front's DDP baseline), instead of "
+                    "training")
 args = p.parse_args()
 
 torch.set_num_threads(1)
@@ -343,6 +348,43 @@ def evaluate():
     acc = (out.argmax(1) == test_y).double().mean().item()
     return F.cross_entropy(out, test_y).item(), acc
 
+
+if args.bench:
+    # The examples' --bench (examples/pytorch/front_bench.py) with DDP in the
+    # front's place: a copy of the model without DDP times forward + backward
+    # alone, then DDP's steps (its allreduce in the backward, AdamW's step) on
+    # the same batches; gpt clips in both, as gpt.py does.
+    if args.model not in ("cnn", "gpt"):
+        sys.exit("ddp_worker: --bench takes --model cnn or gpt")
+    import copy
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                    "examples", "pytorch"))
+    import front_bench
+    twin = copy.deepcopy(model)
+
+    def bench_backward(m, b):
+        loss = gpt["loss_of"](m, b) if args.model == "gpt" else F.cross_entropy(m(b[0]), b[1])
+        loss.backward()
+        if args.model == "gpt" and gpt_args.clip:
+            torch.nn.utils.clip_grad_norm_(list(m.parameters()), gpt_args.clip)
+        return loss
+
+    def bench_batches():
+        perm = torch.randperm(len(train_x), generator=cnn_gen) if args.model == "cnn" else None
+        for step in itertools.count():
+            if args.model == "gpt":
+                yield {}, gpt["batch"]()
+            else:
+                first = ((step % steps_per_epoch) * world + rank) * args.batch
+                ids = perm[first:first + args.batch]
+                yield {}, (train_x[ids], train_y[ids])
+
+    dist.barrier()
+    front_bench.run(f"ddp-{args.model}", rank, opt, ddp, twin, bench_backward, bench_batches(),
+                    args.bench, True, True)
+    dist.barrier()
+    sys.stderr.flush()
+    os._exit(0)
 
 rank_csv = open(os.path.join(args.out, f"rank{rank}.csv"), "w")
 rank_csv.write("step,wall_s,tx_bytes,rx_bytes,fwd_bwd_s,opt_s\n")
