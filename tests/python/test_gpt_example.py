@@ -81,3 +81,30 @@ def test_onebit_adam_is_adamw_until_the_freeze_then_compresses(tmp_path):
     assert abs(got[8] - ref[8]) > 1e-4, (got, ref)
     assert got[8] < got[0] - 0.3, got
     assert summary["bytes_up_compress"] < summary["bytes_up_warmup"] / 10
+
+
+def test_ddp_bench_times_its_steps_against_forward_and_backward_alone(tmp_path):
+    """tools/bench/pytorch_front's DDP reference: ddp_worker.py --bench, 2 ranks
+    over gloo on 127.0.0.1, each timing blocks of 20 (forward + backward of
+    a copy without DDP, then DDP steps on the same batches); the first
+    block is not counted, so 45 steps make 2 blocks."""
+    worker = os.path.join(ROOT, "tools", "netbench.d", "ddp_worker.py")
+    port = str(20000 + os.getpid() % 20000)
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=port, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+        procs.append(subprocess.Popen(
+            [sys.executable, worker, "--model", "gpt", "--gpt_size", "tiny", "--steps", "45",
+             "--bench", "45", "--batch", "4", "--out", str(tmp_path / "ddp")],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for rank, p in enumerate(procs):
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        m = re.search(rf"ddp-gpt bench: rank {rank} overlap on phase local blocks (\d+) "
+                      r"fwd_bwd_ms ([0-9.]+) step_ms ([0-9.]+) ratio ([0-9.]+)", err)
+        assert m, err
+        blocks, fwd_bwd, step, ratio = int(m[1]), float(m[2]), float(m[3]), float(m[4])
+        assert blocks == 2
+        assert fwd_bwd > 0 and step > 0
+        assert abs(ratio - step / fwd_bwd) < 0.01 * ratio
