@@ -35,6 +35,8 @@ ABSL_FLAG(std::string, configs, "1x1,2x2,2x4", "comma-separated WORKERSxSERVERS"
 ABSL_FLAG(int32_t, warmup, 3, "steps left out of the figures");
 ABSL_FLAG(int32_t, reps, 10, "measured steps");
 ABSL_FLAG(uint64_t, chunk, 1 << 20, "elements per chunk (--chunk_elems)");
+ABSL_FLAG(uint64_t, compressed_chunk, 0,
+          "elements per chunk of the 1-bit steps (--compressed_chunk_elems; 0: auto)");
 ABSL_FLAG(std::string, launcher, "", "path of onebit-launch (default: next to this binary)");
 
 namespace onebit {
@@ -58,15 +60,17 @@ Figures RunOnce(const std::string& launcher, int w, int s, bool onebit, bool sec
   const std::string dir = tmpl;
   const std::string log = dir + "/launch.log";
   int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  std::vector<std::string> argv = {launcher,
-                                   absl::StrCat("--workers=", w),
-                                   absl::StrCat("--servers=", s),
-                                   "--model=synthetic",
-                                   absl::StrCat("--dim=", absl::GetFlag(FLAGS_params)),
-                                   absl::StrCat("--steps=", warmup + reps),
-                                   "--skip_model",
-                                   absl::StrCat("--chunk_elems=", absl::GetFlag(FLAGS_chunk)),
-                                   "--out=" + dir + "/run"};
+  std::vector<std::string> argv = {
+      launcher,
+      absl::StrCat("--workers=", w),
+      absl::StrCat("--servers=", s),
+      "--model=synthetic",
+      absl::StrCat("--dim=", absl::GetFlag(FLAGS_params)),
+      absl::StrCat("--steps=", warmup + reps),
+      "--skip_model",
+      absl::StrCat("--chunk_elems=", absl::GetFlag(FLAGS_chunk)),
+      absl::StrCat("--compressed_chunk_elems=", absl::GetFlag(FLAGS_compressed_chunk)),
+      "--out=" + dir + "/run"};
   if (onebit) {
     // Compression from step 1: every measured step is 1-bit both ways.
     argv.insert(argv.end(), {"--optimizer=onebit-adam", "--freeze_step=1"});
