@@ -818,8 +818,14 @@ void PsServer::SkipLocalSteps() {
   if (metrics_ != nullptr) metrics_->SetSteps(state_.step);
   const StepKind kind = optimizer_->KindOf(state_.step, PhaseOf(state_));
   options_.job.push_codec = &optimizer_->push_codec(kind);
-  // The compressed steps' grid, where they have one of their own.
-  grid_ = kind == StepKind::kCompressed && !grids_[1].empty() ? 1 : 0;
+  // The compressed steps' grid, where they have one of their own. The
+  // other grid's reply buffers go (the warm-up's are fp32, as large as the
+  // shard's x, and after the freeze unused).
+  const size_t grid = kind == StepKind::kCompressed && !grids_[1].empty() ? 1 : 0;
+  if (grid != grid_) {
+    for (Chunk& c : grids_[grid_]) c.reply.reset();
+  }
+  grid_ = grid;
   options_.job.push_chunk_elems =
       grid_ == 1 ? options_.job.compressed_chunk_elems : options_.job.chunk_elems;
 }
