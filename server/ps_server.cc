@@ -303,9 +303,14 @@ absl::Status PsServer::HandleRequest(const std::string& routing_id, const data::
       if (c.waiting[r]) SendParams(r, 0, c);
       c.waiting[r] = false;
     }
-    // The pushes of step 0 that waited for x.
-    Chunk& pushed = ChunkAt(h.begin());
-    return DrainInOrder(pushed, &pushed - chunks().data());
+    // The pushes of step 0 that waited for x: every chunk of the step's
+    // grid that overlaps this slice (a finer grid has several).
+    for (size_t i = &ChunkAt(h.begin()) - chunks().data();
+         i < chunks().size() && chunks()[i].range.begin < c.range.end; ++i) {
+      if (chunks()[i].done || chunks()[i].ready) continue;
+      if (absl::Status st = DrainInOrder(chunks()[i], i); !st.ok()) return st;
+    }
+    return absl::OkStatus();
   }
   if (h.kind() == data::STATE_PULL) {
     // The state as of the start of the current step: between steps of the
@@ -831,9 +836,7 @@ void PsServer::SkipLocalSteps() {
 }
 
 PsServer::Chunk& PsServer::ChunkAt(uint64_t begin) {
-  const uint64_t elems =
-      grid_ == 1 ? options_.job.compressed_chunk_elems : options_.job.chunk_elems;
-  return chunks()[(begin - state_.begin) / elems];
+  return chunks()[(begin - state_.begin) / options_.job.push_chunk_elems];
 }
 
 bool PsServer::Initialized(const Chunk& c) const {
