@@ -98,8 +98,12 @@ def test_ddp_bench_times_its_steps_against_forward_and_backward_alone(tmp_path):
             [sys.executable, worker, "--model", "gpt", "--gpt_size", "tiny", "--steps", "45",
              "--bench", "45", "--batch", "4", "--out", str(tmp_path / "ddp")],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    for rank, p in enumerate(procs):
-        _, err = p.communicate(timeout=120)
+    try:
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:  # a rank that failed leaves the other waiting in gloo
+            p.kill()
+    for rank, (p, err) in enumerate(zip(procs, errs)):
         assert p.returncode == 0, err
         m = re.search(rf"ddp-gpt bench: rank {rank} overlap on phase local blocks (\d+) "
                       r"fwd_bwd_ms ([0-9.]+) step_ms ([0-9.]+) ratio ([0-9.]+)", err)
