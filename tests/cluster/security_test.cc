@@ -113,7 +113,11 @@ class Job {
     return ReadFile(absl::StrCat(dir_, "/", name, ".log"));
   }
   void WaitForSteps() {
-    EXPECT_TRUE(WaitForText(dir_ + "/worker0.log", "steps/s", absl::Seconds(30))) << Log("worker0");
+    EXPECT_TRUE(WaitForText(dir_ + "/worker0.log", "steps/s", absl::Seconds(30)))
+        << "worker0:\n"
+        << Log("worker0") << "server:\n"
+        << Log("server") << "coordinator:\n"
+        << Log("coordinator");
   }
 
   const std::string& target() const { return target_; }
@@ -139,7 +143,7 @@ class Job {
   const control::TrainingConfig cfg_;
   const std::string security_;
   std::string target_;
-  int data_port_ = 20000 + getpid() % 20000;
+  int data_port_ = FreeLocalPort();
   std::vector<Subprocess> procs_;
 };
 

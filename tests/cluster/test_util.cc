@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <sstream>
 
 #include "absl/strings/numbers.h"
@@ -248,6 +249,24 @@ std::string SecretFile() {
 }
 
 std::string SecretFlag() { return "--secret_file=" + SecretFile(); }
+
+int FreeLocalPort() {
+  // Random draws spread concurrent tests apart; the bind proves the port free.
+  static std::mt19937 rng(std::random_device{}() ^ static_cast<unsigned>(getpid()));
+  for (int attempt = 0; attempt < 200; ++attempt) {
+    const int port = std::uniform_int_distribution<int>(20000, 32000)(rng);
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    const bool free = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+    close(fd);
+    if (free) return port;
+  }
+  ADD_FAILURE() << "no free loopback port in 20000-32000 after 200 draws";
+  std::abort();
+}
 
 Ports::Ports() {
   auto bound = [](bool listen_too, int* port) {

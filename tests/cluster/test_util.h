@@ -48,6 +48,12 @@ RunResult RunCommand(const std::vector<std::string>& argv, absl::Duration timeou
 // Starts argv with stdout+stderr going to `log_path`.
 Subprocess Start(const std::vector<std::string>& argv, const std::string& log_path);
 
+// A loopback TCP port that nothing holds now, drawn below Linux's
+// ephemeral range (32768 up), so that no process's outgoing connection or
+// port-0 listener is handed it meanwhile; for a process that must be told
+// its port before it starts. Aborts the test if none is found.
+int FreeLocalPort();
+
 std::string ReadFile(const std::string& path);
 // Whether the file at `path` contains `text` within `timeout` (polled).
 bool WaitForText(const std::string& path, const std::string& text, absl::Duration timeout);

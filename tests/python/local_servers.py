@@ -1,7 +1,25 @@
 """What the worker scripts of these tests do to the servers that
-onebit-launch started beside them (a preemption, a crash)."""
+onebit-launch started beside them (a preemption, a crash), and the ports
+the tests give processes before they start."""
 import os
+import random
+import socket
 import sys
+
+
+def free_local_port():
+    """A loopback TCP port nothing holds now, below Linux's ephemeral range
+    (32768 up) so that no outgoing connection is handed it meanwhile: for
+    a process (gloo's MASTER_PORT) that must be told its port beforehand."""
+    for _ in range(200):
+        port = random.randint(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free loopback port in 20000-32000 after 200 draws")
 
 
 def signal_server(shard, sig):

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from local_servers import free_local_port
+
 BIN = os.environ["ONEBIT_BIN_DIR"]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPT = os.path.join(ROOT, "examples", "pytorch", "gpt.py")
@@ -89,7 +91,7 @@ def test_ddp_bench_times_its_steps_against_forward_and_backward_alone(tmp_path):
     a copy without DDP, then DDP steps on the same batches); the first
     block is not counted, so 45 steps make 2 blocks."""
     worker = os.path.join(ROOT, "tools", "netbench.d", "ddp_worker.py")
-    port = str(20000 + os.getpid() % 20000)
+    port = str(free_local_port())
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
