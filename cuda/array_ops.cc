@@ -128,6 +128,14 @@ class BackendOps final : public ArrayOps {
     return b_.lamb_apply(mbar, den, k, wd, n, x, s_);
   }
 
+  absl::Status Axpy(const float* x, size_t n, float w, float* acc) const override {
+    return b_.axpy(x, n, w, acc, s_);
+  }
+  absl::Status AdamUpdate(const AdamCoefficients& c, size_t n, float* g, float* m, float* v,
+                          float* x) const override {
+    return b_.adam_update(c, n, g, m, v, x, s_);
+  }
+
   absl::StatusOr<float*> Scratch(size_t n) const override {
     if (n <= scratch_n_) return static_cast<float*>(scratch_);
     // The old scratch may still be read by queued work.

@@ -76,6 +76,8 @@ struct Backend {
                              float* m, float* x, Stream s);
   absl::Status (*lamb_apply)(const float* mbar, const float* den, float k, float wd, size_t n,
                              float* x, Stream s);
+  absl::Status (*adam_update)(const AdamCoefficients& c, size_t n, float* g, float* m, float* v,
+                              float* x, Stream s);
 };
 
 // The CPU twin: always available.

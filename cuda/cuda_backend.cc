@@ -91,6 +91,7 @@ const Backend kCuda = {
     UpdateSinceSync,
     ApplySync,
     LambApply,
+    AdamUpdate,
 };
 
 }  // namespace

@@ -126,6 +126,12 @@ absl::Status LambApplyTwin(const float* mbar, const float* den, float k, float w
   return absl::OkStatus();
 }
 
+absl::Status AdamUpdateTwin(const AdamCoefficients& c, size_t n, float* g, float* m, float* v,
+                            float* x, Stream) {
+  onebit::AdamUpdate(c, n, g, m, v, x);
+  return absl::OkStatus();
+}
+
 const Backend kTwin = {
     "cuda-twin",
     Alloc,
@@ -157,6 +163,7 @@ const Backend kTwin = {
     UpdateSinceSyncTwin,
     ApplySyncTwin,
     LambApplyTwin,
+    AdamUpdateTwin,
 };
 
 }  // namespace

@@ -156,6 +156,10 @@ absl::StatusOr<OptimizerOptions> OptimizerOptionsFromConfig(const control::Train
   o.lamb.factor_max = c.optimizer().factor_max();
   o.lamb.factor_min = c.optimizer().factor_min();
   o.lamb.factor_threshold = c.optimizer().factor_threshold();
+  o.diloco.sync_every = c.optimizer().sync_every();
+  o.diloco.outer_lr = c.optimizer().outer_lr();
+  o.diloco.outer_momentum = c.optimizer().outer_momentum();
+  o.diloco.steps = c.model().steps();
   if (absl::Status st = ValidateOptimizerOptions(o); !st.ok()) return st;
   return o;
 }

@@ -297,12 +297,15 @@ class Loader {
           ours.set_string_value("zero-one-adam");
         } else if (t == "onebitlamb") {
           ours.set_string_value("onebit-lamb");
+        } else if (t == "diloco") {
+          ours.set_string_value("diloco");  // not DeepSpeed's: onebit-ps's own
         } else if (t == "adam" || t == "adamw") {
           ours.set_string_value("adam");  // our weight decay is decoupled, as AdamW's
         } else {
-          return Bad(where,
-                     absl::StrCat("unknown optimizer type '", v.string_value(),
-                                  "' (want OneBitAdam, ZeroOneAdam, OneBitLamb, Adam or AdamW)"));
+          return Bad(
+              where,
+              absl::StrCat("unknown optimizer type '", v.string_value(),
+                           "' (want OneBitAdam, ZeroOneAdam, OneBitLamb, DiLoCo, Adam or AdamW)"));
         }
         if (absl::Status s = Set("optimizer", ours, where); !s.ok()) return s;
       } else if (key == "params") {
@@ -330,7 +333,8 @@ class Loader {
           key == "var_freeze_step" || key == "var_update_scaler" || key == "local_step_scaler" ||
           key == "local_step_clipper" || key == "max_coeff" || key == "min_coeff" ||
           key == "coeff_beta" || key == "factor_max" || key == "factor_min" ||
-          key == "factor_threshold") {
+          key == "factor_threshold" || key == "sync_every" || key == "outer_lr" ||
+          key == "outer_momentum") {
         s = Set(key.c_str(), v, where);
       } else if (key == "weight_decay") {
         s = Set(key.c_str(), v, where);
@@ -362,7 +366,8 @@ class Loader {
                                        "bias_correction, var_freeze_step, var_update_scaler, "
                                        "local_step_scaler, local_step_clipper, max_coeff, "
                                        "min_coeff, coeff_beta, factor_max, factor_min, "
-                                       "factor_threshold)"));
+                                       "factor_threshold, sync_every, outer_lr, "
+                                       "outer_momentum)"));
       }
       if (!s.ok()) return s;
     }

@@ -65,8 +65,8 @@ constexpr JobSetting kSettings[] = {
      "mlp: OpenBLAS threads per worker"},
 
     {"optimizer", "optimizer.algorithm", T::kEnum, "sgd", "optimizer",
-     "sgd | adam | onebit-adam | naive-onebit-adam | ef-sgd | zero-one-adam | onebit-lamb "
-     "(docs/design.md §1.4, §1.6, §1.7)"},
+     "sgd | adam | onebit-adam | naive-onebit-adam | ef-sgd | zero-one-adam | onebit-lamb | "
+     "diloco (docs/design.md §1.4, §1.6, §1.7, §1.8)"},
     {"lr", "optimizer.lr", T::kFloat, "0.01", "optimizer", "learning rate"},
     {"lr_schedule", "optimizer.lr_schedule", T::kString, "constant", "optimizer",
      "learning rate schedule: constant | warmup:N | cosine"},
@@ -106,6 +106,12 @@ constexpr JobSetting kSettings[] = {
      "onebit-lamb: see --factor_max"},
     {"factor_threshold", "optimizer.factor_threshold", T::kFloat, "0.1", "optimizer",
      "onebit-lamb: the most the factor may change in one step (a fraction)"},
+    {"sync_every", "optimizer.sync_every", T::kUint32, "32", "optimizer",
+     "diloco: H, the inner AdamW steps per outer step (the job's last step synchronises too)"},
+    {"outer_lr", "optimizer.outer_lr", T::kFloat, "0.7", "optimizer",
+     "diloco: the servers' outer learning rate"},
+    {"outer_momentum", "optimizer.outer_momentum", T::kFloat, "0.9", "optimizer",
+     "diloco: the servers' outer Nesterov momentum (0: plain outer steps)"},
 
     {"worker_codec", "compression.worker_codec", T::kEnum, "", "compression",
      "compression-phase push codec: fp32 | fp16 | onebit (default: onebit for the compressing "

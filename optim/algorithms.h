@@ -14,6 +14,7 @@ const AlgorithmRow& NaiveOnebitAdamRow();  // optim/naive_onebit_adam.cc
 const AlgorithmRow& EfSgdRow();            // optim/ef_sgd.cc
 const AlgorithmRow& ZeroOneAdamRow();      // optim/zero_one_adam.cc
 const AlgorithmRow& OnebitLambRow();       // optim/onebit_lamb.cc
+const AlgorithmRow& DilocoRow();           // optim/diloco.cc
 
 }  // namespace onebit
 

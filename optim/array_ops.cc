@@ -68,6 +68,15 @@ class HostOps final : public ArrayOps {
     onebit::LambApply(mbar, den, k, wd, n, x);
     return absl::OkStatus();
   }
+  absl::Status Axpy(const float* x, size_t n, float w, float* acc) const override {
+    onebit::Axpy(x, n, w, acc);
+    return absl::OkStatus();
+  }
+  absl::Status AdamUpdate(const AdamCoefficients& c, size_t n, float* g, float* m, float* v,
+                          float* x) const override {
+    onebit::AdamUpdate(c, n, g, m, v, x);
+    return absl::OkStatus();
+  }
   absl::StatusOr<float*> Scratch(size_t n) const override { return onebit::Scratch(n); }
 };
 

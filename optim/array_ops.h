@@ -23,6 +23,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "compress/codec.h"
+#include "optim/update_kernels.h"
 
 namespace onebit {
 
@@ -73,6 +74,12 @@ class ArrayOps {
                                  float* x_sync, float* m, float* x) const = 0;
   virtual absl::Status LambApply(const float* mbar, const float* den, float k, float wd, size_t n,
                                  float* x) const = 0;
+  // acc += w * x (one rounding per element: w = -1 subtracts exactly as the
+  // host does).
+  virtual absl::Status Axpy(const float* x, size_t n, float w, float* acc) const = 0;
+  // One Adam(W) step with the host's coefficients; g becomes the delta.
+  virtual absl::Status AdamUpdate(const AdamCoefficients& c, size_t n, float* g, float* m, float* v,
+                                  float* x) const = 0;
 
   // n floats of the operations' memory, for a rule's temporaries; valid
   // until the next Scratch on these operations (the host's: on this thread).

@@ -28,6 +28,7 @@ enum class OptimizerKind : uint8_t {
   kEfSgd,            // 1-bit error-feedback momentum SGD from step 0
   kZeroOneAdam,      // 0/1 Adam: v refreshed at growing intervals, then local steps (§1.6)
   kOnebitLamb,       // 1-bit LAMB: LAMB warm-up, then frozen v and ratios, 1-bit momentum (§1.7)
+  kDiloco,           // DiLoCo: local AdamW steps, an outer Nesterov step on the servers (§1.8)
 };
 
 // What the server replies in the compression phase (docs/design.md §1.4).
@@ -43,7 +44,7 @@ enum class Phase : uint8_t { kWarmup, kCompress };
 enum class StepKind : uint8_t {
   kFull,        // fp32 both ways: the warm-up, 0/1 Adam's variance steps
   kCompressed,  // the worker and server codecs, with error feedback
-  kLocal,       // nothing: 0/1 Adam's local steps
+  kLocal,       // nothing: 0/1 Adam's and DiLoCo's local steps
 };
 
 enum class LrScheduleKind : uint8_t { kConstant, kWarmup, kCosine };
@@ -105,6 +106,18 @@ struct LambOptions {
   float factor_threshold = 0.1f;
 };
 
+// DiLoCo's outer loop (docs/design.md §1.8): every worker takes inner AdamW
+// steps on its own replica; every `sync_every` steps the servers average the
+// workers' outer gradients x_sync - x and take one Nesterov step with them.
+struct DilocoOptions {
+  uint32_t sync_every = 32;     // H: inner steps per outer step
+  float outer_lr = 0.7f;        // DiLoCo's defaults
+  float outer_momentum = 0.9f;  // Nesterov; 0: plain averaging steps
+  // The job's length: its last step always synchronises, so the job ends
+  // with every replica equal to the master. 0: unknown.
+  uint64_t steps = 0;
+};
+
 struct OptimizerOptions {
   OptimizerKind kind = OptimizerKind::kSgd;
   float lr = 0.01f;
@@ -132,6 +145,7 @@ struct OptimizerOptions {
   std::string warmup_codec = "fp32";
   ZeroOneOptions zero_one;  // zero-one-adam only
   LambOptions lamb;         // onebit-lamb only
+  DilocoOptions diloco;     // diloco only
   // The model's layers (its tensors), as their ends in x: strictly
   // increasing, the last one d. onebit-lamb's trust ratios are per layer,
   // and its shard map is aligned to them (ShardMap::CreateAligned).

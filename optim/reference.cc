@@ -56,6 +56,7 @@ absl::StatusOr<ReferenceResult> RunReference(const ReferenceOptions& o,
   for (WorkerState& w : out.workers) {
     (*worker)->InitState(d, &w);
     w.x = x0;
+    if (!w.x_sync.empty()) w.x_sync = x0;  // diloco: the master, as the workers' start
   }
   out.servers.resize(S);
   for (uint32_t k = 0; k < S; ++k) {

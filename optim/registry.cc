@@ -37,7 +37,7 @@ const std::vector<const AlgorithmRow*>& AlgorithmRows() {
   // In OptimizerKind's order (RowOf checks it).
   static const auto* rows = new std::vector<const AlgorithmRow*>{
       &SgdRow(),   &AdamRow(),        &OnebitAdamRow(), &NaiveOnebitAdamRow(),
-      &EfSgdRow(), &ZeroOneAdamRow(), &OnebitLambRow(),
+      &EfSgdRow(), &ZeroOneAdamRow(), &OnebitLambRow(), &DilocoRow(),
   };
   return *rows;
 }

@@ -69,6 +69,10 @@ void UpdateMoments(const float* g, float b1, float c1, float b2, float c2, size_
   }
 }
 
+void Axpy(const float* x, size_t n, float w, float* acc) {
+  for (size_t i = 0; i < n; ++i) acc[i] += w * x[i];
+}
+
 void AdamUpdate(const AdamCoefficients& c, size_t n, float* g, float* m, float* v, float* x) {
   for (size_t i = 0; i < n; ++i) {
     const float gi = g[i];

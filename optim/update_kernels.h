@@ -42,6 +42,9 @@ inline float LambDelta(float p, float wd, float x, float k) { return k * LambUpd
 // onebit-lamb's momentum reply on a worker: x += LambDelta(mbar / den, wd, x, k).
 void LambApply(const float* mbar, const float* den, float k, float wd, size_t n, float* x);
 
+// acc += w * x, elementwise (the CUDA twin's axpy rounds the same way).
+void Axpy(const float* x, size_t n, float w, float* acc);
+
 // A worker's local momentum before it compresses it: m <- b1 * m + c1 * g,
 // c1 = 1 - b1 (docs/design.md §1.2).
 void UpdateMomentum(const float* g, float b1, float c1, size_t n, float* m);

@@ -68,6 +68,7 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Create(PsServerOptions optio
   }
   const Range r = o.job.map.shard(o.shard);
   s->optimizer_->InitState(o.shard, r.begin, r.size(), &s->state_);
+  bool resumed = false;
   if (o.restored) {
     if (o.restored->begin != r.begin || o.restored->x.size() != r.size()) {
       return absl::InvalidArgumentError(
@@ -85,6 +86,7 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Create(PsServerOptions optio
     s->state_ = *std::move(o.restored);
     s->state_.shard = o.shard;
     o.restored.reset();
+    resumed = true;
   }
   o.job.init_codec = s->init_codec_.get();
   o.job.compressed_chunk_elems =
@@ -97,6 +99,9 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Create(PsServerOptions optio
     c.range = ChunkRange(o.job.map, o.shard, o.job.chunk_elems, i);
     c.pulled.assign(o.job.workers, false);
     c.waiting.assign(o.job.workers, false);
+    // A checkpoint's x needs no INIT (nor does one come: a resumed rank 0
+    // pulls as the others do).
+    c.initialized = resumed;
   }
   s->acc_.assign(r.size(), 0.0f);
   for (int g = 0; g < 2; ++g) {
@@ -283,7 +288,8 @@ absl::Status PsServer::HandleRequest(const std::string& routing_id, const data::
   if (h.kind() == data::INIT) {
     Slice& c = slices_[index];
     if (h.step() != 0) return absl::InvalidArgumentError("INIT must carry step 0");
-    if (state_.step > 0 || ChunkAt(h.begin()).done) {
+    // (Local steps at the start, diloco's, left x as it was: still step 0's.)
+    if (!StateIsOfStep(0) || ChunkAt(h.begin()).done) {
       return absl::InvalidArgumentError(
           absl::StrCat("INIT is from the past (shard ", options_.shard, " is past step 0)"));
     }
@@ -355,7 +361,8 @@ absl::Status PsServer::HandleRequest(const std::string& routing_id, const data::
           "duplicate PULL from rank ", h.rank(), " for chunk ", index, " of step ", state_.step));
     }
     c.pulled[h.rank()] = true;
-    if (c.initialized || state_.step > 0) {
+    // (x is step 0's until rank 0's INIT is in, even past local steps.)
+    if (c.initialized) {
       SendParams(h.rank(), h.step(), c);
     } else {
       c.waiting[h.rank()] = true;  // at most one per rank: bounded
@@ -433,7 +440,7 @@ absl::Status PsServer::DrainInOrder(Chunk& c, uint64_t index) {
     }
     ++c.next_rank;
   }
-  if (c.next_rank == n_workers && (state_.step > 0 || Initialized(c))) {
+  if (c.next_rank == n_workers && Initialized(c)) {
     if (absl::Status st = AgreeOnLr(c, index); !st.ok()) {
       failure_ = st;
       if (metrics_ != nullptr) metrics_->Refused(Refusal::kLrMismatch);

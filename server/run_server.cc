@@ -293,6 +293,14 @@ absl::Status ServeSteps(JobMember& member, PsServer& ps, const PsServerOptions& 
       [&] {
         member.FlushCheckpoints();  // the last checkpoint's part goes with Done
         done_status = hb.Done({ChecksumOf(ps.state(), po.shard, po.job.map.shard(po.shard))});
+        if (!done_status.ok()) {
+          // Refused by a coordinator started again while this shard ran its
+          // last steps (it knows this process no more): its REJOIN comes
+          // with the next heartbeat, and the job rolls back.
+          hb.Kick();
+          hb.WaitForCommand(
+              absl::Milliseconds(member.registration().config().timeouts().heartbeat_ms()));
+        }
       });
   return st.ok() ? done_status : st;
 }

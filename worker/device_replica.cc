@@ -278,14 +278,16 @@ class DeviceReplica final : public Replica {
     return st;
   }
 
-  absl::Status WriteX(uint64_t b, size_t n, const float* host) override {
+  absl::Status WriteX(uint64_t b, size_t n, const float* host, bool start) override {
     if (absl::Status st = CheckRange(b, n); !st.ok()) return st;
     // The master goes to the worker's copy of it, which is x_sync where the
     // worker trains a local model apart from it (as CpuReplica::WriteX).
     const WorkerView a = View(opt_->WorkerArraysIn(phase(), false));
-    float* to = a.x_sync != nullptr ? a.x_sync : x_.f();
     absl::Status st = b_.synchronize(reply_);
-    if (st.ok()) st = b_.copy_to_device(to + b, host, 4 * n, push_);
+    if (st.ok() && a.x_sync != nullptr) st = b_.copy_to_device(a.x_sync + b, host, 4 * n, push_);
+    if (st.ok() && (a.x_sync == nullptr || start)) {
+      st = b_.copy_to_device(x_.f() + b, host, 4 * n, push_);
+    }
     if (st.ok()) st = b_.synchronize(push_);  // host is pageable memory
     return st;
   }

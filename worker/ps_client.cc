@@ -246,7 +246,7 @@ absl::Status PsClient::PullParams(uint64_t step, Replica* replica, const Check& 
           return absl::DataLossError(
               absl::StrCat("initial parameters from server ", k, ": ", st.message()));
         }
-        return replica->WriteX(r.begin, r.size(), x.data());
+        return replica->WriteX(r.begin, r.size(), x.data(), step == 0);
       },
       check);
 }

@@ -67,14 +67,15 @@ class CpuReplica final : public Replica {
     std::copy(state_.x.begin(), state_.x.end(), x);
     return absl::OkStatus();
   }
-  absl::Status WriteX(uint64_t b, size_t n, const float* host) override {
+  absl::Status WriteX(uint64_t b, size_t n, const float* host, bool start) override {
     if (b > state_.x.size() || n > state_.x.size() - b) {
       return absl::OutOfRangeError("WriteX: range outside the parameters");
     }
     // The master goes to the worker's copy of it, which is x_sync where
     // the worker trains a local model apart from it.
-    std::vector<float>& to = state_.x_sync.empty() ? state_.x : state_.x_sync;
-    std::copy(host, host + n, to.begin() + b);
+    const bool local = !state_.x_sync.empty();
+    if (local) std::copy(host, host + n, state_.x_sync.begin() + b);
+    if (!local || start) std::copy(host, host + n, state_.x.begin() + b);
     return absl::OkStatus();
   }
   absl::StatusOr<WorkerState> SaveState(const Parts& parts) override {

@@ -75,9 +75,11 @@ class Replica {
   virtual absl::Status ReadX(float* x) = 0;
   // The master's parameters [b, b + n) = host[0, n), as a pull delivers
   // them: into x, or where the worker trains a local model apart from the
-  // master (zero-one-adam after the freeze, WorkerState::x_sync) into
-  // x_sync, so that a resumed worker keeps the local x it restored.
-  virtual absl::Status WriteX(uint64_t b, size_t n, const float* host) = 0;
+  // master (zero-one-adam after the freeze, diloco, WorkerState::x_sync)
+  // into x_sync, so that a resumed worker keeps the local x it restored.
+  // `start`: the job's start (step 0), where the local model is the master
+  // too: into both.
+  virtual absl::Status WriteX(uint64_t b, size_t n, const float* host, bool start) = 0;
   // Which arrays SaveState copies (e, the phase, and the arrays only some
   // optimizers hold, v, x_sync and lrs, always).
   struct Parts {

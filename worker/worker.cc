@@ -657,6 +657,9 @@ absl::Status Worker::BroadcastParameters() {
     std::vector<float> x(w.job.num_params);
     st = w.replica->ReadX(x.data());
     if (st.ok()) st = w.client->SendInit(x.data());
+    // Where the worker keeps the master apart from its local model
+    // (x_sync), the master is now this x.
+    if (st.ok()) st = w.replica->WriteX(0, x.size(), x.data(), true);
   } else {
     st = w.client->PullParams(w.step, w.replica.get(), [&w] { return w.CheckJob(); });
   }

@@ -37,7 +37,7 @@ import torch.utils.dlpack
 
 from ._onebit import OnebitError, RolledBack, Stopped, Worker
 
-__all__ = ["init", "DistributedOptimizer", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "finish", "OnebitError", "JobStopped",
+__all__ = ["init", "DistributedOptimizer", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "DiLoCo", "finish", "OnebitError", "JobStopped",
            "RolledBack", "rank", "world_size"]
 
 RolledBack.__doc__ = (
@@ -647,7 +647,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The optimizer's state, gathered from the servers, as
         torch.optim.AdamW's state_dict(): per parameter 'step', 'exp_avg'
         (Adam's m; after the freeze the momentum the replicas step with),
-        'exp_avg_sq' (v; frozen after the freeze), and param_groups with
+        'exp_avg_sq' (v; frozen after the freeze; diloco: this worker's inner
+        AdamW m and v), and param_groups with
         lr, betas, eps and weight_decay; so that
         torch.optim.AdamW(params).load_state_dict(opt.state_dict())
         continues with plain torch (equal to the job's next step where the
@@ -667,7 +668,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         server, worker = flat(s["server"]), flat(s["worker"])
         zeros = torch.zeros(self._x.numel())
         m = worker["mbar"] if s["frozen"] and "mbar" in worker else server.get("m", zeros)
-        v = server.get("v", zeros)
+        # diloco's workers keep an AdamW state of their own (m and v).
+        v = worker["v"] if s["frozen"] and "v" in worker else server.get("v", zeros)
         settings = json.loads(self.job["config_json"])
         state, groups, i = {}, [], 0
         for g in self.param_groups:
@@ -825,6 +827,25 @@ class OneBitLamb(DistributedOptimizer):
                          max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,
                          factor_max=factor_max, factor_min=factor_min,
                          factor_threshold=factor_threshold, **settings)
+
+
+class DiLoCo(DistributedOptimizer):
+    """DiLoCo over the servers (Douillard et al., 2023): DistributedOptimizer
+    with optimizer="diloco". Every worker takes sync_every inner AdamW steps
+    on its own replica (lr, betas, eps, weight_decay; bias_correction as
+    torch's AdamW unless told otherwise); then the servers average the
+    workers' outer gradients (1-bit with error feedback by default) and take
+    one Nesterov step with them (outer_lr, outer_momentum), and every
+    replica restarts from it (the design doc, section 1.8). Hyper-parameters
+    left as None are the job's. The job needs a fixed number of steps."""
+
+    def __init__(self, params, lr=None, sync_every=None, outer_lr=None, outer_momentum=None,
+                 betas=None, eps=None, weight_decay=None, bias_correction=True, overlap=True,
+                 **settings):
+        super().__init__(params, lr=lr, overlap=overlap, betas=betas, optimizer="diloco",
+                         sync_every=sync_every, outer_lr=outer_lr,
+                         outer_momentum=outer_momentum, eps=eps, weight_decay=weight_decay,
+                         bias_correction=bias_correction, **settings)
 
 
 def _text(value):

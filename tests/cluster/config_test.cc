@@ -107,6 +107,38 @@ TEST(DeepSpeedConfig, AdamTypesAndBiasCorrectionMap) {
   }
 }
 
+// onebit-ps's own "DiLoCo" type, in a DeepSpeed-style section: its outer
+// loop's params and the inner AdamW's.
+TEST(DeepSpeedConfig, DilocoMapsItsParams) {
+  const std::string json = R"({"optimizer": {"type": "DiLoCo", "params": {
+      "lr": 0.002, "betas": [0.9, 0.95], "weight_decay": 0.1, "bias_correction": true,
+      "sync_every": 64, "outer_lr": 0.5, "outer_momentum": 0.8}},
+    "onebit": {"model": "synthetic", "steps": 256}})";
+  auto c = ConfigFromFlags({"--config=" + WriteConfig("diloco", json)});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->optimizer().algorithm(), control::OPTIMIZER_DILOCO);
+  auto options = OptimizerOptionsFromConfig(*c);
+  ASSERT_TRUE(options.ok()) << options.status();
+  EXPECT_EQ(options->kind, OptimizerKind::kDiloco);
+  EXPECT_EQ(options->lr, 0.002f);
+  EXPECT_EQ(options->beta2, 0.95f);
+  EXPECT_TRUE(options->bias_correction);
+  EXPECT_EQ(options->diloco.sync_every, 64u);
+  EXPECT_EQ(options->diloco.outer_lr, 0.5f);
+  EXPECT_EQ(options->diloco.outer_momentum, 0.8f);
+  EXPECT_EQ(options->diloco.steps, 256u);
+  // Resolved for diloco: 1-bit both ways, no warm-up to freeze.
+  EXPECT_EQ(c->compression().worker_codec(), control::CODEC_ONEBIT);
+  EXPECT_EQ(c->compression().server_codec(), control::CODEC_ONEBIT);
+  EXPECT_EQ(c->optimizer().freeze(), "");
+  // A value out of range is refused naming its key's flag.
+  const std::string bad = R"({"optimizer": {"type": "DiLoCo", "params": {"outer_momentum": 1.5}},
+    "onebit": {"model": "synthetic", "steps": 10}})";
+  auto refused = ConfigFromFlags({"--config=" + WriteConfig("diloco_bad", bad)});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("--outer_momentum"));
+}
+
 // DeepSpeed's OnebitLamb section as its tutorial gives it (bias_correction
 // false: ours has none), on the mlp.
 TEST(DeepSpeedConfig, OneBitLambMapsItsParams) {

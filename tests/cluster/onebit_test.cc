@@ -42,7 +42,7 @@ std::string Launch(const control::TrainingConfig& cfg, const std::string& name,
   if (!worker_devices.empty()) argv.push_back("--worker_devices=" + worker_devices);
   for (const std::string& a : ConfigArgs(cfg)) argv.push_back(a);
   RunResult r = RunCommand(argv, absl::Seconds(120));
-  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(r.code, 0) << absl::StrJoin(argv, " ") << "\n" << r.output;
   return out;
 }
 
@@ -257,6 +257,66 @@ TEST_P(ZeroOneTest, EveryWorkerAndServerEqualsTheReference) {
 
 INSTANTIATE_TEST_SUITE_P(Combinations, ZeroOneTest, ::testing::ValuesIn(AllZeroOneCombos()),
                          [](const ::testing::TestParamInfo<ZeroOneCombo>& info) {
+                           return absl::StrCat(info.param.worker_codec, "_",
+                                               info.param.server_codec, "_ef_",
+                                               info.param.error_feedback);
+                         });
+
+// diloco on a mixed cluster (kMixedDevices), every push codec x reply codec
+// x error feedback: 11 steps of 3 workers and 2 servers with H = 3, so k =
+// 3, 6 and 9 synchronise after their inner step, k = 11 (the job's last)
+// too, and the other seven are inner AdamW steps alone (bias-corrected,
+// with weight decay).
+struct DilocoCombo : ZeroOneCombo {};
+void PrintTo(const DilocoCombo& c, std::ostream* os) {
+  *os << "diloco " << c.worker_codec << "/" << c.server_codec << " ef=" << c.error_feedback;
+}
+std::vector<DilocoCombo> AllDilocoCombos() {
+  std::vector<DilocoCombo> out;
+  for (const ZeroOneCombo& c : AllZeroOneCombos()) out.push_back(DilocoCombo{c});
+  return out;
+}
+
+class DilocoTest : public ::testing::TestWithParam<DilocoCombo> {};
+
+TEST_P(DilocoTest, EveryWorkerAndServerEqualsTheReference) {
+  const DilocoCombo& c = GetParam();
+  control::TrainingConfig cfg = MakeConfig(3, 2, 1000, 11, "diloco");
+  cfg.mutable_optimizer()->set_lr(0.02f);
+  cfg.mutable_optimizer()->set_weight_decay(0.01f);
+  cfg.mutable_optimizer()->set_bias_correction(true);
+  cfg.mutable_optimizer()->set_sync_every(3);
+  cfg.mutable_optimizer()->set_outer_lr(0.7f);
+  cfg.mutable_optimizer()->set_outer_momentum(0.9f);
+  testing::SetSetting(&cfg, "worker_codec", c.worker_codec);
+  testing::SetSetting(&cfg, "server_codec", c.server_codec);
+  testing::SetSetting(&cfg, "error_feedback", c.error_feedback);
+  cfg.mutable_timeouts()->set_heartbeat_ms(3000);
+  const std::string out = Launch(cfg, "diloco", kMixedDevices);
+  const ReferenceResult ref = Reference(cfg);
+  ExpectEqualsReference(out, cfg, ref);
+  const std::string summary = ReadFile(out + "/summary.json");
+  EXPECT_EQ(Field(summary, "status"), "\"ok\"") << summary;
+  EXPECT_EQ(Field(summary, "replicas_equal"), "true") << summary;
+  EXPECT_EQ(Field(summary, "workers_agree"), "true") << summary;
+  EXPECT_EQ(Field(summary, "rounds"), "4") << summary;
+  EXPECT_EQ(Field(summary, "freeze_step"), "0") << summary;
+  std::vector<std::string> lines =
+      absl::StrSplit(ReadFile(out + "/metrics.csv"), '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 12u);
+  const std::vector<std::string> header = absl::StrSplit(lines[0], ',');
+  const size_t up = std::find(header.begin(), header.end(), "bytes_up") - header.begin();
+  ASSERT_LT(up, header.size()) << lines[0];
+  for (uint64_t t = 0; t < 11; ++t) {
+    const std::vector<std::string> row = absl::StrSplit(lines[t + 1], ',');
+    const bool sync = t == 2 || t == 5 || t == 8 || t == 10;
+    EXPECT_EQ(row[up] != "0", sync) << "step " << t << ": " << lines[t + 1];
+    EXPECT_EQ(row[1], "compress") << "step " << t;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Combinations, DilocoTest, ::testing::ValuesIn(AllDilocoCombos()),
+                         [](const ::testing::TestParamInfo<DilocoCombo>& info) {
                            return absl::StrCat(info.param.worker_codec, "_",
                                                info.param.server_codec, "_ef_",
                                                info.param.error_feedback);

@@ -16,7 +16,7 @@ namespace {
 
 TEST(Registry, EveryRowSitsAtItsKindAndItsNameParsesBack) {
   const auto& rows = AlgorithmRows();
-  ASSERT_EQ(rows.size(), 7u);
+  ASSERT_EQ(rows.size(), 8u);
   for (size_t i = 0; i < rows.size(); ++i) {
     const AlgorithmTraits& t = rows[i]->traits;
     EXPECT_EQ(static_cast<size_t>(t.kind), i) << t.name;
@@ -61,6 +61,7 @@ ReferenceResult RunTiny(OptimizerKind kind, uint64_t steps) {
   o.reply = DefaultReplyMode(kind);
   o.zero_one.var_freeze_step = 3;
   o.zero_one.steps = steps;
+  o.diloco.steps = steps;
   o.layer_ends = {32, d};
   ro.freeze.step = 3;
   auto r = RunReference(ro, std::vector<float>(d, 0.5f),

@@ -2,6 +2,7 @@
 decay) through the servers beside torch.optim.AdamW on a copy of the same
 model and batches; prints the largest relative difference of the weights
 (per tensor, in norm) over the steps and exits 1 above the bound.
+--diloco: the job's optimizer is diloco, synchronising every 8 steps.
 --state_dict: then opt.state_dict() must hold AdamW's exp_avg, exp_avg_sq
 and step (within the bound), and a fresh torch.optim.AdamW loading it must
 continue as the AdamW that ran all along (20 more steps, within the bound)."""
@@ -40,7 +41,15 @@ def param_groups(m, lr):
 
 
 lr = 0.001  # the job's (onebit-launch --lr)
-opt = onebit_ps.DistributedOptimizer(param_groups(model, lr), lr=lr)
+if "--diloco" in sys.argv:
+    # DiLoCo with one worker, fp32 outer gradients and replies, outer lr 1
+    # and no outer momentum: each sync sets the master to the local model
+    # (x_sync - (x_sync - x), a rounding away), so the inner AdamW steps
+    # must track torch's AdamW across the syncs.
+    opt = onebit_ps.DiLoCo(param_groups(model, lr), lr=lr, sync_every=8, outer_lr=1.0,
+                           outer_momentum=0.0)
+else:
+    opt = onebit_ps.DistributedOptimizer(param_groups(model, lr), lr=lr)
 job = opt.job
 ref = torch.optim.AdamW(param_groups(twin, lr), lr=lr, betas=(0.9, 0.999), eps=1e-8,
                         weight_decay=0.01)

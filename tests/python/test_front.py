@@ -128,6 +128,42 @@ def test_warmup_adam_over_the_servers_tracks_torch_adamw(tmp_path, groups):
     assert "largest relative difference" in r.stderr
 
 
+@pytest.mark.parametrize("groups", ["", "--lr_groups"])
+def test_diloco_inner_steps_are_torch_adamw_across_syncs(tmp_path, groups):
+    # One worker, fp32 both ways, outer lr 1 without momentum: the master
+    # after each of the 7 syncs (every 8 steps, and the last) is the local
+    # model, so 50 steps track torch.optim.AdamW (bias-corrected, decoupled
+    # weight decay, param groups of their own decay and lr on 2 shards).
+    out = tmp_path / "run"
+    cmd = [os.path.join(BIN, "onebit-launch"), "--workers=1", "--servers=2",
+           "--model=external", "--optimizer=diloco", "--weight_decay=0.01", "--lr=0.001",
+           "--steps=50", "--worker_codec=fp32", "--server_codec=fp32", f"--out={out}",
+           f"--worker_cmd=/usr/bin/python3 {HERE}/adamw_worker.py 50 1e-5 --diloco {groups}"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr
+    assert "largest relative difference" in r.stderr
+    s = json.loads((out / "summary.json").read_text())
+    assert s["optimizer"] == "diloco" and s["rounds"] == 7, s
+    assert s["replicas_equal"] is True
+
+
+def test_diloco_from_the_constructor_syncs_every_h_steps_with_equal_replicas(tmp_path):
+    # 2 workers, 24 steps, H = 4: steps 3, 7, ..., 23 synchronise (1-bit
+    # both ways), the other 18 are local AdamW steps that send nothing.
+    r, s = launch(tmp_path, 2, 2, ["--dump_params", "--steps=24"],
+                  "24 --ctor 'DiLoCo(model, lr=0.03, sync_every=4, outer_lr=0.7)'")
+    assert r.returncode == 0, r.stderr
+    assert s["optimizer"] == "diloco" and s["rounds"] == 6, s
+    assert s["worker_codec"] == "onebit" and s["server_codec"] == "onebit"
+    assert s["replicas_equal"] is True and s["workers_agree"] is True
+    run = tmp_path / "run"
+    assert (run / "replica_w0.f32").read_bytes() == (run / "replica_w1.f32").read_bytes()
+    lines = (run / "metrics.csv").read_text().splitlines()
+    rows = [dict(zip(lines[0].split(","), l.split(","))) for l in lines[1:]]
+    assert [int(r["step"]) for r in rows if int(r["bytes_up"]) > 0] == [3, 7, 11, 15, 19, 23], lines
+    assert learned(r.stderr, s), r.stderr
+
+
 def test_worker_programs_get_their_share_of_the_cores_unless_the_caller_chose(tmp_path):
     # torch's OpenMP and OpenBLAS would start a thread per core in every
     # worker (OpenBLAS's spin when idle); a value in the environment stays.

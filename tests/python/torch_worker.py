@@ -203,7 +203,8 @@ sd = opt.state_dict()
 ob = sd["onebit"]
 flat = lambda key: torch.cat([sd["state"][i][key].flatten() for i in sorted(sd["state"])])
 m_of = ob["worker"]["mbar"] if ob["frozen"] and "mbar" in ob["worker"] else ob["server"]["m"]
-assert torch.equal(flat("exp_avg"), m_of) and torch.equal(flat("exp_avg_sq"), ob["server"]["v"])
+v_of = ob["worker"]["v"] if ob["frozen"] and "v" in ob["worker"] else ob["server"]["v"]
+assert torch.equal(flat("exp_avg"), m_of) and torch.equal(flat("exp_avg_sq"), v_of)
 if json.loads(opt.job["config_json"])["server_reply"] != "delta":  # replicas equal the master
     assert torch.equal(ob["server"]["x"], opt._x)
 print(f"torch_worker: rank {onebit_ps.rank()} state step {ob['step']} frozen {ob['frozen']} "

@@ -66,6 +66,9 @@ OptimizerOptions Options(const std::string& kind, const std::string& warmup_code
   o.zero_one.local_step_scaler = 2;
   o.zero_one.local_step_clipper = 4;
   o.zero_one.steps = kSteps;
+  o.diloco.sync_every = 3;  // k = 3, 6, 9, 12 and 13 (the last) synchronise
+  o.diloco.steps = kSteps;
+  o.bias_correction = o.kind == OptimizerKind::kDiloco;
   if (IsLayerwise(o.kind)) o.layer_ends = {64, 96, kD};  // onebit-lamb's layers
   return o;
 }
@@ -90,6 +93,10 @@ struct Fixture {
     twin = NewTwin();
     EXPECT_TRUE(cpu->Init().ok());
     EXPECT_TRUE(twin->Init().ok());
+    // The job's start: the master is every replica's, its x_sync's too.
+    for (Replica* r : {cpu.get(), twin.get()}) {
+      EXPECT_TRUE(r->WriteX(0, kD, shard.x.data(), true).ok());
+    }
   }
 
   std::unique_ptr<Replica> NewTwin() {
@@ -212,6 +219,8 @@ void ExpectSameState(const WorkerState& a, const WorkerState& b) {
   EXPECT_EQ(a.mbar, b.mbar);
   EXPECT_EQ(a.e, b.e);
   EXPECT_EQ(a.den, b.den);
+  EXPECT_EQ(a.v, b.v);
+  EXPECT_EQ(a.x_sync, b.x_sync);
   EXPECT_EQ(a.frozen, b.frozen);
 }
 
@@ -238,13 +247,14 @@ std::string NameOf(const OptimizerOptions& o) {
 
 // The GPU worker's code on the twin pushes what the CPU replica pushes and
 // ends every step in the same state, for every optimizer and warm-up codec:
-// through the warm-up, the hand-over and compression, and zero-one-adam's
-// variance steps, local steps and syncs.
+// through the warm-up, the hand-over and compression, zero-one-adam's
+// variance steps, local steps and syncs, and diloco's inner AdamW steps and
+// outer steps.
 TEST(Replica, EveryOptimizerAndWarmupCodecOnTheTwinEqualsTheCpuReplica) {
   const std::vector<OptimizerOptions> runs = EveryOptimizer();
   // sgd, adam: 2 warm-up codecs; onebit-adam 2 x 2 replies; naive 2;
-  // ef-sgd 2 replies; zero-one-adam 1; onebit-lamb 2 x 2.
-  EXPECT_EQ(runs.size(), 2u + 2u + 4u + 2u + 2u + 1u + 4u);
+  // ef-sgd 2 replies; zero-one-adam 1; onebit-lamb 2 x 2; diloco 1.
+  EXPECT_EQ(runs.size(), 2u + 2u + 4u + 2u + 2u + 1u + 4u + 1u);
   for (const OptimizerOptions& o : runs) {
     SCOPED_TRACE(NameOf(o));
     Fixture f(o);
