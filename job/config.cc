@@ -195,6 +195,13 @@ absl::StatusOr<FreezeOptions> FreezeOptionsFromConfig(const control::TrainingCon
   if (c.optimizer().freeze_step() > 0 && !c.optimizer().freeze().empty()) {
     return absl::InvalidArgumentError("--freeze: give either --freeze_step N or --freeze auto");
   }
+  const absl::StatusOr<OptimizerKind> kind = KindOf(c);
+  if (kind.ok() && !HasWarmup(*kind) &&
+      (c.optimizer().freeze_step() > 0 || !c.optimizer().freeze().empty())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        c.optimizer().freeze_step() > 0 ? "--freeze_step: " : "--freeze: ",
+        OptimizerKindName(*kind), " has no warm-up to end: it compresses from step 0"));
+  }
   if (c.optimizer().algorithm() == control::OPTIMIZER_ZERO_ONE_ADAM) {
     if (c.optimizer().freeze_step() > 0 || !c.optimizer().freeze().empty()) {
       return absl::InvalidArgumentError(

@@ -139,6 +139,22 @@ TEST(DeepSpeedConfig, DilocoMapsItsParams) {
   EXPECT_THAT(std::string(refused.status().message()), HasSubstr("--outer_momentum"));
 }
 
+// An optimizer that compresses from step 0 has no warm-up for a freeze to
+// end: the flag is refused naming it, not ignored.
+TEST(Config, AFreezeForAnOptimizerWithoutAWarmupIsRefused) {
+  for (const char* opt : {"diloco", "ef-sgd"}) {
+    for (const char* freeze : {"--freeze_step=5", "--freeze=auto"}) {
+      auto c = ConfigFromFlags({absl::StrCat("--optimizer=", opt), "--steps=10", freeze});
+      ASSERT_FALSE(c.ok()) << opt << " " << freeze;
+      EXPECT_THAT(
+          std::string(c.status().message()),
+          HasSubstr(absl::StrCat(std::string(freeze).substr(0, std::string(freeze).find('=')), ": ",
+                                 opt, " has no warm-up to end")));
+    }
+  }
+  EXPECT_TRUE(ConfigFromFlags({"--optimizer=diloco", "--steps=10"}).ok());
+}
+
 // DeepSpeed's OnebitLamb section as its tutorial gives it (bias_correction
 // false: ours has none), on the mlp.
 TEST(DeepSpeedConfig, OneBitLambMapsItsParams) {
