@@ -511,6 +511,9 @@ TEST(OptimizerState, AZeroOneAdamWorkerRestoresItsLocalModelSyncCopyAndLearningR
   EXPECT_FALSE(omit.den);
   EXPECT_TRUE(WorkerOmits(OptionsOf(OptimizerKind::kOnebitAdam), 1).x);
   EXPECT_TRUE(WorkerOmits(OptionsOf(OptimizerKind::kOnebitAdam), 1).mbar);
+  // diloco's every rank keeps its local model and its inner AdamW's m.
+  EXPECT_FALSE(WorkerOmits(OptionsOf(OptimizerKind::kDiloco), 1).x);
+  EXPECT_FALSE(WorkerOmits(OptionsOf(OptimizerKind::kDiloco), 1).mbar);
 
   const WorkerState w = ZeroOneLocalState(500);
   WorkerState copy = w;

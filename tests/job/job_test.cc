@@ -69,7 +69,8 @@ TEST(JobConfig, ValidationNamesTheFlag) {
 // use optim/ directly) are the job settings' defaults: a job given nothing
 // runs what the library runs by default.
 TEST(JobConfig, TheOptimizerLibrarysDefaultsAreTheSettingsDefaults) {
-  for (const char* optimizer : {"sgd", "adam", "onebit-adam", "zero-one-adam", "onebit-lamb"}) {
+  for (const char* optimizer :
+       {"sgd", "adam", "onebit-adam", "zero-one-adam", "onebit-lamb", "diloco"}) {
     SCOPED_TRACE(optimizer);
     control::TrainingConfig c = DefaultJobConfig();
     ASSERT_TRUE(SetJobSetting(*FindJobSetting("optimizer"), optimizer, &c).ok());
@@ -98,6 +99,9 @@ TEST(JobConfig, TheOptimizerLibrarysDefaultsAreTheSettingsDefaults) {
     EXPECT_EQ(o->lamb.coeff_beta, d.lamb.coeff_beta);
     EXPECT_EQ(o->lamb.factor_max, d.lamb.factor_max);
     EXPECT_EQ(o->lamb.factor_min, d.lamb.factor_min);
+    EXPECT_EQ(o->diloco.sync_every, d.diloco.sync_every);
+    EXPECT_EQ(o->diloco.outer_lr, d.diloco.outer_lr);
+    EXPECT_EQ(o->diloco.outer_momentum, d.diloco.outer_momentum);
     EXPECT_EQ(o->lamb.factor_threshold, d.lamb.factor_threshold);
   }
 }
