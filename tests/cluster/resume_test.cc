@@ -577,7 +577,7 @@ TEST(Sigterm, ZeroOneAdamStopsAtALocalStepAndResumesBitForBit) {
   uint64_t at = 0;
   StopAndResume("worker 1", "zero_one_adam",
                 // (A larger model than the others': its local steps are fast.)
-                Synthetic("zero-one-adam", 2, 3000,
+                Synthetic("zero-one-adam", 2, 1000,
                           {"--var_freeze_step=20", "--local_step_scaler=4",
                            "--local_step_clipper=64", "--dim=400000"}),
                 &at);
@@ -750,7 +750,7 @@ TEST(Recovery, ZeroOneAdamRollsBackBetweenSyncsBitForBit) {
   const std::string dir = TempDir("recovery_zero_one");
   Case c;
   c.flags = Synthetic(
-      "zero-one-adam", 2, 3000,
+      "zero-one-adam", 2, 1200,
       {"--var_freeze_step=20", "--local_step_scaler=4", "--local_step_clipper=64", "--dim=400000"});
   RunResult r = RunCommand(Launch(c, dir + "/plain", {"--dump_params"}), absl::Seconds(120));
   ASSERT_EQ(r.code, 0) << r.output;
