@@ -135,6 +135,9 @@ class BackendOps final : public ArrayOps {
                           float* x) const override {
     return b_.adam_update(c, n, g, m, v, x, s_);
   }
+  absl::StatusOr<size_t> FirstNonFinite(const float* y, size_t n) const override {
+    return b_.first_nonfinite(y, nullptr, n, s_);
+  }
 
   absl::StatusOr<float*> Scratch(size_t n) const override {
     if (n <= scratch_n_) return static_cast<float*>(scratch_);

@@ -1,6 +1,7 @@
 #include "optim/array_ops.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "optim/step_parts.h"
 #include "optim/update_kernels.h"
@@ -76,6 +77,10 @@ class HostOps final : public ArrayOps {
                           float* x) const override {
     onebit::AdamUpdate(c, n, g, m, v, x);
     return absl::OkStatus();
+  }
+  absl::StatusOr<size_t> FirstNonFinite(const float* y, size_t n) const override {
+    return static_cast<size_t>(std::find_if(y, y + n, [](float v) { return !std::isfinite(v); }) -
+                               y);
   }
   absl::StatusOr<float*> Scratch(size_t n) const override { return onebit::Scratch(n); }
 };

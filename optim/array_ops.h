@@ -77,6 +77,8 @@ class ArrayOps {
   // acc += w * x (one rounding per element: w = -1 subtracts exactly as the
   // host does).
   virtual absl::Status Axpy(const float* x, size_t n, float w, float* acc) const = 0;
+  // The index of the first non-finite y[i], or n when all are finite.
+  virtual absl::StatusOr<size_t> FirstNonFinite(const float* y, size_t n) const = 0;
   // One Adam(W) step with the host's coefficients; g becomes the delta.
   virtual absl::Status AdamUpdate(const AdamCoefficients& c, size_t n, float* g, float* m, float* v,
                                   float* x) const = 0;

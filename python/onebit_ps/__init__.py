@@ -628,8 +628,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._worker.report_evaluation(float(loss), float(accuracy))
 
     def _name_element(self, message):
-        """Adds which parameter a "chunk [b, e) ... at index i" error means."""
-        m = re.search(r"chunk \[(\d+), \d+\).* at index (\d+)", message)
+        """Adds which parameter a "chunk [b, e) ... at index i" (or "elements
+        [b, e) ...") error means."""
+        m = re.search(r"(?:chunk|elements) \[(\d+), \d+\).* at index (\d+)", message)
         if not m:
             return message
         at = int(m.group(1)) + int(m.group(2))

@@ -261,5 +261,30 @@ TEST(Diloco, ANonFiniteLocalModelIsRefusedAtTheSyncNamingIt) {
   EXPECT_THAT(std::string(st.message()), HasSubstr("--outer_lr"));
 }
 
+// A NaN gradient in a local step is refused at that step, naming it and the
+// parameter, and changes nothing (not found H steps later as a diverged
+// outer gradient).
+TEST(Diloco, ANonFiniteGradientIsRefusedAtItsLocalStepChangingNothing) {
+  OptimizerOptions o = DilocoOptionsForTest();
+  o.diloco.sync_every = 4;
+  auto w = WorkerOptimizer::Create(o);
+  ASSERT_TRUE(w.ok());
+  WorkerState s;
+  (*w)->InitState(64, &s);
+  s.x.assign(64, 0.5f);
+  s.x_sync = s.x;
+  std::vector<float> g(64, 0.25f);
+  ASSERT_TRUE((*w)->LocalStep(0, o.lr, g.data(), 0, 64, &s).ok());
+  const WorkerState before = s;
+  g[37] = INFINITY;
+  const absl::Status st = (*w)->LocalStep(1, o.lr, g.data(), 32, 32, &s);
+  EXPECT_THAT(std::string(st.message()),
+              HasSubstr("the gradient of step 1 is not finite in elements [32, 64) at index 5 "
+                        "(element 37 of x)"));
+  EXPECT_EQ(s.x, before.x);
+  EXPECT_EQ(s.mbar, before.mbar);
+  EXPECT_EQ(s.v, before.v);
+}
+
 }  // namespace
 }  // namespace onebit

@@ -111,6 +111,18 @@ def test_nan_gradient_is_an_exception_and_fails_the_job(tmp_path, overlap):
     assert s.get("status", "").startswith("failed")
 
 
+def test_a_nan_gradient_in_a_diloco_local_step_fails_the_job_at_that_step(tmp_path):
+    # Step 2 is local (H = 4): the NaN is refused there, named as the user
+    # knows it, not found at the sync of step 3 as a diverged outer gradient.
+    r, s = launch(tmp_path, 2, 1, ["--optimizer=diloco", "--sync_every=4", "--steps=6"],
+                  "6 --nan_at 2")
+    assert r.returncode != 0
+    assert "torch_worker: step 2: the gradient of step 2 is not finite" in r.stderr, r.stderr
+    assert "(parameter 2.bias[1])" in r.stderr
+    assert "[worker1] torch_worker: step 2: replica unchanged" in r.stderr
+    assert s.get("status", "").startswith("failed")
+
+
 @pytest.mark.parametrize("groups", ["", "--groups", "--lr_groups", "--groups --state_dict"])
 def test_warmup_adam_over_the_servers_tracks_torch_adamw(tmp_path, groups):
     # Adam forever (no freeze), bias correction on, decoupled weight decay 0.01:
