@@ -63,16 +63,7 @@ class Diloco final : public Algorithm {
   // with its own weight decay and lr scale; g is left as it was.
   absl::Status InnerStep(uint64_t step, float lr, const float* g, uint64_t b, size_t n,
                          const ArrayOps& ops, WorkerView* s) const {
-    // A non-finite gradient is refused here, where it comes, not at the
-    // next sync up to H steps later as a diverged outer gradient.
-    absl::StatusOr<size_t> bad = ops.FirstNonFinite(g + b, n);
-    if (!bad.ok()) return bad.status();
-    if (*bad < n) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("the gradient of step ", step, " is not finite in elements [", b, ", ",
-                       b + n, ") at index ", *bad, " (element ", b + *bad, " of x",
-                       "): the loss or the model made it; nothing was updated"));
-    }
+    if (absl::Status st = CheckLocalGradient(ops, step, g, b, n); !st.ok()) return st;
     absl::StatusOr<float*> d = ops.Scratch(n);
     if (!d.ok()) return d.status();
     absl::Status st = ops.Copy(g + b, n, *d);

@@ -20,6 +20,16 @@ absl::Status EncodeMaybeWithFeedback(const Codec& codec, bool feedback, const fl
   return feedback ? codec.EncodeWithFeedback(y, e, n, out) : codec.Encode(y, n, out);
 }
 
+absl::Status CheckLocalGradient(const ArrayOps& ops, uint64_t step, const float* g, uint64_t b,
+                                size_t n) {
+  absl::StatusOr<size_t> bad = ops.FirstNonFinite(g + b, n);
+  if (!bad.ok()) return bad.status();
+  if (*bad == n) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "the gradient of step ", step, " is not finite in elements [", b, ", ", b + n, ") at index ",
+      *bad, " (element ", b + *bad, " of x): the loss or the model made it; nothing was updated"));
+}
+
 absl::Status NotFinite(const OptimizerOptions& o, absl::string_view what, uint64_t step,
                        uint64_t global_index, float value) {
   return absl::InternalError(absl::StrCat(what, " of step ", step, " is not finite at parameter ",

@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "compress/codec.h"
+#include "optim/array_ops.h"
 #include "optim/options.h"
 #include "optim/state.h"
 
@@ -38,6 +39,12 @@ absl::Status Diverged(const OptimizerOptions& o, absl::string_view what, uint64_
 // NotFinite for the first non-finite x[i], i < n (x at global index `first`).
 absl::Status CheckFinite(const OptimizerOptions& o, absl::string_view what, uint64_t step,
                          uint64_t first, const float* x, size_t n);
+
+// A local step's gradient g[b, b + n) (in the memory of ops) is finite;
+// else an error naming the step and the first bad element: a local step
+// sends nothing, so without it a NaN would surface only at the next sync.
+absl::Status CheckLocalGradient(const ArrayOps& ops, uint64_t step, const float* g, uint64_t b,
+                                size_t n);
 
 // Adam on the averaged gradient g of the shard-local elements [off, off +
 // n) (g overwritten with Δ); x += Δ. Fails naming the first parameter whose

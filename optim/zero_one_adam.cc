@@ -175,6 +175,7 @@ class ZeroOneAdam final : public Algorithm {
     if (KindOf(step, PhaseOf(*s)) != StepKind::kLocal) {
       return Algorithm::LocalStep(step, lr, g, b, n, ops, s);
     }
+    if (absl::Status st = CheckLocalGradient(ops, step, g, b, n); !st.ok()) return st;
     return MomentumStep(o_, ops, lr, g + b, b, n, s->mbar + b, s->den + b, s->x + b);
   }
   absl::Status Apply(uint64_t step, float lr, bool last_warmup, Payload reply, uint64_t b, size_t n,

@@ -981,6 +981,30 @@ TEST(ZeroOneAdam, VarianceStepsUseTheFlooredCorrectedDenominator) {
   }
 }
 
+// A NaN gradient in a local step after the freeze is refused at that step,
+// naming it and the element, with the local model unchanged (not found at
+// the next sync as a diverged update).
+TEST(ZeroOneAdam, ANonFiniteGradientIsRefusedAtItsLocalStepChangingNothing) {
+  const OptimizerOptions o = ZeroOneOptionsForTest();
+  auto w = WorkerOptimizer::Create(o);
+  ASSERT_TRUE(w.ok());
+  ASSERT_EQ((*w)->KindOf(6, Phase::kCompress), StepKind::kLocal);  // k = 7
+  WorkerState s;
+  (*w)->InitState(64, &s);
+  s.x.assign(64, 0.5f);
+  (*w)->EnterCompression(&s);
+  s.den.assign(64, 1.0f);
+  const WorkerState before = s;
+  std::vector<float> g(64, 0.25f);
+  g[3] = NAN;
+  const absl::Status st = (*w)->LocalStep(6, o.lr, g.data(), 0, 64, &s);
+  EXPECT_THAT(std::string(st.message()),
+              HasSubstr("the gradient of step 6 is not finite in elements [0, 64) at index 3 "
+                        "(element 3 of x)"));
+  EXPECT_EQ(s.x, before.x);
+  EXPECT_EQ(s.mbar, before.mbar);
+}
+
 TEST(ZeroOneAdam, CombinationsThatMakeNoSenseAreRefusedNamingTheFlag) {
   OptimizerOptions o = ZeroOneOptionsForTest();
   EXPECT_TRUE(ValidateOptimizerOptions(o).ok());
