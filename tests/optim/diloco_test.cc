@@ -3,6 +3,7 @@
 // on the servers, 1-bit outer gradients and outer steps with both error
 // feedbacks; its schedule and its refusals.
 #include <cmath>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -241,20 +242,31 @@ TEST(Diloco, RefusalsNameTheFlag) {
   EXPECT_EQ(refusal([](OptimizerOptions*) {}), "");
 }
 
+// A worker of 64 parameters (x and x_sync 0.5) synchronising every
+// `sync_every` steps, after the local step 0 with the gradient *g (0.25).
+std::unique_ptr<WorkerOptimizer> AfterOneLocalStep(const OptimizerOptions& o, WorkerState* s,
+                                                   std::vector<float>* g) {
+  auto w = WorkerOptimizer::Create(o);
+  EXPECT_TRUE(w.ok()) << w.status();
+  (*w)->InitState(64, s);
+  s->x.assign(64, 0.5f);
+  s->x_sync = s->x;
+  g->assign(64, 0.25f);
+  EXPECT_TRUE((*w)->LocalStep(0, o.lr, g->data(), 0, 64, s).ok());
+  return *std::move(w);
+}
+
 // A worker whose local model went non-finite is refused at its next sync,
 // naming the outer gradient, the step and the parameter.
 TEST(Diloco, ANonFiniteLocalModelIsRefusedAtTheSyncNamingIt) {
   OptimizerOptions o = DilocoOptionsForTest();
   o.diloco.sync_every = 2;
-  auto w = WorkerOptimizer::Create(o);
-  ASSERT_TRUE(w.ok());
   WorkerState s;
-  (*w)->InitState(64, &s);
-  std::vector<float> g(64, 0.5f);
-  ASSERT_TRUE((*w)->LocalStep(0, o.lr, g.data(), 0, 64, &s).ok());
+  std::vector<float> g;
+  auto w = AfterOneLocalStep(o, &s, &g);
   s.x[40] = NAN;
-  std::vector<uint8_t> out((*w)->push_codec(StepKind::kCompressed).EncodedSize(64));
-  const absl::Status st = (*w)->Push(1, o.lr, g.data(), 0, 64, &s, out.data());
+  std::vector<uint8_t> out(w->push_codec(StepKind::kCompressed).EncodedSize(64));
+  const absl::Status st = w->Push(1, o.lr, g.data(), 0, 64, &s, out.data());
   EXPECT_THAT(std::string(st.message()), HasSubstr("outer gradient"));
   EXPECT_THAT(std::string(st.message()), HasSubstr("step 1"));
   EXPECT_THAT(std::string(st.message()), HasSubstr("40"));
@@ -267,17 +279,12 @@ TEST(Diloco, ANonFiniteLocalModelIsRefusedAtTheSyncNamingIt) {
 TEST(Diloco, ANonFiniteGradientIsRefusedAtItsLocalStepChangingNothing) {
   OptimizerOptions o = DilocoOptionsForTest();
   o.diloco.sync_every = 4;
-  auto w = WorkerOptimizer::Create(o);
-  ASSERT_TRUE(w.ok());
   WorkerState s;
-  (*w)->InitState(64, &s);
-  s.x.assign(64, 0.5f);
-  s.x_sync = s.x;
-  std::vector<float> g(64, 0.25f);
-  ASSERT_TRUE((*w)->LocalStep(0, o.lr, g.data(), 0, 64, &s).ok());
+  std::vector<float> g;
+  auto w = AfterOneLocalStep(o, &s, &g);
   const WorkerState before = s;
   g[37] = INFINITY;
-  const absl::Status st = (*w)->LocalStep(1, o.lr, g.data(), 32, 32, &s);
+  const absl::Status st = w->LocalStep(1, o.lr, g.data(), 32, 32, &s);
   EXPECT_THAT(std::string(st.message()),
               HasSubstr("the gradient of step 1 is not finite in elements [32, 64) at index 5 "
                         "(element 37 of x)"));
