@@ -842,7 +842,18 @@ class DiLoCo(DistributedOptimizer):
 
     def __init__(self, params, lr=None, sync_every=None, outer_lr=None, outer_momentum=None,
                  betas=None, eps=None, weight_decay=None, bias_correction=True, overlap=True,
-                 **settings):
+                 inner=None, H=None, **settings):
+        # inner: the inner optimizer, which is AdamW (the workers' rule runs
+        # it); H: DiLoCo's name for sync_every.
+        if inner is not None and inner is not torch.optim.AdamW and \
+                str(inner).lower() != "adamw":
+            raise OnebitError(f"DiLoCo(inner={inner!r}): the inner optimizer is AdamW, run by "
+                              "the worker (give inner=torch.optim.AdamW, 'adamw' or nothing)")
+        if H is not None:
+            if sync_every is not None and sync_every != H:
+                raise OnebitError(f"DiLoCo(H={H}, sync_every={sync_every}): H is sync_every; "
+                                  "give one")
+            sync_every = H
         super().__init__(params, lr=lr, overlap=overlap, betas=betas, optimizer="diloco",
                          sync_every=sync_every, outer_lr=outer_lr,
                          outer_momentum=outer_momentum, eps=eps, weight_decay=weight_decay,

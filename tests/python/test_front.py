@@ -163,7 +163,7 @@ def test_diloco_from_the_constructor_syncs_every_h_steps_with_equal_replicas(tmp
     # 2 workers, 24 steps, H = 4: steps 3, 7, ..., 23 synchronise (1-bit
     # both ways), the other 18 are local AdamW steps that send nothing.
     r, s = launch(tmp_path, 2, 2, ["--dump_params", "--steps=24"],
-                  "24 --ctor 'DiLoCo(model, lr=0.03, sync_every=4, outer_lr=0.7)'")
+                  "24 --ctor 'DiLoCo(model, lr=0.03, H=4, inner=torch.optim.AdamW, outer_lr=0.7)'")
     assert r.returncode == 0, r.stderr
     assert s["optimizer"] == "diloco" and s["rounds"] == 6, s
     assert s["worker_codec"] == "onebit" and s["server_codec"] == "onebit"
@@ -174,6 +174,17 @@ def test_diloco_from_the_constructor_syncs_every_h_steps_with_equal_replicas(tmp
     rows = [dict(zip(lines[0].split(","), l.split(","))) for l in lines[1:]]
     assert [int(r["step"]) for r in rows if int(r["bytes_up"]) > 0] == [3, 7, 11, 15, 19, 23], lines
     assert learned(r.stderr, s), r.stderr
+
+
+def test_diloco_refuses_another_inner_optimizer_and_two_values_of_h():
+    # Refused as the optimizer is made, before it reaches the job.
+    import torch
+    import onebit_ps
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.raises(onebit_ps.OnebitError, match=r"inner optimizer is AdamW"):
+        onebit_ps.DiLoCo(params, inner=torch.optim.SGD)
+    with pytest.raises(onebit_ps.OnebitError, match=r"H is sync_every; give one"):
+        onebit_ps.DiLoCo(params, H=8, sync_every=16)
 
 
 def test_worker_programs_get_their_share_of_the_cores_unless_the_caller_chose(tmp_path):
