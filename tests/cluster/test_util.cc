@@ -272,23 +272,18 @@ int FreeLocalPort() {
 }
 
 Ports::Ports() {
-  auto bound = [](bool listen_too, int* port) {
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
-    if (listen_too) EXPECT_EQ(listen(fd, 128), 0);  // never accepted: room for every probe
-    socklen_t len = sizeof(a);
-    getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-    *port = ntohs(a.sin_port);
-    return fd;
-  };
-  int port = 0;
-  listening_fd = bound(true, &port);
-  listening = absl::StrCat("127.0.0.1:", port);
-  close(bound(false, &port));
-  gone = absl::StrCat("127.0.0.1:", port);
+  listening_fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(bind(listening_fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  EXPECT_EQ(listen(listening_fd, 128), 0);  // never accepted: room for every probe
+  socklen_t len = sizeof(a);
+  getsockname(listening_fd, reinterpret_cast<sockaddr*>(&a), &len);
+  listening = absl::StrCat("127.0.0.1:", ntohs(a.sin_port));
+  // Below the ephemeral range, so a connect to it can never be handed the
+  // same port as its source and connect to itself.
+  gone = absl::StrCat("127.0.0.1:", FreeLocalPort());
 }
 
 Ports::~Ports() { close(listening_fd); }

@@ -12,6 +12,7 @@ import csv
 import json
 import os
 import re
+import random
 import shutil
 import socket
 import subprocess
@@ -21,20 +22,15 @@ import urllib.parse
 import urllib.request
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def free_ports(n):
-    """The first of n consecutive free ports."""
-    for _ in range(100):
-        first = free_port()
-        if first + n > 65535:
-            continue
+    """The first of n consecutive free ports, drawn below Linux's ephemeral
+    range (32768 up): there no outgoing connection is handed one meanwhile,
+    and a poll of a port whose server is not yet listening cannot connect to
+    itself (a self-connected socket echoes the request as its reply)."""
+    for _ in range(200):
+        first = random.randint(20000, 32000 - n)
+        held = []
         try:
-            held = []
             for p in range(first, first + n):
                 s = socket.socket()
                 held.append(s)
@@ -45,7 +41,7 @@ def free_ports(n):
         finally:
             for s in held:
                 s.close()
-    raise AssertionError(f"no {n} consecutive free ports")
+    raise AssertionError(f"no {n} consecutive free ports in 20000-32000")
 
 
 def get(url, timeout=5):
@@ -80,7 +76,7 @@ def main():
     os.makedirs(work)
     workers, servers = 2, 2
     metrics_port = free_ports(1 + servers + workers)
-    prom_port = free_port()
+    prom_port = free_ports(1)
     targets = ", ".join(f"'127.0.0.1:{metrics_port + i}'" for i in range(1 + servers + workers))
     with open(f"{work}/prometheus.yml", "w") as f:
         f.write(f"""global:

@@ -7,19 +7,33 @@ import socket
 import sys
 
 
-def free_local_port():
-    """A loopback TCP port nothing holds now, below Linux's ephemeral range
-    (32768 up) so that no outgoing connection is handed it meanwhile: for
-    a process (gloo's MASTER_PORT) that must be told its port beforehand."""
+def free_local_ports(count):
+    """The first of `count` consecutive loopback TCP ports nothing holds now,
+    below Linux's ephemeral range (32768 up). Below it, no outgoing
+    connection is handed one of them meanwhile, and a client polling a port
+    before its server listens cannot connect to itself (a self-connected
+    socket echoes the request back as its reply)."""
     for _ in range(200):
-        port = random.randint(20000, 32000)
-        with socket.socket() as s:
-            try:
+        first = random.randint(20000, 32000 - count)
+        held = []
+        try:
+            for port in range(first, first + count):
+                s = socket.socket()
+                held.append(s)
                 s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free loopback port in 20000-32000 after 200 draws")
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+        return first
+    raise RuntimeError(f"no {count} consecutive free loopback ports in 20000-32000 after 200 draws")
+
+
+def free_local_port():
+    """One port as free_local_ports: for a process (gloo's MASTER_PORT) that
+    must be told its port beforehand."""
+    return free_local_ports(1)
 
 
 def signal_server(shard, sig):

@@ -704,26 +704,9 @@ def test_workers_serve_their_metrics_on_the_port_the_launcher_gives_them(tmp_pat
     """onebit-launch --metrics_port P: worker R's front reads
     ONEBIT_METRICS_PORT (P+1+S+R) in init() and serves its own metrics there,
     up to its last step (and --metrics_linger after it)."""
-    import socket
     import urllib.request
-    first = None
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        try:
-            held = [socket.socket() for _ in range(5)]
-            for i, s in enumerate(held):
-                s.bind(("127.0.0.1", p + i))
-            first = p
-        except OSError:
-            pass
-        finally:
-            for s in held:
-                s.close()
-        if first:
-            break
-    assert first, "no 5 consecutive free ports"
+    from local_servers import free_local_ports
+    first = free_local_ports(5)
     out = tmp_path / "run"
     cmd = [os.path.join(BIN, "onebit-launch"), "--workers=2", "--servers=2", "--model=external",
            f"--out={out}", "--launch_register_timeout=30s", "--optimizer=onebit-adam",
