@@ -55,6 +55,9 @@ absl::Status ResolveConfig(const std::set<std::string>& given, control::Training
     if (z.worker_codec() == control::CODEC_UNSPECIFIED) z.set_worker_codec(codec);
     if (z.server_codec() == control::CODEC_UNSPECIFIED) z.set_server_codec(codec);
     if (!given.count("block_size")) z.set_block_size(DefaultBlockSize(*kind));
+    if (!given.count("error_feedback")) {
+      z.set_error_feedback(EnumOf<control::ErrorFeedback>(DefaultErrorFeedback(*kind)));
+    }
     if (z.server_reply() == control::SERVER_REPLY_UNSPECIFIED) {
       z.set_server_reply(EnumOf<control::ServerReply>(ReplyModeName(DefaultReplyMode(*kind))));
     }

@@ -121,7 +121,8 @@ constexpr JobSetting kSettings[] = {
     {"warmup_codec", "compression.warmup_codec", T::kEnum, "fp32", "compression",
      "warm-up pushes and replies: fp32 | fp16 (the servers still sum and update in fp32)"},
     {"error_feedback", "compression.error_feedback", T::kEnum, "both", "compression",
-     "error feedback: both | worker | server | none"},
+     "error feedback: both | worker | server | none (default: none for diloco, whose outer "
+     "momentum amplifies the delayed residuals; both otherwise)"},
     {"server_reply", "compression.server_reply", T::kEnum, "", "compression",
      "compression-phase reply: momentum (replicas equal the master) | delta (C(Δ + e_s)); "
      "default momentum, delta for naive-onebit-adam"},

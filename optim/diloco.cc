@@ -166,6 +166,10 @@ const AlgorithmRow& DilocoRow() {
     r->traits.compression = true;
     r->traits.needs_job_length = true;
     r->traits.local_model = true;
+    // Measured (docs/design.md §1.8): the outer Nesterov momentum amplifies
+    // what error feedback sends a sync late; without it the 1-bit outer
+    // steps trained best on the mlp and the GPT, and never diverged.
+    r->traits.default_error_feedback = "none";
     r->traits.worker_arrays = {"m", "v", "x_sync", "e_w"};
     r->traits.server_arrays = {"the outer momentum", "e_s"};
     r->validate = Validate;

@@ -71,6 +71,7 @@ struct AlgorithmTraits {
   bool adam_state_on_servers = false;
   ReplyMode default_reply = ReplyMode::kMomentum;
   uint32_t default_block_size = 0;  // 0: CodecOptions' default
+  absl::string_view default_error_feedback = "both";  // --error_feedback when not given
   // The d-length fp32 arrays the state holds besides a worker's x and g, and
   // besides a server's x and chunk accumulators (for the memory check).
   std::vector<const char*> worker_arrays;
@@ -111,6 +112,11 @@ absl::string_view DefaultCodec(OptimizerKind kind);
 // names none: 256 for zero-one-adam, whose 1-bit codec carries raw
 // gradients (docs/design.md §1.6); CodecOptions' 2048 for the rest.
 uint32_t DefaultBlockSize(OptimizerKind kind);
+// The error feedback (--error_feedback) an optimizer uses when the user
+// names none: none for diloco (docs/design.md §1.8), both for the rest.
+inline absl::string_view DefaultErrorFeedback(OptimizerKind kind) {
+  return TraitsOf(kind).default_error_feedback;
+}
 // The reply mode an optimizer uses when the user names none.
 inline ReplyMode DefaultReplyMode(OptimizerKind kind) { return TraitsOf(kind).default_reply; }
 

@@ -767,12 +767,14 @@ TEST(Recovery, ZeroOneAdamRollsBackBetweenSyncsBitForBit) {
 // and restores its own local model, inner AdamW state and error from its
 // file of the checkpoint of step 400 (or 600), between two syncs (every 64
 // steps: 447 and 511, or 639); the others roll back in place, and the job
-// ends bit for bit as uninterrupted.
+// ends bit for bit as uninterrupted. (Error feedback both ways, not
+// diloco's default none, so that both errors are restored too.)
 TEST(Recovery, DilocoRollsBackBetweenSyncsBitForBit) {
   const std::string dir = TempDir("recovery_diloco");
   Case c;
   c.flags = Synthetic("diloco", 2, 1000,
-                      {"--sync_every=64", "--bias_correction", "--lr=0.001", "--dim=400000"});
+                      {"--sync_every=64", "--bias_correction", "--lr=0.001", "--dim=400000",
+                       "--error_feedback=both"});
   RunResult r = RunCommand(Launch(c, dir + "/plain", {"--dump_params"}), absl::Seconds(120));
   ASSERT_EQ(r.code, 0) << r.output;
   const std::string out = dir + "/run";

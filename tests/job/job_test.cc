@@ -4,6 +4,7 @@
 #include <fstream>
 #include <limits>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -86,8 +87,15 @@ TEST(JobConfig, TheOptimizerLibrarysDefaultsAreTheSettingsDefaults) {
     EXPECT_EQ(o->weight_decay, d.weight_decay);
     EXPECT_EQ(o->bias_correction, d.bias_correction);
     EXPECT_EQ(o->v_floor, d.v_floor);
-    EXPECT_EQ(o->worker_error_feedback, d.worker_error_feedback);
-    EXPECT_EQ(o->server_error_feedback, d.server_error_feedback);
+    // The error feedback is the optimizer's own default: the library's
+    // (both) except diloco's (none).
+    if (std::string(optimizer) == "diloco") {
+      EXPECT_FALSE(o->worker_error_feedback);
+      EXPECT_FALSE(o->server_error_feedback);
+    } else {
+      EXPECT_EQ(o->worker_error_feedback, d.worker_error_feedback);
+      EXPECT_EQ(o->server_error_feedback, d.server_error_feedback);
+    }
     EXPECT_EQ(o->schedule, d.schedule);
     EXPECT_EQ(o->warmup_codec, d.warmup_codec);
     EXPECT_EQ(o->zero_one.var_freeze_step, d.zero_one.var_freeze_step);
@@ -103,6 +111,25 @@ TEST(JobConfig, TheOptimizerLibrarysDefaultsAreTheSettingsDefaults) {
     EXPECT_EQ(o->diloco.outer_lr, d.diloco.outer_lr);
     EXPECT_EQ(o->diloco.outer_momentum, d.diloco.outer_momentum);
     EXPECT_EQ(o->lamb.factor_threshold, d.lamb.factor_threshold);
+  }
+}
+
+// diloco's default error feedback (none) gives way to one the job names.
+TEST(JobConfig, DilocosErrorFeedbackIsNoneUnlessTheJobNamesOne) {
+  for (const char* named : {"", "both", "worker", "server", "none"}) {
+    SCOPED_TRACE(named);
+    control::TrainingConfig c = DefaultJobConfig();
+    std::set<std::string> given = {"optimizer", "steps"};
+    ASSERT_TRUE(SetJobSetting(*FindJobSetting("optimizer"), "diloco", &c).ok());
+    if (*named != 0) {
+      ASSERT_TRUE(SetJobSetting(*FindJobSetting("error_feedback"), named, &c).ok());
+      given.insert("error_feedback");
+    }
+    c.mutable_model()->set_steps(100);
+    ASSERT_TRUE(ResolveConfig(given, &c).ok());
+    absl::StatusOr<OptimizerOptions> o = OptimizerOptionsFromConfig(c);
+    ASSERT_TRUE(o.ok()) << o.status();
+    EXPECT_EQ(ErrorFeedbackName(*o), *named != 0 ? named : "none");
   }
 }
 

@@ -44,6 +44,7 @@ SYSTEMS = [
     ("onebit-adam", "onebit-ps onebit-adam, freeze at 15 %"),
     ("onebit-adam-auto", "onebit-ps onebit-adam, auto freeze"),
     ("onebit-adam-fp16", "onebit-ps onebit-adam, fp16 warm-up, freeze at 15 %"),
+    ("zero-one-adam", "onebit-ps zero-one-adam (its defaults)"),
     ("diloco", f"onebit-ps diloco, H = {cfg.get('diloco_h', '32')}"),
     ("ddp", "DDP gloo fp32"),
     ("ddp-fp16", "DDP gloo fp16 hook"),
