@@ -70,7 +70,7 @@ struct AlgorithmTraits {
   // job before its first step (data::STATE_PUSH).
   bool adam_state_on_servers = false;
   ReplyMode default_reply = ReplyMode::kMomentum;
-  uint32_t default_block_size = 0;  // 0: CodecOptions' default
+  uint32_t default_block_size = 0;                    // 0: CodecOptions' default
   absl::string_view default_error_feedback = "both";  // --error_feedback when not given
   // The d-length fp32 arrays the state holds besides a worker's x and g, and
   // besides a server's x and chunk accumulators (for the memory check).

@@ -233,21 +233,21 @@ TEST(RunFolder, SummaryReadsBackWhatWasWritten) {
 }
 
 // The divergence rule (job/loss_watch.h) on hand-made losses.
-TEST(LossWatch, DivergedOnceTheMedianOfFiveStepsPassesAThousandTimesTheFirst) {
+TEST(LossWatch, DivergedOnceTheMedianOfFiveStepsPassesAHundredTimesTheFirst) {
   LossWatch w;
-  EXPECT_FALSE(w.Add(0, 2.0));  // the baseline: 1000x is 2000
-  // One spike, or two, leave the median of five below 2000.
+  EXPECT_FALSE(w.Add(0, 2.0));  // the baseline: 100x is 200
+  // One spike, or two, leave the median of five below 200.
   for (uint64_t t = 1; t <= 5; ++t) EXPECT_FALSE(w.Add(t, t % 3 == 0 ? 1e9 : 1.0)) << t;
   EXPECT_FALSE(w.Add(6, 1e9));  // steps 2-6: 1, 1e9, 1, 1, 1e9
   EXPECT_FALSE(w.diverged());
   EXPECT_FALSE(w.Add(7, std::nan("")));  // no loss reported: skipped
-  EXPECT_FALSE(w.Add(8, 2000.0));        // steps 3-8: 1e9, 1, 1, 1e9, 2000: median 2000
-  EXPECT_FALSE(w.Add(9, 3000.0));        // 1, 1, 1e9, 2000, 3000: median 2000, not above
+  EXPECT_FALSE(w.Add(8, 200.0));         // steps 3-8: 1e9, 1, 1, 1e9, 200: median 200
+  EXPECT_FALSE(w.Add(9, 300.0));         // 1, 1, 1e9, 200, 300: median 200, not above
   EXPECT_FALSE(w.diverged());
-  const std::optional<std::string> warning = w.Add(10, 5000.0);  // 1, 1e9, 2000, 3000, 5000
+  const std::optional<std::string> warning = w.Add(10, 500.0);  // 1, 1e9, 200, 300, 500
   ASSERT_TRUE(warning.has_value());
   EXPECT_EQ(*warning,
-            "the loss diverged: its median over steps 5-10 is 3000, more than 1000x step 0's 2 "
+            "the loss diverged: its median over steps 5-10 is 300, more than 100x step 0's 2 "
             "(summary.json will say \"diverged\": true)");
   EXPECT_TRUE(w.diverged());
   EXPECT_FALSE(w.Add(11, 1e12)) << "warned once";
