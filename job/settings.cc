@@ -112,6 +112,9 @@ constexpr JobSetting kSettings[] = {
      "diloco: the servers' outer learning rate"},
     {"outer_momentum", "optimizer.outer_momentum", T::kFloat, "0.9", "optimizer",
      "diloco: the servers' outer Nesterov momentum (0: plain outer steps)"},
+    {"fragments", "optimizer.fragments", T::kUint32, "1", "optimizer",
+     "diloco: F, Streaming DiLoCo's fragments (groups of whole shards, at most --servers), "
+     "fragment f synchronised every H steps at an offset of f H / F; 1: the whole model at once"},
 
     {"worker_codec", "compression.worker_codec", T::kEnum, "", "compression",
      "compression-phase push codec: fp32 | fp16 | onebit (default: onebit for the compressing "

@@ -50,6 +50,13 @@ class Algorithm {
     (void)step;
     return phase == Phase::kWarmup ? StepKind::kFull : StepKind::kCompressed;
   }
+  // What step `step` does with the shard that holds element b: by default
+  // KindOf. diloco's fragments sync shard by shard; its KindOf is then what
+  // the step sends anywhere (kCompressed if any shard syncs).
+  virtual StepKind KindAt(uint64_t step, Phase phase, uint64_t b) const {
+    (void)b;
+    return KindOf(step, phase);
+  }
   // Payload bytes of the reply of n elements; by default the reply codec's
   // (none for kLocal), and at the last warm-up step m and v in fp32 after
   // it when den_of_frozen_v (the hand-over).

@@ -5,8 +5,12 @@
 // their own, and reply the step through the server codec with error
 // feedback. The master and every replica's x_sync take the decoded reply, so
 // they stay equal bit for bit; each worker's local model starts again there.
+// Streamed (--fragments F): the shards form F fragments that sync at
+// staggered steps; a step's kind is then per shard (KindAt).
+#include <algorithm>
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "optim/algorithm.h"
@@ -17,21 +21,31 @@
 namespace onebit {
 namespace {
 
-// Step `step` (from 0) synchronises every sync_every steps, and at the
-// job's last step, so that a job ends with every replica at the master.
-bool IsSync(const DilocoOptions& d, uint64_t step) {
+// Fragment f (of F) synchronises at the steps t (from 0) with
+// (t + 1 + f H / F) mod H = 0, and every fragment at the job's last step,
+// so that a job ends with every replica at the master. F = 1: every H steps.
+bool IsSync(const DilocoOptions& d, uint32_t fragments, uint32_t fragment, uint64_t step) {
   const uint64_t k = step + 1;
-  return k % d.sync_every == 0 || (d.steps > 0 && k == d.steps);
+  const uint64_t offset = static_cast<uint64_t>(fragment) * d.sync_every / fragments;
+  return (k + offset) % d.sync_every == 0 || (d.steps > 0 && k == d.steps);
 }
 
 class Diloco final : public Algorithm {
  public:
   Diloco(const AlgorithmTraits& t, const OptimizerOptions& o) : Algorithm(t, o) {}
 
-  // No warm-up: sync steps are kCompressed, the rest kLocal.
+  // No warm-up: a step is kCompressed where a fragment syncs, else kLocal.
   StepKind KindOf(uint64_t step, Phase phase) const override {
     (void)phase;
-    return IsSync(o_.diloco, step) ? StepKind::kCompressed : StepKind::kLocal;
+    for (uint32_t f = 0; f < Fragments(); ++f) {
+      if (IsSync(o_.diloco, Fragments(), f, step)) return StepKind::kCompressed;
+    }
+    return StepKind::kLocal;
+  }
+  StepKind KindAt(uint64_t step, Phase phase, uint64_t b) const override {
+    (void)phase;
+    return IsSync(o_.diloco, Fragments(), FragmentOf(b), step) ? StepKind::kCompressed
+                                                               : StepKind::kLocal;
   }
 
   // The outer momentum (m); the base's EnterCompression adds e_s.
@@ -48,7 +62,7 @@ class Diloco final : public Algorithm {
   }
   absl::Status LocalStep(uint64_t step, float lr, const float* g, uint64_t b, size_t n,
                          const ArrayOps& ops, WorkerView* s) const override {
-    if (KindOf(step, PhaseOf(*s)) != StepKind::kLocal) {
+    if (KindAt(step, PhaseOf(*s), b) != StepKind::kLocal) {
       return Algorithm::LocalStep(step, lr, g, b, n, ops, s);
     }
     return InnerStep(step, lr, g, b, n, ops, s);
@@ -59,6 +73,18 @@ class Diloco final : public Algorithm {
                      const ArrayOps& ops, WorkerView* s) const override;
 
  private:
+  // F, where the shard map is known (OptimizerOptionsFromConfig fills
+  // shard_begins once d is); 1 without it, the same on every side.
+  uint32_t Fragments() const { return o_.shard_begins.empty() ? 1 : o_.diloco.fragments; }
+  // The fragment of element b: shard k (of S, by shard_begins) is in
+  // fragment k F / S.
+  uint32_t FragmentOf(uint64_t b) const {
+    const std::vector<uint64_t>& begins = o_.shard_begins;
+    if (Fragments() <= 1) return 0;
+    const uint64_t k = std::upper_bound(begins.begin(), begins.end(), b) - begins.begin() - 1;
+    return static_cast<uint32_t>(k * Fragments() / begins.size());
+  }
+
   // One AdamW step of the worker's own replica on [b, b + n), each range
   // with its own weight decay and lr scale; g is left as it was.
   absl::Status InnerStep(uint64_t step, float lr, const float* g, uint64_t b, size_t n,
@@ -84,8 +110,10 @@ class Diloco final : public Algorithm {
 absl::Status Diloco::Step(uint64_t step, float lr, bool last_warmup, float* acc, uint64_t off,
                           size_t n, ServerShardState* s, uint8_t* reply) const {
   (void)lr, (void)last_warmup;  // the inner learning rate is the workers'; no warm-up
-  if (KindOf(step, PhaseOf(*s)) == StepKind::kLocal) {
-    return absl::InternalError(absl::StrCat("step ", step, " is a local step: nothing to serve"));
+  if (KindAt(step, PhaseOf(*s), s->begin + off) == StepKind::kLocal) {
+    return absl::InternalError(absl::StrCat("step ", step, " is a local step",
+                                            Fragments() > 1 ? " of this shard" : "",
+                                            ": nothing to serve"));
   }
   const float mu = o_.diloco.outer_momentum;
   const float outer_lr = o_.diloco.outer_lr;
@@ -135,6 +163,23 @@ absl::Status Diloco::Apply(uint64_t step, float lr, bool last_warmup, Payload re
 absl::Status Validate(const OptimizerOptions& o) {
   const DilocoOptions& d = o.diloco;
   if (d.sync_every < 1) return SettingError("sync_every", "must be >= 1");
+  if (d.fragments < 1 || d.fragments > d.sync_every) {
+    return SettingError("fragments",
+                        absl::StrCat(d.fragments, ": must be in [1, --sync_every (", d.sync_every,
+                                     ")], so that each fragment syncs at an offset of its own"));
+  }
+  // (Empty until d is known: an external model's, before its workers
+  // declare it; no algorithm is made then.)
+  if (!o.shard_begins.empty() &&
+      (o.shard_begins[0] != 0 || !std::is_sorted(o.shard_begins.begin(), o.shard_begins.end()))) {
+    return absl::InternalError("shard_begins: not the begins of a shard map");
+  }
+  if (d.fragments > 1 && !o.shard_begins.empty() && d.fragments > o.shard_begins.size()) {
+    return SettingError("fragments", absl::StrCat(d.fragments,
+                                                  ": fragments are groups of whole "
+                                                  "shards; there are ",
+                                                  o.shard_begins.size(), " (--servers)"));
+  }
   if (!std::isfinite(d.outer_lr) || !(d.outer_lr > 0)) {
     return SettingError("outer_lr", "must be finite and > 0");
   }

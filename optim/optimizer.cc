@@ -1,5 +1,6 @@
 #include "optim/optimizer.h"
 
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -20,6 +21,10 @@ const Codec& OptimizerCodecs::fp32_codec() const { return algorithm_->fp32_codec
 
 StepKind OptimizerCodecs::KindOf(uint64_t step, Phase phase) const {
   return algorithm_->KindOf(step, phase);
+}
+
+StepKind OptimizerCodecs::KindAt(uint64_t step, Phase phase, uint64_t b) const {
+  return algorithm_->KindAt(step, phase, b);
 }
 
 const Codec& OptimizerCodecs::push_codec(StepKind kind) const {
@@ -88,6 +93,12 @@ absl::StatusOr<std::unique_ptr<WorkerOptimizer>> WorkerOptimizer::Create(
 }
 
 namespace {
+
+// Where a step is local only in part (diloco's fragments), which part.
+std::string LocalWhere(const OptimizerCodecs& o, uint64_t step, uint64_t b) {
+  if (o.KindOf(step, Phase::kCompress) == StepKind::kLocal) return "";
+  return absl::StrCat(" for the shard of element ", b, " (its fragment does not sync then)");
+}
 
 // The state's arrays, nullptr where it holds none.
 WorkerView ViewOf(WorkerState* s) {
@@ -227,9 +238,9 @@ absl::Status WorkerOptimizer::LocalStep(uint64_t step, float lr, const float* g,
 
 absl::Status WorkerOptimizer::Push(uint64_t step, float lr, const float* g, uint64_t b, size_t n,
                                    const ArrayOps& ops, WorkerView* s, uint8_t* out) const {
-  if (KindOf(step, PhaseOf(*s)) == StepKind::kLocal) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("step ", step, " is a local step: it sends nothing"));
+  if (KindAt(step, PhaseOf(*s), b) == StepKind::kLocal) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", step, " is a local step", LocalWhere(*this, step, b), ": it sends nothing"));
   }
   return algorithm_->Push(step, lr, g, b, n, ops, s, out);
 }
@@ -237,9 +248,10 @@ absl::Status WorkerOptimizer::Push(uint64_t step, float lr, const float* g, uint
 absl::Status WorkerOptimizer::Apply(uint64_t step, float lr, bool last_warmup, Payload reply,
                                     uint64_t b, size_t n, const ArrayOps& ops,
                                     WorkerView* s) const {
-  if (KindOf(step, PhaseOf(*s)) == StepKind::kLocal) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("step ", step, " is a local step: there is no reply to apply"));
+  if (KindAt(step, PhaseOf(*s), b) == StepKind::kLocal) {
+    return absl::FailedPreconditionError(absl::StrCat("step ", step, " is a local step",
+                                                      LocalWhere(*this, step, b),
+                                                      ": there is no reply to apply"));
   }
   return algorithm_->Apply(step, lr, last_warmup, reply, b, n, ops, s);
 }

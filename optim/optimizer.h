@@ -47,6 +47,10 @@ class OptimizerCodecs {
   // variance steps are kFull, its other steps before the freeze kCompressed,
   // and after the freeze its sync steps kCompressed, the rest kLocal.
   StepKind KindOf(uint64_t step, Phase phase) const;
+  // What step `step` does with the shard that holds element b: KindOf,
+  // except for diloco with fragments (--fragments), whose shards sync at
+  // steps of their own; KindOf is then kCompressed if any shard syncs.
+  StepKind KindAt(uint64_t step, Phase phase, uint64_t b) const;
   // The warm-up codec for kFull steps; the worker / server codec for
   // kCompressed ones.
   const Codec& push_codec(StepKind kind) const;

@@ -113,6 +113,11 @@ struct DilocoOptions {
   uint32_t sync_every = 32;     // H: inner steps per outer step
   float outer_lr = 0.7f;        // DiLoCo's defaults
   float outer_momentum = 0.9f;  // Nesterov; 0: plain averaging steps
+  // F, Streaming DiLoCo's fragments: groups of whole shards (shard k is in
+  // fragment k F / S), fragment f synchronised at the steps t with
+  // (t + 1 + f H / F) mod H = 0 (integer division), so that the wire carries
+  // 1/F of the model at a time. 1: the whole model every H steps.
+  uint32_t fragments = 1;
   // The job's length: its last step always synchronises, so the job ends
   // with every replica equal to the master. 0: unknown.
   uint64_t steps = 0;
@@ -150,6 +155,9 @@ struct OptimizerOptions {
   // increasing, the last one d. onebit-lamb's trust ratios are per layer,
   // and its shard map is aligned to them (ShardMap::CreateAligned).
   std::vector<uint64_t> layer_ends;
+  // The first element of each shard, in shard order (the job's shard map):
+  // diloco's fragments are groups of them. Needed when diloco.fragments > 1.
+  std::vector<uint64_t> shard_begins;
 };
 
 // An InvalidArgument error "--<flag>: <why>" that carries the setting's name

@@ -95,6 +95,16 @@ absl::StatusOr<ReferenceResult> RunReference(const ReferenceOptions& o,
     for (uint32_t k = 0; k < S && kind != StepKind::kLocal; ++k) {
       const Range r = o.map.shard(k);
       const size_t n = r.size();
+      // A shard whose diloco fragment does not sync this step: its part of
+      // the step is each worker's own update, as a local step's.
+      if ((*worker)->KindAt(t, phase, r.begin) == StepKind::kLocal) {
+        for (uint32_t i = 0; i < N; ++i) {
+          absl::Status st = (*worker)->LocalStep(t, lr, g[i].data(), r.begin, n, &out.workers[i]);
+          if (!st.ok()) return st;
+        }
+        ++out.servers[k].step;
+        continue;
+      }
       acc.assign(n, 0.0f);  // +0.0f, then the ranks in order
       push.resize((*worker)->push_codec(kind).EncodedSize(n));
       for (uint32_t i = 0; i < N; ++i) {

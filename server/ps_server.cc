@@ -696,7 +696,7 @@ void PsServer::Complete(Chunk& c, uint64_t index) {
   const uint64_t pushed_ns = MonotonicNs();
   const uint64_t n = c.range.size();
   const bool last_warmup = LastWarmup().value_or(false);
-  const StepKind kind = optimizer_->KindOf(state_.step, PhaseOf(state_));
+  const StepKind kind = optimizer_->KindAt(state_.step, PhaseOf(state_), state_.begin);
   PrepareReply(c, kind, last_warmup);
   absl::Status st = optimizer_->Step(state_.step, StepLr(), last_warmup, c.acc,
                                      c.range.begin - state_.begin, n, &state_, c.reply->data());
@@ -718,7 +718,7 @@ void PsServer::CompleteShard() {
   }
   const uint64_t pushed_ns = MonotonicNs();
   const bool last_warmup = LastWarmup().value_or(false);
-  const StepKind kind = optimizer_->KindOf(state_.step, PhaseOf(state_));
+  const StepKind kind = optimizer_->KindAt(state_.step, PhaseOf(state_), state_.begin);
   std::vector<ServerOptimizer::ChunkSpan> spans;
   for (Chunk& c : chunks()) {
     PrepareReply(c, kind, last_warmup);
@@ -813,7 +813,7 @@ void PsServer::EndStep() {
 bool PsServer::StateIsOfStep(uint64_t step) const {
   if (step > state_.step) return false;
   for (uint64_t t = step; t < state_.step; ++t) {
-    if (optimizer_->KindOf(t, PhaseOf(state_)) != StepKind::kLocal) return false;
+    if (optimizer_->KindAt(t, PhaseOf(state_), state_.begin) != StepKind::kLocal) return false;
   }
   return true;
 }
@@ -823,12 +823,12 @@ void PsServer::SkipLocalSteps() {
   // as it is: they end as they begin. The schedule ends every job on a
   // step that synchronises, so this stops at the job's end at the latest.
   while (!slices_.empty() && (!end_step_ || state_.step < *end_step_) &&
-         optimizer_->KindOf(state_.step, PhaseOf(state_)) == StepKind::kLocal) {
+         optimizer_->KindAt(state_.step, PhaseOf(state_), state_.begin) == StepKind::kLocal) {
     ++state_.step;
     if (options_.on_step_end) options_.on_step_end(state_);
   }
   if (metrics_ != nullptr) metrics_->SetSteps(state_.step);
-  const StepKind kind = optimizer_->KindOf(state_.step, PhaseOf(state_));
+  const StepKind kind = optimizer_->KindAt(state_.step, PhaseOf(state_), state_.begin);
   options_.job.push_codec = &optimizer_->push_codec(kind);
   // The compressed steps' grid, where they have one of their own. The
   // other grid's reply buffers go (the warm-up's are fp32, as large as the

@@ -215,9 +215,9 @@ class DeviceReplica final : public Replica {
   }
 
   // On the push stream, as the pushes it stands for.
-  absl::Status LocalStep(uint64_t step) override {
+  absl::Status LocalStep(uint64_t step, uint64_t b, size_t n) override {
     WorkerView a = View(opt_->WorkerArraysIn(phase(), false));
-    absl::Status st = opt_->LocalStep(step, StepLr(step), g_.f(), 0, d_, *push_ops_, &a);
+    absl::Status st = opt_->LocalStep(step, StepLr(step), g_.f(), b, n, *push_ops_, &a);
     Keep(a);
     return st;
   }

@@ -172,12 +172,12 @@ absl::StatusOr<size_t> PsClient::CheckReply(const Grid& grid, uint32_t server, u
 absl::Status PsClient::ReceiveAll(
     const Grid& grid, const std::string& what,
     const std::function<absl::Status(uint32_t k, std::vector<zmq::message_t>&)>& handle,
-    const Check& check, bool only_server_0) {
+    const Check& check, const std::vector<size_t>& expected_given) {
   const size_t S = sockets_.size();
   std::vector<size_t> expected(S), outstanding(S);
   size_t left = 0;
   for (uint32_t k = 0; k < S; ++k) {
-    expected[k] = only_server_0 ? (k == 0 ? 1 : 0) : grid.by_shard[k].size();
+    expected[k] = expected_given.empty() ? grid.by_shard[k].size() : expected_given[k];
     left += outstanding[k] = expected[k];
   }
   std::vector<absl::Time> last_heard(S, absl::Now());
@@ -192,6 +192,11 @@ absl::Status PsClient::ReceiveAll(
         auto r =
             zmq::recv_multipart(sockets_[k], std::back_inserter(frames), zmq::recv_flags::dontwait);
         if (!r) break;
+        if (outstanding[k] == 0) {
+          return absl::DataLossError(absl::StrCat("server ", k, " (", options_.server_endpoints[k],
+                                                  ") sent a message beyond the ", expected[k],
+                                                  " it owed for ", what));
+        }
         if (absl::Status st = handle(k, frames); !st.ok()) return st;
         last_heard[k] = absl::Now();
         --outstanding[k];
@@ -310,7 +315,11 @@ absl::StatusOr<bool> PsClient::Vote(uint64_t step, bool found_inf, const Check& 
         any = h.found_inf();
         return absl::OkStatus();
       },
-      check, /*only_server_0=*/true);
+      check, [&] {  // one message, of server 0
+        std::vector<size_t> e(sockets_.size(), 0);
+        e[0] = 1;
+        return e;
+      }());
   if (!st.ok()) return st;
   return any;
 }
@@ -400,7 +409,7 @@ absl::Status PsClient::HandleReply(uint32_t server, std::vector<zmq::message_t>&
                                             options_.server_endpoints[server], "): ", parts...));
   };
   const WorkerOptimizer& opt = *options_.optimizer;
-  const StepKind kind = opt.KindOf(step_, replica->phase());
+  const StepKind kind = shard_kind_[server];
   if (h.codec() != opt.reply_codec(kind).name()) {
     return bad("codec '", h.codec(), "' (want ", opt.reply_codec(kind).name(), ")");
   }
@@ -466,7 +475,14 @@ float PsClient::StepLr() const {
 absl::Status PsClient::BeginReplicaStep(Replica* replica) {
   if (replica_begun_) return absl::OkStatus();
   replica_begun_ = true;
-  kind_ = options_.optimizer->KindOf(step_, replica->phase());
+  const WorkerOptimizer& opt = *options_.optimizer;
+  kind_ = opt.KindOf(step_, replica->phase());
+  shard_kind_.assign(sockets_.size(), kind_);
+  if (kind_ != StepKind::kLocal) {
+    for (uint32_t k = 0; k < shard_kind_.size(); ++k) {
+      shard_kind_[k] = opt.KindAt(step_, replica->phase(), options_.map.shard(k).begin);
+    }
+  }
   step_grid_ = kind_ == StepKind::kCompressed && !grids_[1].chunks.empty() ? 1 : 0;
   return replica->BeginStep(step_, StepLr());
 }
@@ -518,7 +534,7 @@ absl::Status PsClient::PushReady(uint64_t b, uint64_t e, Replica* replica) {
       std::lower_bound(grid.by_begin.begin(), grid.by_begin.end(), b,
                        [&](size_t i, uint64_t v) { return grid.chunks[i].range.begin < v; });
   for (auto c = first; c != grid.by_begin.end() && grid.chunks[*c].range.end <= e; ++c) {
-    if (pushed_[*c]) continue;
+    if (pushed_[*c] || shard_kind_[grid.chunks[*c].shard] == StepKind::kLocal) continue;
     if (absl::Status st = PushChunk(*c, replica); !st.ok()) return st;
   }
   return absl::OkStatus();
@@ -542,7 +558,8 @@ absl::Status PsClient::CompleteStep(Replica* replica, const Check& check,
   if (kind_ == StepKind::kLocal) {
     push_s_ = reply_s_ = 0;
     const uint64_t local_start = MonotonicNs();
-    if (absl::Status st = replica->LocalStep(step_); !st.ok()) return st;
+    const uint64_t d = options_.map.num_params();
+    if (absl::Status st = replica->LocalStep(step_, 0, d); !st.ok()) return st;
     absl::Status st = replica->FinishStep(false);
     apply_ns_ = MonotonicNs() - local_start;
     return st;
@@ -554,10 +571,23 @@ absl::Status PsClient::CompleteStep(Replica* replica, const Check& check,
             : absl::StrCat("a gradient scale for step ", step_,
                            ", whose pushes were not made to wait for one"));
   }
+  std::vector<size_t> expected(sockets_.size(), 0);
   for (size_t i = 0; i < step_grid().chunks.size(); ++i) {
+    const uint32_t k = step_grid().chunks[i].shard;
+    if (shard_kind_[k] == StepKind::kLocal) continue;
+    ++expected[k];
     if (pushed_[i]) continue;
     if (absl::Status st = PushChunk(i, replica); !st.ok()) return st;
   }
+  // The shards whose fragment does not sync this step: their part of the
+  // step is local, while the others' replies are on their way.
+  const uint64_t local_start = MonotonicNs();
+  for (uint32_t k = 0; k < shard_kind_.size(); ++k) {
+    if (shard_kind_[k] != StepKind::kLocal) continue;
+    const Range r = options_.map.shard(k);
+    if (absl::Status st = replica->LocalStep(step_, r.begin, r.size()); !st.ok()) return st;
+  }
+  const uint64_t local_ns = MonotonicNs() - local_start;
   if (defer_scale_) {
     Grid& fine = grids_[0];  // a GRAD_SCALE names a chunk of the warm-up's grid
     for (uint32_t k = 0; k < sockets_.size(); ++k) {
@@ -575,7 +605,7 @@ absl::Status PsClient::CompleteStep(Replica* replica, const Check& check,
       [&](uint32_t k, std::vector<zmq::message_t>& frames) {
         return HandleReply(k, frames, replica, &got, &last_warmup);
       },
-      check);
+      check, expected);
   if (!st.ok()) return st;
   const uint64_t received_ns = MonotonicNs();
   if (absl::Status st = replica->FinishStep(last_warmup == 1); !st.ok()) return st;
@@ -583,7 +613,7 @@ absl::Status PsClient::CompleteStep(Replica* replica, const Check& check,
   // The replies were applied as they came: that time is not waiting.
   const uint64_t receiving_ns = received_ns - receive_ns;
   wait_ns_ = receiving_ns > apply_ns_ ? receiving_ns - apply_ns_ : 0;
-  apply_ns_ += end_ns - received_ns;
+  apply_ns_ += end_ns - received_ns + local_ns;
   auto seconds = [](uint64_t from, uint64_t to) { return to > from ? (to - from) * 1e-9 : 0.0; };
   push_s_ = seconds(start_ns_, last_pushed_ns_);
   reply_s_ = seconds(first_sent_ns_, end_ns);

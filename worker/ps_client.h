@@ -169,12 +169,13 @@ class PsClient {
   // so that SetStepLr still counts) and learns what the step sends.
   absl::Status BeginReplicaStep(Replica* replica);
   // Receives until every chunk of `grid` of every server has been answered
-  // (with `only_server_0`: one message of server 0); `handle` takes one
-  // message of server k (and fails the wait with its error).
+  // (with `expected`: that many messages of server k); `handle` takes one
+  // message of server k (and fails the wait with its error). A message
+  // beyond what a server owes is an error naming it.
   absl::Status ReceiveAll(
       const Grid& grid, const std::string& what,
       const std::function<absl::Status(uint32_t k, std::vector<zmq::message_t>&)>& handle,
-      const Check& check, bool only_server_0 = false);
+      const Check& check, const std::vector<size_t>& expected = {});
   // Checks what every reply header must have: parses it, turns ERROR into
   // its reason, checks version, job, kind, step, shard and chunk of `grid`;
   // returns the chunk's index into grid.chunks.
@@ -197,7 +198,11 @@ class PsClient {
   std::optional<float> lr_;
   bool replica_begun_ = false;
   StepKind kind_ = StepKind::kFull;  // what the step sends, once the replica has begun it
-  std::vector<bool> pushed_;         // by step_grid() chunks index
+  // By shard: kind_, or kLocal for a diloco fragment that does not sync
+  // then (OptimizerCodecs::KindAt); its chunks are neither pushed nor
+  // answered, its elements take LocalStep.
+  std::vector<StepKind> shard_kind_;
+  std::vector<bool> pushed_;  // by step_grid() chunks index
   size_t pushed_count_ = 0;
   size_t pushed_before_last_ready_ = 0;
   std::map<uint64_t, uint64_t> ready_;  // released ranges, merged: begin -> end

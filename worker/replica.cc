@@ -49,8 +49,8 @@ class CpuReplica final : public Replica {
   absl::Status Push(uint64_t step, uint64_t b, size_t n, uint8_t* out) override {
     return opt_->Push(step, StepLr(step), g_.data(), b, n, &state_, out);
   }
-  absl::Status LocalStep(uint64_t step) override {
-    return opt_->LocalStep(step, StepLr(step), g_.data(), 0, g_.size(), &state_);
+  absl::Status LocalStep(uint64_t step, uint64_t b, size_t n) override {
+    return opt_->LocalStep(step, StepLr(step), g_.data(), b, n, &state_);
   }
   absl::Status Apply(uint64_t step, float lr, bool last_warmup, const uint8_t* reply, uint64_t b,
                      size_t n) override {

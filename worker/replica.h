@@ -58,9 +58,11 @@ class Replica {
   // optimizer().push_codec(optimizer().KindOf(step, phase())).EncodedSize(n)
   // bytes into host memory out, complete when this returns.
   virtual absl::Status Push(uint64_t step, uint64_t b, size_t n, uint8_t* out) = 0;
-  // A step that sends nothing (StepKind::kLocal): the replica's own update
-  // from the kept gradient; FinishStep follows as after replies.
-  virtual absl::Status LocalStep(uint64_t step) = 0;
+  // The part [b, b + n) of a step that sends nothing for it (StepKind::kLocal
+  // there: the whole model, or a diloco fragment that does not sync then):
+  // the replica's own update from the kept gradient; FinishStep follows
+  // after the step's replies (at once when the whole step is local).
+  virtual absl::Status LocalStep(uint64_t step, uint64_t b, size_t n) = 0;
   // Applies the server's reply for [b, b + n) (host memory, ReplyBytes bytes;
   // see WorkerOptimizer::Apply). A device may still be working when this
   // returns, but `reply` is no longer needed.

@@ -835,14 +835,17 @@ class DiLoCo(DistributedOptimizer):
     with optimizer="diloco". Every worker takes sync_every inner AdamW steps
     on its own replica (lr, betas, eps, weight_decay; bias_correction as
     torch's AdamW unless told otherwise); then the servers average the
-    workers' outer gradients (1-bit with error feedback by default) and take
-    one Nesterov step with them (outer_lr, outer_momentum), and every
-    replica restarts from it (the design doc, section 1.8). Hyper-parameters
-    left as None are the job's. The job needs a fixed number of steps."""
+    workers' outer gradients (1-bit, without error feedback by default) and
+    take one Nesterov step with them (outer_lr, outer_momentum), and every
+    replica restarts from it (the design doc, section 1.8). fragments: F,
+    Streaming DiLoCo's fragments (groups of whole server shards, at most the
+    job's servers), each synced every H steps at an offset of its own.
+    Hyper-parameters left as None are the job's. The job needs a fixed
+    number of steps."""
 
     def __init__(self, params, lr=None, sync_every=None, outer_lr=None, outer_momentum=None,
                  betas=None, eps=None, weight_decay=None, bias_correction=True, overlap=True,
-                 inner=None, H=None, **settings):
+                 inner=None, H=None, fragments=None, **settings):
         # inner: the inner optimizer, which is AdamW (the workers' rule runs
         # it); H: DiLoCo's name for sync_every.
         if inner is not None and inner is not torch.optim.AdamW and \
@@ -857,7 +860,7 @@ class DiLoCo(DistributedOptimizer):
         super().__init__(params, lr=lr, overlap=overlap, betas=betas, optimizer="diloco",
                          sync_every=sync_every, outer_lr=outer_lr,
                          outer_momentum=outer_momentum, eps=eps, weight_decay=weight_decay,
-                         bias_correction=bias_correction, **settings)
+                         bias_correction=bias_correction, fragments=fragments, **settings)
 
 
 def _text(value):

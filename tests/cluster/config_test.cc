@@ -112,8 +112,8 @@ TEST(DeepSpeedConfig, AdamTypesAndBiasCorrectionMap) {
 TEST(DeepSpeedConfig, DilocoMapsItsParams) {
   const std::string json = R"({"optimizer": {"type": "DiLoCo", "params": {
       "lr": 0.002, "betas": [0.9, 0.95], "weight_decay": 0.1, "bias_correction": true,
-      "sync_every": 64, "outer_lr": 0.5, "outer_momentum": 0.8}},
-    "onebit": {"model": "synthetic", "steps": 256}})";
+      "sync_every": 64, "outer_lr": 0.5, "outer_momentum": 0.8, "fragments": 2}},
+    "onebit": {"model": "synthetic", "steps": 256, "servers": 3, "dim": 30000}})";
   auto c = ConfigFromFlags({"--config=" + WriteConfig("diloco", json)});
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->optimizer().algorithm(), control::OPTIMIZER_DILOCO);
@@ -127,7 +127,15 @@ TEST(DeepSpeedConfig, DilocoMapsItsParams) {
   EXPECT_EQ(options->diloco.outer_lr, 0.5f);
   EXPECT_EQ(options->diloco.outer_momentum, 0.8f);
   EXPECT_EQ(options->diloco.steps, 256u);
-  // Resolved for diloco: 1-bit both ways, no warm-up to freeze.
+  EXPECT_EQ(options->diloco.fragments, 2u);
+  // The fragments' shards: the job's shard map, 3 shards of d = 30000.
+  ASSERT_EQ(options->shard_begins.size(), 3u);
+  EXPECT_EQ(options->shard_begins[0], 0u);
+  EXPECT_LT(options->shard_begins[1], options->shard_begins[2]);
+  EXPECT_LT(options->shard_begins[2], 30000u);
+  // Resolved for diloco: 1-bit both ways, no warm-up to freeze, no error
+  // feedback.
+  EXPECT_EQ(ErrorFeedbackName(*options), "none");
   EXPECT_EQ(c->compression().worker_codec(), control::CODEC_ONEBIT);
   EXPECT_EQ(c->compression().server_codec(), control::CODEC_ONEBIT);
   EXPECT_EQ(c->optimizer().freeze(), "");
@@ -137,6 +145,13 @@ TEST(DeepSpeedConfig, DilocoMapsItsParams) {
   auto refused = ConfigFromFlags({"--config=" + WriteConfig("diloco_bad", bad)});
   ASSERT_FALSE(refused.ok());
   EXPECT_THAT(std::string(refused.status().message()), HasSubstr("--outer_momentum"));
+  // More fragments than shards (servers) is refused naming the flag.
+  const std::string too_many = R"({"optimizer": {"type": "DiLoCo", "params": {"fragments": 3}},
+    "onebit": {"model": "synthetic", "steps": 10, "servers": 2}})";
+  refused = ConfigFromFlags({"--config=" + WriteConfig("diloco_fragments", too_many)});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(std::string(refused.status().message()),
+              HasSubstr("--fragments: 3: fragments are groups of whole shards; there are 2"));
 }
 
 // An optimizer that compresses from step 0 has no warm-up for a freeze to

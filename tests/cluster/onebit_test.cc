@@ -318,6 +318,62 @@ INSTANTIATE_TEST_SUITE_P(Combinations, DilocoTest, ::testing::ValuesIn(AllDiloco
                                                info.param.error_feedback);
                          });
 
+// Streaming diloco (--fragments F) on the mixed cluster: 3 workers, 3
+// servers, H = 4, 14 steps. F = 3: shard k is fragment k, at offsets 0, 1,
+// 2 (4 k / 3), so shard 0 syncs at t = 3, 7, 11, shard 1 at 2, 6, 10,
+// shard 2 at 1, 5, 9, and all at 13, the last: 10 steps send. F = 2:
+// shards 0 and 1 are fragment 0 (k F / S), shard 2 fragment 1 (offset 2):
+// t = 3, 7, 11 and 1, 5, 9, and 13: 7 steps send. Every replica, master and
+// error equals the reference's bit for bit.
+struct FragmentCombo {
+  ZeroOneCombo codecs;
+  uint32_t fragments;
+};
+void PrintTo(const FragmentCombo& c, std::ostream* os) {
+  *os << "diloco F=" << c.fragments << " " << c.codecs.worker_codec << "/" << c.codecs.server_codec
+      << " ef=" << c.codecs.error_feedback;
+}
+class DilocoFragmentsTest : public ::testing::TestWithParam<FragmentCombo> {};
+
+TEST_P(DilocoFragmentsTest, EveryWorkerAndServerEqualsTheReference) {
+  const FragmentCombo& c = GetParam();
+  control::TrainingConfig cfg = MakeConfig(3, 3, 1000, 14, "diloco");
+  cfg.mutable_optimizer()->set_lr(0.02f);
+  cfg.mutable_optimizer()->set_weight_decay(0.01f);
+  cfg.mutable_optimizer()->set_bias_correction(true);
+  cfg.mutable_optimizer()->set_sync_every(4);
+  cfg.mutable_optimizer()->set_fragments(c.fragments);
+  cfg.mutable_optimizer()->set_outer_lr(0.7f);
+  cfg.mutable_optimizer()->set_outer_momentum(0.9f);
+  testing::SetSetting(&cfg, "worker_codec", c.codecs.worker_codec);
+  testing::SetSetting(&cfg, "server_codec", c.codecs.server_codec);
+  testing::SetSetting(&cfg, "error_feedback", c.codecs.error_feedback);
+  cfg.mutable_timeouts()->set_heartbeat_ms(3000);
+  const std::string out = Launch(cfg, absl::StrCat("diloco-f", c.fragments), kMixedDevices);
+  const ReferenceResult ref = Reference(cfg);
+  ExpectEqualsReference(out, cfg, ref);
+  const std::string summary = ReadFile(out + "/summary.json");
+  EXPECT_EQ(Field(summary, "status"), "\"ok\"") << summary;
+  EXPECT_EQ(Field(summary, "replicas_equal"), "true") << summary;
+  const std::set<uint64_t> sending = c.fragments == 3
+                                         ? std::set<uint64_t>{1, 2, 3, 5, 6, 7, 9, 10, 11, 13}
+                                         : std::set<uint64_t>{1, 3, 5, 7, 9, 11, 13};
+  EXPECT_EQ(Field(summary, "rounds"), absl::StrCat(sending.size())) << summary;
+  ExpectStepsSend(out, 14, sending, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Streaming, DilocoFragmentsTest,
+                         ::testing::Values(FragmentCombo{{"onebit", "onebit", "both"}, 3},
+                                           FragmentCombo{{"onebit", "onebit", "none"}, 2},
+                                           FragmentCombo{{"fp16", "onebit", "worker"}, 3},
+                                           FragmentCombo{{"fp32", "fp32", "server"}, 2}),
+                         [](const ::testing::TestParamInfo<FragmentCombo>& info) {
+                           return absl::StrCat("F", info.param.fragments, "_",
+                                               info.param.codecs.worker_codec, "_",
+                                               info.param.codecs.server_codec, "_ef_",
+                                               info.param.codecs.error_feedback);
+                         });
+
 // onebit-lamb on the mlp (tensors W0 b0 W1 b1) through a real 3 x S
 // cluster, workers 0 and 2 on the GPU worker's code on its CPU twins (a
 // GPU's mlp gradient differs from the CPU's): shards of whole tensors (W0

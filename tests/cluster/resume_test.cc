@@ -763,18 +763,20 @@ TEST(Recovery, ZeroOneAdamRollsBackBetweenSyncsBitForBit) {
   EXPECT_THAT(ReadFile(out + ".log"), HasSubstr("worker 1: server 0 registered again"));
 }
 
-// diloco rolled back in place: worker 1, killed after 500 steps, comes back
-// and restores its own local model, inner AdamW state and error from its
-// file of the checkpoint of step 400 (or 600), between two syncs (every 64
-// steps: 447 and 511, or 639); the others roll back in place, and the job
-// ends bit for bit as uninterrupted. (Error feedback both ways, not
-// diloco's default none, so that both errors are restored too.)
+// Streamed diloco rolled back in place: worker 1, killed after 500 steps,
+// comes back and restores its own local model, inner AdamW state and error
+// from its file of the checkpoint of step 400 (or 600), between two syncs of
+// each fragment (every 64 steps: shard 0 at 447 and 511, or 639; shard 1,
+// 32 steps earlier, at 415 and 479, or 607); the others roll back in place,
+// each server to a state of its own shard's, and the job ends bit for bit
+// as uninterrupted. (Error feedback both ways, not diloco's default none,
+// so that both errors are restored too.)
 TEST(Recovery, DilocoRollsBackBetweenSyncsBitForBit) {
   const std::string dir = TempDir("recovery_diloco");
   Case c;
   c.flags = Synthetic("diloco", 2, 1000,
-                      {"--sync_every=64", "--bias_correction", "--lr=0.001", "--dim=400000",
-                       "--error_feedback=both"});
+                      {"--sync_every=64", "--fragments=2", "--bias_correction", "--lr=0.001",
+                       "--dim=400000", "--error_feedback=both"});
   RunResult r = RunCommand(Launch(c, dir + "/plain", {"--dump_params"}), absl::Seconds(120));
   ASSERT_EQ(r.code, 0) << r.output;
   const std::string out = dir + "/run";
@@ -783,7 +785,8 @@ TEST(Recovery, DilocoRollsBackBetweenSyncsBitForBit) {
                      {"--checkpoint_dir=" + out + "/ckpt", "--checkpoint_every=200",
                       "--max_restarts=2", "--dump_params"});
   EXPECT_EQ(Field(summary, "rollbacks"), "1");
-  EXPECT_EQ(Field(summary, "rounds"), "16");  // k = 64, 128, ..., 960 and 1000
+  // Shard 0 at k = 64, 128, ..., 960 and 1000; shard 1 at k = 32, 96, ..., 992.
+  EXPECT_EQ(Field(summary, "rounds"), "32");
   EXPECT_THAT(ReadFile(out + ".log"), HasSubstr("server 0: worker 1 registered again"));
 }
 

@@ -175,6 +175,7 @@ std::vector<std::string> ConfigArgs(const control::TrainingConfig& c) {
           absl::StrCat("--sync_every=", c.optimizer().sync_every()),
           absl::StrFormat("--outer_lr=%.9g", c.optimizer().outer_lr()),
           absl::StrFormat("--outer_momentum=%.9g", c.optimizer().outer_momentum()),
+          absl::StrCat("--fragments=", std::max<uint32_t>(1, c.optimizer().fragments())),
           "--error_feedback=" + EnumText(c.compression().error_feedback()),
           "--server_reply=" + EnumText(c.compression().server_reply()),
           "--scale=" + EnumText(c.compression().scale()),

@@ -133,6 +133,30 @@ TEST(JobConfig, DilocosErrorFeedbackIsNoneUnlessTheJobNamesOne) {
   }
 }
 
+// diloco's fragments are groups of the job's shards: each process finds
+// their begins in the config, and a fragment of empty shards is refused.
+TEST(JobConfig, DilocosFragmentsTakeTheShardMapAndRefuseAnEmptyOne) {
+  control::TrainingConfig c = DefaultJobConfig();
+  ASSERT_TRUE(SetJobSetting(*FindJobSetting("optimizer"), "diloco", &c).ok());
+  ASSERT_TRUE(SetJobSetting(*FindJobSetting("fragments"), "2", &c).ok());
+  c.mutable_model()->set_steps(100);
+  c.mutable_cluster()->set_servers(3);
+  c.mutable_compression()->set_block_size(256);
+  c.mutable_model()->set_dim(3 * 256 * 4);  // 4 blocks per shard
+  ASSERT_TRUE(
+      ResolveConfig({"optimizer", "fragments", "steps", "servers", "block_size", "dim"}, &c).ok());
+  absl::StatusOr<OptimizerOptions> o = OptimizerOptionsFromConfig(c);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->shard_begins, (std::vector<uint64_t>{0, 1024, 2048}));
+  c.mutable_model()->set_dim(600);  // 3 blocks: one per shard; 2 shards at 2048
+  c.mutable_compression()->set_block_size(2048);
+  o = OptimizerOptionsFromConfig(c);
+  ASSERT_FALSE(o.ok());
+  EXPECT_EQ(o.status().message(),
+            "--fragments: 2: fragment 1 holds no parameters (d = 600 fills 1 of 3 shards at "
+            "--block_size 2048): give fewer fragments or a smaller --block_size");
+}
+
 // summary.json parses as JSON whatever the numbers (NaN, infinities, huge).
 TEST(RunFolder, SummaryIsValidJsonWhateverTheNumbers) {
   const std::string dir = testing::TempDir("summary_json");

@@ -91,91 +91,173 @@ TEST(DilocoSchedule, SyncsEveryHStepsAndAtTheJobsLastStep) {
 }
 
 // DiLoCo written out by hand for 2 workers and d = 64 (two 32-element
-// blocks, one per shard), H = 3 and 6 steps: steps k = 1, 2, 4, 5 are inner
-// AdamW steps alone, k = 3 and 6 an inner step and then a sync. Then the
-// reference, which runs the servers' and workers' rules, must equal it bit
-// for bit.
-TEST(Diloco, ReferenceMatchesHandComputationStepByStep) {
-  const OptimizerOptions o = DilocoOptionsForTest();
-  const size_t d = 64;
+// blocks, one per shard, as ReferenceFor cuts them), 6 steps: an inner
+// AdamW step on every worker at every step, and then, at the steps where
+// shard k's fragment syncs (`syncs(k, t)`), that shard's outer step.
+struct ByHand {
+  std::vector<float> xs, M, e_s;                  // the master, its momentum, its error
+  std::vector<std::vector<float>> xl, m, v, e_w;  // per worker
+  uint64_t rounds = 0;
+};
+template <typename Syncs>
+ByHand DilocoByHand(const OptimizerOptions& o, const std::vector<float>& x0, Syncs syncs) {
+  const size_t d = x0.size();
   const uint32_t N = 2;
   const float b1 = o.beta1, c1 = 1.0f - o.beta1, b2 = o.beta2, c2 = 1.0f - o.beta2;
   const float mu = o.diloco.outer_momentum, olr = o.diloco.outer_lr;
-  std::vector<float> x0(d);
-  for (size_t j = 0; j < d; ++j) x0[j] = 0.1f * static_cast<float>(static_cast<int>(j % 13) - 6);
-
-  std::vector<float> xs = x0, M(d, 0.0f), e_s(d, 0.0f);
-  std::vector<std::vector<float>> xl(N, x0), m(N, std::vector<float>(d, 0.0f)), v = m, e_w = m;
+  ByHand h;
+  h.xs = x0;
+  h.M.assign(d, 0.0f);
+  h.e_s.assign(d, 0.0f);
+  h.xl.assign(N, x0);
+  h.m.assign(N, std::vector<float>(d, 0.0f));
+  h.v = h.e_w = h.m;
   for (uint64_t t = 0; t < 6; ++t) {
     const double k = static_cast<double>(t + 1);
     const float k1 = static_cast<float>(1.0 - std::pow(static_cast<double>(b1), k));
     const float k2 = static_cast<float>(1.0 - std::pow(static_cast<double>(b2), k));
     for (uint32_t r = 0; r < N; ++r) {
       std::vector<float> g(d);
-      for (size_t j = 0; j < d; ++j) g[j] = Gradient(xl[r].data(), r, t, j);
+      for (size_t j = 0; j < d; ++j) g[j] = Gradient(h.xl[r].data(), r, t, j);
       for (size_t j = 0; j < d; ++j) {  // AdamW, bias-corrected
         const float wd = j < 16 ? 0.0f : o.weight_decay;
-        m[r][j] = b1 * m[r][j] + c1 * g[j];
-        v[r][j] = b2 * v[r][j] + c2 * g[j] * g[j];
+        h.m[r][j] = b1 * h.m[r][j] + c1 * g[j];
+        h.v[r][j] = b2 * h.v[r][j] + c2 * g[j] * g[j];
         const float step =
-            -o.lr * ((m[r][j] / k1) / (std::sqrt(v[r][j] / k2) + o.eps) + wd * xl[r][j]);
-        xl[r][j] += step;
+            -o.lr * ((h.m[r][j] / k1) / (std::sqrt(h.v[r][j] / k2) + o.eps) + wd * h.xl[r][j]);
+        h.xl[r][j] += step;
       }
     }
-    if ((t + 1) % 3 != 0) continue;
-    // The outer gradients, 1-bit with the workers' errors, averaged.
-    std::vector<float> a(d, 0.0f);
-    for (uint32_t r = 0; r < N; ++r) {
-      std::vector<float> z(d);
-      for (size_t j = 0; j < d; ++j) z[j] = (xs[j] - xl[r][j]) + e_w[r][j];
+    bool any = false;
+    for (size_t b = 0; b < d; b += 32) {  // shard b / 32
+      if (!syncs(b / 32, t)) continue;
+      any = true;
+      // The outer gradients, 1-bit with the workers' errors, averaged.
+      std::vector<float> a(32, 0.0f);
+      for (uint32_t r = 0; r < N; ++r) {
+        std::vector<float> z(32);
+        for (size_t j = 0; j < 32; ++j) z[j] = (h.xs[b + j] - h.xl[r][b + j]) + h.e_w[r][b + j];
+        const std::vector<float> c = OneBit(z);
+        for (size_t j = 0; j < 32; ++j) {
+          h.e_w[r][b + j] = z[j] - c[j];
+          a[j] += 0.5f * c[j];
+        }
+      }
+      // Nesterov on the server, the step 1-bit with the server's error.
+      std::vector<float> z(32);
+      for (size_t j = 0; j < 32; ++j) {
+        h.M[b + j] = mu * h.M[b + j] + a[j];
+        z[j] = olr * (a[j] + mu * h.M[b + j]) + h.e_s[b + j];
+      }
       const std::vector<float> c = OneBit(z);
-      for (size_t j = 0; j < d; ++j) {
-        e_w[r][j] = z[j] - c[j];
-        a[j] += 0.5f * c[j];
+      for (size_t j = 0; j < 32; ++j) {
+        h.e_s[b + j] = z[j] - c[j];
+        h.xs[b + j] -= c[j];
+        for (uint32_t r = 0; r < N; ++r) h.xl[r][b + j] = h.xs[b + j];
       }
     }
-    // Nesterov on the servers, the step 1-bit with the server's error.
-    std::vector<float> z(d);
-    for (size_t j = 0; j < d; ++j) {
-      M[j] = mu * M[j] + a[j];
-      z[j] = olr * (a[j] + mu * M[j]) + e_s[j];
-    }
-    const std::vector<float> c = OneBit(z);
-    for (size_t j = 0; j < d; ++j) {
-      e_s[j] = z[j] - c[j];
-      xs[j] -= c[j];
-      for (uint32_t r = 0; r < N; ++r) xl[r][j] = xs[j];
+    h.rounds += any;
+  }
+  return h;
+}
+
+// The reference's end against the hand computation's, element by element.
+void ExpectEqualToHand(const ReferenceResult& r, const ByHand& h) {
+  ASSERT_EQ(r.servers.size(), 2u);
+  for (size_t j = 0; j < h.xs.size(); ++j) {
+    const ServerShardState& s = r.servers[j / 32];
+    ASSERT_EQ(s.x[j % 32], h.xs[j]) << j;
+    ASSERT_EQ(s.m[j % 32], h.M[j]) << j;
+    ASSERT_EQ(s.e[j % 32], h.e_s[j]) << j;
+    for (uint32_t w = 0; w < h.xl.size(); ++w) {
+      ASSERT_EQ(r.workers[w].x[j], h.xl[w][j]) << "worker " << w << " " << j;
+      ASSERT_EQ(r.workers[w].x_sync[j], h.xs[j]) << "worker " << w << " " << j;
+      ASSERT_EQ(r.workers[w].mbar[j], h.m[w][j]) << "worker " << w << " " << j;
+      ASSERT_EQ(r.workers[w].v[j], h.v[w][j]) << "worker " << w << " " << j;
+      ASSERT_EQ(r.workers[w].e[j], h.e_w[w][j]) << "worker " << w << " " << j;
     }
   }
+}
 
-  auto r = RunReference(ReferenceFor(o, N, d, 6), x0,
-                        [&](const float* at, uint32_t rank, uint64_t t, float* out) {
-                          for (size_t j = 0; j < d; ++j) out[j] = Gradient(at, rank, t, j);
-                          return 0.0;
-                        });
+std::vector<float> HandX0(size_t d) {
+  std::vector<float> x0(d);
+  for (size_t j = 0; j < d; ++j) x0[j] = 0.1f * static_cast<float>(static_cast<int>(j % 13) - 6);
+  return x0;
+}
+
+absl::StatusOr<ReferenceResult> ReferenceOfHandJob(const OptimizerOptions& o,
+                                                   const std::vector<float>& x0) {
+  const size_t d = x0.size();
+  return RunReference(ReferenceFor(o, 2, d, 6), x0,
+                      [&](const float* at, uint32_t rank, uint64_t t, float* out) {
+                        for (size_t j = 0; j < d; ++j) out[j] = Gradient(at, rank, t, j);
+                        return 0.0;
+                      });
+}
+
+// H = 3: steps k = 1, 2, 4, 5 are inner AdamW steps alone, k = 3 and 6 an
+// inner step and then a sync. The reference, which runs the servers' and
+// workers' rules, must equal the hand computation bit for bit.
+TEST(Diloco, ReferenceMatchesHandComputationStepByStep) {
+  const OptimizerOptions o = DilocoOptionsForTest();
+  const std::vector<float> x0 = HandX0(64);
+  const ByHand h = DilocoByHand(o, x0, [](size_t, uint64_t t) { return (t + 1) % 3 == 0; });
+  auto r = ReferenceOfHandJob(o, x0);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->rounds, 2u);
+  EXPECT_EQ(h.rounds, 2u);
   EXPECT_EQ(r->freeze_step, 0u);  // compresses from the start
   for (uint64_t t : {0, 1, 3, 4}) EXPECT_EQ(r->push_bytes[t], 0u) << t;
   // Per shard and worker: a scale and 32 bits, both ways.
-  EXPECT_EQ(r->push_bytes[2], N * 2 * (4 + 32 / 8));
-  EXPECT_EQ(r->reply_bytes[5], N * 2 * (4 + 32 / 8));
-  ASSERT_EQ(r->servers.size(), 2u);
-  for (size_t j = 0; j < d; ++j) {
-    const ServerShardState& s = r->servers[j / 32];
-    ASSERT_EQ(s.x[j % 32], xs[j]) << j;
-    ASSERT_EQ(s.m[j % 32], M[j]) << j;
-    ASSERT_EQ(s.e[j % 32], e_s[j]) << j;
-    for (uint32_t w = 0; w < N; ++w) {
-      ASSERT_EQ(r->workers[w].x[j], xs[j]) << "worker " << w << " " << j;
-      ASSERT_EQ(r->workers[w].x_sync[j], xs[j]) << "worker " << w << " " << j;
-      ASSERT_EQ(r->workers[w].mbar[j], m[w][j]) << "worker " << w << " " << j;
-      ASSERT_EQ(r->workers[w].v[j], v[w][j]) << "worker " << w << " " << j;
-      ASSERT_EQ(r->workers[w].e[j], e_w[w][j]) << "worker " << w << " " << j;
-    }
-  }
+  EXPECT_EQ(r->push_bytes[2], 2 * 2 * (4 + 32 / 8));
+  EXPECT_EQ(r->reply_bytes[5], 2 * 2 * (4 + 32 / 8));
+  ExpectEqualToHand(*r, h);
   // The workers' local models parted between syncs: the test has teeth.
-  EXPECT_NE(xs, x0);
+  EXPECT_NE(h.xs, x0);
+}
+
+// Streaming (F = 2 fragments, one shard each, H = 3): fragment 0 syncs at
+// (t + 1) mod 3 = 0, fragment 1 at an offset of 3 / 2 = 1 step,
+// (t + 1 + 1) mod 3 = 0, and both at the last step: shard 1 at t = 1 and 4,
+// shard 0 at t = 2, both at t = 5. Between its syncs a shard's elements
+// take local steps while the other's sync.
+TEST(Diloco, FragmentsSyncInTurnAsTheHandComputation) {
+  OptimizerOptions o = DilocoOptionsForTest();
+  o.diloco.fragments = 2;
+  o.shard_begins = {0, 32};
+  const std::vector<float> x0 = HandX0(64);
+  const ByHand h = DilocoByHand(
+      o, x0, [](size_t shard, uint64_t t) { return t == 5 || (t + 1 + shard) % 3 == 0; });
+  auto w = WorkerOptimizer::Create(o);
+  ASSERT_TRUE(w.ok()) << w.status();
+  std::string kinds;
+  for (uint64_t t = 0; t < 6; ++t) {
+    for (uint64_t b : {0, 32}) {
+      kinds += (*w)->KindAt(t, Phase::kCompress, b) == StepKind::kLocal ? 'l' : 'S';
+    }
+    kinds += (*w)->KindOf(t, Phase::kCompress) == StepKind::kLocal ? "l " : "S ";
+  }
+  EXPECT_EQ(kinds, "lll lSS SlS lll lSS SSS ");
+  auto r = ReferenceOfHandJob(o, x0);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->rounds, 4u);
+  EXPECT_EQ(h.rounds, 4u);
+  // One shard's pushes at t = 1, 2, 4; both at 5.
+  for (uint64_t t : {1, 2, 4}) EXPECT_EQ(r->push_bytes[t], 2 * (4 + 32 / 8)) << t;
+  EXPECT_EQ(r->push_bytes[5], 2 * 2 * (4 + 32 / 8));
+  ExpectEqualToHand(*r, h);
+  // Not the unstreamed job: the fragments' schedule changed the result.
+  const ByHand whole = DilocoByHand(o, x0, [](size_t, uint64_t t) { return (t + 1) % 3 == 0; });
+  EXPECT_NE(h.xs, whole.xs);
+  // A local step on a syncing shard, or a push of a local one, is refused.
+  WorkerState s;
+  (*w)->InitState(64, &s);
+  std::vector<float> g(64, 0.1f);
+  std::vector<uint8_t> out(64);
+  EXPECT_THAT(std::string((*w)->LocalStep(1, o.lr, g.data(), 32, 32, &s).message()),
+              HasSubstr("step 1 synchronises: it is no local step"));
+  EXPECT_THAT(std::string((*w)->Push(1, o.lr, g.data(), 0, 32, &s, out.data()).message()),
+              HasSubstr("step 1 is a local step for the shard of element 0"));
 }
 
 // With fp32 both ways, outer_lr 1 and no momentum, an outer step is model
@@ -239,6 +321,15 @@ TEST(Diloco, RefusalsNameTheFlag) {
               HasSubstr("--server_reply"));
   EXPECT_THAT(refusal([](OptimizerOptions* o) { o->warmup_codec = "fp16"; }),
               HasSubstr("--warmup_codec"));
+  EXPECT_THAT(refusal([](OptimizerOptions* o) { o->diloco.fragments = 0; }),
+              HasSubstr("--fragments: 0: must be in [1, --sync_every (3)]"));
+  EXPECT_THAT(refusal([](OptimizerOptions* o) { o->diloco.fragments = 4; }),
+              HasSubstr("--fragments: 4: must be in [1, --sync_every (3)]"));
+  EXPECT_THAT(refusal([](OptimizerOptions* o) {
+                o->diloco.fragments = 3;
+                o->shard_begins = {0, 32};
+              }),
+              HasSubstr("--fragments: 3: fragments are groups of whole shards; there are 2"));
   EXPECT_EQ(refusal([](OptimizerOptions*) {}), "");
 }
 

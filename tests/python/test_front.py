@@ -159,20 +159,26 @@ def test_diloco_inner_steps_are_torch_adamw_across_syncs(tmp_path, groups):
     assert s["replicas_equal"] is True
 
 
-def test_diloco_from_the_constructor_syncs_every_h_steps_with_equal_replicas(tmp_path):
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_diloco_from_the_constructor_syncs_every_h_steps_with_equal_replicas(tmp_path, fragments):
     # 2 workers, 24 steps, H = 4: steps 3, 7, ..., 23 synchronise (1-bit
-    # both ways), the other 18 are local AdamW steps that send nothing.
-    r, s = launch(tmp_path, 2, 2, ["--dump_params", "--steps=24"],
-                  "24 --ctor 'DiLoCo(model, lr=0.03, H=4, inner=torch.optim.AdamW, outer_lr=0.7)'")
+    # both ways), the other 18 are local AdamW steps that send nothing. With
+    # 2 fragments (one per server) shard 1 syncs 2 steps earlier, at 1, 5,
+    # ..., 21, and both at 23, the last (blocks of 256: the 804 parameters
+    # fill both shards, 512 and 292).
+    r, s = launch(tmp_path, 2, 2, ["--dump_params", "--steps=24", "--block_size=256"],
+                  "24 --ctor 'DiLoCo(model, lr=0.03, H=4, inner=torch.optim.AdamW, outer_lr=0.7, "
+                  f"fragments={fragments})'")
     assert r.returncode == 0, r.stderr
-    assert s["optimizer"] == "diloco" and s["rounds"] == 6, s
+    sending = list(range(3, 24, 4)) if fragments == 1 else list(range(1, 24, 2))
+    assert s["optimizer"] == "diloco" and s["rounds"] == len(sending), s
     assert s["worker_codec"] == "onebit" and s["server_codec"] == "onebit"
     assert s["replicas_equal"] is True and s["workers_agree"] is True
     run = tmp_path / "run"
     assert (run / "replica_w0.f32").read_bytes() == (run / "replica_w1.f32").read_bytes()
     lines = (run / "metrics.csv").read_text().splitlines()
     rows = [dict(zip(lines[0].split(","), l.split(","))) for l in lines[1:]]
-    assert [int(r["step"]) for r in rows if int(r["bytes_up"]) > 0] == [3, 7, 11, 15, 19, 23], lines
+    assert [int(r["step"]) for r in rows if int(r["bytes_up"]) > 0] == sending, lines
     assert learned(r.stderr, s), r.stderr
 
 

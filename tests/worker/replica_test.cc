@@ -167,7 +167,7 @@ struct Fixture {
     if (worker->KindOf(t, cpu->phase()) == StepKind::kLocal) {
       for (Replica* r : All()) {
         ASSERT_TRUE(r->ComputeGradient(0, t).ok());
-        const absl::Status st = r->LocalStep(t);
+        const absl::Status st = r->LocalStep(t, 0, kD);
         ASSERT_TRUE(st.ok()) << r->device() << ": " << st;
         ASSERT_TRUE(r->FinishStep(false).ok());
       }
