@@ -12,7 +12,6 @@ import csv
 import json
 import os
 import re
-import random
 import shutil
 import socket
 import subprocess
@@ -22,26 +21,8 @@ import urllib.parse
 import urllib.request
 
 
-def free_ports(n):
-    """The first of n consecutive free ports, drawn below Linux's ephemeral
-    range (32768 up): there no outgoing connection is handed one meanwhile,
-    and a poll of a port whose server is not yet listening cannot connect to
-    itself (a self-connected socket echoes the request as its reply)."""
-    for _ in range(200):
-        first = random.randint(20000, 32000 - n)
-        held = []
-        try:
-            for p in range(first, first + n):
-                s = socket.socket()
-                held.append(s)
-                s.bind(("127.0.0.1", p))
-            return first
-        except OSError:
-            pass
-        finally:
-            for s in held:
-                s.close()
-    raise AssertionError(f"no {n} consecutive free ports in 20000-32000")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+from local_servers import free_local_ports  # noqa: E402  (ports below the ephemeral range)
 
 
 def get(url, timeout=5):
@@ -75,8 +56,8 @@ def main():
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     workers, servers = 2, 2
-    metrics_port = free_ports(1 + servers + workers)
-    prom_port = free_ports(1)
+    metrics_port = free_local_ports(1 + servers + workers)
+    prom_port = free_local_ports(1)
     targets = ", ".join(f"'127.0.0.1:{metrics_port + i}'" for i in range(1 + servers + workers))
     with open(f"{work}/prometheus.yml", "w") as f:
         f.write(f"""global:
