@@ -1,6 +1,5 @@
 #include "job/config.h"
 
-#include <algorithm>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -163,25 +162,31 @@ absl::StatusOr<OptimizerOptions> OptimizerOptionsFromConfig(const control::Train
   o.diloco.sync_every = c.optimizer().sync_every();
   o.diloco.outer_lr = c.optimizer().outer_lr();
   o.diloco.outer_momentum = c.optimizer().outer_momentum();
-  o.diloco.fragments = std::max<uint32_t>(1, c.optimizer().fragments());  // 0: from before F
+  o.diloco.fragments = c.optimizer().fragments();
   o.diloco.steps = c.model().steps();
   // diloco's fragments are groups of shards: every process derives the
   // same map from the config (once d is known: an external model's
   // workers declare it).
-  if (o.kind == OptimizerKind::kDiloco && o.diloco.fragments > 1 && c.model().dim() > 0) {
+  const uint32_t S = c.cluster().servers(), F = o.diloco.fragments;
+  if (o.kind == OptimizerKind::kDiloco && F > S) {
+    return SettingError("fragments", absl::StrCat(F,
+                                                  ": fragments are groups of whole shards; "
+                                                  "there are ",
+                                                  S, " (--servers)"));
+  }
+  if (o.kind == OptimizerKind::kDiloco && F > 1 && c.model().dim() > 0) {
     absl::StatusOr<ShardMap> map = ShardMapForConfig(c, {});
     if (!map.ok()) return map.status();
-    const uint32_t S = map->num_shards(), F = o.diloco.fragments;
     std::vector<uint64_t> held(F, 0);  // parameters per fragment
     uint32_t filled = 0;
-    for (uint32_t k = 0; k < S; ++k) {
+    for (uint32_t k = 0; k < map->num_shards(); ++k) {
       o.shard_begins.push_back(map->shard(k).begin);
       filled += map->shard(k).size() > 0;
-      if (F <= S) held[static_cast<uint64_t>(k) * F / S] += map->shard(k).size();
+      held[static_cast<uint64_t>(k) * F / map->num_shards()] += map->shard(k).size();
     }
     // A fragment of empty shards would sync nothing: the model is too
     // small for the servers at this block size.
-    for (uint32_t f = 0; f < F && F <= S; ++f) {
+    for (uint32_t f = 0; f < F; ++f) {
       if (held[f] != 0) continue;
       return SettingError("fragments",
                           absl::StrCat(F, ": fragment ", f, " holds no parameters (d = ",
@@ -276,13 +281,6 @@ absl::Status ValidateConfig(const control::TrainingConfig& c) {
   auto freeze = FreezeOptionsFromConfig(c);
   if (!freeze.ok()) return freeze.status();
   const AlgorithmTraits& traits = TraitsOf(options->kind);
-  if (options->kind == OptimizerKind::kDiloco &&
-      options->diloco.fragments > c.cluster().servers()) {
-    return SettingError("fragments",
-                        absl::StrCat(options->diloco.fragments,
-                                     ": fragments are groups of whole shards; there are ",
-                                     c.cluster().servers(), " (--servers)"));
-  }
   if (traits.needs_job_length && c.model().steps() < 1) {
     return SettingError(
         "steps", absl::StrCat(traits.name, " needs the job's length: its last step synchronises"));

@@ -138,6 +138,7 @@ control::TrainingConfig MakeConfig(uint32_t workers, uint32_t servers, uint64_t 
   SetSetting(&c, "warmup_codec", "fp32");
   SetSetting(&c, "checkpoint_failure", "continue");
   c.mutable_optimizer()->set_v_floor(1e-8f);
+  c.mutable_optimizer()->set_fragments(1);
   c.mutable_compression()->set_block_size(32);
   c.mutable_compression()->set_chunk_elems(256);
   c.mutable_timeouts()->set_step_ms(20000);
@@ -175,7 +176,7 @@ std::vector<std::string> ConfigArgs(const control::TrainingConfig& c) {
           absl::StrCat("--sync_every=", c.optimizer().sync_every()),
           absl::StrFormat("--outer_lr=%.9g", c.optimizer().outer_lr()),
           absl::StrFormat("--outer_momentum=%.9g", c.optimizer().outer_momentum()),
-          absl::StrCat("--fragments=", std::max<uint32_t>(1, c.optimizer().fragments())),
+          absl::StrCat("--fragments=", c.optimizer().fragments()),
           "--error_feedback=" + EnumText(c.compression().error_feedback()),
           "--server_reply=" + EnumText(c.compression().server_reply()),
           "--scale=" + EnumText(c.compression().scale()),

@@ -155,6 +155,14 @@ TEST(JobConfig, DilocosFragmentsTakeTheShardMapAndRefuseAnEmptyOne) {
   EXPECT_EQ(o.status().message(),
             "--fragments: 2: fragment 1 holds no parameters (d = 600 fills 1 of 3 shards at "
             "--block_size 2048): give fewer fragments or a smaller --block_size");
+  // More fragments than shards, and none, are refused naming the flag.
+  c.mutable_optimizer()->set_fragments(4);
+  EXPECT_EQ(OptimizerOptionsFromConfig(c).status().message(),
+            "--fragments: 4: fragments are groups of whole shards; there are 3 (--servers)");
+  c.mutable_optimizer()->set_fragments(0);
+  EXPECT_EQ(OptimizerOptionsFromConfig(c).status().message(),
+            "--fragments: 0: must be in [1, --sync_every (32)], so that each fragment syncs at "
+            "an offset of its own");
 }
 
 // summary.json parses as JSON whatever the numbers (NaN, infinities, huge).
