@@ -193,9 +193,18 @@ absl::Status PsClient::ReceiveAll(
             zmq::recv_multipart(sockets_[k], std::back_inserter(frames), zmq::recv_flags::dontwait);
         if (!r) break;
         if (outstanding[k] == 0) {
-          return absl::DataLossError(absl::StrCat("server ", k, " (", options_.server_endpoints[k],
-                                                  ") sent a message beyond the ", expected[k],
-                                                  " it owed for ", what));
+          // Owed nothing (more): its refusal, if it is one, says why.
+          const std::string who =
+              absl::StrCat("server ", k, " (", options_.server_endpoints[k], ")");
+          auto h = frames.empty() ? absl::StatusOr<data::Header>(absl::DataLossError("empty"))
+                                  : ParseHeader(frames[0].data(), frames[0].size());
+          if (h.ok() && h->kind() == data::ERROR) {
+            return absl::FailedPreconditionError(absl::StrCat(who, " refused rank ", options_.rank,
+                                                              " while it waited for ", what, ": ",
+                                                              h->error()));
+          }
+          return absl::DataLossError(
+              absl::StrCat(who, " sent a message beyond the ", expected[k], " it owed for ", what));
         }
         if (absl::Status st = handle(k, frames); !st.ok()) return st;
         last_heard[k] = absl::Now();
