@@ -286,19 +286,27 @@ std::vector<DilocoCombo> AllDilocoCombos() {
 
 class DilocoTest : public ::testing::TestWithParam<DilocoCombo> {};
 
-TEST_P(DilocoTest, EveryWorkerAndServerEqualsTheReference) {
-  const DilocoCombo& c = GetParam();
-  control::TrainingConfig cfg = MakeConfig(3, 2, 1000, 11, "diloco");
+// diloco's matrix jobs: 3 workers, d = 1000, bias-corrected inner AdamW
+// with weight decay, DiLoCo's outer step, the combination's codecs and
+// error feedback.
+control::TrainingConfig DilocoMatrixConfig(uint32_t servers, uint64_t steps, uint32_t H,
+                                           const ZeroOneCombo& c) {
+  control::TrainingConfig cfg = MakeConfig(3, servers, 1000, steps, "diloco");
   cfg.mutable_optimizer()->set_lr(0.02f);
   cfg.mutable_optimizer()->set_weight_decay(0.01f);
   cfg.mutable_optimizer()->set_bias_correction(true);
-  cfg.mutable_optimizer()->set_sync_every(3);
+  cfg.mutable_optimizer()->set_sync_every(H);
   cfg.mutable_optimizer()->set_outer_lr(0.7f);
   cfg.mutable_optimizer()->set_outer_momentum(0.9f);
   testing::SetSetting(&cfg, "worker_codec", c.worker_codec);
   testing::SetSetting(&cfg, "server_codec", c.server_codec);
   testing::SetSetting(&cfg, "error_feedback", c.error_feedback);
   cfg.mutable_timeouts()->set_heartbeat_ms(3000);
+  return cfg;
+}
+
+TEST_P(DilocoTest, EveryWorkerAndServerEqualsTheReference) {
+  const control::TrainingConfig cfg = DilocoMatrixConfig(2, 11, 3, GetParam());
   const std::string out = Launch(cfg, "diloco", kMixedDevices);
   const ReferenceResult ref = Reference(cfg);
   ExpectEqualsReference(out, cfg, ref);
@@ -337,18 +345,8 @@ class DilocoFragmentsTest : public ::testing::TestWithParam<FragmentCombo> {};
 
 TEST_P(DilocoFragmentsTest, EveryWorkerAndServerEqualsTheReference) {
   const FragmentCombo& c = GetParam();
-  control::TrainingConfig cfg = MakeConfig(3, 3, 1000, 14, "diloco");
-  cfg.mutable_optimizer()->set_lr(0.02f);
-  cfg.mutable_optimizer()->set_weight_decay(0.01f);
-  cfg.mutable_optimizer()->set_bias_correction(true);
-  cfg.mutable_optimizer()->set_sync_every(4);
+  control::TrainingConfig cfg = DilocoMatrixConfig(3, 14, 4, c.codecs);
   cfg.mutable_optimizer()->set_fragments(c.fragments);
-  cfg.mutable_optimizer()->set_outer_lr(0.7f);
-  cfg.mutable_optimizer()->set_outer_momentum(0.9f);
-  testing::SetSetting(&cfg, "worker_codec", c.codecs.worker_codec);
-  testing::SetSetting(&cfg, "server_codec", c.codecs.server_codec);
-  testing::SetSetting(&cfg, "error_feedback", c.codecs.error_feedback);
-  cfg.mutable_timeouts()->set_heartbeat_ms(3000);
   const std::string out = Launch(cfg, absl::StrCat("diloco-f", c.fragments), kMixedDevices);
   const ReferenceResult ref = Reference(cfg);
   ExpectEqualsReference(out, cfg, ref);
