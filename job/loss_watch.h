@@ -9,8 +9,9 @@
 // so that one noisy batch does not count; the first step, because a run
 // that diverges at once (too large a learning rate) has no calm steps after
 // it. 100, not more: the first loss is an untrained model's, and an mlp
-// whose loss ended 535 times it (test accuracy 0.26) is no training run. Steps without a reported
-// loss (NaN) are skipped; a job whose first loss is 0 or negative is not watched.
+// whose loss ended 535 times it (test accuracy 0.26) is no training run.
+// Steps without a reported loss (NaN) are skipped; a job whose first loss
+// is 0 or negative is not watched.
 //
 // Not thread-safe (the coordinator holds its lock).
 #ifndef ONEBIT_JOB_LOSS_WATCH_H_
