@@ -163,6 +163,8 @@ absl::StatusOr<OptimizerOptions> OptimizerOptionsFromConfig(const control::Train
   o.diloco.outer_lr = c.optimizer().outer_lr();
   o.diloco.outer_momentum = c.optimizer().outer_momentum();
   o.diloco.fragments = c.optimizer().fragments();
+  o.diloco.sync_delay = c.optimizer().sync_delay();
+  o.diloco.sync_mix = c.optimizer().sync_mix();
   o.diloco.steps = c.model().steps();
   // diloco's fragments are groups of shards: every process derives the
   // same map from the config (once d is known: an external model's

@@ -334,7 +334,8 @@ class Loader {
           key == "local_step_clipper" || key == "max_coeff" || key == "min_coeff" ||
           key == "coeff_beta" || key == "factor_max" || key == "factor_min" ||
           key == "factor_threshold" || key == "sync_every" || key == "outer_lr" ||
-          key == "outer_momentum" || key == "fragments") {
+          key == "outer_momentum" || key == "fragments" || key == "sync_delay" ||
+          key == "sync_mix") {
         s = Set(key.c_str(), v, where);
       } else if (key == "weight_decay") {
         s = Set(key.c_str(), v, where);
@@ -367,7 +368,7 @@ class Loader {
                                        "local_step_scaler, local_step_clipper, max_coeff, "
                                        "min_coeff, coeff_beta, factor_max, factor_min, "
                                        "factor_threshold, sync_every, outer_lr, "
-                                       "outer_momentum, fragments)"));
+                                       "outer_momentum, fragments, sync_delay, sync_mix)"));
       }
       if (!s.ok()) return s;
     }

@@ -115,6 +115,12 @@ constexpr JobSetting kSettings[] = {
     {"fragments", "optimizer.fragments", T::kUint32, "1", "optimizer",
      "diloco: F, Streaming DiLoCo's fragments (groups of whole shards, at most --servers), "
      "fragment f synchronised every H steps at an offset of f H / F; 1: the whole model at once"},
+    {"sync_delay", "optimizer.sync_delay", T::kUint32, "0", "optimizer",
+     "diloco: tau, the inner steps a sync overlaps (the worker steps on while the outer step "
+     "travels, then merges; below H / F); 0: it waits for the outer step"},
+    {"sync_mix", "optimizer.sync_mix", T::kFloat, "0.5", "optimizer",
+     "diloco with --sync_delay: alpha, the local model's weight when it merges with the outer "
+     "step's result, x = x_sync + alpha (x - x_sync); in [0, 1)"},
 
     {"worker_codec", "compression.worker_codec", T::kEnum, "", "compression",
      "compression-phase push codec: fp32 | fp16 | onebit (default: onebit for the compressing "

@@ -57,6 +57,11 @@ class Algorithm {
     (void)b;
     return KindOf(step, phase);
   }
+  // The step at whose end the worker merges the replies of sync step
+  // `step` into its local model (Merge); by default `step` itself. Between
+  // the two the worker takes that shard's steps as local steps and may
+  // Apply the replies whenever they arrive.
+  virtual uint64_t MergeStep(uint64_t step) const { return step; }
   // Payload bytes of the reply of n elements; by default the reply codec's
   // (none for kLocal), and at the last warm-up step m and v in fp32 after
   // it when den_of_frozen_v (the hand-over).
@@ -109,6 +114,14 @@ class Algorithm {
                                  const ArrayOps& ops, WorkerView* s) const;
   virtual absl::Status Apply(uint64_t step, float lr, bool last_warmup, Payload reply, uint64_t b,
                              size_t n, const ArrayOps& ops, WorkerView* s) const = 0;
+  // At the end of MergeStep(pushed), where that is a later step, once Apply
+  // has taken every reply of sync step `pushed` for [b, b + n) (Apply does
+  // all of a sync merged at its own step); by default nothing.
+  virtual absl::Status Merge(uint64_t pushed, uint64_t step, uint64_t b, size_t n,
+                             const ArrayOps& ops, WorkerView* s) const {
+    (void)pushed, (void)step, (void)b, (void)n, (void)ops, (void)s;
+    return absl::OkStatus();
+  }
 
  protected:
   Algorithm(const AlgorithmTraits& traits, const OptimizerOptions& o) : traits_(traits), o_(o) {}

@@ -6,7 +6,10 @@
 // feedback. The master and every replica's x_sync take the decoded reply, so
 // they stay equal bit for bit; each worker's local model starts again there.
 // Streamed (--fragments F): the shards form F fragments that sync at
-// staggered steps; a step's kind is then per shard (KindAt).
+// staggered steps; a step's kind is then per shard (KindAt). Overlapped
+// (--sync_delay tau): the worker goes on with tau inner steps while a sync
+// travels, takes the reply into x_sync when it comes (Apply) and merges its
+// local model with it at the end of those tau steps (Merge).
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -47,6 +50,15 @@ class Diloco final : public Algorithm {
     return IsSync(o_.diloco, Fragments(), FragmentOf(b), step) ? StepKind::kCompressed
                                                                : StepKind::kLocal;
   }
+  // tau steps on, but by the second-to-last step: the last step syncs every
+  // fragment, so nothing is in flight then (Validate keeps tau below the
+  // spacing of two fragments' syncs).
+  uint64_t MergeStep(uint64_t step) const override {
+    const uint64_t tau = o_.diloco.sync_delay, steps = o_.diloco.steps;
+    if (tau == 0) return step;
+    if (steps >= 2 && step + tau > steps - 2) return std::max(step, steps - 2);
+    return step + tau;
+  }
 
   // The outer momentum (m); the base's EnterCompression adds e_s.
   void InitServer(ServerShardState* s) const override { s->m.assign(s->x.size(), 0.0f); }
@@ -71,6 +83,8 @@ class Diloco final : public Algorithm {
                     const ArrayOps& ops, WorkerView* s, uint8_t* out) const override;
   absl::Status Apply(uint64_t step, float lr, bool last_warmup, Payload reply, uint64_t b, size_t n,
                      const ArrayOps& ops, WorkerView* s) const override;
+  absl::Status Merge(uint64_t pushed, uint64_t step, uint64_t b, size_t n, const ArrayOps& ops,
+                     WorkerView* s) const override;
 
  private:
   // F, where the shard map is known (OptimizerOptionsFromConfig fills
@@ -148,7 +162,9 @@ absl::Status Diloco::Push(uint64_t step, float lr, const float* g, uint64_t b, s
 }
 
 // The reply is the outer step: x_sync -= D(c), as the master did; the local
-// model starts again from it (the inner AdamW's m and v carry on).
+// model starts again from it (the inner AdamW's m and v carry on). With
+// --sync_delay the local model goes on meanwhile, and Merge joins them at
+// MergeStep(step) (at once where that is the step itself: the job's end).
 absl::Status Diloco::Apply(uint64_t step, float lr, bool last_warmup, Payload reply, uint64_t b,
                            size_t n, const ArrayOps& ops, WorkerView* s) const {
   (void)step, (void)lr, (void)last_warmup;
@@ -156,7 +172,21 @@ absl::Status Diloco::Apply(uint64_t step, float lr, bool last_warmup, Payload re
   if (!a.ok()) return a.status();
   absl::Status st = ops.Decode(*server_codec_, reply, n, *a);
   if (st.ok()) st = ops.Axpy(*a, n, -1.0f, s->x_sync + b);
+  if (st.ok() && MergeStep(step) == step) st = ops.Copy(s->x_sync + b, n, s->x + b);
+  return st;
+}
+
+// x = x_sync + alpha (x - x_sync): the inner steps taken while the sync
+// travelled count at weight alpha.
+absl::Status Diloco::Merge(uint64_t pushed, uint64_t step, uint64_t b, size_t n,
+                           const ArrayOps& ops, WorkerView* s) const {
+  (void)pushed, (void)step;
+  absl::StatusOr<float*> a = ops.Scratch(n);
+  if (!a.ok()) return a.status();
+  absl::Status st = ops.Copy(s->x + b, n, *a);
+  if (st.ok()) st = ops.Axpy(s->x_sync + b, n, -1.0f, *a);
   if (st.ok()) st = ops.Copy(s->x_sync + b, n, s->x + b);
+  if (st.ok()) st = ops.Axpy(*a, n, o_.diloco.sync_mix, s->x + b);
   return st;
 }
 
@@ -179,6 +209,15 @@ absl::Status Validate(const OptimizerOptions& o) {
                                                   ": fragments are groups of whole "
                                                   "shards; there are ",
                                                   o.shard_begins.size(), " (--servers)"));
+  }
+  if (d.sync_delay > 0 && d.sync_delay >= d.sync_every / d.fragments) {
+    return SettingError("sync_delay", absl::StrCat(d.sync_delay, ": must be below H / F (",
+                                                   d.sync_every, " / ", d.fragments,
+                                                   "), so that a sync has arrived before the "
+                                                   "next fragment's"));
+  }
+  if (!(d.sync_mix >= 0 && d.sync_mix < 1)) {
+    return SettingError("sync_mix", "must lie in [0, 1) (the local model's weight in the merge)");
   }
   if (!std::isfinite(d.outer_lr) || !(d.outer_lr > 0)) {
     return SettingError("outer_lr", "must be finite and > 0");

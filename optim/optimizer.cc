@@ -27,6 +27,8 @@ StepKind OptimizerCodecs::KindAt(uint64_t step, Phase phase, uint64_t b) const {
   return algorithm_->KindAt(step, phase, b);
 }
 
+uint64_t OptimizerCodecs::MergeStep(uint64_t step) const { return algorithm_->MergeStep(step); }
+
 const Codec& OptimizerCodecs::push_codec(StepKind kind) const {
   return algorithm_->push_codec(kind);
 }
@@ -221,6 +223,12 @@ absl::Status WorkerOptimizer::Apply(uint64_t step, float lr, bool last_warmup, c
   return st;
 }
 
+absl::Status WorkerOptimizer::Merge(uint64_t pushed, uint64_t step, uint64_t b, size_t n,
+                                    WorkerState* s) const {
+  WorkerView a = ViewOf(s);
+  return Merge(pushed, step, b, n, HostArrayOps(), &a);
+}
+
 void WorkerOptimizer::BeginStep(uint64_t step, float lr, WorkerView* s) const {
   algorithm_->BeginStep(step, lr, s);
 }
@@ -254,6 +262,16 @@ absl::Status WorkerOptimizer::Apply(uint64_t step, float lr, bool last_warmup, P
                                                       ": there is no reply to apply"));
   }
   return algorithm_->Apply(step, lr, last_warmup, reply, b, n, ops, s);
+}
+
+absl::Status WorkerOptimizer::Merge(uint64_t pushed, uint64_t step, uint64_t b, size_t n,
+                                    const ArrayOps& ops, WorkerView* s) const {
+  if (step != MergeStep(pushed) || step == pushed) {
+    return absl::FailedPreconditionError(absl::StrCat("the replies of step ", pushed,
+                                                      " are merged at step ", MergeStep(pushed),
+                                                      ", not at step ", step));
+  }
+  return algorithm_->Merge(pushed, step, b, n, ops, s);
 }
 
 }  // namespace onebit

@@ -51,6 +51,10 @@ class OptimizerCodecs {
   // except for diloco with fragments (--fragments), whose shards sync at
   // steps of their own; KindOf is then kCompressed if any shard syncs.
   StepKind KindAt(uint64_t step, Phase phase, uint64_t b) const;
+  // The step at whose end a worker merges the replies of sync step `step`
+  // (WorkerOptimizer::Merge): `step` itself, except for diloco with
+  // --sync_delay, whose worker steps on while they travel.
+  uint64_t MergeStep(uint64_t step) const;
   // The warm-up codec for kFull steps; the worker / server codec for
   // kCompressed ones.
   const Codec& push_codec(StepKind kind) const;
@@ -167,6 +171,11 @@ class WorkerOptimizer : public OptimizerCodecs {
   absl::Status Apply(uint64_t step, float lr, bool last_warmup, const uint8_t* reply, uint64_t b,
                      size_t n, WorkerState* s) const;
 
+  // At the end of MergeStep(pushed) where that is after `pushed`, with
+  // every reply of sync step `pushed` for [b, b + n) applied: the local
+  // model takes them (diloco with --sync_delay: the merge).
+  absl::Status Merge(uint64_t pushed, uint64_t step, uint64_t b, size_t n, WorkerState* s) const;
+
   // Called once every reply of the last warm-up step has been applied.
   void EnterCompression(WorkerState* s) const;
 
@@ -182,6 +191,8 @@ class WorkerOptimizer : public OptimizerCodecs {
                          const ArrayOps& ops, WorkerView* s) const;
   absl::Status Apply(uint64_t step, float lr, bool last_warmup, Payload reply, uint64_t b, size_t n,
                      const ArrayOps& ops, WorkerView* s) const;
+  absl::Status Merge(uint64_t pushed, uint64_t step, uint64_t b, size_t n, const ArrayOps& ops,
+                     WorkerView* s) const;
   // With the arrays of both phases held; afterwards the state needs only
   // WorkerArraysIn(Phase::kCompress, false).
   absl::Status EnterCompression(const ArrayOps& ops, WorkerView* s) const;

@@ -118,6 +118,14 @@ struct DilocoOptions {
   // (t + 1 + f H / F) mod H = 0 (integer division), so that the wire carries
   // 1/F of the model at a time. 1: the whole model every H steps.
   uint32_t fragments = 1;
+  // tau, the inner steps a sync overlaps: the worker pushes at a sync step
+  // and goes on with its inner steps; at the end of tau steps later it
+  // merges its local fragment with the outer step's result,
+  // x = x_sync + sync_mix (x - x_sync) (Streaming DiLoCo's overlapped
+  // variant). A reply due past the job's second-to-last step is merged
+  // there. 0: the worker waits for the reply and starts again from it.
+  uint32_t sync_delay = 0;
+  float sync_mix = 0.5f;  // alpha: the local model's weight in the merge
   // The job's length: its last step always synchronises, so the job ends
   // with every replica equal to the master. 0: unknown.
   uint64_t steps = 0;

@@ -1,5 +1,8 @@
 #include "optim/reference.h"
 
+#include <utility>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 #include "util/memory.h"
 
@@ -69,6 +72,10 @@ absl::StatusOr<ReferenceResult> RunReference(const ReferenceOptions& o,
   std::vector<uint8_t> push, reply;
   std::vector<float> acc;
   const float w = 1.0f / static_cast<float>(N);
+  // Syncs merged at a later step (diloco's --sync_delay): shard, the step
+  // pushed. Their replies are applied at once: Apply then changes only
+  // x_sync, which the local steps in between do not read.
+  std::vector<std::pair<uint32_t, uint64_t>> merges;
   for (uint64_t t = 0; t < o.steps; ++t) {
     double loss = 0;
     for (uint32_t r = 0; r < N; ++r) {
@@ -123,7 +130,20 @@ absl::StatusOr<ReferenceResult> RunReference(const ReferenceOptions& o,
         if (!st.ok()) return st;
         down += reply.size();
       }
+      if ((*worker)->MergeStep(t) != t) merges.emplace_back(k, t);
       ++out.servers[k].step;
+    }
+    for (auto m = merges.begin(); m != merges.end();) {
+      if ((*worker)->MergeStep(m->second) != t) {
+        ++m;
+        continue;
+      }
+      const Range r = o.map.shard(m->first);
+      for (WorkerState& ws : out.workers) {
+        absl::Status st = (*worker)->Merge(m->second, t, r.begin, r.size(), &ws);
+        if (!st.ok()) return st;
+      }
+      m = merges.erase(m);
     }
     for (WorkerState& ws : out.workers) (*worker)->EndStep(t, &ws);
     out.push_bytes.push_back(up);

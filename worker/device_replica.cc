@@ -245,6 +245,17 @@ class DeviceReplica final : public Replica {
     return st;
   }
 
+  // On the push stream, once the reply stream has applied the replies (it
+  // reads x_sync, which they change, and x, which local steps change).
+  absl::Status Merge(uint64_t pushed, uint64_t step, uint64_t b, size_t n) override {
+    if (absl::Status st = CheckRange(b, n); !st.ok()) return st;
+    if (absl::Status st = b_.synchronize(reply_); !st.ok()) return st;
+    WorkerView a = View(opt_->WorkerArraysIn(phase(), false));
+    absl::Status st = opt_->Merge(pushed, step, b, n, *push_ops_, &a);
+    Keep(a);
+    return st;
+  }
+
   absl::Status FinishStep(bool entered_compression) override {
     absl::Status st = b_.synchronize(reply_);
     if (st.ok()) st = b_.synchronize(push_);

@@ -192,6 +192,7 @@ absl::Status PsClient::ReceiveAll(
         auto r =
             zmq::recv_multipart(sockets_[k], std::back_inserter(frames), zmq::recv_flags::dontwait);
         if (!r) break;
+        if (pending_ && KeepEarlyReply(k, frames)) continue;
         if (outstanding[k] == 0) {
           // Owed nothing (more): its refusal, if it is one, says why.
           const std::string who =
@@ -234,7 +235,7 @@ absl::Status PsClient::PullParams(uint64_t step, Replica* replica, const Check& 
   }
   std::vector<bool> got(grid.chunks.size(), false);
   std::vector<float> x;
-  return ReceiveAll(
+  absl::Status st = ReceiveAll(
       grid,
       step == 0 ? std::string("the initial parameters")
                 : absl::StrCat("the parameters at step ", step),
@@ -263,6 +264,33 @@ absl::Status PsClient::PullParams(uint64_t step, Replica* replica, const Check& 
         return replica->WriteX(r.begin, r.size(), x.data(), step == 0);
       },
       check);
+  if (!st.ok() || step == 0) return st;
+  ResumeMerge(step, replica->phase());
+  return absl::OkStatus();
+}
+
+void PsClient::ResumeMerge(uint64_t step, Phase phase) {
+  // MergeStep does not decrease with the step: the syncs still to merge at
+  // `step` are among the last ones before it.
+  const WorkerOptimizer& opt = *options_.optimizer;
+  pending_.reset();
+  for (uint64_t t = step; t-- > 0 && opt.MergeStep(t) >= step;) {
+    if (opt.MergeStep(t) == t) continue;
+    std::vector<StepKind> kinds(sockets_.size());
+    bool any = false;
+    for (uint32_t k = 0; k < kinds.size(); ++k) {
+      kinds[k] = opt.KindAt(t, phase, options_.map.shard(k).begin);
+      any |= kinds[k] != StepKind::kLocal;
+    }
+    if (!any) continue;
+    Round p;
+    p.step = t;
+    p.merge = opt.MergeStep(t);
+    p.shard_kind = std::move(kinds);
+    p.outstanding.assign(sockets_.size(), 0);
+    pending_ = std::move(p);
+    return;
+  }
 }
 
 absl::Status PsClient::PushState(const std::map<std::string, const float*>& arrays,
@@ -408,37 +436,39 @@ absl::StatusOr<PsClient::ServerState> PsClient::PullState(uint64_t step, const C
 }
 
 absl::Status PsClient::HandleReply(uint32_t server, std::vector<zmq::message_t>& frames,
-                                   Replica* replica, std::vector<bool>* got, int* last_warmup) {
+                                   Replica* replica, Round* round) {
   data::Header h;
-  auto i = CheckReply(step_grid(), server, step_, data::REPLY, frames, &h);
+  const Grid& grid = grids_[round->grid];
+  auto i = CheckReply(grid, server, round->step, data::REPLY, frames, &h);
   if (!i.ok()) return i.status();
-  const Chunk& c = step_grid().chunks[*i];
+  const Chunk& c = grid.chunks[*i];
   auto bad = [&](auto&&... parts) {
     return absl::DataLossError(absl::StrCat("bad reply from server ", server, " (",
                                             options_.server_endpoints[server], "): ", parts...));
   };
   const WorkerOptimizer& opt = *options_.optimizer;
-  const StepKind kind = shard_kind_[server];
+  const StepKind kind = round->shard_kind[server];
+  if (kind == StepKind::kLocal) return bad("a reply for a shard that sent nothing");
   if (h.codec() != opt.reply_codec(kind).name()) {
     return bad("codec '", h.codec(), "' (want ", opt.reply_codec(kind).name(), ")");
   }
   // Every server ends the warm-up at the same (coordinator-wide) step.
-  if (*last_warmup >= 0 && *last_warmup != static_cast<int>(h.last_warmup())) {
-    return bad("servers disagree on whether step ", step_, " ends the warm-up");
+  if (round->last_warmup >= 0 && round->last_warmup != static_cast<int>(h.last_warmup())) {
+    return bad("servers disagree on whether step ", round->step, " ends the warm-up");
   }
-  *last_warmup = h.last_warmup();
+  round->last_warmup = h.last_warmup();
   const size_t need = opt.ReplyBytes(kind, c.range.begin, c.range.size(), h.last_warmup());
   if (frames.size() != 2 || h.payload_bytes() != need || frames[1].size() != need) {
     return bad("payload of ", frames.size() == 2 ? frames[1].size() : 0, " bytes, want ", need);
   }
-  if ((*got)[*i]) return bad("duplicate reply for chunk ", c.index);
+  if (round->got[*i]) return bad("duplicate reply for chunk ", c.index);
   const uint64_t apply_start = MonotonicNs();
   absl::Status st =
-      replica->Apply(step_, StepLr(), h.last_warmup(),
+      replica->Apply(round->step, round->lr, h.last_warmup(),
                      static_cast<const uint8_t*>(frames[1].data()), c.range.begin, c.range.size());
   apply_ns_ += MonotonicNs() - apply_start;
   if (!st.ok()) return bad(st.message());
-  (*got)[*i] = true;
+  round->got[*i] = true;
   bytes_down_ += frames[0].size() + need;
   last_pushed_ns_ = std::max<uint64_t>(last_pushed_ns_, h.pushed_ns());
   first_sent_ns_ =
@@ -564,14 +594,40 @@ absl::Status PsClient::CompleteStep(Replica* replica, const Check& check,
   in_step_ = false;  // a failed step is not retried: the job fails
   if (absl::Status st = BeginReplicaStep(replica); !st.ok()) return st;
   step_chunks_ = chunks_overlapped_ = 0;
+  if (pending_ && pending_->merge < step_) {
+    return absl::InternalError(absl::StrCat("the replies of step ", pending_->step,
+                                            " were to be merged at step ", pending_->merge,
+                                            ", before step ", step_));
+  }
   if (kind_ == StepKind::kLocal) {
     push_s_ = reply_s_ = 0;
     const uint64_t local_start = MonotonicNs();
     const uint64_t d = options_.map.num_params();
     if (absl::Status st = replica->LocalStep(step_, 0, d); !st.ok()) return st;
+    if (pending_ && pending_->merge == step_) {
+      // The sync that travelled during these steps: its replies, then the
+      // merge.
+      const uint64_t receive_ns = MonotonicNs();
+      if (absl::Status st = ReceivePending(replica, check); !st.ok()) return st;
+      const uint64_t receiving_ns = MonotonicNs() - receive_ns;
+      wait_ns_ = receiving_ns > apply_ns_ ? receiving_ns - apply_ns_ : 0;
+      for (uint32_t k = 0; k < pending_->shard_kind.size(); ++k) {
+        const Range r = options_.map.shard(k);
+        if (pending_->shard_kind[k] == StepKind::kLocal || r.size() == 0) continue;
+        if (absl::Status st = replica->Merge(pending_->step, step_, r.begin, r.size()); !st.ok()) {
+          return st;
+        }
+      }
+      pending_.reset();
+    }
     absl::Status st = replica->FinishStep(false);
-    apply_ns_ = MonotonicNs() - local_start;
+    apply_ns_ = MonotonicNs() - local_start - wait_ns_;
     return st;
+  }
+  if (pending_) {
+    return absl::InternalError(absl::StrCat("step ", step_, " syncs while the replies of step ",
+                                            pending_->step, " are still to be merged at step ",
+                                            pending_->merge));
   }
   if (grad_scale.has_value() != defer_scale_) {
     return absl::FailedPreconditionError(
@@ -597,6 +653,28 @@ absl::Status PsClient::CompleteStep(Replica* replica, const Check& check,
     if (absl::Status st = replica->LocalStep(step_, r.begin, r.size()); !st.ok()) return st;
   }
   const uint64_t local_ns = MonotonicNs() - local_start;
+  Round round;
+  round.step = step_;
+  round.lr = StepLr();
+  round.grid = step_grid_;
+  round.shard_kind = shard_kind_;
+  round.got.assign(step_grid().chunks.size(), false);
+  round.merge = options_.optimizer->MergeStep(step_);
+  if (round.merge > step_) {
+    // The replies come while the next steps run (diloco's --sync_delay).
+    if (defer_scale_) {
+      return absl::FailedPreconditionError(
+          "a gradient scale for a step whose replies are merged later");
+    }
+    round.outstanding = std::move(expected);
+    pending_ = std::move(round);
+    absl::Status st = replica->FinishStep(false);
+    apply_ns_ = local_ns;
+    push_s_ = reply_s_ = 0;
+    step_chunks_ = pushed_count_;
+    chunks_overlapped_ = pushed_before_last_ready_;
+    return st;
+  }
   if (defer_scale_) {
     Grid& fine = grids_[0];  // a GRAD_SCALE names a chunk of the warm-up's grid
     for (uint32_t k = 0; k < sockets_.size(); ++k) {
@@ -606,18 +684,16 @@ absl::Status PsClient::CompleteStep(Replica* replica, const Check& check,
       if (!st.ok()) return st;
     }
   }
-  int last_warmup = -1;  // unknown until the first reply
-  std::vector<bool> got(step_grid().chunks.size(), false);
   const uint64_t receive_ns = MonotonicNs();
   absl::Status st = ReceiveAll(
       step_grid(), absl::StrCat("step ", step_),
       [&](uint32_t k, std::vector<zmq::message_t>& frames) {
-        return HandleReply(k, frames, replica, &got, &last_warmup);
+        return HandleReply(k, frames, replica, &round);
       },
       check, expected);
   if (!st.ok()) return st;
   const uint64_t received_ns = MonotonicNs();
-  if (absl::Status st = replica->FinishStep(last_warmup == 1); !st.ok()) return st;
+  if (absl::Status st = replica->FinishStep(round.last_warmup == 1); !st.ok()) return st;
   const uint64_t end_ns = MonotonicNs();
   // The replies were applied as they came: that time is not waiting.
   const uint64_t receiving_ns = received_ns - receive_ns;
@@ -629,6 +705,44 @@ absl::Status PsClient::CompleteStep(Replica* replica, const Check& check,
   step_chunks_ = pushed_count_;
   chunks_overlapped_ = pushed_before_last_ready_;
   return absl::OkStatus();
+}
+
+bool PsClient::KeepEarlyReply(uint32_t k, std::vector<zmq::message_t>& frames) {
+  if (pending_->outstanding[k] == 0 || frames.empty()) return false;
+  auto h = ParseHeader(frames[0].data(), frames[0].size());
+  if (!h.ok() || h->kind() != data::REPLY || h->step() != pending_->step) return false;
+  pending_->early.emplace_back(k, std::move(frames));
+  --pending_->outstanding[k];
+  return true;
+}
+
+absl::Status PsClient::ReceivePending(Replica* replica, const Check& check) {
+  // Out of pending_ while it is received, so that ReceiveAll hands these
+  // replies to `handle` rather than keeping them.
+  Round p = std::move(*pending_);
+  pending_.reset();
+  absl::Status st;
+  for (auto& [k, frames] : p.early) {
+    if (st.ok()) st = HandleReply(k, frames, replica, &p);
+  }
+  p.early.clear();
+  if (st.ok()) {
+    st = ReceiveAll(
+        grids_[p.grid], absl::StrCat("step ", p.step, " (merged at step ", p.merge, ")"),
+        [&](uint32_t k, std::vector<zmq::message_t>& frames) {
+          return HandleReply(k, frames, replica, &p);
+        },
+        check, p.outstanding);
+  }
+  if (st.ok()) std::fill(p.outstanding.begin(), p.outstanding.end(), 0);
+  pending_ = std::move(p);
+  return st;
+}
+
+absl::Status PsClient::TakeReplies(Replica* replica, const Check& check) {
+  if (!pending_) return absl::OkStatus();
+  if (in_step_) return absl::FailedPreconditionError("TakeReplies: step under way");
+  return ReceivePending(replica, check);
 }
 
 absl::Status PsClient::PushPull(uint64_t step, Replica* replica, const Check& check) {

@@ -13,6 +13,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -58,7 +59,8 @@ class PsClient {
   absl::Status SendInit(const float* x);
   // Fetches the servers' x as of the start of `step` into the replica:
   // before step 0 on every other rank (rank 0's x, once it has arrived);
-  // on every rank of a job resumed at `step`.
+  // on every rank of a job resumed at `step` (where a sync's merge is
+  // still due then, its step merges it: TakeReplies).
   absl::Status PullParams(uint64_t step, Replica* replica, const Check& check);
   // Between steps (none of `step`'s chunks pushed): fetches every shard's
   // master x and optimizer state arrays as of the start of `step`, by name
@@ -108,6 +110,17 @@ class PsClient {
                             std::optional<float> grad_scale = std::nullopt);
   // All three at once.
   absl::Status PushPull(uint64_t step, Replica* replica, const Check& check);
+  // A sync whose merge is due at a later step (diloco's --sync_delay:
+  // WorkerOptimizer::MergeStep) leaves CompleteStep without waiting for its
+  // replies; the CompleteStep of that step receives, applies and merges
+  // them. Between steps, TakeReplies receives and applies (into x_sync)
+  // those still outstanding, so that a checkpoint's state is the servers';
+  // the merge stays due.
+  absl::Status TakeReplies(Replica* replica, const Check& check);
+  // The sync step whose merge is due, if any.
+  std::optional<uint64_t> merge_due() const {
+    return pending_ ? std::optional<uint64_t>(pending_->merge) : std::nullopt;
+  }
 
   // Whether a step is between BeginStep and the end of CompleteStep, and
   // whether any of its chunks has gone out.
@@ -149,6 +162,20 @@ class PsClient {
     std::vector<size_t> by_begin;               // chunks indices in the order of x
   };
   void MakeGrid(uint64_t chunk_elems, Grid* g) const;
+  // The replies of one step's pushes.
+  struct Round {
+    uint64_t step = 0;
+    float lr = 0;
+    size_t grid = 0;                   // grids_ index
+    std::vector<StepKind> shard_kind;  // kLocal: that shard sent nothing
+    std::vector<bool> got;             // by grid chunks index
+    int last_warmup = -1;              // unknown until the first reply
+    // A round whose merge is due later: that step, what each server still
+    // owes, and its replies that came while another wait ran.
+    uint64_t merge = 0;
+    std::vector<size_t> outstanding;
+    std::vector<std::pair<uint32_t, std::vector<zmq::message_t>>> early;
+  };
   // The current step's grid (once BeginReplicaStep has run).
   Grid& step_grid() { return grids_[step_grid_]; }
   explicit PsClient(PsClientOptions options) : options_(std::move(options)) {}
@@ -182,7 +209,15 @@ class PsClient {
   absl::StatusOr<size_t> CheckReply(const Grid& grid, uint32_t server, uint64_t step, int kind,
                                     const std::vector<zmq::message_t>& frames, data::Header* h);
   absl::Status HandleReply(uint32_t server, std::vector<zmq::message_t>& frames, Replica* replica,
-                           std::vector<bool>* got, int* last_warmup);
+                           Round* round);
+  // Whether `frames`, from server k, is a reply pending_ still waits for;
+  // if so it is kept in pending_->early.
+  bool KeepEarlyReply(uint32_t k, std::vector<zmq::message_t>& frames);
+  // A job resumed at `step` (PullParams): the sync before it whose merge is
+  // still due, its outer step already in the x_sync the pull wrote.
+  void ResumeMerge(uint64_t step, Phase phase);
+  // Receives and applies what pending_ still waits for.
+  absl::Status ReceivePending(Replica* replica, const Check& check);
 
   PsClientOptions options_;
   std::unique_ptr<const Codec> fp32_;  // INIT, PULL
@@ -202,6 +237,9 @@ class PsClient {
   // then (OptimizerCodecs::KindAt); its chunks are neither pushed nor
   // answered, its elements take LocalStep.
   std::vector<StepKind> shard_kind_;
+  // A sync whose replies are merged at a later step; at most one (diloco's
+  // --sync_delay is below the spacing of two fragments' syncs).
+  std::optional<Round> pending_;
   std::vector<bool> pushed_;  // by step_grid() chunks index
   size_t pushed_count_ = 0;
   size_t pushed_before_last_ready_ = 0;

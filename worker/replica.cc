@@ -56,6 +56,9 @@ class CpuReplica final : public Replica {
                      size_t n) override {
     return opt_->Apply(step, lr, last_warmup, reply, b, n, &state_);
   }
+  absl::Status Merge(uint64_t pushed, uint64_t step, uint64_t b, size_t n) override {
+    return opt_->Merge(pushed, step, b, n, &state_);
+  }
   absl::Status FinishStep(bool entered_compression) override {
     if (step_) opt_->EndStep(*step_, &state_);
     step_.reset();

@@ -69,6 +69,11 @@ class Replica {
   // `lr`: the step's learning rate.
   virtual absl::Status Apply(uint64_t step, float lr, bool last_warmup, const uint8_t* reply,
                              uint64_t b, size_t n) = 0;
+  // At the end of step `step` = optimizer().MergeStep(pushed) > pushed, once
+  // every reply of sync step `pushed` for [b, b + n) has been applied:
+  // WorkerOptimizer::Merge (diloco with --sync_delay joins its local model
+  // with the outer step). Before FinishStep.
+  virtual absl::Status Merge(uint64_t pushed, uint64_t step, uint64_t b, size_t n) = 0;
   // After the last reply of a step: waits for the device and reports its
   // errors; `entered_compression`: that step was the last of the warm-up.
   virtual absl::Status FinishStep(bool entered_compression) = 0;

@@ -110,6 +110,13 @@ struct Worker::Impl {
     return Checkpoint();
   }
   absl::Status Checkpoint() {
+    // A sync still travelling (diloco's --sync_delay): its outer step goes
+    // into x_sync now, as the servers' checkpoint has it; the merge stays
+    // due, and a job resumed here merges at the same step.
+    if (absl::Status st = client->TakeReplies(replica.get(), [this] { return CheckJob(); });
+        !st.ok()) {
+      return st;
+    }
     return member->Checkpoint(
         step, [this](std::shared_ptr<SnapshotBuffers> buffers) -> absl::StatusOr<StateWriter> {
           // Not what the checkpoint holds elsewhere: x and den are the servers',

@@ -840,12 +840,16 @@ class DiLoCo(DistributedOptimizer):
     replica restarts from it (the design doc, section 1.8). fragments: F,
     Streaming DiLoCo's fragments (groups of whole server shards, at most the
     job's servers), each synced every H steps at an offset of its own.
+    sync_delay: tau, the inner steps a sync overlaps (below H / fragments):
+    the worker steps on while the outer step travels, then merges with it,
+    x = x_sync + sync_mix (x - x_sync).
     Hyper-parameters left as None are the job's. The job needs a fixed
     number of steps."""
 
     def __init__(self, params, lr=None, sync_every=None, outer_lr=None, outer_momentum=None,
                  betas=None, eps=None, weight_decay=None, bias_correction=True, overlap=True,
-                 inner=None, H=None, fragments=None, **settings):
+                 inner=None, H=None, fragments=None, sync_delay=None, sync_mix=None,
+                 **settings):
         # inner: the inner optimizer, which is AdamW (the workers' rule runs
         # it); H: DiLoCo's name for sync_every.
         if inner is not None and inner is not torch.optim.AdamW and \
@@ -860,7 +864,8 @@ class DiLoCo(DistributedOptimizer):
         super().__init__(params, lr=lr, overlap=overlap, betas=betas, optimizer="diloco",
                          sync_every=sync_every, outer_lr=outer_lr,
                          outer_momentum=outer_momentum, eps=eps, weight_decay=weight_decay,
-                         bias_correction=bias_correction, fragments=fragments, **settings)
+                         bias_correction=bias_correction, fragments=fragments,
+                         sync_delay=sync_delay, sync_mix=sync_mix, **settings)
 
 
 def _text(value):

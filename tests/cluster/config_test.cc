@@ -112,7 +112,8 @@ TEST(DeepSpeedConfig, AdamTypesAndBiasCorrectionMap) {
 TEST(DeepSpeedConfig, DilocoMapsItsParams) {
   const std::string json = R"({"optimizer": {"type": "DiLoCo", "params": {
       "lr": 0.002, "betas": [0.9, 0.95], "weight_decay": 0.1, "bias_correction": true,
-      "sync_every": 64, "outer_lr": 0.5, "outer_momentum": 0.8, "fragments": 2}},
+      "sync_every": 64, "outer_lr": 0.5, "outer_momentum": 0.8, "fragments": 2,
+      "sync_delay": 8, "sync_mix": 0.25}},
     "onebit": {"model": "synthetic", "steps": 256, "servers": 3, "dim": 30000}})";
   auto c = ConfigFromFlags({"--config=" + WriteConfig("diloco", json)});
   ASSERT_TRUE(c.ok()) << c.status();
@@ -128,6 +129,8 @@ TEST(DeepSpeedConfig, DilocoMapsItsParams) {
   EXPECT_EQ(options->diloco.outer_momentum, 0.8f);
   EXPECT_EQ(options->diloco.steps, 256u);
   EXPECT_EQ(options->diloco.fragments, 2u);
+  EXPECT_EQ(options->diloco.sync_delay, 8u);
+  EXPECT_EQ(options->diloco.sync_mix, 0.25f);
   // The fragments' shards: the job's shard map, 3 shards of d = 30000.
   ASSERT_EQ(options->shard_begins.size(), 3u);
   EXPECT_EQ(options->shard_begins[0], 0u);
@@ -152,6 +155,15 @@ TEST(DeepSpeedConfig, DilocoMapsItsParams) {
   ASSERT_FALSE(refused.ok());
   EXPECT_THAT(std::string(refused.status().message()),
               HasSubstr("--fragments: 3: fragments are groups of whole shards; there are 2"));
+  // A sync that would still travel when the next fragment's is due.
+  const std::string too_late =
+      R"({"optimizer": {"type": "DiLoCo", "params": {"sync_every": 8, "fragments": 2,
+      "sync_delay": 4}}, "onebit": {"model": "synthetic", "steps": 10, "servers": 2,
+      "dim": 30000}})";
+  refused = ConfigFromFlags({"--config=" + WriteConfig("diloco_delay", too_late)});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(std::string(refused.status().message()),
+              HasSubstr("--sync_delay: 4: must be below H / F (8 / 2)"));
 }
 
 // An optimizer that compresses from step 0 has no warm-up for a freeze to

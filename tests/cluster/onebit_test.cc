@@ -331,15 +331,35 @@ INSTANTIATE_TEST_SUITE_P(Combinations, DilocoTest, ::testing::ValuesIn(AllDiloco
 // 2 (4 k / 3), so shard 0 syncs at t = 3, 7, 11, shard 1 at 2, 6, 10,
 // shard 2 at 1, 5, 9, and all at 13, the last: 10 steps send. F = 2:
 // shards 0 and 1 are fragment 0 (k F / S), shard 2 fragment 1 (offset 2):
-// t = 3, 7, 11 and 1, 5, 9, and 13: 7 steps send. Every replica, master and
-// error equals the reference's bit for bit.
+// t = 3, 7, 11 and 1, 5, 9, and 13: 7 steps send. F = 1: t = 3, 7, 11 and
+// 13. Every replica, master and error equals the reference's bit for bit.
+// Overlapped (--sync_delay tau): a sync's replies are received tau steps
+// later (by step 12, the second-to-last), when the workers merge them; the
+// last step's at once.
 struct FragmentCombo {
   ZeroOneCombo codecs;
   uint32_t fragments;
+  uint32_t delay = 0;
 };
 void PrintTo(const FragmentCombo& c, std::ostream* os) {
   *os << "diloco F=" << c.fragments << " " << c.codecs.worker_codec << "/" << c.codecs.server_codec
-      << " ef=" << c.codecs.error_feedback;
+      << " ef=" << c.codecs.error_feedback << " tau=" << c.delay;
+}
+
+// The steps whose metrics.csv row has bytes_down != 0.
+std::set<uint64_t> StepsReceiving(const std::string& out) {
+  std::vector<std::string> lines =
+      absl::StrSplit(ReadFile(out + "/metrics.csv"), '\n', absl::SkipEmpty());
+  std::set<uint64_t> steps;
+  if (lines.empty()) return steps;
+  const std::vector<std::string> header = absl::StrSplit(lines[0], ',');
+  const size_t down = std::find(header.begin(), header.end(), "bytes_down") - header.begin();
+  EXPECT_LT(down, header.size()) << lines[0];
+  for (size_t i = 1; i < lines.size() && down < header.size(); ++i) {
+    const std::vector<std::string> row = absl::StrSplit(lines[i], ',');
+    if (row[down] != "0") steps.insert(i - 1);
+  }
+  return steps;
 }
 class DilocoFragmentsTest : public ::testing::TestWithParam<FragmentCombo> {};
 
@@ -347,7 +367,9 @@ TEST_P(DilocoFragmentsTest, EveryWorkerAndServerEqualsTheReference) {
   const FragmentCombo& c = GetParam();
   control::TrainingConfig cfg = DilocoMatrixConfig(3, 14, 4, c.codecs);
   cfg.mutable_optimizer()->set_fragments(c.fragments);
-  const std::string out = Launch(cfg, absl::StrCat("diloco-f", c.fragments), kMixedDevices);
+  cfg.mutable_optimizer()->set_sync_delay(c.delay);
+  const std::string out =
+      Launch(cfg, absl::StrCat("diloco-f", c.fragments, "-tau", c.delay), kMixedDevices);
   const ReferenceResult ref = Reference(cfg);
   ExpectEqualsReference(out, cfg, ref);
   const std::string summary = ReadFile(out + "/summary.json");
@@ -355,21 +377,28 @@ TEST_P(DilocoFragmentsTest, EveryWorkerAndServerEqualsTheReference) {
   EXPECT_EQ(Field(summary, "replicas_equal"), "true") << summary;
   const std::set<uint64_t> sending = c.fragments == 3
                                          ? std::set<uint64_t>{1, 2, 3, 5, 6, 7, 9, 10, 11, 13}
-                                         : std::set<uint64_t>{1, 3, 5, 7, 9, 11, 13};
+                                     : c.fragments == 2 ? std::set<uint64_t>{1, 3, 5, 7, 9, 11, 13}
+                                                        : std::set<uint64_t>{3, 7, 11, 13};
   EXPECT_EQ(Field(summary, "rounds"), absl::StrCat(sending.size())) << summary;
   ExpectStepsSend(out, 14, sending, 0);
+  std::set<uint64_t> receiving;
+  for (uint64_t t : sending) receiving.insert(t == 13 ? 13 : std::min<uint64_t>(t + c.delay, 12));
+  EXPECT_EQ(StepsReceiving(out), receiving);
 }
 
 INSTANTIATE_TEST_SUITE_P(Streaming, DilocoFragmentsTest,
                          ::testing::Values(FragmentCombo{{"onebit", "onebit", "both"}, 3},
                                            FragmentCombo{{"onebit", "onebit", "none"}, 2},
                                            FragmentCombo{{"fp16", "onebit", "worker"}, 3},
-                                           FragmentCombo{{"fp32", "fp32", "server"}, 2}),
+                                           FragmentCombo{{"fp32", "fp32", "server"}, 2},
+                                           FragmentCombo{{"onebit", "onebit", "none"}, 2, 1},
+                                           FragmentCombo{{"onebit", "fp16", "both"}, 1, 3}),
                          [](const ::testing::TestParamInfo<FragmentCombo>& info) {
-                           return absl::StrCat("F", info.param.fragments, "_",
-                                               info.param.codecs.worker_codec, "_",
-                                               info.param.codecs.server_codec, "_ef_",
-                                               info.param.codecs.error_feedback);
+                           return absl::StrCat(
+                               "F", info.param.fragments, "_", info.param.codecs.worker_codec, "_",
+                               info.param.codecs.server_codec, "_ef_",
+                               info.param.codecs.error_feedback,
+                               info.param.delay > 0 ? absl::StrCat("_tau", info.param.delay) : "");
                          });
 
 // onebit-lamb on the mlp (tensors W0 b0 W1 b1) through a real 3 x S

@@ -770,13 +770,19 @@ TEST(Recovery, ZeroOneAdamRollsBackBetweenSyncsBitForBit) {
 // 32 steps earlier, at 415 and 479, or 607); the others roll back in place,
 // each server to a state of its own shard's, and the job ends bit for bit
 // as uninterrupted. (Error feedback both ways, not diloco's default none,
-// so that both errors are restored too.)
-TEST(Recovery, DilocoRollsBackBetweenSyncsBitForBit) {
-  const std::string dir = TempDir("recovery_diloco");
+// so that both errors are restored too.) Overlapped (--sync_delay 20):
+// shard 0's sync of step 383 is merged at 403, so the checkpoint of step 400
+// is taken, and the job resumed, while it is due; every worker merges it at
+// 403 as the uninterrupted job did.
+class DilocoRecovery : public ::testing::TestWithParam<int> {};
+
+TEST_P(DilocoRecovery, RollsBackBetweenSyncsBitForBit) {
+  const std::string dir = TempDir(absl::StrCat("recovery_diloco_", GetParam()));
   Case c;
-  c.flags = Synthetic("diloco", 2, 1000,
-                      {"--sync_every=64", "--fragments=2", "--bias_correction", "--lr=0.001",
-                       "--dim=400000", "--error_feedback=both"});
+  c.flags = Synthetic(
+      "diloco", 2, 1000,
+      {"--sync_every=64", "--fragments=2", "--bias_correction", "--lr=0.001", "--dim=400000",
+       "--error_feedback=both", absl::StrCat("--sync_delay=", GetParam())});
   RunResult r = RunCommand(Launch(c, dir + "/plain", {"--dump_params"}), absl::Seconds(120));
   ASSERT_EQ(r.code, 0) << r.output;
   const std::string out = dir + "/run";
@@ -789,6 +795,11 @@ TEST(Recovery, DilocoRollsBackBetweenSyncsBitForBit) {
   EXPECT_EQ(Field(summary, "rounds"), "32");
   EXPECT_THAT(ReadFile(out + ".log"), HasSubstr("server 0: worker 1 registered again"));
 }
+
+INSTANTIATE_TEST_SUITE_P(Diloco, DilocoRecovery, ::testing::Values(0, 20),
+                         [](const ::testing::TestParamInfo<int>& i) {
+                           return absl::StrCat("sync_delay_", i.param);
+                         });
 
 TEST(Recovery, WithoutRejoinTheWholeJobStartsAgainAndResumes) {
   const std::string dir = TempDir("recovery_whole");

@@ -139,6 +139,7 @@ control::TrainingConfig MakeConfig(uint32_t workers, uint32_t servers, uint64_t 
   SetSetting(&c, "checkpoint_failure", "continue");
   c.mutable_optimizer()->set_v_floor(1e-8f);
   c.mutable_optimizer()->set_fragments(1);
+  c.mutable_optimizer()->set_sync_mix(0.5f);
   c.mutable_compression()->set_block_size(32);
   c.mutable_compression()->set_chunk_elems(256);
   c.mutable_timeouts()->set_step_ms(20000);
@@ -177,6 +178,8 @@ std::vector<std::string> ConfigArgs(const control::TrainingConfig& c) {
           absl::StrFormat("--outer_lr=%.9g", c.optimizer().outer_lr()),
           absl::StrFormat("--outer_momentum=%.9g", c.optimizer().outer_momentum()),
           absl::StrCat("--fragments=", c.optimizer().fragments()),
+          absl::StrCat("--sync_delay=", c.optimizer().sync_delay()),
+          absl::StrFormat("--sync_mix=%.9g", c.optimizer().sync_mix()),
           "--error_feedback=" + EnumText(c.compression().error_feedback()),
           "--server_reply=" + EnumText(c.compression().server_reply()),
           "--scale=" + EnumText(c.compression().scale()),

@@ -5,8 +5,10 @@
 #include <cmath>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "optim/optimizer.h"
@@ -93,7 +95,9 @@ TEST(DilocoSchedule, SyncsEveryHStepsAndAtTheJobsLastStep) {
 // DiLoCo written out by hand for 2 workers and d = 64 (two 32-element
 // blocks, one per shard, as ReferenceFor cuts them), 6 steps: an inner
 // AdamW step on every worker at every step, and then, at the steps where
-// shard k's fragment syncs (`syncs(k, t)`), that shard's outer step.
+// shard k's fragment syncs (`syncs(k, t)`), that shard's outer step. With
+// o.diloco.sync_delay = tau > 0 the local models take it tau steps later
+// (by step 4, the second-to-last), merged: x = x_sync + alpha (x - x_sync).
 struct ByHand {
   std::vector<float> xs, M, e_s;                  // the master, its momentum, its error
   std::vector<std::vector<float>> xl, m, v, e_w;  // per worker
@@ -112,6 +116,8 @@ ByHand DilocoByHand(const OptimizerOptions& o, const std::vector<float>& x0, Syn
   h.xl.assign(N, x0);
   h.m.assign(N, std::vector<float>(d, 0.0f));
   h.v = h.e_w = h.m;
+  std::vector<std::pair<size_t, uint64_t>> merges;  // block begin, step
+  const uint64_t tau = o.diloco.sync_delay;
   for (uint64_t t = 0; t < 6; ++t) {
     const double k = static_cast<double>(t + 1);
     const float k1 = static_cast<float>(1.0 - std::pow(static_cast<double>(b1), k));
@@ -150,10 +156,21 @@ ByHand DilocoByHand(const OptimizerOptions& o, const std::vector<float>& x0, Syn
         z[j] = olr * (a[j] + mu * h.M[b + j]) + h.e_s[b + j];
       }
       const std::vector<float> c = OneBit(z);
+      const uint64_t merge = tau == 0 ? t : std::max<uint64_t>(t, std::min<uint64_t>(t + tau, 4));
       for (size_t j = 0; j < 32; ++j) {
         h.e_s[b + j] = z[j] - c[j];
         h.xs[b + j] -= c[j];
+        if (merge > t) continue;
         for (uint32_t r = 0; r < N; ++r) h.xl[r][b + j] = h.xs[b + j];
+      }
+      if (merge > t) merges.emplace_back(b, merge);
+    }
+    for (const auto& [b, merge] : merges) {
+      if (merge != t) continue;
+      for (uint32_t r = 0; r < N; ++r) {
+        for (size_t j = b; j < b + 32; ++j) {
+          h.xl[r][j] = h.xs[j] + o.diloco.sync_mix * (h.xl[r][j] - h.xs[j]);
+        }
       }
     }
     h.rounds += any;
@@ -260,6 +277,49 @@ TEST(Diloco, FragmentsSyncInTurnAsTheHandComputation) {
               HasSubstr("step 1 is a local step for the shard of element 0"));
 }
 
+// Overlapped (--sync_delay tau): the outer step of a sync reaches the local
+// models tau steps later, merged with what they learnt meanwhile, and by the
+// second-to-last step (4), so that the last step (5) ends at the master.
+// H = 3, tau = 2: the sync of t = 2 merges at t = 4. Streamed too (H = 4,
+// F = 2, tau = 1): shard 1 syncs at t = 1 and merges at 2, shard 0 syncs at
+// t = 3 and merges at 4, both sync at t = 5 and take it at once. alpha =
+// 0.5 (the default): its products are exact, whatever the compiler fuses.
+TEST(Diloco, ADelayedSyncMergesLaterAsTheHandComputation) {
+  struct Case {
+    uint32_t H, F, tau;
+  };
+  for (const Case c : {Case{3, 1, 2}, Case{4, 2, 1}}) {
+    SCOPED_TRACE(absl::StrCat("H ", c.H, " F ", c.F, " tau ", c.tau));
+    OptimizerOptions o = DilocoOptionsForTest();
+    o.diloco.sync_every = c.H;
+    o.diloco.fragments = c.F;
+    o.diloco.sync_delay = c.tau;
+    if (c.F > 1) o.shard_begins = {0, 32};
+    auto w = WorkerOptimizer::Create(o);
+    ASSERT_TRUE(w.ok()) << w.status();
+    std::string merges;
+    for (uint64_t t = 0; t < 6; ++t) merges += absl::StrCat((*w)->MergeStep(t), " ");
+    EXPECT_EQ(merges, c.tau == 2 ? "2 3 4 4 4 5 " : "1 2 3 4 4 5 ");
+    const std::vector<float> x0 = HandX0(64);
+    const uint32_t H = c.H, F = c.F;
+    const ByHand h = DilocoByHand(o, x0, [H, F](size_t shard, uint64_t t) {
+      return t == 5 || (t + 1 + shard * H / F) % H == 0;
+    });
+    auto r = ReferenceOfHandJob(o, x0);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->rounds, h.rounds);
+    EXPECT_EQ(h.rounds, c.F == 1 ? 2u : 3u);
+    ExpectEqualToHand(*r, h);
+    // Not the job without the delay: the merge changed the result.
+    OptimizerOptions at_once = o;
+    at_once.diloco.sync_delay = 0;
+    const ByHand h0 = DilocoByHand(at_once, x0, [H, F](size_t shard, uint64_t t) {
+      return t == 5 || (t + 1 + shard * H / F) % H == 0;
+    });
+    EXPECT_NE(h.xs, h0.xs);
+  }
+}
+
 // With fp32 both ways, outer_lr 1 and no momentum, an outer step is model
 // averaging: the master becomes the mean of the workers' local models (up to
 // rounding), and every replica starts again from it.
@@ -321,6 +381,12 @@ TEST(Diloco, RefusalsNameTheFlag) {
               HasSubstr("--server_reply"));
   EXPECT_THAT(refusal([](OptimizerOptions* o) { o->warmup_codec = "fp16"; }),
               HasSubstr("--warmup_codec"));
+  EXPECT_THAT(refusal([](OptimizerOptions* o) { o->diloco.sync_delay = 3; }),
+              HasSubstr("--sync_delay: 3: must be below H / F (3 / 1)"));
+  EXPECT_THAT(refusal([](OptimizerOptions* o) { o->diloco.sync_mix = 1.0f; }),
+              HasSubstr("--sync_mix: must lie in [0, 1)"));
+  EXPECT_THAT(refusal([](OptimizerOptions* o) { o->diloco.sync_mix = NAN; }),
+              HasSubstr("--sync_mix"));
   EXPECT_THAT(refusal([](OptimizerOptions* o) { o->diloco.fragments = 0; }),
               HasSubstr("--fragments: 0: must be in [1, --sync_every (3)]"));
   EXPECT_THAT(refusal([](OptimizerOptions* o) { o->diloco.fragments = 4; }),

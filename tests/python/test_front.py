@@ -159,16 +159,18 @@ def test_diloco_inner_steps_are_torch_adamw_across_syncs(tmp_path, groups):
     assert s["replicas_equal"] is True
 
 
-@pytest.mark.parametrize("fragments", [1, 2])
-def test_diloco_from_the_constructor_syncs_every_h_steps_with_equal_replicas(tmp_path, fragments):
+@pytest.mark.parametrize("fragments,delay", [(1, 0), (2, 1)])
+def test_diloco_from_the_constructor_syncs_every_h_steps_with_equal_replicas(tmp_path, fragments,
+                                                                              delay):
     # 2 workers, 24 steps, H = 4: steps 3, 7, ..., 23 synchronise (1-bit
     # both ways), the other 18 are local AdamW steps that send nothing. With
     # 2 fragments (one per server) shard 1 syncs 2 steps earlier, at 1, 5,
     # ..., 21, and both at 23, the last (blocks of 256: the 804 parameters
-    # fill both shards, 512 and 292).
+    # fill both shards, 512 and 292). With sync_delay 1 each sync's replies
+    # are received, and merged, a step later (the last step's at once).
     r, s = launch(tmp_path, 2, 2, ["--dump_params", "--steps=24", "--block_size=256"],
                   "24 --ctor 'DiLoCo(model, lr=0.03, H=4, inner=torch.optim.AdamW, outer_lr=0.7, "
-                  f"fragments={fragments})'")
+                  f"fragments={fragments}, sync_delay={delay})'")
     assert r.returncode == 0, r.stderr
     sending = list(range(3, 24, 4)) if fragments == 1 else list(range(1, 24, 2))
     assert s["optimizer"] == "diloco" and s["rounds"] == len(sending), s
@@ -179,6 +181,8 @@ def test_diloco_from_the_constructor_syncs_every_h_steps_with_equal_replicas(tmp
     lines = (run / "metrics.csv").read_text().splitlines()
     rows = [dict(zip(lines[0].split(","), l.split(","))) for l in lines[1:]]
     assert [int(r["step"]) for r in rows if int(r["bytes_up"]) > 0] == sending, lines
+    receiving = [t + delay if t < 23 else t for t in sending]
+    assert [int(r["step"]) for r in rows if int(r["bytes_down"]) > 0] == receiving, lines
     assert learned(r.stderr, s), r.stderr
 
 

@@ -46,6 +46,8 @@ SYSTEMS = [
     ("onebit-adam-fp16", "onebit-ps onebit-adam, fp16 warm-up, freeze at 15 %"),
     ("zero-one-adam", "onebit-ps zero-one-adam (its defaults)"),
     ("diloco", f"onebit-ps diloco, H = {cfg.get('diloco_h', '32')}"),
+    ("diloco-overlap", f"onebit-ps diloco, H = {cfg.get('diloco_h', '32')}, each sync "
+     f"overlapped with {cfg.get('diloco_delay', '?')} inner steps"),
     ("ddp", "DDP gloo fp32"),
     ("ddp-fp16", "DDP gloo fp16 hook"),
     ("ddp-powersgd", "DDP gloo PowerSGD hook (rank 2)"),
