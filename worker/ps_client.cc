@@ -337,6 +337,8 @@ absl::Status PsClient::PushState(const std::map<std::string, const float*>& arra
 }
 
 absl::StatusOr<bool> PsClient::Vote(uint64_t step, bool found_inf, const Check& check) {
+  // A worker whose sync still travels may be ahead of a server.
+  if (absl::Status st = AwaitPending(check); !st.ok()) return st;
   Grid& grid = grids_[0];
   Chunk& first = grid.chunks[grid.by_shard[0][0]];  // chunk 0 of shard 0
   absl::Status st =
@@ -362,6 +364,7 @@ absl::StatusOr<bool> PsClient::Vote(uint64_t step, bool found_inf, const Check& 
 }
 
 absl::StatusOr<PsClient::ServerState> PsClient::PullState(uint64_t step, const Check& check) {
+  if (absl::Status st = AwaitPending(check); !st.ok()) return st;
   Grid& grid = grids_[0];
   for (Chunk& c : grid.chunks) {
     absl::Status st = SendHeader(c, step, data::STATE_PULL);
@@ -734,6 +737,22 @@ absl::Status PsClient::ReceivePending(Replica* replica, const Check& check) {
         },
         check, p.outstanding);
   }
+  if (st.ok()) std::fill(p.outstanding.begin(), p.outstanding.end(), 0);
+  pending_ = std::move(p);
+  return st;
+}
+
+absl::Status PsClient::AwaitPending(const Check& check) {
+  if (!pending_) return absl::OkStatus();
+  Round p = std::move(*pending_);
+  pending_.reset();
+  absl::Status st = ReceiveAll(
+      grids_[p.grid], absl::StrCat("step ", p.step, " (merged at step ", p.merge, ")"),
+      [&](uint32_t k, std::vector<zmq::message_t>& frames) {
+        p.early.emplace_back(k, std::move(frames));
+        return absl::OkStatus();
+      },
+      check, p.outstanding);
   if (st.ok()) std::fill(p.outstanding.begin(), p.outstanding.end(), 0);
   pending_ = std::move(p);
   return st;

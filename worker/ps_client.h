@@ -216,6 +216,10 @@ class PsClient {
   // A job resumed at `step` (PullParams): the sync before it whose merge is
   // still due, its outer step already in the x_sync the pull wrote.
   void ResumeMerge(uint64_t step, Phase phase);
+  // Waits until every reply pending_ is owed has arrived (kept, not yet
+  // applied): then every server has completed its step, and a request
+  // about the next one (a vote, a state pull) finds it there.
+  absl::Status AwaitPending(const Check& check);
   // Receives and applies what pending_ still waits for.
   absl::Status ReceivePending(Replica* replica, const Check& check);
 

@@ -24,6 +24,7 @@
 //                    and Step (must be refused) and after the last step
 //                    (prints the arrays; the servers' x must be this
 //                    replica's)
+//   --gather_after T GatherOptimizerState() between steps T and T + 1
 //   --no_loss        report no loss (StepOptions' default, a NaN)
 // Writes its final x to $ONEBIT_DUMP_X when set. Exits 1 with the error.
 #include <cmath>
@@ -55,7 +56,7 @@ int Fail(const std::string& what, const absl::Status& st) {
 
 int main(int argc, char** argv) {
   uint64_t d = 1000, steps = 6;
-  int bad_d_rank = -1, lr_rank = -1, release = 0;
+  int bad_d_rank = -1, lr_rank = -1, release = 0, gather_after = -1;
   std::string init = "rank", wd, lr_scale;
   int wd_rank = -1, set_rank = -1, layers_rank = -1, lr_scale_rank = -1;
   std::string layers, bad_loss;
@@ -84,6 +85,8 @@ int main(int argc, char** argv) {
       steps = std::strtoull(v, nullptr, 10);
     else if (k == "--release")
       release = std::atoi(v);
+    else if (k == "--gather_after")
+      gather_after = std::atoi(v);
     else if (k == "--lr")
       lr = std::atof(v);
     else if (k == "--lr_rank")
@@ -194,6 +197,12 @@ int main(int argc, char** argv) {
     }
     auto stats = w.Step(so);
     if (!stats.ok()) return Fail("step", stats.status());
+    if (static_cast<int64_t>(t) == gather_after) {
+      auto state = w.GatherOptimizerState();
+      if (!state.ok()) return Fail("gather", state.status());
+      std::fprintf(stderr, "api_worker: rank %u gathered after step %llu\n", rank,
+                   static_cast<unsigned long long>(t));
+    }
   }
   if (gather) {
     auto state = w.GatherOptimizerState();

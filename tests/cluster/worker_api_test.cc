@@ -209,6 +209,24 @@ TEST(WorkerApi, GatherOptimizerStateBetweenStepsOnly) {
                                       "GatherOptimizerState() in the middle of step 0"));
 }
 
+// diloco with --sync_delay: the sync of step 3 (H = 4) is merged at step
+// 5, and a gather between steps 3 and 4 finds its replies on their way;
+// they are kept for step 5, and the job ends bit for bit as without the
+// gather.
+TEST(WorkerApi, AGatherWhileASyncTravelsChangesNothing) {
+  const std::vector<std::string> diloco = {"--optimizer=diloco", "--sync_every=4",
+                                           "--sync_delay=2",     "--lr=0.01",
+                                           "--block_size=32",    "--steps=9"};
+  Job plain = RunApiJob("delay_plain", 2, 2, diloco, "--steps 9");
+  Job gathered = RunApiJob("delay_gather", 2, 2, diloco, "--steps 9 --gather_after 3");
+  ASSERT_EQ(plain.run.code, 0) << plain.run.output;
+  ASSERT_EQ(gathered.run.code, 0) << gathered.run.output;
+  EXPECT_THAT(gathered.run.output, HasSubstr("api_worker: rank 1 gathered after step 3"));
+  for (int r : {0, 1}) EXPECT_EQ(FirstDifference(gathered.replicas[r], plain.replicas[r]), "");
+  EXPECT_EQ(FirstDifference(Concat(gathered.masters), Concat(plain.masters)), "");
+  EXPECT_EQ(Field(gathered.summary, "rounds"), "3");  // t = 3, 7 and 8
+}
+
 // onebit-lamb with the program's own tensors: the shards hold whole ones
 // (on 2 servers: [0, 600), then [600, 1000)); without them the job cannot
 // be sharded and says why; workers declaring other tensors are refused.
