@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -116,7 +117,16 @@ void MetricsEndpoint::Answer(int fd) {
     type = "text/plain";
     body = "GET /metrics\n";
   } else {
-    body = prometheus::TextSerializer().Serialize(registry_->Collect());
+    const std::vector<prometheus::MetricFamily> families = registry_->Collect();
+    if (families.empty()) {
+      // Listening starts before the process has made its families: an
+      // empty page would read as a process without metrics; say "not yet".
+      status = "503 Service Unavailable";
+      type = "text/plain";
+      body = "no metrics registered yet\n";
+    } else {
+      body = prometheus::TextSerializer().Serialize(families);
+    }
   }
   std::string reply =
       absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", type,
