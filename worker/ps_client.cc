@@ -720,30 +720,19 @@ bool PsClient::KeepEarlyReply(uint32_t k, std::vector<zmq::message_t>& frames) {
 }
 
 absl::Status PsClient::ReceivePending(Replica* replica, const Check& check) {
-  // Out of pending_ while it is received, so that ReceiveAll hands these
-  // replies to `handle` rather than keeping them.
-  Round p = std::move(*pending_);
-  pending_.reset();
-  absl::Status st;
+  if (absl::Status st = AwaitPending(check); !st.ok()) return st;
+  Round& p = *pending_;
   for (auto& [k, frames] : p.early) {
-    if (st.ok()) st = HandleReply(k, frames, replica, &p);
+    if (absl::Status st = HandleReply(k, frames, replica, &p); !st.ok()) return st;
   }
   p.early.clear();
-  if (st.ok()) {
-    st = ReceiveAll(
-        grids_[p.grid], absl::StrCat("step ", p.step, " (merged at step ", p.merge, ")"),
-        [&](uint32_t k, std::vector<zmq::message_t>& frames) {
-          return HandleReply(k, frames, replica, &p);
-        },
-        check, p.outstanding);
-  }
-  if (st.ok()) std::fill(p.outstanding.begin(), p.outstanding.end(), 0);
-  pending_ = std::move(p);
-  return st;
+  return absl::OkStatus();
 }
 
 absl::Status PsClient::AwaitPending(const Check& check) {
   if (!pending_) return absl::OkStatus();
+  // Out of pending_ while it is received, so that ReceiveAll hands these
+  // replies to `handle` rather than to KeepEarlyReply.
   Round p = std::move(*pending_);
   pending_.reset();
   absl::Status st = ReceiveAll(

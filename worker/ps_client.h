@@ -117,10 +117,6 @@ class PsClient {
   // those still outstanding, so that a checkpoint's state is the servers';
   // the merge stays due.
   absl::Status TakeReplies(Replica* replica, const Check& check);
-  // The sync step whose merge is due, if any.
-  std::optional<uint64_t> merge_due() const {
-    return pending_ ? std::optional<uint64_t>(pending_->merge) : std::nullopt;
-  }
 
   // Whether a step is between BeginStep and the end of CompleteStep, and
   // whether any of its chunks has gone out.
