@@ -279,9 +279,9 @@ def test_load_state_dict_refuses_what_it_cannot_seed_by_name(tmp_path, optimizer
     assert s["status"] == "ok" and s["steps"] == 2
 
 
-def scaler_job(out, mode, args=""):
+def scaler_job(out, mode, args="", optimizer=("--optimizer=onebit-adam", "--freeze_step=4")):
     cmd = [os.path.join(BIN, "onebit-launch"), "--workers=3", "--servers=2", "--model=external",
-           "--optimizer=onebit-adam", "--freeze_step=4", "--lr=0.01", "--chunk_elems=64",
+           *optimizer, "--lr=0.01", "--chunk_elems=64",
            "--block_size=32", f"--out={out}", "--launch_register_timeout=30s",
            f"--worker_cmd=/usr/bin/python3 {HERE}/scaler_worker.py 12 {mode} {args}"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
@@ -289,21 +289,33 @@ def scaler_job(out, mode, args=""):
     return r, summary
 
 
-@pytest.mark.parametrize("mode,plain,inf_at", [("scaled", "plain", 5), ("clip", "plainclip", 2)])
+# diloco with H = 4 and --sync_delay 2: step 3's sync merges at step 5, and
+# the overflow of iteration 5 is voted on while that sync still travels.
+DILOCO_DELAYED = ("--optimizer=diloco", "--sync_every=4", "--sync_delay=2", "--steps=11",
+                  "--bias_correction")
+
+
+@pytest.mark.parametrize("mode,plain,inf_at,optimizer", [
+    ("scaled", "plain", 5, None), ("clip", "plainclip", 2, None),
+    ("scaled", "plain", 5, DILOCO_DELAYED)], ids=["scaled", "clip", "diloco_delayed"])
 def test_a_grad_scaler_skips_an_overflowed_step_on_every_rank_and_is_otherwise_exact(
-        tmp_path, mode, plain, inf_at):
+        tmp_path, mode, plain, inf_at, optimizer):
     # Rank 1's gradient of one iteration overflows (in the compression phase,
-    # or in the warm-up with scaler.unscale_ and clipping before the step):
-    # every rank skips it, the scale backs off alike everywhere, and the job
-    # ends bit for bit where one without a scaler that left that iteration
-    # out ends (a power-of-two scale unscales exactly).
+    # or in the warm-up with scaler.unscale_ and clipping before the step, or
+    # in a diloco inner step while a sync travels): every rank skips it, the
+    # scale backs off alike everywhere, and the job ends bit for bit where one
+    # without a scaler that left that iteration out ends (a power-of-two
+    # scale unscales exactly).
     dumps, runs = {}, {}
     for m in (mode, plain):
         dumps[m] = tmp_path / m
         dumps[m].mkdir()
-        r, s = scaler_job(tmp_path / f"{m}-run", m, f"--inf_at {inf_at} --dump {dumps[m]}")
+        r, s = scaler_job(tmp_path / f"{m}-run", m, f"--inf_at {inf_at} --dump {dumps[m]}",
+                          **({"optimizer": optimizer} if optimizer else {}))
         assert r.returncode == 0, r.stderr
         assert s["steps"] == 11 and s["replicas_equal"] is True, s
+        if optimizer:  # syncs at steps 3, 7 and the last, 10
+            assert s["optimizer"] == "diloco" and s["rounds"] == 3, s
         runs[m] = r.stderr
     for w in range(3):
         got = (dumps[mode] / f"params-{w}.f32").read_bytes()
