@@ -50,6 +50,15 @@ absl::Status ResolveConfig(const std::set<std::string>& given, control::Training
   // Fill in the optimizer's defaults, so every process sees one resolved config.
   auto kind = KindOf(c);
   if (kind.ok()) {
+    const std::string optimizer = EnumText(c.optimizer().algorithm());
+    for (const JobSetting& s : JobSettings()) {
+      if (s.only_for != nullptr && given.count(s.name) && optimizer != s.only_for) {
+        const std::string why = absl::StrCat("a ", s.only_for, " setting, but --optimizer is ",
+                                             optimizer, ": it would change nothing");
+        return SettingError(
+            s.name, absl::StrCat(why, " (give --optimizer ", s.only_for, ", or leave it out)"));
+      }
+    }
     control::CompressionConfig& z = *c.mutable_compression();
     const auto codec = EnumOf<control::Codec>(DefaultCodec(*kind));
     if (z.worker_codec() == control::CODEC_UNSPECIFIED) z.set_worker_codec(codec);
@@ -330,7 +339,9 @@ std::vector<std::string> ConfigDifferences(const control::TrainingConfig& here,
 
 std::vector<std::string> ConfigFlagArgs(const control::TrainingConfig& config) {
   std::vector<std::string> out;
+  const std::string optimizer = EnumText(config.optimizer().algorithm());
   for (const JobSetting& s : JobSettings()) {
+    if (s.only_for != nullptr && optimizer != s.only_for) continue;
     out.push_back(absl::StrCat("--", s.name, "=", JobSettingText(s, config)));
   }
   return out;

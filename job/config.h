@@ -47,8 +47,10 @@ control::TrainingConfig ConfigFromCommandLineOrExit(int argc, char** argv, absl:
 // way, and still knows which settings the job left at their defaults.
 std::vector<std::string> ConfigFlagArgs();
 
-// "--name=value" for every setting of `config`; ConfigFromFlags of them
-// gives `config` back when it is resolved.
+// "--name=value" for every setting of `config` but those another optimizer
+// alone reads (JobSetting::only_for: refused for this one, so a resolved
+// config holds their defaults); ConfigFromFlags of them gives `config` back
+// when it is resolved.
 std::vector<std::string> ConfigFlagArgs(const control::TrainingConfig& config);
 
 // Fills in what the settings imply, so every process sees one resolved

@@ -34,6 +34,9 @@ struct JobSetting {
   const char* default_value;  // as typed on the command line
   const char* group;          // --help heading
   const char* help;
+  // The --optimizer that alone reads it (nullptr: every one). Given for
+  // another optimizer it would change nothing, so ResolveConfig refuses it.
+  const char* only_for = nullptr;
 };
 
 // Every setting, in --help order.
