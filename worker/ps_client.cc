@@ -129,6 +129,12 @@ absl::Status PsClient::SendInit(const float* x) {
   return absl::OkStatus();
 }
 
+void PsClient::LingerOnClose(absl::Duration bound) {
+  for (zmq::socket_t& s : sockets_) {
+    s.set(zmq::sockopt::linger, static_cast<int>(absl::ToInt64Milliseconds(bound)));
+  }
+}
+
 absl::Status PsClient::SendHeader(Chunk& c, uint64_t step, int kind,
                                   const std::function<void(data::Header&)>& more) {
   return SendChunk(

@@ -57,6 +57,12 @@ class PsClient {
   // Rank 0 only, before step 0: sends x (fp32, host memory) so the masters
   // start from it.
   absl::Status SendInit(const float* x);
+  // At the end of a job, before this is destroyed: whatever is still queued
+  // for the servers (rank 0's x in a job that ends before its first step:
+  // nothing acknowledges it) gets up to `bound` to leave when the sockets
+  // close, rather than being dropped with them. The context's destruction
+  // waits for it.
+  void LingerOnClose(absl::Duration bound);
   // Fetches the servers' x as of the start of `step` into the replica:
   // before step 0 on every other rank (rank 0's x, once it has arrived);
   // on every rank of a job resumed at `step` (where a sync's merge is

@@ -174,6 +174,22 @@ struct Worker::Impl {
     return Fail(CheckJob());
   }
 
+  // A finished worker has nothing more to say or serve: its sockets,
+  // heartbeat, health and metrics services end now. Left to the process's
+  // exit (a Python program keeps the worker until then), their threads
+  // went on reconnecting to a coordinator that had exited while the
+  // runtime tore OpenSSL down under them: failed TLS handshakes logged
+  // after a successful job, and now and then a crash at exit.
+  void Disconnect() {
+    if (client != nullptr) client->LingerOnClose(absl::Seconds(5));
+    client.reset();  // the sockets before their context, which waits for them
+    ctx.reset();
+    member.reset();  // its checkpoint writer counts files in the metrics
+    metrics.reset();
+    endpoint.reset();
+    if (health != nullptr) health->Shutdown(absl::ToChronoTime(absl::Now()));
+    health.reset();
+  }
   absl::Status Usable() const {
     if (!stopped.ok()) return stopped;
     if (!failure.ok()) return failure;
@@ -961,6 +977,7 @@ absl::Status Worker::Finish() {
   }
   w.finished = true;
   if (w.endpoint != nullptr) LingerForLastScrape(w.metrics_linger, w.stop_signal);
+  w.Disconnect();
   return absl::OkStatus();
 }
 

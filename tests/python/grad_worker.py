@@ -1,6 +1,6 @@
 """How the front treats torch's gradient habits, one case per run, checked
 to the bit on a parameter whose gradient is known exactly; run by
-test_front.py through onebit-launch --worker_cmd (2 workers, --optimizer sgd
+test_front_gradients.py through onebit-launch --worker_cmd (2 workers, --optimizer sgd
 --lr 1 unless the case says otherwise).
 
     grad_worker.py CASE
