@@ -2,6 +2,8 @@
 
 #include <cpuid.h>
 
+#include <string>
+
 #include "absl/strings/str_cat.h"
 #include "compress/codec_impl.h"
 #include "compress/kernels.h"
@@ -15,6 +17,14 @@ bool CpuHasAvx2() {
     return __builtin_cpu_supports("avx2") && __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
   }();
   return has;
+}
+
+absl::Status DecodeScaled(const Codec& codec, const uint8_t* in, size_t n, float w, float* out) {
+  return codec.DecodeInPieces(in, n, out, [&](size_t b, size_t e, const float*) {
+    // w * (+-s) is +-(w * s): the same float DecodeAdd's kernels add.
+    for (size_t i = b; i < e; ++i) out[i] = 0.0f + w * out[i];
+    return absl::OkStatus();
+  });
 }
 
 absl::StatusOr<CodecKind> ParseCodecKind(absl::string_view name) {
@@ -95,14 +105,17 @@ absl::StatusOr<std::unique_ptr<const Codec>> NewCodec(CodecKind kind, const Code
 
 namespace compress_internal {
 
-absl::Status NonFiniteInput(const float* y, const float* e, size_t i) {
+absl::Status NonFiniteInput(const float* y, const float* e, size_t i, size_t done) {
+  const std::string after =
+      done == 0 ? (e == nullptr ? "nothing was encoded" : "nothing was encoded or changed")
+                : absl::StrCat("the elements before ", done, " were encoded");
   if (e == nullptr) {
     return absl::InvalidArgumentError(
-        absl::StrCat("non-finite input at index ", i, " (", y[i], "); nothing was encoded"));
+        absl::StrCat("non-finite input at index ", i, " (", y[i], "); ", after));
   }
   return absl::InvalidArgumentError(absl::StrCat("non-finite input at index ", i, " (y=", y[i],
-                                                 ", e=", e[i], ", y+e=", y[i] + e[i],
-                                                 "); nothing was encoded or changed"));
+                                                 ", e=", e[i], ", y+e=", y[i] + e[i], "); ",
+                                                 after));
 }
 
 }  // namespace compress_internal

@@ -14,8 +14,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -64,18 +66,53 @@ class Codec {
   virtual absl::Status EncodeWithFeedback(const float* y, float* e, size_t n,
                                           uint8_t* out) const = 0;
 
+  // EncodeWithFeedback (e may be null: Encode) in one pass over memory, for
+  // a caller that fails its step on any error. Piece by piece (a few
+  // thousand elements, whole onebit blocks): `before(b, e)`, where given,
+  // first writes y[b, e) (a momentum updated in place, say); the piece is
+  // then checked and encoded while in cache; `after(b, e, d)`, where
+  // given, gets d = D(out)[b, e) (the decoded piece, valid during the
+  // call), and its error ends the call. Pieces start at multiples of
+  // piece_elems(). Not all or nothing: on a non-finite or unencodable z the
+  // error is EncodeWithFeedback's, and the pieces before the bad one are
+  // encoded, with their e updated and their hooks run.
+  struct PieceHooks {
+    std::optional<absl::FunctionRef<void(size_t begin, size_t end)>> before;
+    std::optional<absl::FunctionRef<absl::Status(size_t begin, size_t end, const float* decoded)>>
+        after;
+  };
+  virtual absl::Status EncodeInPieces(const float* y, float* e, size_t n, uint8_t* out,
+                                      const PieceHooks& hooks) const = 0;
+  // The elements of one piece of EncodeInPieces and DecodeInPieces.
+  virtual size_t piece_elems() const = 0;
+
   // out[0, n) = D(in). Requires in to hold EncodedSize(n) bytes; rejects a
   // payload whose values or scales are not finite (a corrupt or hostile peer).
   virtual absl::Status Decode(const uint8_t* in, size_t n, float* out) const = 0;
 
   // acc[i] += w * D(in)[i], so a server averages N pushes without temporaries.
   virtual absl::Status DecodeAdd(const uint8_t* in, size_t n, float w, float* acc) const = 0;
+  // Decode, then `after(b, e, out + b)` for each piece while it is in cache
+  // (x updated from the decoded momentum, say). The payload is checked
+  // before anything is written (as Decode); an error of `after` ends the
+  // call, with the pieces before it decoded.
+  virtual absl::Status DecodeInPieces(
+      const uint8_t* in, size_t n, float* out,
+      absl::FunctionRef<absl::Status(size_t begin, size_t end, const float* decoded)> after)
+      const = 0;
+
   // OK when Decode would accept in[0, EncodedSize(n)), else the error it
   // would return; writes nothing. For callers that decode elsewhere (a GPU
   // worker checks on the host, where the bytes arrive, then decodes on the
   // device).
   virtual absl::Status CheckPayload(const uint8_t* in, size_t n) const = 0;
 };
+
+// out[i] = +0.0f + w * D(in)[i]: what codec.DecodeAdd gives on an acc of
+// +0.0f (0 + v is v, but +0 for -0), without writing the zeros and reading
+// them back: each piece is decoded, then scaled while in cache. All or
+// nothing, as Decode.
+absl::Status DecodeScaled(const Codec& codec, const uint8_t* in, size_t n, float w, float* out);
 
 // kind is "fp32", "fp16" or "onebit". Errors name the bad option.
 absl::StatusOr<std::unique_ptr<const Codec>> NewCodec(absl::string_view kind,

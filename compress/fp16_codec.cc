@@ -1,6 +1,7 @@
 // fp16: IEEE half precision, round to nearest even (F16C where present).
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -38,6 +39,34 @@ class Fp16Codec final : public Codec {
     return absl::OkStatus();
   }
 
+  absl::Status EncodeInPieces(const float* y, float* e, size_t n, uint8_t* out,
+                              const PieceHooks& hooks) const override {
+    return ElementwiseInPieces(
+        y, e, n, out, 2, hooks,
+        [this](const float* py, const float* pe, size_t m) { return k_.fp16_check(py, pe, m); },
+        [y, e](size_t i, size_t done) { return Unrepresentable(y, e, i, done); },
+        [this](const float* py, float* pe, size_t m, uint8_t* po) { EncodeTo(py, pe, m, po); },
+        [this](const uint8_t* in, size_t m, float* po) {
+          AlignedPayload<uint16_t> p(in, m);
+          k_.fp16_decode(p.data(), m, po);
+        });
+  }
+
+  size_t piece_elems() const override { return kElementwisePiece; }
+
+  absl::Status DecodeInPieces(
+      const uint8_t* in, size_t n, float* out,
+      absl::FunctionRef<absl::Status(size_t, size_t, const float*)> after) const override {
+    AlignedPayload<uint16_t> p(in, n);
+    if (size_t bad = k_.fp16_check_payload(p.data(), n); bad < n) return BadValue(bad);
+    return DecodeElementwiseInPieces(
+        reinterpret_cast<const uint8_t*>(p.data()), n, out, 2,
+        [this](const uint8_t* b, size_t m, float* o) {
+          k_.fp16_decode(reinterpret_cast<const uint16_t*>(b), m, o);
+        },
+        after);
+  }
+
   absl::Status DecodeAdd(const uint8_t* in, size_t n, float w, float* acc) const override {
     AlignedPayload<uint16_t> p(in, n);
     if (size_t bad = k_.fp16_check_payload(p.data(), n); bad < n) return BadValue(bad);
@@ -63,12 +92,14 @@ class Fp16Codec final : public Codec {
     if (n > 0) std::memcpy(out, halves.data(), 2 * n);
   }
 
-  static absl::Status Unrepresentable(const float* y, const float* e, size_t i) {
+  // done: the elements encoded before (EncodeInPieces), else 0.
+  static absl::Status Unrepresentable(const float* y, const float* e, size_t i, size_t done = 0) {
     const float z = e ? y[i] + e[i] : y[i];
-    if (!std::isfinite(z)) return NonFiniteInput(y, e, i);
-    return absl::InvalidArgumentError(absl::StrCat("value ", z, " at index ", i,
-                                                   " overflows fp16 (largest is 65504); "
-                                                   "nothing was encoded or changed"));
+    if (!std::isfinite(z)) return NonFiniteInput(y, e, i, done);
+    return absl::InvalidArgumentError(
+        absl::StrCat("value ", z, " at index ", i, " overflows fp16 (largest is 65504); ",
+                     done == 0 ? std::string("nothing was encoded or changed")
+                               : absl::StrCat("the elements before ", done, " were encoded")));
   }
 
   static absl::Status BadValue(size_t i) {

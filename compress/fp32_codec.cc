@@ -27,13 +27,35 @@ class Fp32Codec final : public Codec {
 
   absl::Status EncodeWithFeedback(const float* y, float* e, size_t n, uint8_t* out) const override {
     if (size_t bad = k_.first_nonfinite(y, e, n); bad < n) return NonFiniteInput(y, e, bad);
-    // C is exact, so the new error is z - z = +0.
-    for (size_t i = 0; i < n; ++i) {
-      const float z = y[i] + e[i];
-      std::memcpy(out + 4 * i, &z, 4);
-      e[i] = 0.0f;
-    }
+    CopyZ(y, e, n, out);
     return absl::OkStatus();
+  }
+
+  absl::Status EncodeInPieces(const float* y, float* e, size_t n, uint8_t* out,
+                              const PieceHooks& hooks) const override {
+    return ElementwiseInPieces(
+        y, e, n, out, 4, hooks,
+        [this](const float* py, const float* pe, size_t m) {
+          return k_.first_nonfinite(py, pe, m);
+        },
+        [y, e](size_t i, size_t done) { return NonFiniteInput(y, e, i, done); },
+        [](const float* py, float* pe, size_t m, uint8_t* po) { CopyZ(py, pe, m, po); },
+        [](const uint8_t* in, size_t m, float* po) { std::memcpy(po, in, 4 * m); });
+  }
+
+  size_t piece_elems() const override { return kElementwisePiece; }
+
+  absl::Status DecodeInPieces(
+      const uint8_t* in, size_t n, float* out,
+      absl::FunctionRef<absl::Status(size_t, size_t, const float*)> after) const override {
+    AlignedPayload<float> p(in, n);
+    if (size_t bad = k_.first_nonfinite(p.data(), nullptr, n); bad < n) {
+      return BadValue(p.data(), bad);
+    }
+    const auto* bytes = reinterpret_cast<const uint8_t*>(p.data());
+    return DecodeElementwiseInPieces(
+        bytes, n, out, 4, [](const uint8_t* b, size_t m, float* o) { std::memcpy(o, b, 4 * m); },
+        after);
   }
 
   absl::Status Decode(const uint8_t* in, size_t n, float* out) const override {
@@ -63,6 +85,20 @@ class Fp32Codec final : public Codec {
   }
 
  private:
+  // out = z = y + e (y without e); e = +0, since C is exact and the new
+  // error is z - z.
+  static void CopyZ(const float* y, float* e, size_t n, uint8_t* out) {
+    if (e == nullptr) {
+      if (n > 0) std::memcpy(out, y, 4 * n);  // memcpy from null (n = 0) is undefined
+      return;
+    }
+    for (size_t i = 0; i < n; ++i) {
+      const float z = y[i] + e[i];
+      std::memcpy(out + 4 * i, &z, 4);
+      e[i] = 0.0f;
+    }
+  }
+
   static absl::Status BadValue(const float* v, size_t i) {
     return absl::InvalidArgumentError(
         absl::StrCat("fp32 payload: non-finite value ", v[i], " at index ", i));

@@ -7,10 +7,36 @@
 #include "optim/update_kernels.h"
 
 namespace onebit {
+
+absl::Status ArrayOps::UpdateMomentumAndEncode(const Codec& codec, const float* g, float b1,
+                                               float c1, size_t n, float* m, float* e,
+                                               uint8_t* out) const {
+  if (absl::Status st = UpdateMomentum(g, b1, c1, n, m); !st.ok()) return st;
+  return Encode(codec, m, e, n, out);
+}
+
+absl::Status ArrayOps::DecodeThen(const Codec& codec, Payload in, size_t n, float* out,
+                                  absl::FunctionRef<absl::Status(size_t, size_t)> then) const {
+  if (absl::Status st = Decode(codec, in, n, out); !st.ok()) return st;
+  return n == 0 ? absl::OkStatus() : then(0, n);
+}
+
 namespace {
 
 class HostOps final : public ArrayOps {
  public:
+  absl::Status UpdateMomentumAndEncode(const Codec& codec, const float* g, float b1, float c1,
+                                       size_t n, float* m, float* e, uint8_t* out) const override {
+    auto momentum = [&](size_t b, size_t end) {
+      onebit::UpdateMomentum(g + b, b1, c1, end - b, m + b);
+    };
+    return codec.EncodeInPieces(m, e, n, out, {momentum, std::nullopt});
+  }
+  absl::Status DecodeThen(const Codec& codec, Payload in, size_t n, float* out,
+                          absl::FunctionRef<absl::Status(size_t, size_t)> then) const override {
+    return codec.DecodeInPieces(in.host, n, out,
+                                [&](size_t b, size_t e, const float*) { return then(b, e); });
+  }
   absl::Status Encode(const Codec& codec, const float* y, float* e, size_t n,
                       uint8_t* out) const override {
     return e != nullptr ? codec.EncodeWithFeedback(y, e, n, out) : codec.Encode(y, n, out);

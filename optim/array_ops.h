@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "compress/codec.h"
@@ -52,6 +53,24 @@ class ArrayOps {
   // excepted).
   virtual absl::Status Decode(const Codec& codec, Payload in, size_t n, float* out) const = 0;
   virtual absl::Status DecodeAdd(const Codec& codec, Payload in, size_t n, float* acc) const = 0;
+
+  // The step's fused forms, one pass over memory where the operations can
+  // (the host's, piece by piece: Codec::EncodeInPieces); by default (a
+  // device's) the plain operations one after the other, which compute the
+  // same bits.
+  //
+  // m = b1 m + c1 g (UpdateMomentum), then Encode(codec, m, e, n, out). Not
+  // all or nothing: on a value that cannot be encoded, the error names its
+  // index, and m and e may have changed (the caller fails its step).
+  virtual absl::Status UpdateMomentumAndEncode(const Codec& codec, const float* g, float b1,
+                                               float c1, size_t n, float* m, float* e,
+                                               uint8_t* out) const;
+  // Decode(codec, in, n, out), then `then(b, e)` over consecutive pieces
+  // [b, e) of [0, n), each while out[b, e) is fresh (one piece after the
+  // whole decode by default). A bad payload changes nothing; an error of
+  // `then` ends the call.
+  virtual absl::Status DecodeThen(const Codec& codec, Payload in, size_t n, float* out,
+                                  absl::FunctionRef<absl::Status(size_t b, size_t e)> then) const;
 
   // to = from; out = +0.
   virtual absl::Status Copy(const float* from, size_t n, float* to) const = 0;

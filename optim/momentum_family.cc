@@ -86,16 +86,24 @@ absl::Status MomentumFamily::Step(uint64_t step, float lr, bool last_warmup, flo
     if (!st.ok()) return Diverged(o_, "the update", step, s->begin + off, st);
     return codec.DecodeAdd(reply, n, 1.0f, s->replica.data() + off);
   }
-  // Momentum reply: c_s = C(a + e_s); m̄ = D(c_s); x -= lr (m̄ / den + wd x).
+  // Momentum reply: c_s = C(a + e_s); m̄ = D(c_s); x -= lr (m̄ / den + wd x),
+  // piece by piece: each piece of m̄ steps x while in cache.
   const float* den = traits_.den_of_frozen_v ? s->den.data() + off : nullptr;
-  st = EncodeMaybeWithFeedback(codec, o_.server_error_feedback, acc, s->e.data() + off, n, reply);
+  absl::Status stepped;
+  auto step_x = [&](size_t b, size_t end, const float* mbar) {
+    ForEachRangeSetting(o_, s->begin + off + b, end - b,
+                        [&](size_t p, size_t m, float wd, float ls) {
+                          ApplyMomentum(mbar + p, den == nullptr ? nullptr : den + b + p, lr * ls,
+                                        wd, m, x + b + p);
+                        });
+    stepped = CheckFinite(o_, "the update", step, s->begin + off + b, x + b, end - b);
+    return stepped;
+  };
+  st = codec.EncodeInPieces(acc, o_.server_error_feedback ? s->e.data() + off : nullptr, n, reply,
+                            {std::nullopt, step_x});
+  if (!stepped.ok()) return stepped;
   if (!st.ok()) return Diverged(o_, "the averaged momentum", step, s->begin + off, st);
-  st = codec.Decode(reply, n, acc);
-  if (!st.ok()) return st;
-  ForEachRangeSetting(o_, s->begin + off, n, [&](size_t p, size_t m, float wd, float ls) {
-    ApplyMomentum(acc + p, den == nullptr ? nullptr : den + p, lr * ls, wd, m, x + p);
-  });
-  return CheckFinite(o_, "the update", step, s->begin + off, x, n);
+  return absl::OkStatus();
 }
 
 absl::Status MomentumFamily::Push(uint64_t step, float lr, const float* g, uint64_t b, size_t n,
@@ -105,16 +113,15 @@ absl::Status MomentumFamily::Push(uint64_t step, float lr, const float* g, uint6
     return ops.Encode(*warmup_codec_, g + b, nullptr, n, out);
   }
   const float* y = g + b;
+  float* e = o_.worker_error_feedback ? s->e + b : nullptr;
   if (traits_.worker_momentum) {
     // m_i = b1 m̄ + (1 - b1) g_i, kept in m̄ (a momentum reply overwrites it;
-    // a delta reply leaves the worker its own momentum).
-    float* m = s->mbar + b;
-    if (absl::Status st = ops.UpdateMomentum(y, o_.beta1, 1.0f - o_.beta1, n, m); !st.ok()) {
-      return st;
-    }
-    y = m;
+    // a delta reply leaves the worker its own momentum), and encoded in the
+    // same pass.
+    return ops.UpdateMomentumAndEncode(*worker_codec_, y, o_.beta1, 1.0f - o_.beta1, n, s->mbar + b,
+                                       e, out);
   }
-  return ops.Encode(*worker_codec_, y, o_.worker_error_feedback ? s->e + b : nullptr, n, out);
+  return ops.Encode(*worker_codec_, y, e, n, out);
 }
 
 absl::Status MomentumFamily::ApplyWarmup(bool hand_over, Payload reply, uint64_t b, size_t n,
@@ -160,8 +167,11 @@ absl::Status MomentumFamily::Apply(uint64_t step, float lr, bool last_warmup, Pa
   }
   const Codec& codec = *server_codec_;
   if (o_.reply == ReplyMode::kDelta) return ops.DecodeAdd(codec, reply, n, s->x + b);
-  if (absl::Status st = ops.Decode(codec, reply, n, s->mbar + b); !st.ok()) return st;
-  return ApplyMomentumRanges(lr, traits_.den_of_frozen_v ? s->den + b : nullptr, b, n, ops, s);
+  // m̄ = D(c_s), and x stepped from each piece of it while in cache.
+  const float* den = traits_.den_of_frozen_v ? s->den + b : nullptr;
+  return ops.DecodeThen(codec, reply, n, s->mbar + b, [&](size_t p, size_t q) {
+    return ApplyMomentumRanges(lr, den == nullptr ? nullptr : den + p, b + p, q - p, ops, s);
+  });
 }
 
 }  // namespace onebit

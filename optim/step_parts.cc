@@ -46,10 +46,8 @@ absl::Status Diverged(const OptimizerOptions& o, absl::string_view what, uint64_
 
 absl::Status CheckFinite(const OptimizerOptions& o, absl::string_view what, uint64_t step,
                          uint64_t first, const float* x, size_t n) {
-  for (size_t i = 0; i < n; ++i) {
-    if (!std::isfinite(x[i])) return NotFinite(o, what, step, first + i, x[i]);
-  }
-  return absl::OkStatus();
+  const size_t i = FirstNonFinite(x, n);
+  return i < n ? NotFinite(o, what, step, first + i, x[i]) : absl::OkStatus();
 }
 
 absl::Status AdamStepOnShard(const OptimizerOptions& o, uint64_t step, float lr, float* g,

@@ -8,6 +8,9 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <vector>
+
+#include "absl/strings/string_view.h"
 
 namespace onebit {
 
@@ -60,6 +63,9 @@ void UpdateMoments(const float* g, float b1, float c1, float b2, float c2, size_
 // preconditioner (ef-sgd), x <- x - lr * (mbar + wd * x).
 void ApplyMomentum(const float* mbar, const float* den, float lr, float wd, size_t n, float* x);
 
+// The index of the first non-finite x[i], or n.
+size_t FirstNonFinite(const float* x, size_t n);
+
 // The per-step scalars of one warm-up Adam step, computed once on the host so
 // that CPU and GPU loops use the very same floats.
 struct AdamCoefficients {
@@ -78,6 +84,19 @@ AdamCoefficients MakeAdamCoefficients(float beta1, float beta2, float eps, float
 // d = -lr (m^ / (sqrt(v^) + eps) + wd x); g <- d; x += d. Does not check that
 // x stays finite (callers do).
 void AdamUpdate(const AdamCoefficients& c, size_t n, float* g, float* m, float* v, float* x);
+
+// Which instruction set the loops above run with: the widest this CPU has,
+// chosen at start-up. Every path computes the same bits (IEEE operations
+// elementwise, no FMA contraction), so processes on different CPUs agree;
+// tests hold each path to the baseline. Thread-safe.
+enum class UpdatePath { kBaseline, kAvx2, kAvx512 };
+// The paths this CPU runs, narrowest first.
+std::vector<UpdatePath> UpdatePaths();
+UpdatePath ActiveUpdatePath();
+absl::string_view UpdatePathName(UpdatePath path);
+// For tests: this process's loops from now on run `path` (one of
+// UpdatePaths()); not while another thread runs them.
+void UseUpdatePathForTest(UpdatePath path);
 
 }  // namespace onebit
 

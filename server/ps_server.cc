@@ -408,9 +408,6 @@ absl::Status PsServer::DrainInOrder(Chunk& c, uint64_t index) {
     const std::optional<float> scale = GradScaleOf(r);
     if (c.scale_pending[r] && !scale) break;  // until its GRAD_SCALE
     zmq::message_t& m = *c.held[r];
-    // acc starts at +0.0f; zeroed here rather than at the end of the step so
-    // it is in cache for the decode-add.
-    if (r == 0) std::fill(c.acc, c.acc + c.range.size(), 0.0f);
     const uint8_t* payload = static_cast<const uint8_t*>(m.data());
     if (c.scale_pending[r]) {
       // The worker's g * s in float32, as it would have pushed it, then
@@ -421,7 +418,11 @@ absl::Status PsServer::DrainInOrder(Chunk& c, uint64_t index) {
       for (float& v : scaled_) v *= *scale;
       payload = reinterpret_cast<const uint8_t*>(scaled_.data());
     }
-    absl::Status st = options_.job.push_codec->DecodeAdd(payload, c.range.size(), w, c.acc);
+    // acc = +0 + w D_0 + w D_1 + ... in rank order; the first without
+    // zeroing acc and reading the zeros back.
+    const Codec& codec = *options_.job.push_codec;
+    absl::Status st = r == 0 ? DecodeScaled(codec, payload, c.range.size(), w, c.acc)
+                             : codec.DecodeAdd(payload, c.range.size(), w, c.acc);
     c.held[r].reset();
     if (!st.ok()) {
       // The codec left acc untouched; rank r may push this chunk again.

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -1456,6 +1457,218 @@ TEST(EmptyInput, NullBuffersForZeroElements) {
       EXPECT_TRUE(codec->CheckPayload(nullptr, 0).ok());
       EXPECT_TRUE(codec->Decode(nullptr, 0, nullptr).ok());
       EXPECT_TRUE(codec->DecodeAdd(nullptr, 0, 0.5f, nullptr).ok());
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// In pieces: the step's one pass over memory.
+
+std::vector<Config> PieceConfigs() {
+  std::vector<Config> out = AllConfigs();
+  out.push_back({CodecKind::kOnebit, 6144, ScaleRule::kL1});  // a block larger than 4096
+  return out;
+}
+
+TEST(EncodeInPieces, EqualsEncodeWithFeedbackAndRunsItsHooksPieceByPiece) {
+  for (const Config& cfg : PieceConfigs()) {
+    for (SimdPath path : Paths()) {
+      auto codec = Make(cfg, path);
+      ASSERT_NE(codec, nullptr);
+      const size_t p = codec->piece_elems();
+      ASSERT_GE(p, 4096u);
+      if (cfg.kind == CodecKind::kOnebit) ASSERT_EQ(p % cfg.block, 0u);
+      for (size_t n : {size_t{1}, size_t{33}, p - 1, p, p + 1, 3 * p + 17, size_t{100003}}) {
+        for (bool feedback : {true, false}) {
+          SCOPED_TRACE(Label(cfg) + " " + PathLabel(path) + " n=" + std::to_string(n) +
+                       (feedback ? " with e" : " without e"));
+          const std::vector<float> y = Input(cfg, n, static_cast<uint32_t>(n + 5));
+          std::vector<float> e0 = Gaussian(n, 9, cfg.kind == CodecKind::kFp16 ? 0.01f : 0.3f);
+          std::vector<float> e_want = e0;
+          std::vector<uint8_t> want(codec->EncodedSize(n));
+          ASSERT_TRUE((feedback ? codec->EncodeWithFeedback(y.data(), e_want.data(), n, want.data())
+                                : codec->Encode(y.data(), n, want.data()))
+                          .ok());
+          std::vector<float> decoded_want(n);
+          ASSERT_TRUE(codec->Decode(want.data(), n, decoded_want.data()).ok());
+
+          // y starts as NaN: `before` writes each piece, so the encode must
+          // come after it, piece by piece.
+          std::vector<float> lazy(n, kNaN);
+          std::vector<float> e = e0;
+          std::vector<uint8_t> out(want.size() + kGuard, kPoison);
+          std::vector<std::pair<size_t, size_t>> befores, afters;
+          std::vector<float> seen(n, kNaN);
+          auto before = [&](size_t b, size_t end) {
+            befores.emplace_back(b, end);
+            std::copy(y.begin() + b, y.begin() + end, lazy.begin() + b);
+          };
+          auto after = [&](size_t b, size_t end, const float* d) {
+            afters.emplace_back(b, end);
+            // The piece is encoded by now, the next one not yet.
+            if (end < n && !std::isnan(lazy[end])) return absl::InternalError("ran ahead");
+            std::copy(d, d + (end - b), seen.begin() + b);
+            return absl::OkStatus();
+          };
+          const Codec::PieceHooks hooks{before, after};
+          const absl::Status st = codec->EncodeInPieces(lazy.data(), feedback ? e.data() : nullptr,
+                                                        n, out.data(), hooks);
+          ASSERT_TRUE(st.ok()) << st;
+          ASSERT_TRUE(SameBytes(out.data(), want.data(), want.size()));
+          ASSERT_TRUE(AllPoison(out.data() + want.size(), kGuard));
+          ASSERT_TRUE(SameFloats(e.data(), (feedback ? e_want : e0).data(), n));
+          ASSERT_TRUE(SameFloats(seen.data(), decoded_want.data(), n));
+          std::vector<std::pair<size_t, size_t>> pieces;
+          for (size_t b = 0; b < n; b += p) pieces.emplace_back(b, std::min(n, b + p));
+          EXPECT_EQ(befores, pieces);
+          EXPECT_EQ(afters, pieces);
+        }
+      }
+    }
+  }
+}
+
+TEST(EncodeInPieces, ANonFiniteValueStopsAtItsPieceNamingIt) {
+  for (const Config& cfg : PieceConfigs()) {
+    for (SimdPath path : Paths()) {
+      auto codec = Make(cfg, path);
+      ASSERT_NE(codec, nullptr);
+      const size_t p = codec->piece_elems();
+      const size_t n = 4 * p;
+      for (size_t bad : {size_t{5}, 2 * p + 3}) {
+        SCOPED_TRACE(Label(cfg) + " " + PathLabel(path) + " bad=" + std::to_string(bad));
+        std::vector<float> y = Input(cfg, n, 4);
+        y[bad] = kNaN;
+        y[3 * p + 1] = kInf;  // in a later piece: not reached
+        std::vector<float> e = Gaussian(n, 8, 0.01f);
+        const std::vector<float> e0 = e;
+        std::vector<uint8_t> out(codec->EncodedSize(n), kPoison);
+        size_t befores = 0;
+        auto before = [&](size_t, size_t) { ++befores; };
+        const Codec::PieceHooks hooks{before, std::nullopt};
+        const absl::Status st = codec->EncodeInPieces(y.data(), e.data(), n, out.data(), hooks);
+        ExpectNamesIndex(st, bad, 3 * p + 1);
+        EXPECT_EQ(befores, bad / p + 1);
+        const size_t done = bad / p * p;
+        if (done == 0) {
+          EXPECT_THAT(st.message(), HasSubstr("nothing was encoded or changed"));
+        } else {
+          EXPECT_THAT(st.message(),
+                      HasSubstr("the elements before " + std::to_string(done) + " were encoded"));
+        }
+        // The pieces before the bad one carry their new errors; the bad
+        // piece and those after it are as they were.
+        std::vector<float> e_want(e0.begin(), e0.begin() + done);
+        std::vector<uint8_t> scratch(codec->EncodedSize(done));
+        ASSERT_TRUE(codec->EncodeWithFeedback(y.data(), e_want.data(), done, scratch.data()).ok());
+        EXPECT_TRUE(SameFloats(e.data(), e_want.data(), done));
+        EXPECT_TRUE(SameFloats(e.data() + done, e0.data() + done, n - done));
+      }
+    }
+  }
+}
+
+TEST(EncodeInPieces, AnAfterHooksErrorEndsTheCall) {
+  auto codec = Make({CodecKind::kOnebit, 64});
+  ASSERT_NE(codec, nullptr);
+  const size_t p = codec->piece_elems(), n = 3 * p;
+  const std::vector<float> y = Gaussian(n, 2);
+  std::vector<uint8_t> out(codec->EncodedSize(n));
+  size_t befores = 0;
+  auto before = [&](size_t, size_t) { ++befores; };
+  auto after = [&](size_t b, size_t, const float*) {
+    return b > 0 ? absl::DataLossError("x is not finite") : absl::OkStatus();
+  };
+  const Codec::PieceHooks hooks{before, after};
+  const absl::Status st = codec->EncodeInPieces(y.data(), nullptr, n, out.data(), hooks);
+  EXPECT_EQ(st, absl::DataLossError("x is not finite"));
+  EXPECT_EQ(befores, 2u);
+}
+
+TEST(DecodeInPieces, EqualsDecodeAndABadPayloadWritesNothing) {
+  for (const Config& cfg : PieceConfigs()) {
+    for (SimdPath path : Paths()) {
+      auto codec = Make(cfg, path);
+      ASSERT_NE(codec, nullptr);
+      const size_t p = codec->piece_elems();
+      for (size_t n : {size_t{1}, p, 2 * p + 3}) {
+        SCOPED_TRACE(Label(cfg) + " " + PathLabel(path) + " n=" + std::to_string(n));
+        const std::vector<float> y = Input(cfg, n, 12);
+        std::vector<uint8_t> payload(codec->EncodedSize(n));
+        ASSERT_TRUE(codec->Encode(y.data(), n, payload.data()).ok());
+        std::vector<float> want(n);
+        ASSERT_TRUE(codec->Decode(payload.data(), n, want.data()).ok());
+        std::vector<float> out(n + kGuard, 7.0f);
+        std::vector<std::pair<size_t, size_t>> afters;
+        auto after = [&](size_t b, size_t end, const float* d) {
+          afters.emplace_back(b, end);
+          if (d != out.data() + b) return absl::InternalError("not the piece of out");
+          return absl::OkStatus();
+        };
+        ASSERT_TRUE(codec->DecodeInPieces(payload.data(), n, out.data(), after).ok());
+        EXPECT_TRUE(SameFloats(out.data(), want.data(), n));
+        for (size_t i = n; i < n + kGuard; ++i) ASSERT_EQ(out[i], 7.0f) << "wrote past n";
+        std::vector<std::pair<size_t, size_t>> pieces;
+        for (size_t b = 0; b < n; b += p) pieces.emplace_back(b, std::min(n, b + p));
+        EXPECT_EQ(afters, pieces);
+
+        // The last element (onebit: the last block's scale) made bad: the
+        // check comes first, so nothing is decoded and no hook runs.
+        if (cfg.kind == CodecKind::kOnebit) {
+          const float bad = -1.0f;
+          std::memcpy(payload.data() + 4 * ((n - 1) / cfg.block), &bad, 4);
+        } else if (cfg.kind == CodecKind::kFp32) {
+          std::memcpy(payload.data() + 4 * (n - 1), &kNaN, 4);
+        } else {
+          const uint16_t nan_half = 0x7E00;
+          std::memcpy(payload.data() + 2 * (n - 1), &nan_half, 2);
+        }
+        std::fill(out.begin(), out.end(), 7.0f);
+        afters.clear();
+        EXPECT_FALSE(codec->DecodeInPieces(payload.data(), n, out.data(), after).ok());
+        EXPECT_TRUE(afters.empty());
+        for (float v : out) ASSERT_EQ(v, 7.0f) << "written on error";
+      }
+    }
+  }
+}
+
+TEST(DecodeScaled, IsDecodeAddOnZerosBitForBit) {
+  for (const Config& cfg : PieceConfigs()) {
+    for (SimdPath path : Paths()) {
+      auto codec = Make(cfg, path);
+      ASSERT_NE(codec, nullptr);
+      for (size_t n : {size_t{1}, size_t{100}, 2 * codec->piece_elems() + 37}) {
+        // Zeros (onebit: whole blocks of them, a zero scale) and negative
+        // zeros, where 0 + v differs from v.
+        std::vector<float> y = Input(cfg, n, 77);
+        for (size_t i = 0; i < n / 2; ++i) y[i] = (i % 3 == 0) ? -0.0f : 0.0f;
+        std::vector<uint8_t> payload(codec->EncodedSize(n));
+        ASSERT_TRUE(codec->Encode(y.data(), n, payload.data()).ok());
+        for (float w : {1.0f, 0.25f, -1.0f / 3.0f}) {
+          SCOPED_TRACE(Label(cfg) + " " + PathLabel(path) + " n=" + std::to_string(n) +
+                       " w=" + std::to_string(w));
+          std::vector<float> want(n, 0.0f);
+          ASSERT_TRUE(codec->DecodeAdd(payload.data(), n, w, want.data()).ok());
+          std::vector<float> got(n + kGuard, 7.0f);
+          ASSERT_TRUE(DecodeScaled(*codec, payload.data(), n, w, got.data()).ok());
+          EXPECT_TRUE(SameFloats(got.data(), want.data(), n));
+          for (size_t i = n; i < n + kGuard; ++i) ASSERT_EQ(got[i], 7.0f) << "wrote past n";
+        }
+        // A bad payload writes nothing.
+        std::vector<uint8_t> bad = payload;
+        if (cfg.kind == CodecKind::kOnebit) {
+          std::memcpy(bad.data(), &kNaN, 4);
+        } else if (cfg.kind == CodecKind::kFp32) {
+          std::memcpy(bad.data() + 4 * (n - 1), &kNaN, 4);
+        } else {
+          const uint16_t inf_half = 0x7C00;
+          std::memcpy(bad.data() + 2 * (n - 1), &inf_half, 2);
+        }
+        std::vector<float> got(n, 7.0f);
+        EXPECT_FALSE(DecodeScaled(*codec, bad.data(), n, 0.5f, got.data()).ok());
+        for (float v : got) ASSERT_EQ(v, 7.0f) << "written on error";
+      }
     }
   }
 }
