@@ -1,7 +1,9 @@
 // onebit-bench-codec: codec throughput on one core against this machine's own
 // memory bandwidth, measured in the same run. Prints a table and, last,
+//   codec_ef_encode_in_pieces_vs_inplace_add=<x>
 //   codec_ef_encode_vs_inplace_add=<x>
-// elements/s of the onebit error-feedback encode over elements/s of the
+// elements/s of the onebit error-feedback encode (in pieces, as the step
+// runs it; and all or nothing, per wire chunk) over elements/s of the
 // in-place add e[i] += y[i], which moves the same bytes (read y, read e,
 // write e) and so is the physical limit for the encode.
 //
@@ -178,6 +180,12 @@ int main(int argc, char** argv) {
                                               bits.data() + (*onebit)->EncodedSize(begin)));
         }
       });
+  // The step's form: one call over all of it, piece by piece from cache,
+  // not all or nothing (Codec::EncodeInPieces).
+  std::vector<float> e_pieces = e, e_add2 = e;
+  const auto [t_add2, t_pieces] = PairedMedianSeconds(
+      reps, [&] { InplaceAdd(y.data(), e_add2.data(), n); },
+      [&] { Check((*onebit)->EncodeInPieces(y.data(), e_pieces.data(), n, bits.data(), {})); });
   std::printf("-- memory bandwidth of this machine --\n");
   Row("in-place add e+=y (rd y,e; wr e)", n, 3 * f, t_add);
   Row("copy b=a", n, 2 * f, MedianSeconds(reps, [&] { Copy(y.data(), c.data(), n); }));
@@ -191,6 +199,7 @@ int main(int argc, char** argv) {
   Row("onebit EF encode, one call", n, 3 * f + nb, MedianSeconds(reps, [&] {
         Check((*onebit)->EncodeWithFeedback(y.data(), e.data(), n, bits.data()));
       }));
+  Row("onebit EF encode in pieces", n, 3 * f + nb, t_pieces);
   Row("onebit encode (rd y; wr c)", n, f + nb,
       MedianSeconds(reps, [&] { Check((*onebit)->Encode(y.data(), n, bits.data())); }));
   Row("onebit decode (rd c; wr x)", n, f + nb,
@@ -202,6 +211,7 @@ int main(int argc, char** argv) {
       MedianSeconds(reps, [&] { Check((*fp16)->Encode(y.data(), n, halves.data())); }));
   Row("fp16 decode (rd h; wr x)", n, 1.5 * f,
       MedianSeconds(reps, [&] { Check((*fp16)->Decode(halves.data(), n, c.data())); }));
+  std::printf("codec_ef_encode_in_pieces_vs_inplace_add=%.3f\n", t_add2 / t_pieces);
   std::printf("codec_ef_encode_vs_inplace_add=%.3f\n", t_add / t_ef);
   return 0;
 }
