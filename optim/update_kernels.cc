@@ -202,9 +202,14 @@ UpdatePath Widest() {
   return UpdatePath::kBaseline;
 }
 
-std::atomic<const Loops*> active{&LoopsOf(Widest())};
+// A function's static: set on first use, whatever the order in which the
+// program's static objects are built.
+std::atomic<const Loops*>& Active() {
+  static std::atomic<const Loops*> active{&LoopsOf(Widest())};
+  return active;
+}
 
-const Loops& L() { return *active.load(std::memory_order_relaxed); }
+const Loops& L() { return *Active().load(std::memory_order_relaxed); }
 
 }  // namespace
 
@@ -217,7 +222,7 @@ std::vector<UpdatePath> UpdatePaths() {
 }
 
 UpdatePath ActiveUpdatePath() {
-  const Loops* l = active.load(std::memory_order_relaxed);
+  const Loops* l = Active().load(std::memory_order_relaxed);
   for (UpdatePath p : UpdatePaths()) {
     if (&LoopsOf(p) == l) return p;
   }
@@ -235,7 +240,7 @@ absl::string_view UpdatePathName(UpdatePath path) {
   }
 }
 
-void UseUpdatePathForTest(UpdatePath path) { active.store(&LoopsOf(path)); }
+void UseUpdatePathForTest(UpdatePath path) { Active().store(&LoopsOf(path)); }
 
 void UpdateMomentum(const float* g, float b1, float c1, size_t n, float* m) {
   L().update_momentum(g, b1, c1, n, m);
