@@ -1,7 +1,6 @@
 #include "optim/array_ops.h"
 
 #include <algorithm>
-#include <cmath>
 
 #include "optim/step_parts.h"
 #include "optim/update_kernels.h"
@@ -105,8 +104,7 @@ class HostOps final : public ArrayOps {
     return absl::OkStatus();
   }
   absl::StatusOr<size_t> FirstNonFinite(const float* y, size_t n) const override {
-    return static_cast<size_t>(std::find_if(y, y + n, [](float v) { return !std::isfinite(v); }) -
-                               y);
+    return onebit::FirstNonFinite(y, n);
   }
   absl::StatusOr<float*> Scratch(size_t n) const override { return onebit::Scratch(n); }
 };
