@@ -55,8 +55,21 @@ void CheckpointManifests::Written(uint64_t step) {
   last_written_ = std::max(step, last_written_.value_or(0));
 }
 
-std::vector<checkpoint::Manifest> CheckpointManifests::TakeComplete() {
-  return std::exchange(complete_, {});
+void CheckpointManifests::DropPending(uint64_t rows_taken) {
+  parts_.clear();
+  complete_.erase(std::remove_if(complete_.begin(), complete_.end(),
+                                 [&](const checkpoint::Manifest& m) { return m.step() > rows_taken; }),
+                  complete_.end());
+}
+
+std::vector<checkpoint::Manifest> CheckpointManifests::TakeComplete(uint64_t rows_taken) {
+  // complete_ is in step order: a prefix is ready.
+  auto ready = std::find_if(complete_.begin(), complete_.end(),
+                            [&](const checkpoint::Manifest& m) { return m.step() > rows_taken; });
+  std::vector<checkpoint::Manifest> taken(std::make_move_iterator(complete_.begin()),
+                                          std::make_move_iterator(ready));
+  complete_.erase(complete_.begin(), ready);
+  return taken;
 }
 
 std::vector<uint64_t> CheckpointManifests::TakeFailed() { return std::exchange(failed_dirs_, {}); }

@@ -38,11 +38,18 @@ class CheckpointManifests {
   void Written(uint64_t step);
   // A job resumed from the checkpoint of `step`: none before it is due.
   void ResumeAt(uint64_t step) { last_written_ = step; }
-  // A roll-back: the checkpoints under way are forgotten.
-  void DropPending() { parts_.clear(); }
+  // A roll-back: the checkpoints under way are forgotten, and so are the
+  // complete ones still waiting for rows past `rows_taken` (the reports
+  // they wait for are dropped; the steps run again make them anew).
+  void DropPending(uint64_t rows_taken);
 
-  // The manifests completed since the last call (step order).
-  std::vector<checkpoint::Manifest> TakeComplete();
+  // The manifests completed since the last call (step order) whose steps
+  // have every metrics row before them taken (step <= `rows_taken`): a
+  // job resumed from a checkpoint keeps metrics.csv's rows before its step
+  // and runs the rest again, so the rows must be written first. A worker's
+  // row of step S - 1 can come after its file of step S (it goes with the
+  // next step's start, so an evaluation can join it); the others wait.
+  std::vector<checkpoint::Manifest> TakeComplete(uint64_t rows_taken);
   // The steps of failed checkpoints since the last call (a step again when
   // a part of it came after it failed).
   std::vector<uint64_t> TakeFailed();

@@ -369,7 +369,7 @@ bool CoordinatorService::RollBackLocked(const std::string& why, std::string* why
   // The rows written to metrics.csv stay (the steps run again reproduce
   // them bit for bit); partial ones are reported again.
   metrics_.DropUntaken();
-  checkpoints_.DropPending();
+  checkpoints_.DropPending(metrics_.taken());
   freeze_.RollBackTo(decided, freeze_step);
   std::fprintf(stderr,
                "coordinator: %s: rolling the job back to the checkpoint of step %llu (%llu or "
@@ -836,7 +836,7 @@ std::optional<CompleteCheckpoint> CoordinatorService::TakeHistoryToRecord() {
 
 std::vector<checkpoint::Manifest> CoordinatorService::TakeCompleteCheckpoints() {
   absl::MutexLock l(&mu_);
-  return checkpoints_.TakeComplete();
+  return checkpoints_.TakeComplete(metrics_.taken());
 }
 
 void CoordinatorService::CheckpointWritten(CompleteCheckpoint checkpoint) {

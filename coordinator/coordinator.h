@@ -100,7 +100,8 @@ class CoordinatorService final : public control::Coordinator::Service {
   bool WorkersReportedLastMetrics() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Checkpoints whose every file (each server's, each worker's) has been
-  // reported since the last call, as manifests to write (step order).
+  // reported since the last call, as manifests to write (step order); one
+  // waits until TakeNewRows has taken every row before its step.
   std::vector<checkpoint::Manifest> TakeCompleteCheckpoints() ABSL_LOCKS_EXCLUDED(mu_);
   // The manifest of `checkpoint` is written: counted for summary.json, and
   // the job rolls back to it if a process is lost.

@@ -47,6 +47,8 @@ class MetricsTable {
   void DropUntaken();
 
   const std::vector<MetricsRow>& prior_rows() const { return prior_rows_; }
+  // Every row before this step has been taken (or was written before).
+  uint64_t taken() const { return taken_; }
   bool diverged() const { return loss_watch_.diverged(); }
 
  private:

@@ -213,7 +213,10 @@ class JobRun {
       }
       absl::SleepFor(absl::Milliseconds(20));
     }
-    WriteManifests();  // the last parts came with Done
+    // The last parts came with Done, after its rows: the rows first, as a
+    // manifest waits for them.
+    AppendRows();
+    WriteManifests();
     RemoveFailed();
     RecordHistory();
     if (!cfg_.checkpoint().dir().empty() &&

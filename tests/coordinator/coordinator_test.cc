@@ -25,10 +25,14 @@ struct Formed {
   std::unique_ptr<CoordinatorService> svc;
   control::RegisterReply server, worker;
 };
-Formed FormOneByOne() {
+Formed FormOneByOne(uint64_t checkpoint_every = 0) {
   Formed f;
-  f.svc = std::make_unique<CoordinatorService>(testing::MakeConfig(1, 1, 100, 10, "sgd"),
-                                               std::set<std::string>{}, 42, absl::Seconds(10),
+  control::TrainingConfig cfg = testing::MakeConfig(1, 1, 100, 10, "sgd");
+  if (checkpoint_every > 0) {
+    cfg.mutable_checkpoint()->set_dir("/nonexistent/checkpoints");  // the service writes nothing
+    cfg.mutable_checkpoint()->set_every(checkpoint_every);
+  }
+  f.svc = std::make_unique<CoordinatorService>(cfg, std::set<std::string>{}, 42, absl::Seconds(10),
                                                Security{});
   std::thread t([&] {
     grpc::ServerContext ctx;
@@ -66,6 +70,53 @@ TEST(CoordinatorService, MetricsOfStepsNotRunAreRefused) {
   for (const MetricsRow& r : f.svc->MetricsRows()) steps.push_back(r.step);
   // Step 2's row may come with the count of 2 (sampled just before it); no later one.
   EXPECT_EQ(steps, (std::vector<uint64_t>{0, 1, 2}));
+}
+
+// A worker's row of step S - 1 goes with its next step's start, and its
+// file of step S can come first. A manifest written then, and the
+// coordinator killed before the row, would leave a checkpoint a job
+// resumes from without that row: metrics.csv would miss it for good.
+TEST(CoordinatorService, ACheckpointWaitsForTheMetricsRowsBeforeIt) {
+  Formed f = FormOneByOne(/*checkpoint_every=*/2);
+  auto heartbeat = [&](control::Role role, const std::string& credential,
+                       std::vector<uint64_t> metrics, bool part) {
+    grpc::ServerContext ctx;
+    control::HeartbeatRequest hb;
+    hb.set_role(role);
+    hb.set_job_id(42);
+    hb.set_credential(credential);
+    hb.set_step(2);
+    for (uint64_t step : metrics) {
+      control::StepMetrics* m = hb.add_metrics();
+      m->set_step(step);
+      m->set_loss(1);
+    }
+    if (part) {
+      control::CheckpointPart* p = hb.add_checkpoint_parts();
+      p->set_step(2);
+      p->set_name(role == control::WORKER ? "worker-0" : "server-0");
+      p->set_size(8);
+    }
+    control::HeartbeatReply reply;
+    ASSERT_TRUE(f.svc->Heartbeat(&ctx, &hb, &reply).ok());
+  };
+  heartbeat(control::SERVER, f.server.credential(), {}, true);
+  heartbeat(control::WORKER, f.worker.credential(), {0}, true);  // step 1's row not yet
+  auto steps = [](const std::vector<MetricsRow>& rows) {
+    std::vector<uint64_t> s;
+    for (const MetricsRow& r : rows) s.push_back(r.step);
+    return s;
+  };
+  EXPECT_EQ(steps(f.svc->TakeNewRows()), std::vector<uint64_t>{0});
+  EXPECT_TRUE(f.svc->TakeCompleteCheckpoints().empty()) << "complete before step 1's row";
+  heartbeat(control::WORKER, f.worker.credential(), {1}, false);
+  // Not before the row is taken (for metrics.csv).
+  EXPECT_TRUE(f.svc->TakeCompleteCheckpoints().empty());
+  EXPECT_EQ(steps(f.svc->TakeNewRows()), std::vector<uint64_t>{1});
+  const std::vector<checkpoint::Manifest> complete = f.svc->TakeCompleteCheckpoints();
+  ASSERT_EQ(complete.size(), 1u);
+  EXPECT_EQ(complete[0].step(), 2u);
+  EXPECT_EQ(complete[0].files_size(), 2);
 }
 
 TEST(CoordinatorService, DoneMustCoverTheShardMapAndCarryItsCredential) {

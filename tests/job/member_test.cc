@@ -94,11 +94,25 @@ absl::StatusOr<StateWriter> SmallState(const JobMember& m, uint64_t step,
   return w;
 }
 
-// The manifests the coordinator completes within 30 s (at least one).
+// The worker's heartbeat says it has run steps 0 and 1, with their
+// metrics: the checkpoint of step 2 waits for their rows.
+void RunTwoSteps(JobMember& worker) {
+  worker.heartbeat().SetStep(2);
+  for (uint64_t step : {0, 1}) {
+    control::StepMetrics m;
+    m.set_step(step);
+    m.set_loss(1);
+    worker.heartbeat().AddMetrics(m);
+  }
+}
+
+// The manifests the coordinator completes within 30 s (at least one),
+// taking the rows first, as its run loop does.
 std::vector<checkpoint::Manifest> CompleteCheckpoints(CoordinatorService& svc) {
   const absl::Time deadline = absl::Now() + absl::Seconds(30);
   std::vector<checkpoint::Manifest> complete;
   while (complete.empty() && absl::Now() < deadline) {
+    svc.TakeNewRows();
     complete = svc.TakeCompleteCheckpoints();
     absl::SleepFor(absl::Milliseconds(10));
   }
@@ -146,6 +160,7 @@ TEST(JobMember, ACheckpointWritesItsFileAndReportsItsPart) {
   auto server = NewMember(job, control::SERVER);
   auto worker = NewMember(job, control::WORKER);
   JoinBoth(*server, *worker);
+  RunTwoSteps(*worker);
   EXPECT_TRUE(worker->CheckpointDue(4));
   EXPECT_FALSE(worker->CheckpointDue(3));
   for (JobMember* m : {server.get(), worker.get()}) {
@@ -227,6 +242,7 @@ TEST(JobMember, ARollBackMakesItRegisterAgainInANewIncarnation) {
   auto server = NewMember(job, control::SERVER);
   auto worker = NewMember(job, control::WORKER);
   JoinBoth(*server, *worker);
+  RunTwoSteps(*worker);
   for (JobMember* m : {server.get(), worker.get()}) {
     ASSERT_EQ(m->Checkpoint(2,
                             [m](std::shared_ptr<SnapshotBuffers> buffers) {
