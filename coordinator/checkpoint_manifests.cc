@@ -57,9 +57,10 @@ void CheckpointManifests::Written(uint64_t step) {
 
 void CheckpointManifests::DropPending(uint64_t rows_taken) {
   parts_.clear();
-  complete_.erase(std::remove_if(complete_.begin(), complete_.end(),
-                                 [&](const checkpoint::Manifest& m) { return m.step() > rows_taken; }),
-                  complete_.end());
+  complete_.erase(
+      std::remove_if(complete_.begin(), complete_.end(),
+                     [&](const checkpoint::Manifest& m) { return m.step() > rows_taken; }),
+      complete_.end());
 }
 
 std::vector<checkpoint::Manifest> CheckpointManifests::TakeComplete(uint64_t rows_taken) {
