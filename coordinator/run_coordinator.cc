@@ -213,12 +213,9 @@ class JobRun {
       }
       absl::SleepFor(absl::Milliseconds(20));
     }
-    // The last parts came with Done, after its rows: the rows first, as a
-    // manifest waits for them.
-    AppendRows();
-    WriteManifests();
-    RemoveFailed();
-    RecordHistory();
+    // The last rows and parts came with Done (Turn takes the rows before
+    // the manifests that wait for them).
+    Turn();
     if (!cfg_.checkpoint().dir().empty() &&
         service_.state() != CoordinatorService::State::kFailed) {
       // Every process has written what it will: incomplete folders go too.
@@ -229,7 +226,6 @@ class JobRun {
         std::fprintf(stderr, "coordinator: %s\n", std::string(st.message()).c_str());
       }
     }
-    AppendRows();
   }
 
   // Writes summary.json, lets the processes hear the outcome, and returns
