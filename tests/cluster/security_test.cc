@@ -501,11 +501,11 @@ void FloodAndRun(const std::string& name, const std::string& security) {
                                  zmq::send_flags::dontwait);
         continue;
       }
-      for (int i = 0; i < 32; ++i) {
-        if (floods.back().send(zmq::buffer(mb),
-                               zmq::send_flags::sndmore | zmq::send_flags::dontwait)) {
-          (void)floods.back().send(zmq::buffer(mb), zmq::send_flags::dontwait);
-        }
+      // Single-frame messages: libzmq 4.3.4 aborts the sender (errno
+      // assert in session_base.cpp's clean_pipes) when the peer drops a
+      // connection in the middle of a multi-frame message.
+      for (int i = 0; i < 64; ++i) {
+        (void)floods.back().send(zmq::buffer(mb), zmq::send_flags::dontwait);
       }
     }
     for (size_t c = 0; c < floods.size(); ++c) {
@@ -548,7 +548,9 @@ void FloodAndRun(const std::string& name, const std::string& security) {
       }
     }
   }
-  if (insecure) EXPECT_EQ(answered, 16 * 8);
+  if (insecure) {
+    EXPECT_EQ(answered, 16 * 8);
+  }
   const uint64_t after = ResidentBytes(job.server_pid());
   const double grown_mb = (static_cast<double>(after) - static_cast<double>(before)) / (1 << 20);
   std::printf(
