@@ -276,6 +276,7 @@ absl::Status ValidateConfig(const control::TrainingConfig& c) {
     return SettingError("workers", "must be in [1, 4096]");
   if (c.cluster().servers() < 1 || c.cluster().servers() > 1024)
     return SettingError("servers", "must be in [1, 1024]");
+  if (c.cluster().local_ranks() > 256) return SettingError("local_ranks", "must be in [1, 256]");
   if (absl::Status st = ValidateModelConfig(c); !st.ok()) return st;
   const bool external = c.model().name() == kExternalModel;
   // An external model's d is 0 until the workers have declared it.

@@ -31,6 +31,9 @@ constexpr JobSetting kSettings[] = {
     {"workers", "cluster.workers", T::kUint32, "1", "cluster", "number of workers N"},
     {"servers", "cluster.servers", T::kUint32, "1", "cluster",
      "number of servers S (one shard each)"},
+    {"local_ranks", "cluster.local_ranks", T::kUint32, "1", "cluster",
+     "K processes per worker (one host's GPUs or cores): they add their gradients in shared "
+     "memory and their local rank 0 pushes once for the host (N x K ranks in all)"},
 
     {"model", "model.name", T::kString, "synthetic", "model",
      "model: a built-in one (see Models below) | external (the workers' own program, "

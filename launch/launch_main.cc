@@ -97,6 +97,11 @@ namespace {
 
 absl::Mutex log_mu;
 
+// Processes per worker (--local_ranks).
+uint32_t LocalRanks(const control::TrainingConfig& cfg) {
+  return std::max<uint32_t>(1, cfg.cluster().local_ranks());
+}
+
 struct Child {
   std::string name;
   // How to start it again (live recovery).
@@ -313,7 +318,8 @@ class Attempt {
     // and the job was left with summary.json.tmp alone.
     coordinator_grace_ =
         grace_ == absl::ZeroDuration() ? grace_ : std::max(grace_, absl::Seconds(10));
-    children_.resize(1 + plan_.cfg.cluster().servers() + plan_.cfg.cluster().workers());
+    children_.resize(1 + plan_.cfg.cluster().servers() +
+                     plan_.cfg.cluster().workers() * LocalRanks(plan_.cfg));
   }
 
   // Starts the coordinator and waits until it serves; an exit code when it
@@ -425,28 +431,34 @@ class Attempt {
     const SecurityFlags& security = plan_.security;
     const int stall_worker = plan_.stall_worker;
     const int attempt = attempt_;
-    for (uint32_t i = 0; i < cfg.cluster().workers() && stop_signal.load() == 0; ++i) {
-      Child& c = children_[1 + cfg.cluster().servers() + i];
-      c.name = absl::StrCat("worker", i);
+    const uint32_t K = LocalRanks(cfg);
+    for (uint32_t p = 0; p < cfg.cluster().workers() * K && stop_signal.load() == 0; ++p) {
+      // Process p is worker i's local rank k: a host's K processes.
+      const uint32_t i = p / K, k = p % K;
+      Child& c = children_[1 + cfg.cluster().servers() + p];
+      c.name = k == 0 ? absl::StrCat("worker", i) : absl::StrCat("worker", i, ".", k);
+      // Every replica, a local rank's too, for comparisons.
+      const std::string dump = k == 0 ? absl::StrCat(out, "/replica_w", i, ".f32")
+                                      : absl::StrCat(out, "/replica_w", i, "_local", k, ".f32");
       if (!worker_cmd.empty()) {
         // The user's program: `exec` so that the child is the program itself
         // (our signals reach it, and it dies with us).
-        std::vector<std::string> env = {"ONEBIT_COORDINATOR=" + target_,
-                                        absl::StrCat("ONEBIT_RANK=", i),
-                                        absl::StrCat("ONEBIT_WORLD_SIZE=", cfg.cluster().workers()),
-                                        absl::StrCat("RANK=", i),
-                                        absl::StrCat("WORLD_SIZE=", cfg.cluster().workers()),
-                                        absl::StrCat("LOCAL_RANK=", i),
-                                        "ONEBIT_ADVERTISE_HOST=127.0.0.1",
-                                        security.insecure ? std::string("ONEBIT_INSECURE=1")
-                                                          : "ONEBIT_SECRET_FILE=" + secret_file_};
+        std::vector<std::string> env = {
+            "ONEBIT_COORDINATOR=" + target_, absl::StrCat("ONEBIT_RANK=", i),
+            absl::StrCat("ONEBIT_LOCAL_RANK=", k), absl::StrCat("ONEBIT_LOCAL_RANKS=", K),
+            absl::StrCat("ONEBIT_WORLD_SIZE=", cfg.cluster().workers()), absl::StrCat("RANK=", p),
+            absl::StrCat("WORLD_SIZE=", cfg.cluster().workers() * K),
+            // Every process runs on this machine.
+            absl::StrCat("LOCAL_RANK=", p), "ONEBIT_ADVERTISE_HOST=127.0.0.1",
+            security.insecure ? std::string("ONEBIT_INSECURE=1")
+                              : "ONEBIT_SECRET_FILE=" + secret_file_};
         if (!devices.empty()) {
-          env.push_back("ONEBIT_DEVICE=" + devices[std::min<size_t>(i, devices.size() - 1)]);
+          env.push_back("ONEBIT_DEVICE=" + devices[std::min<size_t>(p, devices.size() - 1)]);
         }
         if (!python_path.empty()) env.push_back("PYTHONPATH=" + python_path);
         env.insert(env.end(), plan_.thread_env.begin(), plan_.thread_env.end());
         if (absl::GetFlag(FLAGS_dump_params)) {
-          env.push_back(absl::StrCat("ONEBIT_DUMP_X=", out, "/replica_w", i, ".f32"));
+          env.push_back("ONEBIT_DUMP_X=" + dump);
         }
         std::vector<std::string> metrics;
         AddMetricsFlags(c, &metrics);
@@ -467,21 +479,22 @@ class Attempt {
       std::vector<std::string> a = {bin + "/onebit-worker",
                                     "--coordinator=" + target_,
                                     absl::StrCat("--rank=", i),
+                                    absl::StrCat("--local_rank=", k),
                                     "--bind_host=127.0.0.1",
                                     "--advertise_host=127.0.0.1",
                                     "--health_port=0",
                                     "--register_timeout=" + reg_timeout_,
                                     security_arg_};
       if (absl::GetFlag(FLAGS_dump_params)) {
-        a.push_back(absl::StrCat("--dump_x=", out, "/replica_w", i, ".f32"));
+        a.push_back("--dump_x=" + dump);
       }
       if (!devices.empty()) {
-        a.push_back("--device=" + devices[std::min<size_t>(i, devices.size() - 1)]);
+        a.push_back("--device=" + devices[std::min<size_t>(p, devices.size() - 1)]);
       }
       if (!absl::GetFlag(FLAGS_overlap)) a.push_back("--overlap=false");
       AddMetricsFlags(c, &a);
       c.argv = a;  // a restarted one does not stall again
-      if (static_cast<int>(i) == stall_worker && attempt == 0) {
+      if (static_cast<int>(i) == stall_worker && k == 0 && attempt == 0) {
         a.push_back(absl::StrCat("--stall_at_step=", absl::GetFlag(FLAGS_stall_at_step)));
       }
       if (absl::Status st = Start(&c, a, {}, plan_.child_nice); !st.ok()) {
@@ -811,7 +824,10 @@ LaunchPlan PlanFromCommandLine(int argc, char** argv) {
       theirs != nullptr && *theirs != '\0' && !python_path.empty()) {
     python_path = absl::StrCat(python_path, ":", theirs);
   }
-  plan.live = !cfg.checkpoint().dir().empty() && cfg.timeouts().rejoin_ms() > 0;
+  // A host's local ranks stand or fall together (one lost fails its
+  // worker): the whole job starts again instead.
+  plan.live =
+      !cfg.checkpoint().dir().empty() && cfg.timeouts().rejoin_ms() > 0 && LocalRanks(cfg) == 1;
   return plan;
 }
 

@@ -384,14 +384,14 @@ absl::Status ValidateMlp(const control::TrainingConfig& c) {
 
 absl::StatusOr<uint64_t> MlpEpochSteps(const control::TrainingConfig& c) {
   const uint64_t steps =
-      FashionMnistEpochSteps(c.model().max_train(), c.cluster().workers(), c.model().batch());
+      FashionMnistEpochSteps(c.model().max_train(), DataRanks(c), c.model().batch());
   if (steps == 0) {
     const uint32_t train = c.model().max_train() > 0
                                ? std::min(c.model().max_train(), kFashionMnistTrain)
                                : kFashionMnistTrain;
-    return absl::InvalidArgumentError(absl::StrCat("--batch: ", c.cluster().workers(),
-                                                   " workers x batch ", c.model().batch(),
-                                                   " exceed the ", train, " training images"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--batch: ", DataRanks(c), c.cluster().local_ranks() > 1 ? " ranks" : " workers",
+        " x batch ", c.model().batch(), " exceed the ", train, " training images"));
   }
   return steps;
 }
@@ -404,7 +404,7 @@ absl::StatusOr<std::unique_ptr<Model>> MakeMlp(const control::TrainingConfig& c)
   o.seed = c.model().seed();
   o.data_dir = c.model().data_dir();
   o.batch = c.model().batch();
-  o.workers = c.cluster().workers();
+  o.workers = DataRanks(c);
   o.blas_threads = static_cast<int>(c.model().blas_threads());
   o.max_train = c.model().max_train();
   o.max_test = c.model().max_test();

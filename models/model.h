@@ -13,6 +13,13 @@
 
 namespace onebit {
 
+// The ranks the data is split among: N workers of K local ranks each
+// (--local_ranks). The gradient of worker w's local rank k is rank
+// w * K + k's.
+inline uint32_t DataRanks(const control::TrainingConfig& c) {
+  return c.cluster().workers() * (c.cluster().local_ranks() > 0 ? c.cluster().local_ranks() : 1);
+}
+
 // Thread-compatible: const methods may run concurrently.
 class Model {
  public:

@@ -34,13 +34,14 @@ absl::StatusOr<uint64_t> SoftmaxEpochSteps(const control::TrainingConfig& c) {
   if (!batch.ok()) return batch.status();
   absl::StatusOr<uint32_t> max_train = ModelOptionUint32(c, "max_train", 0, UINT32_MAX);
   if (!max_train.ok()) return max_train.status();
-  const uint64_t steps = FashionMnistEpochSteps(*max_train, c.cluster().workers(), *batch);
+  const uint64_t steps = FashionMnistEpochSteps(*max_train, DataRanks(c), *batch);
   if (steps == 0) {
     const uint32_t train =
         *max_train > 0 ? std::min(*max_train, kFashionMnistTrain) : kFashionMnistTrain;
-    return ModelOptionError(c, "batch",
-                            absl::StrCat(c.cluster().workers(), " workers x batch ", *batch,
-                                         " exceed the ", train, " training images"));
+    return ModelOptionError(
+        c, "batch",
+        absl::StrCat(DataRanks(c), c.cluster().local_ranks() > 1 ? " ranks" : " workers",
+                     " x batch ", *batch, " exceed the ", train, " training images"));
   }
   return steps;
 }
@@ -60,7 +61,7 @@ absl::StatusOr<std::unique_ptr<Model>> MakeSoftmax(const control::TrainingConfig
   o.seed = c.model().seed();
   o.data_dir = ModelOptionValue(c, "data_dir");
   o.batch = *ModelOptionUint32(c, "batch", 1, 1u << 16);
-  o.workers = c.cluster().workers();
+  o.workers = DataRanks(c);
   o.blas_threads = 1;  // a 784 x 10 layer is too small to share out
   o.max_train = *ModelOptionUint32(c, "max_train", 0, UINT32_MAX);
   o.max_test = *ModelOptionUint32(c, "max_test", 0, UINT32_MAX);

@@ -1,9 +1,11 @@
 #include "optim/reference.h"
 
+#include <algorithm>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "optim/update_kernels.h"
 #include "util/memory.h"
 
 namespace onebit {
@@ -23,9 +25,11 @@ StateSize ReferenceSize(const ReferenceOptions& o) {
   const StateSize worker = WorkerStateSize(o.optimizer, d);
   const StateSize shards = ServerShardSize(o.optimizer, d);
   StateSize s;
-  s.bytes = d * sizeof(float) + o.workers * worker.bytes + shards.bytes;
+  const uint64_t local = o.local_ranks > 1 ? o.local_ranks : 0;  // their gradients
+  s.bytes = (1 + local) * d * sizeof(float) + o.workers * worker.bytes + shards.bytes;
   s.arrays = absl::StrCat("x0, ", o.workers, " workers' ", worker.arrays, ", ", o.map.num_shards(),
-                          " shards' ", shards.arrays);
+                          " shards' ", shards.arrays,
+                          local > 0 ? absl::StrCat(", ", local, " local ranks' g") : "");
   return s;
 }
 
@@ -69,6 +73,10 @@ absl::StatusOr<ReferenceResult> RunReference(const ReferenceOptions& o,
   }
 
   std::vector<std::vector<float>> g(N, std::vector<float>(d));
+  const uint32_t K = std::max<uint32_t>(o.local_ranks, 1);
+  std::vector<std::vector<float>> local_g(K > 1 ? K : 0, std::vector<float>(d));
+  std::vector<const float*> local_ptrs;
+  for (const std::vector<float>& l : local_g) local_ptrs.push_back(l.data());
   std::vector<uint8_t> push, reply;
   std::vector<float> acc;
   const float w = 1.0f / static_cast<float>(N);
@@ -79,6 +87,17 @@ absl::StatusOr<ReferenceResult> RunReference(const ReferenceOptions& o,
   for (uint64_t t = 0; t < o.steps; ++t) {
     double loss = 0;
     for (uint32_t r = 0; r < N; ++r) {
+      if (K > 1) {
+        double local = 0;
+        for (uint32_t k = 0; k < K; ++k) {
+          auto l = gradient(out.workers[r].x.data(), r * K + k, t, local_g[k].data());
+          if (!l.ok()) return l.status();
+          local += *l;
+        }
+        MeanInOrder(local_ptrs.data(), K, d, g[r].data());
+        loss += local / K;
+        continue;
+      }
       auto l = gradient(out.workers[r].x.data(), r, t, g[r].data());
       if (!l.ok()) return l.status();
       loss += *l;

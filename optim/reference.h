@@ -16,6 +16,10 @@ namespace onebit {
 
 struct ReferenceOptions {
   uint32_t workers = 1;
+  // K > 1: worker r's gradient is the mean (MeanInOrder) of those of ranks
+  // r * K .. r * K + K - 1, its local ranks (--local_ranks); its loss theirs
+  // averaged.
+  uint32_t local_ranks = 1;
   ShardMap map = ShardMap::Create(0, 1, 32).value();
   uint64_t steps = 0;
   OptimizerOptions optimizer;

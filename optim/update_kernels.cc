@@ -296,6 +296,15 @@ void UpdateMoments(const float* g, float b1, float c1, float b2, float c2, size_
 
 void Axpy(const float* x, size_t n, float w, float* acc) { L().axpy(x, n, w, acc); }
 
+void MeanInOrder(const float* const* g, uint32_t k, size_t n, float* out) {
+  const float w = 1.0f / static_cast<float>(k);
+  for (size_t i = 0; i < n; ++i) {
+    float acc = 0.0f;
+    for (uint32_t j = 0; j < k; ++j) acc += w * g[j][i];
+    out[i] = acc;
+  }
+}
+
 void AdamUpdate(const AdamCoefficients& c, size_t n, float* g, float* m, float* v, float* x) {
   L().adam_update(c, n, g, m, v, x);
 }

@@ -48,6 +48,11 @@ void LambApply(const float* mbar, const float* den, float k, float wd, size_t n,
 // acc += w * x, elementwise (the CUDA twin's axpy rounds the same way).
 void Axpy(const float* x, size_t n, float w, float* acc);
 
+// out = sum over j < k of (1/k) * g[j], accumulated from +0 in j's order:
+// the gradient of a worker whose k local ranks computed g[0..k) (docs/
+// design.md §1.9), as the servers average workers. out may be g[0].
+void MeanInOrder(const float* const* g, uint32_t k, size_t n, float* out);
+
 // A worker's local momentum before it compresses it: m <- b1 * m + c1 * g,
 // c1 = 1 - b1 (docs/design.md §1.2).
 void UpdateMomentum(const float* g, float b1, float c1, size_t n, float* m);

@@ -35,6 +35,7 @@ int Main(int argc, char** argv) {
   if (!map.ok()) ExitError(1, std::string(map.status().message()));
   ReferenceOptions o;
   o.workers = cfg.cluster().workers();
+  o.local_ranks = cfg.cluster().local_ranks();
   o.map = *map;
   o.steps = cfg.model().steps();
   o.optimizer = *OptimizerOptionsFromConfig(cfg);  // validated by ConfigFromFlags

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <vector>
@@ -21,10 +22,12 @@
 #include "checkpoint/state_file.h"
 #include "job/config.h"
 #include "job/member.h"
+#include "local/local_group.h"
 #include "metrics/endpoint.h"
 #include "net/control.h"
 #include "net/data_plane.h"
 #include "net/health.h"
+#include "optim/update_kernels.h"
 #include "util/checksum.h"
 #include "util/memory.h"
 #include "util/stop_signal.h"
@@ -103,6 +106,16 @@ struct Worker::Impl {
   std::optional<control::StepMetrics> last;
 
   absl::Status stopped;  // CANCELLED once it has stopped
+
+  // --local_ranks K > 1 (docs/design.md §1.9): local rank 0 leads its host's
+  // group (it is the job's worker; `leader`), ranks 1..K-1 follow it
+  // (`follower`; no member, client or heartbeat: the leader speaks for them).
+  uint32_t local_rank = 0;
+  uint32_t local_ranks = 1;
+  std::unique_ptr<LocalLeader> leader;
+  std::unique_ptr<LocalFollower> follower;
+  bool follower_compressing = false;  // as the leader last said
+  absl::Duration register_timeout;
 
   // After a step: the snapshot of a checkpoint step, handed to the writer.
   absl::Status MaybeCheckpoint() {
@@ -263,6 +276,29 @@ struct Worker::Impl {
   }
 
   absl::Status Connect(const WorkerOptions& o, const ModelFactory& make_model);
+  // Parts of Connect: the model (when make_model is given) and the
+  // optimizer, from the registration; the replica on its device.
+  absl::Status MakeModelAndOptimizer(const control::RegisterReply& reg, const DeviceChoice& choice,
+                                     const ModelFactory& make_model);
+  absl::Status MakeReplica(const DeviceChoice& choice, const std::string& device_flag);
+  // Connect for local rank >= 1: joins its leader's group instead of the job.
+  absl::Status ConnectFollower(const WorkerOptions& o, const ModelFactory& make_model);
+  // Local rank 0's side of a call every rank of its host makes: the
+  // followers' requests (waiting at most `wait`), its own part, then the
+  // outcome and x to every follower. Returns the outcome.
+  using LeadFn = std::function<absl::Status(const std::vector<LocalRequest>&, LocalAnswer*)>;
+  absl::Status Lead(LocalCall call, absl::Duration wait, const LeadFn& own);
+  // A follower's side: the leader's answer, with x taken into the replica;
+  // an error (the leader's outcome, or the leader gone) as a Worker call's.
+  absl::StatusOr<LocalAnswer> Follow(LocalRequest request);
+  absl::Duration StepWait() const { return absl::Milliseconds(cfg.timeouts().step_ms()); }
+  // The part of Step that pushes the host's gradient (or this worker's).
+  absl::StatusOr<StepStats> OwnStep(const StepOptions& options);
+  absl::StatusOr<StepStats> LeadStep(const StepOptions& options);
+  absl::Status OwnBroadcast();
+  absl::Status OwnFinish();
+  absl::StatusOr<bool> OwnVote(bool found_inf);
+  absl::StatusOr<StepStats> FollowStep(const StepOptions& options);
   // This worker's state from the checkpoint the job resumes from (x comes
   // from the servers in BroadcastParameters).
   absl::Status Restore(const control::ResumePoint& resume);
@@ -355,6 +391,9 @@ absl::Status CheckOptions(const WorkerOptions& o) {
     return Invalid("health_port", "must be in [0, 65535]");
   }
   if (o.rank < -1) return Invalid("rank", "must be -1 (any) or a rank");
+  if (o.local_rank < 0 || o.local_rank > 255) {
+    return Invalid("local_rank", "must be in [0, 256) (0: the worker itself)");
+  }
   if (absl::Status st = CheckTimeout(o.register_timeout); !st.ok()) {
     return Invalid("register_timeout", st.message());
   }
@@ -374,6 +413,7 @@ JobInfo JobOf(const control::RegisterReply& reg) {
   job.job_id = reg.job_id();
   job.rank = reg.rank();
   job.workers = cfg.cluster().workers();
+  job.local_ranks = std::max<uint32_t>(1, cfg.cluster().local_ranks());
   job.servers = cfg.cluster().servers();
   job.steps = cfg.model().steps();
   job.model = cfg.model().name();
@@ -387,6 +427,8 @@ JobInfo JobOf(const control::RegisterReply& reg) {
 
 absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& make_model) {
   if (absl::Status st = CheckOptions(o); !st.ok()) return st;
+  if (o.local_rank > 0) return ConnectFollower(o, make_model);
+  register_timeout = o.register_timeout;
   // Before joining: a worker that cannot use its device must not hold up a job.
   auto choice = ChooseDevice(o.device);
   if (!choice.ok()) return choice.status();
@@ -475,57 +517,128 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
     return Fail(absl::InternalError(absl::StrCat(
         "declared d = ", o.num_params, " but the job was sharded for d = ", job.num_params)));
   }
-  auto opt_options = OptimizerOptionsFromConfig(cfg);
-  if (!opt_options.ok()) return Fail(opt_options.status());
-  // Before the model and the replica exist: a job too large for this
-  // machine fails naming the bytes, not by the OOM killer. (On a GPU they
-  // live in its memory, whose allocation errors say so.)
-  if (choice->kind != DeviceChoice::Kind::kCuda) {
-    const StateSize size = WorkerStateSize(*opt_options, job.num_params);
-    if (absl::Status st = CheckMemory(
-            absl::StrCat("a replica of d = ", job.num_params, " (", size.arrays, ")"), size.bytes);
-        !st.ok()) {
-      return Fail(st);
-    }
-  }
-  if (make_model) {
-    auto m = make_model(cfg);
-    if (!m.ok()) return Fail(m.status());
-    model = std::move(*m);
-    if (model->num_params() != job.num_params) {
-      return Fail(absl::InternalError(absl::StrCat("the model has ", model->num_params(),
-                                                   " parameters; the job has ", job.num_params)));
-    }
-  }
-  opt_options->weight_decay_ranges = DecayRangesOf(reg.weight_decay_ranges());
-  opt_options->lr_scale_ranges = LrScaleRangesOf(reg.lr_scale_ranges());
-  opt_options->layer_ends.assign(reg.layer_ends().begin(), reg.layer_ends().end());
-  auto opt = WorkerOptimizer::Create(*opt_options);
-  if (!opt.ok()) return Fail(opt.status());
-  optimizer = std::move(*opt);
+  if (absl::Status st = MakeModelAndOptimizer(reg, *choice, make_model); !st.ok()) return Fail(st);
 
   ctx = std::make_unique<zmq::context_t>(
       static_cast<int>(std::min<uint32_t>(cfg.cluster().servers(), 2)));
   if (absl::Status st = ConnectToServers(); !st.ok()) return Fail(st);
 
-  auto r = NewReplica(*choice, job.num_params, model.get(), optimizer.get());
-  if (!r.ok()) {
-    return Fail(absl::Status(r.status().code(),
-                             absl::StrCat("device ", o.device, ": ", r.status().message())));
-  }
-  replica = std::move(*r);
-  device = replica->device();
-  if (absl::Status st = replica->Init(); !st.ok()) {
-    return Fail(
-        absl::Status(st.code(), absl::StrCat("initialising on ", device, ": ", st.message())));
-  }
+  if (absl::Status st = MakeReplica(*choice, o.device); !st.ok()) return Fail(st);
   if (absl::Status st = member->LoadCheckpoint(
           [this](const control::ResumePoint& resume) { return Restore(resume); });
       !st.ok()) {
     return Fail(st);
   }
   if (metrics != nullptr) metrics->SetSteps(step);
+  local_ranks = std::max<uint32_t>(1, cfg.cluster().local_ranks());
+  if (local_ranks > 1) {
+    if (on_device) {
+      return Fail(absl::UnimplementedError(
+          absl::StrCat("--local_ranks ", local_ranks,
+                       ": the ranks of a host add their gradients in host "
+                       "memory; a worker on ",
+                       device, " cannot lead them yet (run them on the CPU)")));
+    }
+    // The followers learn the job from the registration, as this worker did.
+    auto group = LocalLeader::Start(LocalGroupName(o.coordinator, job.rank), local_ranks,
+                                    job.num_params, reg.SerializeAsString(), register_timeout);
+    if (!group.ok()) {
+      return Fail(absl::Status(
+          group.status().code(),
+          absl::StrCat("worker ", job.rank, "'s local ranks: ", group.status().message())));
+    }
+    leader = std::move(*group);
+  }
   return absl::OkStatus();
+}
+
+absl::Status Worker::Impl::MakeModelAndOptimizer(const control::RegisterReply& reg,
+                                                 const DeviceChoice& choice,
+                                                 const ModelFactory& make_model) {
+  auto opt_options = OptimizerOptionsFromConfig(cfg);
+  if (!opt_options.ok()) return opt_options.status();
+  // Before the model and the replica exist: a job too large for this
+  // machine fails naming the bytes, not by the OOM killer. (On a GPU they
+  // live in its memory, whose allocation errors say so.)
+  if (choice.kind != DeviceChoice::Kind::kCuda) {
+    const StateSize size = WorkerStateSize(*opt_options, job.num_params);
+    if (absl::Status st = CheckMemory(
+            absl::StrCat("a replica of d = ", job.num_params, " (", size.arrays, ")"), size.bytes);
+        !st.ok()) {
+      return st;
+    }
+  }
+  if (make_model) {
+    auto m = make_model(cfg);
+    if (!m.ok()) return m.status();
+    model = std::move(*m);
+    if (model->num_params() != job.num_params) {
+      return absl::InternalError(absl::StrCat("the model has ", model->num_params(),
+                                              " parameters; the job has ", job.num_params));
+    }
+  }
+  opt_options->weight_decay_ranges = DecayRangesOf(reg.weight_decay_ranges());
+  opt_options->lr_scale_ranges = LrScaleRangesOf(reg.lr_scale_ranges());
+  opt_options->layer_ends.assign(reg.layer_ends().begin(), reg.layer_ends().end());
+  auto opt = WorkerOptimizer::Create(*opt_options);
+  if (!opt.ok()) return opt.status();
+  optimizer = std::move(*opt);
+  return absl::OkStatus();
+}
+
+absl::Status Worker::Impl::MakeReplica(const DeviceChoice& choice, const std::string& device_flag) {
+  auto r = NewReplica(choice, job.num_params, model.get(), optimizer.get());
+  if (!r.ok()) {
+    return absl::Status(r.status().code(),
+                        absl::StrCat("device ", device_flag, ": ", r.status().message()));
+  }
+  replica = std::move(*r);
+  device = replica->device();
+  if (absl::Status st = replica->Init(); !st.ok()) {
+    return absl::Status(st.code(), absl::StrCat("initialising on ", device, ": ", st.message()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Worker::Impl::ConnectFollower(const WorkerOptions& o, const ModelFactory& make_model) {
+  if (o.rank < 0) {
+    return Invalid("rank", absl::StrCat("local rank ", o.local_rank,
+                                        " must name its worker's rank (its local rank 0's)"));
+  }
+  auto choice = ChooseDevice(o.device);
+  if (!choice.ok()) return choice.status();
+  if (choice->kind != DeviceChoice::Kind::kCpu) {
+    return Invalid("device", absl::StrCat("local rank ", o.local_rank, " on ", o.device,
+                                          ": the ranks of a host add their gradients in host "
+                                          "memory; local ranks run on the CPU only for now"));
+  }
+  local_rank = static_cast<uint32_t>(o.local_rank);
+  // Its leader registers, waits for the whole cluster and then for its
+  // local ranks: a follower waits as long again.
+  auto f = LocalFollower::Connect(LocalGroupName(o.coordinator, static_cast<uint32_t>(o.rank)),
+                                  local_rank, o.num_params, 2 * o.register_timeout);
+  if (!f.ok()) return f.status();
+  follower = std::move(*f);
+  local_ranks = follower->local_ranks();
+  control::RegisterReply reg;
+  if (!reg.ParseFromString(follower->hello())) {
+    return absl::DataLossError("local rank 0 sent a registration that does not parse");
+  }
+  cfg = reg.config();
+  job = JobOf(reg);
+  job.local_rank = local_rank;
+  if (local_rank >= local_ranks) {
+    return Invalid("local_rank",
+                   absl::StrCat(local_rank, " is not below the job's --local_ranks ", local_ranks));
+  }
+  auto map = ShardMap::Deserialize(reg.shard_map());
+  if (!map.ok())
+    return absl::DataLossError(absl::StrCat("bad shard map: ", map.status().message()));
+  job.num_params = map->num_params();
+  this->map = *map;
+  register_timeout = o.register_timeout;
+  if (absl::Status st = MakeModelAndOptimizer(reg, *choice, make_model); !st.ok()) return st;
+  return MakeReplica(*choice, o.device);
 }
 
 absl::Status Worker::Impl::ConnectToServers() {
@@ -585,6 +698,156 @@ absl::Status Worker::Impl::Rejoin() {
   return rolled;
 }
 
+absl::Status Worker::Impl::Lead(LocalCall call, absl::Duration wait, const LeadFn& own) {
+  LocalAnswer answer;
+  absl::Status st = Usable();
+  if (st.ok()) {
+    auto requests = leader->Gather(call, step, wait);
+    st = requests.ok() ? own(*requests, &answer) : Fail(requests.status());
+  }
+  if (absl::Status read = replica->ReadX(leader->params()); !read.ok() && st.ok()) {
+    st = Fail(read);
+  }
+  answer.code = static_cast<int32_t>(st.code());
+  answer.message = std::string(st.message());
+  answer.rolled_back = IsRolledBack(st);
+  answer.steps_done = step;
+  answer.compressing = replica->phase() == Phase::kCompress;
+  if (absl::Status sent = leader->Answer(answer); !sent.ok() && st.ok()) st = Fail(sent);
+  return st;
+}
+
+absl::StatusOr<LocalAnswer> Worker::Impl::Follow(LocalRequest request) {
+  if (absl::Status st = Usable(); !st.ok()) return st;
+  request.step = step;
+  // The leader's part may be a step, a roll-back or a stop; its death ends
+  // the wait at once.
+  const absl::Duration wait =
+      2 * register_timeout + absl::Milliseconds(cfg.timeouts().rejoin_ms()) + StopWait();
+  auto a = follower->Call(request, wait);
+  if (!a.ok()) {
+    failure = absl::Status(a.status().code(), absl::StrCat("local rank ", local_rank, " of worker ",
+                                                           job.rank, ": ", a.status().message()));
+    return failure;
+  }
+  const absl::Status outcome(static_cast<absl::StatusCode>(a->code), a->message);
+  if (outcome.ok() || a->rolled_back) {
+    step = a->steps_done;
+    follower_compressing = a->compressing;
+    if (absl::Status st = replica->WriteX(0, job.num_params, follower->params(), true); !st.ok()) {
+      failure = st;
+      return st;
+    }
+  }
+  if (outcome.ok()) return *a;
+  if (a->rolled_back) {
+    absl::Status rolled = outcome;
+    rolled.SetPayload(kRolledBackMark, absl::Cord("1"));
+    return rolled;
+  }
+  if (absl::IsCancelled(outcome)) {
+    stopped = outcome;
+    finished = true;
+  } else {
+    failure = outcome;
+  }
+  return outcome;
+}
+
+absl::StatusOr<StepStats> Worker::Impl::LeadStep(const StepOptions& options) {
+  absl::StatusOr<StepStats> result = absl::InternalError("no step");
+  absl::Status st =
+      Lead(LocalCall::kStep, StepWait(),
+           [&](const std::vector<LocalRequest>& requests, LocalAnswer* a) -> absl::Status {
+             for (const LocalRequest& r : requests) {
+               if (r.has_lr != lr.has_value() || (r.has_lr && r.lr != *lr)) {
+                 auto text = [](bool has, float v) {
+                   return has ? absl::StrCat(v) : std::string("none (the schedule's)");
+                 };
+                 return Fail(absl::InvalidArgumentError(absl::StrCat(
+                     "step ", step, ": local rank ", r.local_rank, " set the learning rate ",
+                     text(r.has_lr, r.lr), ", local rank 0 ", text(lr.has_value(), lr.value_or(0)),
+                     ": every rank must set the same")));
+               }
+             }
+             // The host's gradient: the mean of its ranks', in local-rank order.
+             std::vector<const float*> g = {replica->grads()};
+             for (uint32_t k = 1; k < local_ranks; ++k) g.push_back(leader->gradient(k));
+             MeanInOrder(g.data(), local_ranks, job.num_params, replica->grads());
+             // Its loss: the mean of those reported.
+             StepOptions host = options;
+             const bool own = options.has_loss || !std::isnan(options.loss);
+             double sum = own ? options.loss : 0;
+             int reported = own ? 1 : 0;
+             for (const LocalRequest& r : requests) {
+               if (!r.has_loss) continue;
+               sum += r.loss;
+               ++reported;
+             }
+             if (reported > 0) {
+               host.loss = sum / reported;
+               host.has_loss = true;
+             }
+             result = OwnStep(host);
+             if (!result.ok()) return result.status();
+             a->step = result->step;
+             a->compressed = result->compressed;
+             a->bytes_up = result->bytes_up;
+             a->bytes_down = result->bytes_down;
+             a->chunks = result->chunks;
+             a->step_s = result->step_s;
+             a->push_s = result->push_s;
+             a->reply_s = result->reply_s;
+             return absl::OkStatus();
+           });
+  if (!st.ok()) return st;
+  return result;
+}
+
+absl::StatusOr<StepStats> Worker::Impl::FollowStep(const StepOptions& options) {
+  if (absl::Status st = Usable(); !st.ok()) return st;
+  if (!broadcast) {
+    return absl::FailedPreconditionError("call BroadcastParameters() before the first step");
+  }
+  absl::Status bad;
+  if (options.gradient_scale) {
+    bad = absl::InvalidArgumentError(
+        "StepOptions.gradient_scale: a deferred gradient scale is not available with "
+        "--local_ranks > 1; scale the gradient before Step()");
+  } else if (cfg.model().steps() > 0 && step >= cfg.model().steps()) {
+    bad = absl::OutOfRangeError(absl::StrCat("the job has ", cfg.model().steps(),
+                                             " steps and all are done: call Finish()"));
+  } else {
+    bad = CheckReportedLoss(options, job.rank, step, optimizer->options());
+  }
+  if (!bad.ok()) {
+    // The job fails: the leader hears why.
+    follower->Abort(absl::StrCat("local rank ", local_rank, ": ", bad.message()));
+    failure = bad;
+    return bad;
+  }
+  std::copy(replica->grads(), replica->grads() + job.num_params, follower->gradient());
+  LocalRequest r;
+  r.call = LocalCall::kStep;
+  r.has_loss = options.has_loss || !std::isnan(options.loss);
+  r.loss = options.loss;
+  r.epoch = options.epoch;
+  r.has_lr = lr.has_value();
+  r.lr = lr.value_or(0);
+  auto a = Follow(r);
+  if (!a.ok()) return a.status();
+  StepStats s;
+  s.step = a->step;
+  s.compressed = a->compressed;
+  s.bytes_up = a->bytes_up;
+  s.bytes_down = a->bytes_down;
+  s.chunks = a->chunks;
+  s.step_s = a->step_s;
+  s.push_s = a->push_s;
+  s.reply_s = a->reply_s;
+  return s;
+}
+
 const std::atomic<int>* StopOnSignals() {
   CatchStopSignals();
   return StopSignalFlag();
@@ -613,6 +876,12 @@ absl::StatusOr<WorkerOptions> WorkerOptionsFromEnvironment(uint64_t num_params) 
           absl::StrCat(name, "='", *rank, "' is not a rank (an integer >= 0)"));
     }
     break;
+  }
+  if (auto local = get("ONEBIT_LOCAL_RANK")) {
+    if (!absl::SimpleAtoi(*local, &o.local_rank) || o.local_rank < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ONEBIT_LOCAL_RANK='", *local, "' is not a local rank (an integer >= 0)"));
+    }
   }
   if (auto device = get("ONEBIT_DEVICE")) o.device = *device;
   if (auto host = get("ONEBIT_ADVERTISE_HOST")) o.advertise_host = *host;
@@ -669,12 +938,33 @@ bool Worker::on_device() const { return impl_->on_device; }
 float* Worker::params() { return impl_->replica->params(); }
 float* Worker::grads() { return impl_->replica->grads(); }
 uint64_t Worker::steps_done() const { return impl_->step; }
-bool Worker::compressing() const { return impl_->replica->phase() == Phase::kCompress; }
+bool Worker::compressing() const {
+  if (impl_->follower != nullptr) return impl_->follower_compressing;
+  return impl_->replica->phase() == Phase::kCompress;
+}
 
 absl::Status Worker::BroadcastParameters() {
   Impl& w = *impl_;
   if (absl::Status st = w.Usable(); !st.ok()) return st;
   if (w.broadcast) return absl::FailedPreconditionError("the parameters were broadcast already");
+  if (w.follower != nullptr) {
+    LocalRequest r;
+    r.call = LocalCall::kBroadcast;
+    auto a = w.Follow(r);
+    if (a.ok() || IsRolledBack(a.status())) w.broadcast = true;
+    return a.status();
+  }
+  if (w.leader != nullptr) {
+    // The followers may still be loading their model and data.
+    return w.Lead(
+        LocalCall::kBroadcast, w.register_timeout,
+        [&w](const std::vector<LocalRequest>&, LocalAnswer*) { return w.OwnBroadcast(); });
+  }
+  return w.OwnBroadcast();
+}
+
+absl::Status Worker::Impl::OwnBroadcast() {
+  Impl& w = *this;
   absl::Status st;
   if (w.job.rank == 0 && !w.resumed) {
     std::vector<float> x(w.job.num_params);
@@ -701,6 +991,10 @@ absl::Status Worker::SetLearningRate(float lr) {
   if (!std::isfinite(lr) || lr < 0) {
     return absl::InvalidArgumentError(absl::StrCat("learning rate ", lr, ": want finite, >= 0"));
   }
+  if (w.follower != nullptr) {  // it goes with the step, to be checked against local rank 0's
+    w.lr = lr;
+    return absl::OkStatus();
+  }
   if (w.client->in_step() && w.client->pushed_any()) {
     return absl::FailedPreconditionError(
         absl::StrCat("step ", w.step,
@@ -715,11 +1009,13 @@ absl::Status Worker::SetLearningRate(float lr) {
 
 absl::Status Worker::GradientsReady(uint64_t begin, uint64_t end) {
   Impl& w = *impl_;
-  if (absl::Status st = w.ReadyToStep(); !st.ok()) return st;
+  if (absl::Status st = w.follower != nullptr ? w.Usable() : w.ReadyToStep(); !st.ok()) return st;
   if (begin > end || end > w.job.num_params) {
     return absl::OutOfRangeError(absl::StrCat("GradientsReady(", begin, ", ", end,
                                               "): not a range within [0, ", w.job.num_params, ")"));
   }
+  // A host's gradient is whole only once every local rank's is in (Step).
+  if (w.local_ranks > 1) return absl::OkStatus();
   // Stopping: Step() decides whether this step runs, and pushes it then.
   bool deferred = false;
   if (absl::Status st = w.BeginStepIfNeeded(false, &deferred); !st.ok()) {
@@ -734,6 +1030,13 @@ absl::Status Worker::GradientsReady(uint64_t begin, uint64_t end) {
 
 absl::StatusOr<StepStats> Worker::Step(const StepOptions& options) {
   Impl& w = *impl_;
+  if (w.follower != nullptr) return w.FollowStep(options);
+  if (w.leader != nullptr) return w.LeadStep(options);
+  return w.OwnStep(options);
+}
+
+absl::StatusOr<StepStats> Worker::Impl::OwnStep(const StepOptions& options) {
+  Impl& w = *this;
   if (absl::Status st = w.ReadyToStep(); !st.ok()) return st;
   // The gradient's time: since the last step, less the pushes of this one
   // that went out meanwhile (GradientsReady).
@@ -742,6 +1045,11 @@ absl::StatusOr<StepStats> Worker::Step(const StepOptions& options) {
   if (absl::Status st = CheckReportedLoss(options, w.job.rank, w.step, w.optimizer->options());
       !st.ok()) {
     return w.Fail(st);
+  }
+  if (options.gradient_scale && w.local_ranks > 1) {
+    return w.Fail(absl::InvalidArgumentError(
+        "StepOptions.gradient_scale: a deferred gradient scale is not available with "
+        "--local_ranks > 1; scale the gradient before Step()"));
   }
   if (absl::Status st = w.BeginStepIfNeeded(true); !st.ok()) {
     return absl::IsCancelled(st) ? st : w.FailOrRejoin(st);
@@ -800,6 +1108,7 @@ absl::StatusOr<StepStats> Worker::Step(const StepOptions& options) {
 absl::Status Worker::ReportEvaluation(double test_loss, double test_accuracy) {
   Impl& w = *impl_;
   if (absl::Status st = w.Usable(); !st.ok()) return st;
+  if (w.follower != nullptr) return absl::OkStatus();  // local rank 0 reports for its host
   // After Finish() or a step's first push, the step's metrics are gone.
   if (!w.last) {
     return absl::FailedPreconditionError(
@@ -820,6 +1129,15 @@ absl::Status Worker::SeedOptimizerState(const AdamSeed& seed) {
     return absl::FailedPreconditionError(absl::StrCat("SeedOptimizerState(): ", parts...));
   };
   if (!w.broadcast) return refuse("before BroadcastParameters()");
+  if (w.follower != nullptr) {
+    // Local rank 0's seed (worker 0's) becomes the job's.
+    if (seed.m.size() != w.job.num_params || seed.v.size() != w.job.num_params) {
+      return absl::InvalidArgumentError(absl::StrCat("SeedOptimizerState(): m and v have ",
+                                                     seed.m.size(), " and ", seed.v.size(),
+                                                     " values, the model ", w.job.num_params));
+    }
+    return absl::OkStatus();
+  }
   if (w.step != 0 || w.resumed) {
     return refuse("the job is at step ", w.step, w.resumed ? " (resumed from its checkpoint)" : "",
                   ": a state is seeded only before the job's first step");
@@ -862,13 +1180,18 @@ absl::Status Worker::SeedOptimizerState(const AdamSeed& seed) {
 bool Worker::CanDeferGradientScale() const {
   // An unusable worker (failed, stopped, finished) may have no client.
   const Impl& w = *impl_;
-  return w.Usable().ok() && w.client != nullptr &&
+  return w.Usable().ok() && w.client != nullptr && w.local_ranks == 1 &&
          w.client->CanDeferScale(w.step, w.replica->phase());
 }
 
 absl::Status Worker::DeferGradientScale() {
   Impl& w = *impl_;
   if (absl::Status st = w.Usable(); !st.ok()) return st;
+  if (w.local_ranks > 1) {
+    return absl::FailedPreconditionError(
+        "DeferGradientScale(): not with --local_ranks > 1 (the host's gradient is the mean of its "
+        "ranks'): scale the gradient before Step()");
+  }
   if (w.client->in_step()) {
     return absl::FailedPreconditionError(absl::StrCat("DeferGradientScale(): step ", w.step,
                                                       " has begun (GradientsReady was called)"));
@@ -885,6 +1208,33 @@ absl::Status Worker::DeferGradientScale() {
 
 absl::StatusOr<bool> Worker::AgreeOnOverflow(bool found_inf) {
   Impl& w = *impl_;
+  if (w.follower != nullptr) {
+    LocalRequest r;
+    r.call = LocalCall::kVote;
+    r.found_inf = found_inf;
+    auto a = w.Follow(r);
+    if (!a.ok()) return a.status();
+    return a->vote;
+  }
+  if (w.leader != nullptr) {
+    bool any = false;
+    absl::Status st = w.Lead(LocalCall::kVote, w.StepWait(),
+                             [&](const std::vector<LocalRequest>& requests, LocalAnswer* a) {
+                               bool host = found_inf;
+                               for (const LocalRequest& r : requests) host |= r.found_inf;
+                               auto agreed = w.OwnVote(host);
+                               if (!agreed.ok()) return agreed.status();
+                               any = a->vote = *agreed;
+                               return absl::OkStatus();
+                             });
+    if (!st.ok()) return st;
+    return any;
+  }
+  return w.OwnVote(found_inf);
+}
+
+absl::StatusOr<bool> Worker::Impl::OwnVote(bool found_inf) {
+  Impl& w = *this;
   if (absl::Status st = w.Usable(); !st.ok()) return st;
   if (!w.broadcast) {
     return absl::FailedPreconditionError("AgreeOnOverflow() before BroadcastParameters()");
@@ -906,6 +1256,11 @@ absl::StatusOr<bool> Worker::AgreeOnOverflow(bool found_inf) {
 absl::StatusOr<OptimizerState> Worker::GatherOptimizerState() {
   Impl& w = *impl_;
   if (absl::Status st = w.Usable(); !st.ok()) return st;
+  if (w.follower != nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("GatherOptimizerState(): local rank ", w.local_rank,
+                     " holds no optimizer state; gather it on local rank 0"));
+  }
   if (!w.broadcast) {
     return absl::FailedPreconditionError(
         "GatherOptimizerState() before BroadcastParameters(): the servers hold no state yet");
@@ -941,6 +1296,23 @@ absl::StatusOr<OptimizerState> Worker::GatherOptimizerState() {
 absl::Status Worker::Finish() {
   Impl& w = *impl_;
   if (absl::Status st = w.Usable(); !st.ok()) return st;
+  if (w.follower != nullptr) {
+    LocalRequest r;
+    r.call = LocalCall::kFinish;
+    auto a = w.Follow(r);
+    if (!a.ok()) return a.status();
+    w.finished = true;
+    return absl::OkStatus();
+  }
+  if (w.leader != nullptr) {
+    return w.Lead(LocalCall::kFinish, w.StepWait(),
+                  [&w](const std::vector<LocalRequest>&, LocalAnswer*) { return w.OwnFinish(); });
+  }
+  return w.OwnFinish();
+}
+
+absl::Status Worker::Impl::OwnFinish() {
+  Impl& w = *this;
   if (w.client->in_step()) {
     return w.Fail(absl::FailedPreconditionError(
         absl::StrCat("Finish() in the middle of step ", w.step, " (GradientsReady without Step)")));
@@ -982,6 +1354,9 @@ absl::Status Worker::Finish() {
 }
 
 void Worker::Abort(absl::string_view reason) {
+  if (impl_->follower != nullptr && impl_->failure.ok()) {
+    impl_->follower->Abort(absl::StrCat("local rank ", impl_->local_rank, ": ", reason));
+  }
   impl_->Fail(absl::AbortedError(absl::StrCat("aborted by its program: ", reason))).IgnoreError();
 }
 
@@ -992,10 +1367,17 @@ std::unique_ptr<Worker> WorkerAccess::Wrap(std::unique_ptr<Worker::Impl> impl) {
 Replica& WorkerAccess::replica(Worker& w) { return *w.impl_->replica; }
 const control::TrainingConfig& WorkerAccess::config(const Worker& w) { return w.impl_->cfg; }
 const Model* WorkerAccess::model(const Worker& w) { return w.impl_->model.get(); }
+uint32_t WorkerAccess::data_rank(const Worker& w) {
+  return w.impl_->job.rank * w.impl_->local_ranks + w.impl_->local_rank;
+}
 
 absl::Status WorkerAccess::Fail(Worker& w, const absl::Status& st) { return w.impl_->Fail(st); }
 
 absl::Status WorkerAccess::WaitForJobEnd(Worker& w, absl::Duration timeout) {
+  if (w.impl_->member == nullptr) {  // a follower: its leader speaks for it
+    absl::SleepFor(timeout);
+    return absl::OkStatus();
+  }
   w.impl_->member->heartbeat().WaitForCommand(timeout);
   return w.impl_->CheckJob();
 }

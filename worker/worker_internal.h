@@ -32,6 +32,9 @@ struct WorkerAccess {
   static Replica& replica(Worker& w);
   static const control::TrainingConfig& config(const Worker& w);
   static const Model* model(const Worker& w);
+  // The rank whose data this process trains on: worker rank * K + local
+  // rank (--local_ranks K; models/model.h DataRanks).
+  static uint32_t data_rank(const Worker& w);
   // Fails the job with `st` (reported as "worker R: <message>"); returns it.
   static absl::Status Fail(Worker& w, const absl::Status& st);
   // Waits while the job runs, at most `timeout`; the coordinator's reason

@@ -23,6 +23,10 @@
 
 ABSL_FLAG(std::string, coordinator, "", "coordinator address host:port (required)");
 ABSL_FLAG(int32_t, rank, -1, "worker rank to request; -1: any free one");
+ABSL_FLAG(int32_t, local_rank, 0,
+          "with --local_ranks K in the job: this process's local rank in [0, K); 0 is the worker "
+          "(it pushes the mean of its local ranks' gradients), 1..K-1 join it on this host "
+          "(--rank names the worker, required)");
 ABSL_FLAG(std::string, bind_host, "0.0.0.0", "address to bind the health port on");
 ABSL_FLAG(std::string, advertise_host, "", "this worker's address for others (default: hostname)");
 ABSL_FLAG(int32_t, health_port, 0, "grpc.health.v1 port; 0: any free port");
@@ -57,6 +61,11 @@ WorkerOptions OptionsFromFlags() {
   if (o.coordinator.empty()) ExitFlagError("coordinator", "required");
   o.rank = absl::GetFlag(FLAGS_rank);
   if (o.rank < -1) ExitFlagError("rank", "must be -1 (any) or a rank");
+  o.local_rank = absl::GetFlag(FLAGS_local_rank);
+  if (o.local_rank < 0 || o.local_rank > 255) ExitFlagError("local_rank", "must be in [0, 256)");
+  if (o.local_rank > 0 && o.rank < 0) {
+    ExitFlagError("local_rank", "a local rank >= 1 needs --rank (its worker's)");
+  }
   if (const int code = absl::GetFlag(FLAGS_exit_code_when_stopped); code < 0 || code > 255) {
     ExitFlagError("exit_code_when_stopped", "must be in [0, 255] (an exit status)");
   }
@@ -94,17 +103,20 @@ class TrainingLoop {
   explicit TrainingLoop(Worker* w)
       : w_(*w),
         rank_(w->rank()),
+        data_rank_(WorkerAccess::data_rank(*w)),
+        name_(w->job().local_rank > 0 ? absl::StrCat("worker ", w->rank(), ".", w->job().local_rank)
+                                      : absl::StrCat("worker ", w->rank())),
         rep_(WorkerAccess::replica(*w)),
         cfg_(WorkerAccess::config(*w)),
         per_epoch_(WorkerAccess::model(*w)->steps_per_epoch()),
-        evaluate_(rank_ == 0 && cfg_.model().eval_every() > 0 && rep_.can_evaluate()),
+        evaluate_(data_rank_ == 0 && cfg_.model().eval_every() > 0 && rep_.can_evaluate()),
         stall_(absl::GetFlag(FLAGS_stall_at_step)),
         overlap_(absl::GetFlag(FLAGS_overlap)),
         progress_every_(absl::GetFlag(FLAGS_progress_interval)) {}
 
   // The process's exit code.
   int Run() {
-    std::fprintf(stderr, "worker %u: training on %s\n", rank_, w_.device().c_str());
+    std::fprintf(stderr, "%s: training on %s\n", name_.c_str(), w_.device().c_str());
     if (absl::Status st = w_.BroadcastParameters(); !st.ok() && !IsRolledBack(st)) Fail(st);
     t0_ = last_progress_ = absl::Now();
     // A resumed job continues at its checkpoint's step; the data order is
@@ -121,7 +133,7 @@ class TrainingLoop {
       DumpX();
       absl::Status finished = w_.Finish();
       if (IsRolledBack(finished)) {
-        std::fprintf(stderr, "worker %u: %s\n", rank_, std::string(finished.message()).c_str());
+        std::fprintf(stderr, "%s: %s\n", name_.c_str(), std::string(finished.message()).c_str());
         continue;
       }
       if (!finished.ok()) Fail(finished);
@@ -136,14 +148,14 @@ class TrainingLoop {
   Next OutcomeOf(const absl::Status& st) {
     if (st.ok()) return Next::kGoOn;
     if (IsRolledBack(st) || absl::IsCancelled(st)) {
-      std::fprintf(stderr, "worker %u: %s\n", rank_, std::string(st.message()).c_str());
+      std::fprintf(stderr, "%s: %s\n", name_.c_str(), std::string(st.message()).c_str());
       return IsRolledBack(st) ? Next::kRetry : Next::kStop;
     }
     Fail(st);
   }
 
   [[noreturn]] void Fail(const absl::Status& st) {
-    ExitError(1, absl::StrCat("worker ", rank_, ": ", st.message()));
+    ExitError(1, absl::StrCat(name_, ": ", st.message()));
   }
   // Fails the job with `st` (the worker reports it with the rows of the
   // steps before), then exits.
@@ -169,8 +181,8 @@ class TrainingLoop {
       return pushed;
     };
     const absl::Time g0 = absl::Now();
-    auto loss = overlap_ ? rep_.ComputeGradientInParts(rank_, step, release)
-                         : rep_.ComputeGradient(rank_, step);
+    auto loss = overlap_ ? rep_.ComputeGradientInParts(data_rank_, step, release)
+                         : rep_.ComputeGradient(data_rank_, step);
     const double fwd_bwd_s = absl::ToDoubleSeconds(absl::Now() - g0 - in_pushes);
     if (Next n = OutcomeOf(pushed); n != Next::kGoOn) return n;
     if (!loss.ok()) FailJob(loss.status());
@@ -214,9 +226,9 @@ class TrainingLoop {
     const std::string acc =
         last_accuracy_ >= 0 ? absl::StrFormat(" test acc %.4f", last_accuracy_) : std::string();
     std::fprintf(stderr,
-                 "worker %u: step %llu/%llu%s loss %.6g%s %s %.2f steps/s up %.1f MB down %.1f "
+                 "%s: step %llu/%llu%s loss %.6g%s %s %.2f steps/s up %.1f MB down %.1f "
                  "MB ETA %.0fs\n",
-                 rank_, static_cast<unsigned long long>(step + 1),
+                 name_.c_str(), static_cast<unsigned long long>(step + 1),
                  static_cast<unsigned long long>(steps), epoch.c_str(), loss, acc.c_str(),
                  compressed ? "compress" : "warmup", rate, total_up_ / 1e6, total_down_ / 1e6,
                  static_cast<double>(steps - step - 1) / rate);
@@ -224,9 +236,8 @@ class TrainingLoop {
 
   // The overlap achieved, and the forward + backward time per step.
   void Report() const {
-    std::fprintf(stderr,
-                 "worker %u: %llu of %llu chunks (%.1f %%) went out during the backward%s\n", rank_,
-                 static_cast<unsigned long long>(overlapped_),
+    std::fprintf(stderr, "%s: %llu of %llu chunks (%.1f %%) went out during the backward%s\n",
+                 name_.c_str(), static_cast<unsigned long long>(overlapped_),
                  static_cast<unsigned long long>(total_chunks_),
                  total_chunks_ > 0 ? 100.0 * overlapped_ / total_chunks_ : 0.0,
                  overlap_ ? "" : " (--overlap=false)");
@@ -236,9 +247,9 @@ class TrainingLoop {
       std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
       return absl::StrFormat("%.3f", v[v.size() / 2] * 1e3);
     };
-    std::fprintf(stderr,
-                 "worker %u: forward + backward per step (median ms): warm-up %s, compression %s\n",
-                 rank_, median_ms(fwd_bwd_warmup_).c_str(), median_ms(fwd_bwd_compress_).c_str());
+    std::fprintf(
+        stderr, "%s: forward + backward per step (median ms): warm-up %s, compression %s\n",
+        name_.c_str(), median_ms(fwd_bwd_warmup_).c_str(), median_ms(fwd_bwd_compress_).c_str());
   }
 
   // --dump_x: the final replica.
@@ -253,6 +264,8 @@ class TrainingLoop {
 
   Worker& w_;
   const uint32_t rank_;
+  const uint32_t data_rank_;  // rank_ * K + its local rank
+  const std::string name_;    // "worker R", or "worker R.k" for local rank k >= 1
   Replica& rep_;
   const control::TrainingConfig& cfg_;
   const uint64_t per_epoch_;

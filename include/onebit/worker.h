@@ -74,6 +74,18 @@ struct WorkerOptions {
   bool insecure = false;
   // The rank to ask for; -1: any free one.
   int rank = -1;
+  // In a job of K local ranks per worker (--local_ranks K: a host's K GPUs
+  // or processes push as one worker), this process's place in its worker:
+  // 0 joins the job as the worker, adds its local ranks' gradients (mean,
+  // in local-rank order) and pushes for the host; 1..K-1 hand their
+  // gradient to it through shared memory and take the new parameters from
+  // it, on the same host, with the same `coordinator` and `rank` (their
+  // worker's, required). Their calls are the worker's, made together;
+  // GradientsReady pushes nothing early (the host's gradient is whole at
+  // Step), DeferGradientScale is not available, ReportEvaluation on a
+  // local rank >= 1 does nothing and GatherOptimizerState is local rank
+  // 0's. The CPU only, for now.
+  int local_rank = 0;
   // d, the length of params() and grads(): the number of parameters of your
   // model. Every worker must declare the same d; a --model external job is
   // sharded by it. 0: the job's built-in model decides (onebit-worker).
@@ -139,8 +151,8 @@ struct WorkerOptions {
 
 // Options from the environment onebit-launch --worker_cmd (or a Kubernetes
 // manifest) sets: ONEBIT_COORDINATOR (required), ONEBIT_RANK (else RANK;
-// else any), ONEBIT_DEVICE, ONEBIT_ADVERTISE_HOST, ONEBIT_SECRET_FILE (see
-// secret_file), ONEBIT_INSECURE=1 (insecure), ONEBIT_METRICS_PORT,
+// else any), ONEBIT_LOCAL_RANK (local_rank; else 0), ONEBIT_DEVICE, ONEBIT_ADVERTISE_HOST,
+// ONEBIT_SECRET_FILE (see secret_file), ONEBIT_INSECURE=1 (insecure), ONEBIT_METRICS_PORT,
 // ONEBIT_METRICS_HOST, ONEBIT_METRICS_LINGER (e.g. "8s"); `num_params` as
 // given.
 // An error names a missing or malformed variable.
@@ -166,6 +178,10 @@ struct JobInfo {
   uint64_t job_id = 0;
   uint32_t rank = 0;
   uint32_t workers = 0;
+  // --local_ranks K, and this process's local rank in [0, K): its data is
+  // that of rank * K + local_rank among workers * K.
+  uint32_t local_ranks = 1;
+  uint32_t local_rank = 0;
   uint32_t servers = 0;
   uint64_t num_params = 0;
   // Steps the job runs; 0: until every worker has called Finish().

@@ -153,6 +153,7 @@ std::vector<std::string> ConfigArgs(const control::TrainingConfig& c) {
   std::vector<std::string> args = {
       absl::StrCat("--workers=", c.cluster().workers()),
       absl::StrCat("--servers=", c.cluster().servers()),
+      absl::StrCat("--local_ranks=", std::max<uint32_t>(1, c.cluster().local_ranks())),
       "--model=" + c.model().name(),
       absl::StrCat("--dim=", c.model().dim()),
       absl::StrCat("--steps=", c.model().steps()),
@@ -231,6 +232,7 @@ ReferenceResult Reference(const control::TrainingConfig& cfg) {
   EXPECT_TRUE(map.ok()) << map.status();
   ReferenceOptions o;
   o.workers = cfg.cluster().workers();
+  o.local_ranks = cfg.cluster().local_ranks();
   o.map = *map;
   o.steps = cfg.model().steps();
   auto optimizer = OptimizerOptionsFromConfig(cfg);

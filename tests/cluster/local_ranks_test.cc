@@ -1,0 +1,133 @@
+// --local_ranks K (docs/design.md §1.9), started for real by the launcher:
+// N workers of K processes each; a worker's local ranks add their gradients
+// in shared memory and its local rank 0 pushes once for them.
+#include <signal.h>
+
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/cluster/test_util.h"
+
+namespace onebit::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string Launch(const control::TrainingConfig& cfg, const std::string& name) {
+  const std::string out = TempDir(name);
+  std::vector<std::string> argv = {Bin("onebit-launch"), "--out=" + out, "--dump_params"};
+  for (const std::string& a : ConfigArgs(cfg)) argv.push_back(a);
+  RunResult r = RunCommand(argv, absl::Seconds(180));
+  EXPECT_EQ(r.code, 0) << absl::StrJoin(argv, " ") << "\n" << r.output;
+  return out;
+}
+
+double NumberField(const std::string& summary, const std::string& key) {
+  double v = -1;
+  EXPECT_TRUE(absl::SimpleAtod(Field(summary, key), &v)) << key << " in " << summary;
+  return v;
+}
+
+control::TrainingConfig Config(const std::string& optimizer, uint32_t workers,
+                               uint32_t local_ranks) {
+  control::TrainingConfig cfg = MakeConfig(workers, 2, 6007, 12, optimizer);
+  SetSetting(&cfg, "local_ranks", absl::StrCat(local_ranks));
+  SetSetting(&cfg, "block_size", "64");
+  SetSetting(&cfg, "chunk_elems", "1024");
+  if (optimizer == "onebit-adam") SetSetting(&cfg, "freeze_step", "5");
+  return cfg;
+}
+
+class LocalRanks : public ::testing::TestWithParam<std::string> {};
+
+// Every process of the job (each worker's local rank 0 and its local
+// ranks) ends with the reference's replica of a job whose worker r's
+// gradient is the mean of those of ranks r * K .. r * K + K - 1, and every
+// shard with its master; that is not the flat job's result (N workers, or
+// N * K, without local ranks).
+TEST_P(LocalRanks, EveryProcessEqualsTheReferenceBitForBit) {
+  constexpr uint32_t N = 2, K = 3;
+  const control::TrainingConfig cfg = Config(GetParam(), N, K);
+  const std::string out = Launch(cfg, "local_ranks_" + GetParam());
+  const ReferenceResult ref = Reference(cfg);
+  ASSERT_EQ(ref.workers.size(), N);
+  for (uint32_t w = 0; w < N; ++w) {
+    for (uint32_t k = 0; k < K; ++k) {
+      const std::string file = k == 0 ? absl::StrCat(out, "/replica_w", w, ".f32")
+                                      : absl::StrCat(out, "/replica_w", w, "_local", k, ".f32");
+      EXPECT_EQ(FirstDifference(ReadFloats(file), ref.workers[w]), "") << file;
+    }
+  }
+  for (uint32_t s = 0; s < 2; ++s) {
+    EXPECT_EQ(FirstDifference(ReadFloats(absl::StrCat(out, "/master_s", s, ".f32")),
+                              ref.masters[s].x, ref.masters[s].begin),
+              "")
+        << "shard " << s;
+  }
+  const std::string summary = ReadFile(out + "/summary.json");
+  EXPECT_EQ(Field(summary, "replicas_equal"), "true");
+  EXPECT_EQ(Field(summary, "workers"), absl::StrCat(N));
+  for (uint32_t flat : {N, N * K}) {
+    EXPECT_NE(Reference(Config(GetParam(), flat, 1)).x, ref.x) << flat << " workers";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Optimizers, LocalRanks, ::testing::Values("onebit-adam", "adam"),
+                         [](const ::testing::TestParamInfo<std::string>& i) {
+                           std::string n = i.param;
+                           for (char& c : n) c = c == '-' ? '_' : c;
+                           return n;
+                         });
+
+// A host's NIC carries 1/K of the bytes of K flat workers: N workers of
+// K local ranks push and receive a third of what N * K workers do (the
+// same payloads and headers per worker).
+TEST(LocalRanksBytes, AWorkerPushesOnceForItsLocalRanks) {
+  const std::string grouped =
+      ReadFile(Launch(Config("onebit-adam", 2, 3), "bytes_local") + "/summary.json");
+  const std::string flat =
+      ReadFile(Launch(Config("onebit-adam", 6, 1), "bytes_flat") + "/summary.json");
+  for (const char* key : {"bytes_up", "bytes_down"}) {
+    const double ratio = NumberField(flat, key) / NumberField(grouped, key);
+    EXPECT_GT(ratio, 2.99) << key;
+    EXPECT_LT(ratio, 3.01) << key;
+  }
+}
+
+// kill -9 of a local rank: its worker's wait for it ends at once (its
+// socket closes), and the job fails naming it.
+TEST(LocalRanksFaults, AKilledLocalRankFailsTheJobNamingIt) {
+  const std::string dir = TempDir("local_rank_killed");
+  const std::string out = dir + "/run";
+  std::vector<std::string> argv = {Bin("onebit-launch"), "--out=" + out, "--dump_params",
+                                   "--step_timeout=60s"};
+  control::TrainingConfig cfg = Config("adam", 2, 2);
+  SetSetting(&cfg, "steps", "100000000");
+  for (const std::string& a : ConfigArgs(cfg)) argv.push_back(a);
+  Subprocess launch = Start(argv, dir + "/launch.log");
+  ASSERT_TRUE(WaitForText(dir + "/launch.log", "steps/s", absl::Seconds(30)))
+      << ReadFile(dir + "/launch.log");
+  const std::vector<int> victim = ProcessesMentioning("--dump_x=" + out + "/replica_w1_local1.f32");
+  ASSERT_EQ(victim.size(), 1u);
+  const absl::Time killed = absl::Now();
+  kill(victim[0], SIGKILL);
+  const std::optional<int> code = launch.Wait(absl::Seconds(60));
+  ASSERT_TRUE(code.has_value()) << ReadFile(dir + "/launch.log");
+  EXPECT_NE(*code, 0);
+  // Well within the step timeout (60 s) and the heartbeat's.
+  EXPECT_LT(absl::Now() - killed, absl::Seconds(20));
+  const std::string log = ReadFile(dir + "/launch.log");
+  // Found when its worker next waits for it (left) or answers it (gone).
+  const std::string named = "worker 1 failed: worker 1: local rank 1 of this host ";
+  EXPECT_THAT(log, HasSubstr(named));
+  EXPECT_THAT(log, HasSubstr("presumed dead"));
+  EXPECT_THAT(ReadFile(out + "/summary.json"), HasSubstr(named));
+}
+
+}  // namespace
+}  // namespace onebit::testing
