@@ -68,7 +68,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def init(coordinator=None, rank=None, device=None, secret_file=None, insecure=None,
-         metrics_port=None):
+         metrics_port=None, local_rank=None):
     """Records where the job is; DistributedOptimizer joins it.
 
     Defaults come from the environment onebit-launch --worker_cmd sets
@@ -79,18 +79,25 @@ def init(coordinator=None, rank=None, device=None, secret_file=None, insecure=No
     it runs insecure. metrics_port (default $ONEBIT_METRICS_PORT, else -1:
     none; 0: any free port): this worker serves its Prometheus metrics
     there (on $ONEBIT_METRICS_HOST, else all addresses), and keeps them up
-    $ONEBIT_METRICS_LINGER (e.g. "8s") after finish()."""
+    $ONEBIT_METRICS_LINGER (e.g. "8s") after finish().
+
+    A job of K local ranks per worker (--local_ranks K: the processes of a
+    host add their gradients and push once): local_rank (default
+    $ONEBIT_LOCAL_RANK, which onebit-launch sets) is this process's place
+    in its worker, and rank its worker's. Under torchrun, set
+    ONEBIT_LOCAL_RANKS=K (= --nproc_per_node) once: then local_rank is
+    LOCAL_RANK and rank is RANK // K."""
     coordinator = coordinator or os.environ.get("ONEBIT_COORDINATOR", "")
     if not coordinator:
         raise OnebitError(
             "no coordinator: pass init(coordinator='host:port') or set ONEBIT_COORDINATOR "
             "(onebit-launch --worker_cmd sets it)")
     if rank is None:
-        text = os.environ.get("ONEBIT_RANK", os.environ.get("RANK", "-1"))
-        try:
-            rank = int(text)
-        except ValueError:
-            raise OnebitError(f"ONEBIT_RANK/RANK='{text}' is not a rank") from None
+        rank = _rank(-1)
+    if local_rank is None:
+        local_rank = _local_rank()
+    if local_rank < 0:
+        raise OnebitError(f"local_rank {local_rank}: want >= 0")
     if insecure is None:
         insecure = os.environ.get("ONEBIT_INSECURE", "0") == "1"
     if metrics_port is None:
@@ -112,11 +119,22 @@ def init(coordinator=None, rank=None, device=None, secret_file=None, insecure=No
         # A host with several GPUs (torchrun --nproc_per_node K): each
         # process takes its own, in turn where there are more processes.
         device = f"cuda:{int(os.environ['LOCAL_RANK']) % torch.cuda.device_count()}"
-    _settings.update(coordinator=coordinator, rank=rank, device=device,
+    _settings.update(coordinator=coordinator, rank=rank, device=device, local_rank=local_rank,
                      secret_file=secret_file or os.environ.get("ONEBIT_SECRET_FILE", ""),
                      insecure=bool(insecure), metrics_port=metrics_port,
                      metrics_host=os.environ.get("ONEBIT_METRICS_HOST", ""),
                      metrics_linger_s=linger_s)
+
+
+def _env_int(name, default):
+    """The integer in environment variable `name`, or `default` when unset."""
+    text = os.environ.get(name, "")
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise OnebitError(f"{name}='{text}' is not an integer") from None
 
 
 def _seconds(text):
@@ -140,8 +158,56 @@ def _seconds(text):
     return total
 
 
+def _rank(default):
+    """The worker's rank: ONEBIT_RANK; else torchrun's RANK, which counts
+    processes, divided by ONEBIT_LOCAL_RANKS; else `default`."""
+    if "ONEBIT_RANK" in os.environ:
+        return _env_int("ONEBIT_RANK", default)
+    text = os.environ.get("RANK", "")
+    if not text:
+        return default
+    try:
+        r = int(text)
+    except ValueError:
+        raise OnebitError(f"RANK='{text}' is not a rank") from None
+    return r // local_ranks() if r >= 0 else r
+
+
+def _local_rank():
+    if "ONEBIT_LOCAL_RANK" in os.environ:
+        return _env_int("ONEBIT_LOCAL_RANK", 0)
+    k = local_ranks()
+    if k == 1:
+        return 0
+    size = _env_int("LOCAL_WORLD_SIZE", k)
+    if size != k:
+        raise OnebitError(f"ONEBIT_LOCAL_RANKS={k} but LOCAL_WORLD_SIZE={size}: a worker's local "
+                          "ranks are the processes of one host")
+    return _env_int("LOCAL_RANK", 0)
+
+
 def rank():
-    return int(os.environ.get("ONEBIT_RANK", os.environ.get("RANK", "0")))
+    """This process's worker rank (the job's; its local ranks share it)."""
+    return _rank(0)
+
+
+def local_ranks():
+    """K, the processes per worker (--local_ranks; $ONEBIT_LOCAL_RANKS)."""
+    k = _env_int("ONEBIT_LOCAL_RANKS", 1)
+    if k < 1:
+        raise OnebitError(f"ONEBIT_LOCAL_RANKS={k}: want K >= 1")
+    return k
+
+
+def local_rank():
+    """This process's place in its worker, in [0, K)."""
+    return _local_rank()
+
+
+def data_rank():
+    """The rank whose data this process trains on: rank() * K + local_rank()
+    among world_size() * K (the job's own models split their data so)."""
+    return rank() * local_ranks() + local_rank()
 
 
 def world_size():
@@ -273,7 +339,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                       metrics_port=_settings["metrics_port"],
                                       metrics_host=_settings["metrics_host"],
                                       metrics_linger_s=_settings["metrics_linger_s"],
-                                      lr_scale=lr_ranges)
+                                      lr_scale=lr_ranges,
+                                      local_rank=_settings.get("local_rank", -1))
         # Joined: from here on, an exit without finish() fails the job (see
         # _exit_check), and this process cannot join again.
         self._ended = False

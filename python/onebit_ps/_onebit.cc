@@ -105,7 +105,7 @@ std::unique_ptr<onebit::Worker> Connect(
     const std::string& secret_file, bool insecure, const std::vector<uint64_t>& layer_ends,
     const std::vector<std::pair<std::string, uint32_t>>& local_state, int metrics_port,
     const std::string& metrics_host, double metrics_linger_s,
-    const std::vector<std::tuple<uint64_t, uint64_t, float>>& lr_scale) {
+    const std::vector<std::tuple<uint64_t, uint64_t, float>>& lr_scale, int local_rank) {
   onebit::WorkerOptions o;
   if (coordinator.empty()) {
     auto env = onebit::WorkerOptionsFromEnvironment(num_params);
@@ -116,6 +116,7 @@ std::unique_ptr<onebit::Worker> Connect(
     o.rank = rank;
     o.num_params = num_params;
   }
+  if (local_rank >= 0) o.local_rank = local_rank;  // below 0: as the environment says
   if (!secret_file.empty()) o.secret_file = secret_file;
   if (insecure) o.insecure = true;
   if (!device.empty()) o.device = device;
@@ -163,6 +164,7 @@ PYBIND11_MODULE(_onebit, m) {
                   py::arg("metrics_port") = -2, py::arg("metrics_host") = "",
                   py::arg("metrics_linger_s") = -1.0,
                   py::arg("lr_scale") = std::vector<std::tuple<uint64_t, uint64_t, float>>{},
+                  py::arg("local_rank") = -1,
                   "Registers with the coordinator ('' : from the environment) and waits for "
                   "the job. secret_file: the job secret ('': $ONEBIT_SECRET_FILE); insecure: "
                   "none; weight_decay, lr_scale: (begin, end, value) ranges of x with their "
@@ -185,6 +187,8 @@ PYBIND11_MODULE(_onebit, m) {
                                d["job_id"] = j.job_id;
                                d["rank"] = j.rank;
                                d["workers"] = j.workers;
+                               d["local_ranks"] = j.local_ranks;
+                               d["local_rank"] = j.local_rank;
                                d["servers"] = j.servers;
                                d["num_params"] = j.num_params;
                                d["steps"] = j.steps;

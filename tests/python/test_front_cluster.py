@@ -51,6 +51,26 @@ def test_four_by_two_cluster_of_torch_workers_ends_with_equal_replicas(tmp_path,
         assert (frozen, server, worker) == ("False", "['m', 'v', 'x']", "[]")
 
 
+def test_local_ranks_of_torch_workers_push_once_and_end_equal(tmp_path):
+    # 2 workers of 2 local ranks: 4 torch processes, each on its own data
+    # (data_rank); a worker's two add their gradients and push once. Every
+    # process's parameters end equal to every other's and to the masters,
+    # and the servers saw 2 pushes per step.
+    r, s = launch(tmp_path, 2, 2, ["--optimizer=onebit-adam", "--freeze_step=5", "--lr=0.01",
+                                   "--local_ranks=2", "--dump_params"], "12")
+    assert r.returncode == 0, r.stderr
+    assert s["replicas_equal"] is True and s["workers"] == 2
+    run = tmp_path / "run"
+    files = ["replica_w0.f32", "replica_w0_local1.f32", "replica_w1.f32", "replica_w1_local1.f32"]
+    dumps = {f: (run / f).read_bytes() for f in files}
+    assert len(dumps["replica_w0.f32"]) == 4 * s["params"]
+    assert len(set(dumps.values())) == 1, "the processes' parameters differ"
+    masters = (run / "master_s0.f32").read_bytes() + (run / "master_s1.f32").read_bytes()
+    assert masters == dumps["replica_w0.f32"]
+    assert "[worker1.1] torch_worker: rank 1.1 final loss" in r.stderr
+    assert learned(r.stderr, s), r.stderr
+
+
 @pytest.mark.parametrize("optimizer", ["adam", "onebit-adam"])
 def test_a_bfloat16_model_trains_on_fp32_masters(tmp_path, optimizer):
     # torch_worker --bf16 checks after every step that each bfloat16

@@ -45,7 +45,7 @@ steps = int(sys.argv[1])
 nan_at = int(sys.argv[sys.argv.index("--nan_at") + 1]) if "--nan_at" in sys.argv else -1
 
 onebit_ps.init()
-torch.manual_seed(100 + onebit_ps.rank())  # each rank its own start: rank 0's wins
+torch.manual_seed(100 + onebit_ps.data_rank())  # each its own start: rank 0's wins
 wider = int(sys.argv[sys.argv.index("--wider_rank") + 1]) if "--wider_rank" in sys.argv else -1
 hidden = 33 if onebit_ps.rank() == wider else 32
 model = torch.nn.Sequential(torch.nn.Linear(20, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 4))
@@ -108,7 +108,7 @@ stop_at = int(sys.argv[sys.argv.index("--stop_server_at") + 1]) if "--stop_serve
 def batch(t):
     # Each step's data from its number alone, so a resumed or rolled-back
     # job sees what it would have.
-    gen = torch.Generator().manual_seed(1000 * onebit_ps.rank() + t)
+    gen = torch.Generator().manual_seed(1000 * onebit_ps.data_rank() + t)
     x = torch.randn(16, 20, generator=gen)
     return x.to(dtype), (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
 
@@ -197,6 +197,13 @@ def _crc(t):
     return zlib.crc32(t.numpy().tobytes())
 
 
+if onebit_ps.local_rank() > 0:  # its worker's local rank 0 holds the state
+    print(f"torch_worker: rank {onebit_ps.rank()}.{onebit_ps.local_rank()} final loss "
+          f"{loss.item():.4f}", file=sys.stderr)
+    if os.environ.get("ONEBIT_DUMP_X"):
+        opt._x.numpy().tofile(os.environ["ONEBIT_DUMP_X"])
+    onebit_ps.finish()
+    sys.exit(0)
 # The optimizer's state, gathered from the servers: the torch view of it is
 # the onebit view's m (after the freeze the replica's momentum) and v.
 sd = opt.state_dict()
