@@ -59,16 +59,18 @@ ABSL_FLAG(bool, dump_params, false,
           "workers and servers write their final x to --out (replica_w<R>.f32, master_s<K>.f32, "
           "and the server error error_s<K>.f32)");
 ABSL_FLAG(std::vector<std::string>, worker_devices, {},
-          "each worker's --device, by rank, comma-separated (cpu, cuda, cuda:N, auto, cuda-twin); "
-          "the last one repeats for the rest; empty: the workers' default (auto)");
-ABSL_FLAG(std::string, worker_cmd, "",
-          "run this program (with its arguments, shell-quoted) as each worker instead of "
-          "onebit-worker; it implies --model external (a built-in --model with it is an error). "
-          "It finds the job in its environment: ONEBIT_COORDINATOR, ONEBIT_RANK, "
-          "ONEBIT_WORLD_SIZE (also RANK, WORLD_SIZE, LOCAL_RANK as torchrun sets them), "
-          "ONEBIT_DEVICE (from --worker_devices) and, with --dump_params, ONEBIT_DUMP_X; "
-          "PYTHONPATH starts with this onebit-launch's own onebit_ps package (<build>/python, "
-          "or <prefix>/lib/python3/dist-packages installed), so `import onebit_ps` works");
+          "each worker process's --device, in order (by rank; with --local_ranks K, worker 0's "
+          "K local ranks first), comma-separated (cpu, cuda, cuda:N, auto, cuda-twin); the last "
+          "one repeats for the rest; empty: the workers' default (auto)");
+ABSL_FLAG(
+    std::string, worker_cmd, "",
+    "run this program (with its arguments, shell-quoted) as each worker instead of "
+    "onebit-worker; it implies --model external (a built-in --model with it is an error). "
+    "It finds the job in its environment: ONEBIT_COORDINATOR, ONEBIT_RANK, ONEBIT_LOCAL_RANK, "
+    "ONEBIT_WORLD_SIZE (also RANK, WORLD_SIZE, LOCAL_RANK as torchrun sets them), "
+    "ONEBIT_DEVICE (from --worker_devices) and, with --dump_params, ONEBIT_DUMP_X; "
+    "PYTHONPATH starts with this onebit-launch's own onebit_ps package (<build>/python, "
+    "or <prefix>/lib/python3/dist-packages installed), so `import onebit_ps` works");
 ABSL_FLAG(bool, overlap, true,
           "onebit-worker pushes each part of the gradient as soon as the backward has finished "
           "it (--overlap of onebit-worker); false: after the whole backward. The same results "
@@ -752,9 +754,12 @@ LaunchPlan PlanFromCommandLine(int argc, char** argv) {
     ExitFlagError("stall_worker", "no such worker");
   }
   const std::vector<std::string>& devices = plan.devices = absl::GetFlag(FLAGS_worker_devices);
-  if (devices.size() > cfg.cluster().workers()) {
-    ExitFlagError("worker_devices", absl::StrCat(devices.size(), " devices for ",
-                                                 cfg.cluster().workers(), " workers"));
+  if (devices.size() > cfg.cluster().workers() * LocalRanks(cfg)) {
+    ExitFlagError(
+        "worker_devices",
+        absl::StrCat(devices.size(), " devices for ", cfg.cluster().workers(), " workers",
+                     LocalRanks(cfg) > 1 ? absl::StrCat(" of ", LocalRanks(cfg), " local ranks")
+                                         : std::string()));
   }
   if (!worker_cmd.empty() && stall_worker >= 0) {
     ExitFlagError("stall_worker", "works with onebit-worker only, not --worker_cmd");

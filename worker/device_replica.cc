@@ -289,6 +289,20 @@ class DeviceReplica final : public Replica {
     return st;
   }
 
+  // Apply may use g as scratch: its stream goes first.
+  absl::Status ReadGrads(float* host) override {
+    absl::Status st = b_.synchronize(reply_);
+    if (st.ok()) st = b_.copy_to_host(host, g_.f(), 4 * d_, push_);
+    if (st.ok()) st = b_.synchronize(push_);
+    return st;
+  }
+  absl::Status WriteGrads(const float* host) override {
+    absl::Status st = b_.synchronize(reply_);
+    if (st.ok()) st = b_.copy_to_device(g_.f(), host, 4 * d_, push_);
+    if (st.ok()) st = b_.synchronize(push_);  // host is pageable memory
+    return st;
+  }
+
   absl::Status WriteX(uint64_t b, size_t n, const float* host, bool start) override {
     if (absl::Status st = CheckRange(b, n); !st.ok()) return st;
     // The master goes to the worker's copy of it, which is x_sync where the

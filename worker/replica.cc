@@ -70,6 +70,14 @@ class CpuReplica final : public Replica {
     std::copy(state_.x.begin(), state_.x.end(), x);
     return absl::OkStatus();
   }
+  absl::Status ReadGrads(float* host) override {
+    std::copy(g_.begin(), g_.end(), host);
+    return absl::OkStatus();
+  }
+  absl::Status WriteGrads(const float* host) override {
+    std::copy(host, host + g_.size(), g_.begin());
+    return absl::OkStatus();
+  }
   absl::Status WriteX(uint64_t b, size_t n, const float* host, bool start) override {
     if (b > state_.x.size() || n > state_.x.size() - b) {
       return absl::OutOfRangeError("WriteX: range outside the parameters");

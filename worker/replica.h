@@ -80,6 +80,10 @@ class Replica {
 
   // Copies x[0, d) to host memory.
   virtual absl::Status ReadX(float* x) = 0;
+  // The gradient g[0, d) to and from host memory: how the local ranks of a
+  // host meet (docs/design.md §1.9).
+  virtual absl::Status ReadGrads(float* host) = 0;
+  virtual absl::Status WriteGrads(const float* host) = 0;
   // The master's parameters [b, b + n) = host[0, n), as a pull delivers
   // them: into x, or where the worker trains a local model apart from the
   // master (zero-one-adam after the freeze, diloco, WorkerState::x_sync)

@@ -115,6 +115,7 @@ struct Worker::Impl {
   std::unique_ptr<LocalLeader> leader;
   std::unique_ptr<LocalFollower> follower;
   bool follower_compressing = false;  // as the leader last said
+  std::vector<float> host_grads;      // a device leader's gradient, in host memory
   absl::Duration register_timeout;
 
   // After a step: the snapshot of a checkpoint step, handed to the writer.
@@ -532,13 +533,6 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
   if (metrics != nullptr) metrics->SetSteps(step);
   local_ranks = std::max<uint32_t>(1, cfg.cluster().local_ranks());
   if (local_ranks > 1) {
-    if (on_device) {
-      return Fail(absl::UnimplementedError(
-          absl::StrCat("--local_ranks ", local_ranks,
-                       ": the ranks of a host add their gradients in host "
-                       "memory; a worker on ",
-                       device, " cannot lead them yet (run them on the CPU)")));
-    }
     // The followers learn the job from the registration, as this worker did.
     auto group = LocalLeader::Start(LocalGroupName(o.coordinator, job.rank), local_ranks,
                                     job.num_params, reg.SerializeAsString(), register_timeout);
@@ -607,11 +601,7 @@ absl::Status Worker::Impl::ConnectFollower(const WorkerOptions& o, const ModelFa
   }
   auto choice = ChooseDevice(o.device);
   if (!choice.ok()) return choice.status();
-  if (choice->kind != DeviceChoice::Kind::kCpu) {
-    return Invalid("device", absl::StrCat("local rank ", o.local_rank, " on ", o.device,
-                                          ": the ranks of a host add their gradients in host "
-                                          "memory; local ranks run on the CPU only for now"));
-  }
+  on_device = choice->kind != DeviceChoice::Kind::kCpu;
   local_rank = static_cast<uint32_t>(o.local_rank);
   // Its leader registers, waits for the whole cluster and then for its
   // local ranks: a follower waits as long again.
@@ -770,10 +760,20 @@ absl::StatusOr<StepStats> Worker::Impl::LeadStep(const StepOptions& options) {
                      ": every rank must set the same")));
                }
              }
-             // The host's gradient: the mean of its ranks', in local-rank order.
-             std::vector<const float*> g = {replica->grads()};
+             // The host's gradient: the mean of its ranks', in local-rank order,
+             // in host memory (a device's gradient goes there and back).
+             float* mine = replica->grads();
+             if (on_device) {
+               host_grads.resize(job.num_params);
+               mine = host_grads.data();
+               if (absl::Status st = replica->ReadGrads(mine); !st.ok()) return Fail(st);
+             }
+             std::vector<const float*> g = {mine};
              for (uint32_t k = 1; k < local_ranks; ++k) g.push_back(leader->gradient(k));
-             MeanInOrder(g.data(), local_ranks, job.num_params, replica->grads());
+             MeanInOrder(g.data(), local_ranks, job.num_params, mine);
+             if (on_device) {
+               if (absl::Status st = replica->WriteGrads(mine); !st.ok()) return Fail(st);
+             }
              // Its loss: the mean of those reported.
              StepOptions host = options;
              const bool own = options.has_loss || !std::isnan(options.loss);
@@ -826,7 +826,11 @@ absl::StatusOr<StepStats> Worker::Impl::FollowStep(const StepOptions& options) {
     failure = bad;
     return bad;
   }
-  std::copy(replica->grads(), replica->grads() + job.num_params, follower->gradient());
+  if (absl::Status st = replica->ReadGrads(follower->gradient()); !st.ok()) {
+    follower->Abort(absl::StrCat("local rank ", local_rank, ": ", st.message()));
+    failure = st;
+    return st;
+  }
   LocalRequest r;
   r.call = LocalCall::kStep;
   r.has_loss = options.has_loss || !std::isnan(options.loss);

@@ -84,7 +84,7 @@ struct WorkerOptions {
   // GradientsReady pushes nothing early (the host's gradient is whole at
   // Step), DeferGradientScale is not available, ReportEvaluation on a
   // local rank >= 1 does nothing and GatherOptimizerState is local rank
-  // 0's. The CPU only, for now.
+  // 0's. On a GPU the gradients meet in host memory (copied there and back).
   int local_rank = 0;
   // d, the length of params() and grads(): the number of parameters of your
   // model. Every worker must declare the same d; a --model external job is

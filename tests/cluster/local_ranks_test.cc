@@ -18,9 +18,11 @@ namespace {
 
 using ::testing::HasSubstr;
 
-std::string Launch(const control::TrainingConfig& cfg, const std::string& name) {
+std::string Launch(const control::TrainingConfig& cfg, const std::string& name,
+                   const std::string& devices = "") {
   const std::string out = TempDir(name);
   std::vector<std::string> argv = {Bin("onebit-launch"), "--out=" + out, "--dump_params"};
+  if (!devices.empty()) argv.push_back("--worker_devices=" + devices);
   for (const std::string& a : ConfigArgs(cfg)) argv.push_back(a);
   RunResult r = RunCommand(argv, absl::Seconds(180));
   EXPECT_EQ(r.code, 0) << absl::StrJoin(argv, " ") << "\n" << r.output;
@@ -45,6 +47,28 @@ control::TrainingConfig Config(const std::string& optimizer, uint32_t workers,
 
 class LocalRanks : public ::testing::TestWithParam<std::string> {};
 
+// Every replica of `out` (each worker's local rank 0's and its local
+// ranks') and every master equal the reference's.
+void ExpectReference(const control::TrainingConfig& cfg, const std::string& out,
+                     const ReferenceResult& ref) {
+  const uint32_t N = cfg.cluster().workers(), K = cfg.cluster().local_ranks();
+  ASSERT_EQ(ref.workers.size(), N);
+  for (uint32_t w = 0; w < N; ++w) {
+    for (uint32_t k = 0; k < K; ++k) {
+      const std::string file = k == 0 ? absl::StrCat(out, "/replica_w", w, ".f32")
+                                      : absl::StrCat(out, "/replica_w", w, "_local", k, ".f32");
+      EXPECT_EQ(FirstDifference(ReadFloats(file), ref.workers[w]), "") << file;
+    }
+  }
+  for (uint32_t s = 0; s < cfg.cluster().servers(); ++s) {
+    EXPECT_EQ(FirstDifference(ReadFloats(absl::StrCat(out, "/master_s", s, ".f32")),
+                              ref.masters[s].x, ref.masters[s].begin),
+              "")
+        << "shard " << s;
+  }
+  EXPECT_EQ(Field(ReadFile(out + "/summary.json"), "replicas_equal"), "true");
+}
+
 // Every process of the job (each worker's local rank 0 and its local
 // ranks) ends with the reference's replica of a job whose worker r's
 // gradient is the mean of those of ranks r * K .. r * K + K - 1, and every
@@ -55,23 +79,8 @@ TEST_P(LocalRanks, EveryProcessEqualsTheReferenceBitForBit) {
   const control::TrainingConfig cfg = Config(GetParam(), N, K);
   const std::string out = Launch(cfg, "local_ranks_" + GetParam());
   const ReferenceResult ref = Reference(cfg);
-  ASSERT_EQ(ref.workers.size(), N);
-  for (uint32_t w = 0; w < N; ++w) {
-    for (uint32_t k = 0; k < K; ++k) {
-      const std::string file = k == 0 ? absl::StrCat(out, "/replica_w", w, ".f32")
-                                      : absl::StrCat(out, "/replica_w", w, "_local", k, ".f32");
-      EXPECT_EQ(FirstDifference(ReadFloats(file), ref.workers[w]), "") << file;
-    }
-  }
-  for (uint32_t s = 0; s < 2; ++s) {
-    EXPECT_EQ(FirstDifference(ReadFloats(absl::StrCat(out, "/master_s", s, ".f32")),
-                              ref.masters[s].x, ref.masters[s].begin),
-              "")
-        << "shard " << s;
-  }
-  const std::string summary = ReadFile(out + "/summary.json");
-  EXPECT_EQ(Field(summary, "replicas_equal"), "true");
-  EXPECT_EQ(Field(summary, "workers"), absl::StrCat(N));
+  ExpectReference(cfg, out, ref);
+  EXPECT_EQ(Field(ReadFile(out + "/summary.json"), "workers"), absl::StrCat(N));
   for (uint32_t flat : {N, N * K}) {
     EXPECT_NE(Reference(Config(GetParam(), flat, 1)).x, ref.x) << flat << " workers";
   }
@@ -83,6 +92,19 @@ INSTANTIATE_TEST_SUITE_P(Optimizers, LocalRanks, ::testing::Values("onebit-adam"
                            for (char& c : n) c = c == '-' ? '_' : c;
                            return n;
                          });
+
+// Local ranks on a device (the GPU worker's code on its CPU twin) meet in
+// host memory: a device leader's gradient goes there for the mean and
+// back, a device follower's is copied there. Devices and the CPU mixed
+// within each worker, and the same bits.
+TEST(LocalRanksDevice, TwinWorkersEqualTheReferenceBitForBit) {
+  const control::TrainingConfig cfg = Config("onebit-adam", 2, 3);
+  // Worker 0: twin leader, CPU and twin followers; worker 1: CPU leader.
+  const std::string out =
+      Launch(cfg, "local_ranks_twin", "cuda-twin,cpu,cuda-twin,cpu,cuda-twin,cuda-twin");
+  ExpectReference(cfg, out, Reference(cfg));
+  EXPECT_EQ(Field(ReadFile(out + "/summary.json"), "worker_devices"), "[\"cuda-twin\", \"cpu\"]");
+}
 
 // A host's NIC carries 1/K of the bytes of K flat workers: N workers of
 // K local ranks push and receive a third of what N * K workers do (the
