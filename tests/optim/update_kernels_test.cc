@@ -147,5 +147,46 @@ TEST(UpdateKernels, FirstNonFiniteFindsTheFirstOnEveryPath) {
   UseUpdatePathForTest(active);
 }
 
+// A host's mean gradient (--local_ranks): ((0 + w g0) + w g1) + ... per
+// element, w = 1/K rounded to float, bit for bit, over lengths that are
+// not a multiple of the block, K = 1..5, the values where rounding or sign
+// differ (−0, subnormals, huge, NaN), and out aliasing g[0].
+TEST(UpdateKernels, MeanInOrderAddsEachRanksShareInOrder) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-3.0f, 3.0f);
+  const std::vector<float> special = {
+      -0.0f,   0.0f, 1e-40f, -1e-40f, 3e38f, -3e38f, std::numeric_limits<float>::quiet_NaN(),
+      1.0f / 3};
+  for (uint32_t k = 1; k <= 5; ++k) {
+    for (size_t n : {size_t{1}, size_t{2047}, size_t{2048}, size_t{5000}}) {
+      std::vector<std::vector<float>> g(k, std::vector<float>(n));
+      for (uint32_t j = 0; j < k; ++j) {
+        for (size_t i = 0; i < n; ++i)
+          g[j][i] = i % 7 == 0 ? special[(i + j) % special.size()] : u(rng);
+      }
+      std::vector<const float*> ptrs;
+      for (const auto& a : g) ptrs.push_back(a.data());
+      const float w = 1.0f / static_cast<float>(k);
+      std::vector<float> want(n);
+      for (size_t i = 0; i < n; ++i) {
+        float acc = 0.0f;
+        for (uint32_t j = 0; j < k; ++j) acc += w * g[j][i];
+        want[i] = acc;
+      }
+      std::vector<float> out(n, 42.0f);
+      MeanInOrder(ptrs.data(), k, n, out.data());
+      EXPECT_EQ(std::memcmp(out.data(), want.data(), 4 * n), 0) << "k " << k << " n " << n;
+      MeanInOrder(ptrs.data(), k, n, g[0].data());  // in place
+      EXPECT_EQ(std::memcmp(g[0].data(), want.data(), 4 * n), 0) << "in place, k " << k;
+    }
+  }
+  // −0 from every rank is +0 (0 + −0), as the servers' sum from +0 has it.
+  const float minus_zero[2] = {-0.0f, -0.0f};
+  const float* both[2] = {&minus_zero[0], &minus_zero[1]};
+  float out = -1;
+  MeanInOrder(both, 2, 1, &out);
+  EXPECT_FALSE(std::signbit(out));
+}
+
 }  // namespace
 }  // namespace onebit

@@ -48,6 +48,31 @@ class Wire(unittest.TestCase):
         w_hier = project.onebit_step(costs(), hier, D, "onebit", "onebit", 0.0, False)[2]["wire"]
         self.assertAlmostEqual(w_flat / w_hier, 8.0, places=9)
 
+    def test_local_rank_0_takes_the_hosts_mean_and_runs_the_whole_rule(self):
+        # What --local_ranks builds: the slices form's bytes (one push per
+        # host), but local rank 0 adds K gradients an element and runs the
+        # worker rule on all of d; on a GPU each gradient crosses PCIe to
+        # the host and the mean crosses back.
+        args = dict(k=8, local_ranks=True, cores_per_host=16, rate=GBIT)
+        slices = project.Layout(64, 8, True, **args)
+        leader = project.Layout(64, 8, True, leader=True, **args)
+        p_s = project.onebit_step(costs(worker=2.0), slices, D, "onebit", "onebit", 0.0, False)[2]
+        p_l = project.onebit_step(costs(worker=2.0), leader, D, "onebit", "onebit", 0.0, False)[2]
+        self.assertAlmostEqual(p_l["wire"], p_s["wire"], places=12)
+        # The rule, the mean (8 adds), and three copies on the way: a
+        # follower's gradient in, x out, a follower's x back.
+        self.assertAlmostEqual(p_l["worker"], (2.0 + (8 + 3) * 0.27) * 1e-9 * D, places=12)
+        # A host's 16 cores carry that, the 6 other followers' two copies
+        # each, and its server's sums.
+        server = (8 * 1.0 + 3.0) * 1e-9 * D / 8
+        self.assertAlmostEqual(p_l["cores"], (p_l["worker"] + 12 * 0.27e-9 * D + server) / 16,
+                               places=12)
+        gpu = project.Layout(64, 8, True, leader=True, gpu=project.V100, **args)
+        p_g = project.onebit_step(costs(), gpu, D, "onebit", "onebit", 0.0, False)[2]
+        want = (9 * 4 * D / 900e9 + 2 * (1 / 8 + 4 / 2048) * D / 12e9  # the rule on the GPU
+                + 8 * 0.27e-9 * D + 4 * 4 * D / 12e9)  # the mean, and four PCIe crossings
+        self.assertAlmostEqual(p_g["worker"], want, places=12)
+
     def test_a_ring_allreduce_sends_2_n_minus_1_over_n_of_the_gradient(self):
         lay = project.Layout(4, 4, True, cores_per_host=16, rate=GBIT)
         t, limit, parts = project.ring_step(costs(), lay, D, "fp32", 0.0)

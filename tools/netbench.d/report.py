@@ -185,8 +185,15 @@ put(f"Made by `{cfg['command']}` on {cfg['date']} (commit {cfg['commit']}).")
 put("")
 layout = (f"{workers} hosts each running a worker and a server (--colocate)"
           if cfg.get("colocate") == "1" else f"{cfg['servers']} servers and {workers} workers")
+local_ranks = int(cfg.get("local_ranks", "1"))
+if local_ranks > 1:
+    layout += (f", {local_ranks} processes on every worker host: "
+               + (f"{workers * local_ranks} onebit-ps workers, each pushing its own (--flat)"
+                  if cfg.get("flat") == "1" else
+                  f"each onebit-ps worker {local_ranks} local ranks that push once (--local_ranks)")
+               + f"; {workers * local_ranks} DDP ranks")
 put(f"- **Machine:** {cfg['nproc']} CPU cores ({cfg['cpu']}), Linux {cfg['kernel']}. Every process "
-    f"(the coordinator, {layout}, or {workers} DDP ranks) runs "
+    f"(the coordinator, {layout}, or {workers * local_ranks} DDP ranks) runs "
     f"on these same {cfg['nproc']} cores, each in its own network namespace, under nice {cfg['nice']}: "
     "the hosts are emulated, the CPUs are shared. Load average (1, 5, 15 min) at the start "
     f"{cfg.get('load_start', '?')}, at the end {cfg.get('load_end', '?')}: anything else running "
@@ -302,10 +309,11 @@ for model in models:
     fb = median([x for x in fb if x is not None])
     if fb is not None and model == "mlp":
         cores = int(cfg["nproc"])
-        floor = fb * workers / cores if workers > cores else fb
+        procs = workers * local_ranks
+        floor = fb * procs / cores if procs > cores else fb
         put("")
         put(f"The compression step's floor on this machine: a worker's forward + backward alone takes "
-            f"{ms(fb)} (onebit-worker's median, under the same load), and {workers} workers share "
+            f"{ms(fb)} (onebit-worker's median, under the same load), and {procs} processes share "
             f"{cores} cores, so a step cannot be shorter than about {ms(floor)} before any "
             "encoding, server or network work.")
     put("")
