@@ -186,11 +186,9 @@ std::string LocalGroupName(absl::string_view coordinator, uint32_t rank) {
   return absl::StrCat("onebit-ps/", c, "/worker", rank);
 }
 
-absl::StatusOr<std::unique_ptr<LocalLeader>> LocalLeader::Start(absl::string_view name,
-                                                                uint32_t local_ranks,
-                                                                uint64_t num_params,
-                                                                absl::string_view hello,
-                                                                absl::Duration timeout) {
+absl::StatusOr<std::unique_ptr<LocalLeader>> LocalLeader::Start(
+    absl::string_view name, uint32_t local_ranks, uint64_t num_params, absl::string_view hello,
+    uint64_t steps_done, absl::Duration timeout) {
   if (local_ranks < 2) return absl::InvalidArgumentError("a local group needs K >= 2 ranks");
   std::unique_ptr<LocalLeader> g(new LocalLeader());
   g->local_ranks_ = local_ranks;
@@ -275,6 +273,7 @@ absl::StatusOr<std::unique_ptr<LocalLeader>> LocalLeader::Start(absl::string_vie
     }
     reply.kind = kWelcome;
     reply.local_rank = w.local_rank;
+    reply.step = steps_done;
     reply.num_params = num_params;
     reply.u[0] = local_ranks;
     reply.u[1] = hello.size();
@@ -446,6 +445,7 @@ absl::StatusOr<std::unique_ptr<LocalFollower>> LocalFollower::Connect(absl::stri
   }
   f->map_ = map;
   f->hello_.assign(static_cast<const char*>(map), w.u[1]);
+  f->steps_at_join_ = w.step;
   return f;
 }
 

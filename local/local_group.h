@@ -79,12 +79,12 @@ class LocalLeader {
   // Listens on `name`, takes the hellos of the K - 1 followers within
   // `timeout` (each names a local rank in [1, K), each once, and d as
   // `num_params` or 0), and hands each the shared memory: `hello` (what a
-  // follower learns of the job), x and its gradient slot. K >= 2.
-  static absl::StatusOr<std::unique_ptr<LocalLeader>> Start(absl::string_view name,
-                                                            uint32_t local_ranks,
-                                                            uint64_t num_params,
-                                                            absl::string_view hello,
-                                                            absl::Duration timeout);
+  // follower learns of the job), x and its gradient slot; and
+  // `steps_done`, where the job stands (a resumed job's checkpoint step).
+  // K >= 2.
+  static absl::StatusOr<std::unique_ptr<LocalLeader>> Start(
+      absl::string_view name, uint32_t local_ranks, uint64_t num_params, absl::string_view hello,
+      uint64_t steps_done, absl::Duration timeout);
   // Closes the socket: a follower's wait then ends with an error.
   ~LocalLeader();
   LocalLeader(const LocalLeader&) = delete;
@@ -134,8 +134,10 @@ class LocalFollower {
   uint32_t local_rank() const { return local_rank_; }
   uint32_t local_ranks() const { return local_ranks_; }
   uint64_t num_params() const { return num_params_; }
-  // What the leader said of the job (LocalLeader::Start's `hello`).
+  // What the leader said of the job (LocalLeader::Start's `hello` and
+  // `steps_done`).
   const std::string& hello() const { return hello_; }
+  uint64_t steps_done_at_join() const { return steps_at_join_; }
   // Its gradient slot: write it before a kStep call.
   float* gradient();
   // x as of the last answer.
@@ -159,6 +161,7 @@ class LocalFollower {
   size_t x_offset_ = 0;
   size_t slot_offset_ = 0;
   std::string hello_;
+  uint64_t steps_at_join_ = 0;
   std::string name_;
 };
 

@@ -534,8 +534,9 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
   local_ranks = std::max<uint32_t>(1, cfg.cluster().local_ranks());
   if (local_ranks > 1) {
     // The followers learn the job from the registration, as this worker did.
-    auto group = LocalLeader::Start(LocalGroupName(o.coordinator, job.rank), local_ranks,
-                                    job.num_params, reg.SerializeAsString(), register_timeout);
+    auto group =
+        LocalLeader::Start(LocalGroupName(o.coordinator, job.rank), local_ranks, job.num_params,
+                           reg.SerializeAsString(), step, register_timeout);
     if (!group.ok()) {
       return Fail(absl::Status(
           group.status().code(),
@@ -627,6 +628,7 @@ absl::Status Worker::Impl::ConnectFollower(const WorkerOptions& o, const ModelFa
   job.num_params = map->num_params();
   this->map = *map;
   register_timeout = o.register_timeout;
+  step = follower->steps_done_at_join();  // a resumed job's checkpoint step
   if (absl::Status st = MakeModelAndOptimizer(reg, *choice, make_model); !st.ok()) return st;
   return MakeReplica(*choice, o.device);
 }

@@ -151,5 +151,35 @@ TEST(LocalRanksFaults, AKilledLocalRankFailsTheJobNamingIt) {
   EXPECT_THAT(ReadFile(out + "/summary.json"), HasSubstr(named));
 }
 
+// With a checkpoint folder and a restart to spend, a killed local rank
+// fails its worker, the launcher starts the whole job again, the followers
+// learn the checkpoint's step from their leader, and the job ends where
+// the uninterrupted one does, every process's replica included.
+TEST(LocalRanksFaults, AKilledLocalRankRestartsTheJobWhichResumesBitForBit) {
+  const std::string dir = TempDir("local_rank_resumed");
+  const std::string out = dir + "/run";
+  control::TrainingConfig cfg = Config("onebit-adam", 2, 2);
+  SetSetting(&cfg, "steps", "20000");
+  SetSetting(&cfg, "lr", "0.0001");
+  std::vector<std::string> argv = {Bin("onebit-launch"),     "--out=" + out,
+                                   "--dump_params",          "--checkpoint_dir=" + dir + "/ckpt",
+                                   "--checkpoint_every=500", "--max_restarts=1"};
+  for (const std::string& a : ConfigArgs(cfg)) argv.push_back(a);
+  Subprocess launch = Start(argv, dir + "/launch.log");
+  ASSERT_TRUE(WaitForText(dir + "/launch.log", "steps/s", absl::Seconds(30)))
+      << ReadFile(dir + "/launch.log");
+  const std::vector<int> victim = ProcessesMentioning("--dump_x=" + out + "/replica_w1_local1.f32");
+  ASSERT_EQ(victim.size(), 1u);
+  kill(victim[0], SIGKILL);
+  const std::optional<int> code = launch.Wait(absl::Seconds(240));
+  ASSERT_TRUE(code.has_value()) << ReadFile(dir + "/launch.log");
+  const std::string log = ReadFile(dir + "/launch.log");
+  EXPECT_EQ(*code, 0) << log;
+  EXPECT_THAT(log, HasSubstr("restart 1 of 1: starting the whole job again"));
+  // From a checkpoint (one every 500 steps; the kill came after 1 s of steps).
+  EXPECT_GT(NumberField(ReadFile(out + "/summary.json"), "resumed_from_step"), 0);
+  ExpectReference(cfg, out, Reference(cfg));
+}
+
 }  // namespace
 }  // namespace onebit::testing

@@ -36,7 +36,7 @@ Group Join(const std::string& name, uint32_t k, uint64_t d, const std::string& h
     }));
   }
   Group g;
-  auto leader = LocalLeader::Start(name, k, d, hello, absl::Seconds(10));
+  auto leader = LocalLeader::Start(name, k, d, hello, 17, absl::Seconds(10));
   EXPECT_TRUE(leader.ok()) << leader.status();
   if (leader.ok()) g.leader = std::move(*leader);
   for (auto& j : joining) {
@@ -55,6 +55,7 @@ TEST(LocalGroup, GradientsGoToTheLeaderAndParametersComeBack) {
     EXPECT_EQ(f->local_ranks(), 3u);
     EXPECT_EQ(f->num_params(), d);
     EXPECT_EQ(f->hello(), std::string(10000, 'h'));
+    EXPECT_EQ(f->steps_done_at_join(), 17u);
   }
   std::vector<std::future<absl::StatusOr<LocalAnswer>>> calls;
   for (auto& f : g.followers) {
@@ -153,7 +154,7 @@ TEST(LocalGroup, JoiningErrorsNameTheProblem) {
   const std::string name = Name("range");
   auto bad = std::async(std::launch::async,
                         [&] { return LocalFollower::Connect(name, 5, 0, absl::Seconds(10)); });
-  auto leader = LocalLeader::Start(name, 3, 64, "", absl::Seconds(10));
+  auto leader = LocalLeader::Start(name, 3, 64, "", 0, absl::Seconds(10));
   EXPECT_THAT(leader.status().message(), HasSubstr("local rank 5 is not in [1, 3)"));
   EXPECT_THAT(bad.get().status().message(),
               HasSubstr("local rank 0 refused local rank 5: local rank 5 is not in [1, 3)"));
@@ -161,14 +162,14 @@ TEST(LocalGroup, JoiningErrorsNameTheProblem) {
   const std::string named = Name("d");
   auto other = std::async(std::launch::async,
                           [&] { return LocalFollower::Connect(named, 1, 65, absl::Seconds(10)); });
-  auto l2 = LocalLeader::Start(named, 2, 64, "", absl::Seconds(10));
+  auto l2 = LocalLeader::Start(named, 2, 64, "", 0, absl::Seconds(10));
   EXPECT_THAT(l2.status().message(), HasSubstr("local rank 1 declared d = 65"));
   EXPECT_FALSE(other.get().ok());
   // Missing ranks are listed when the time is up.
   const std::string namem = Name("missing");
   auto one = std::async(std::launch::async,
                         [&] { return LocalFollower::Connect(namem, 2, 0, absl::Seconds(10)); });
-  auto l3 = LocalLeader::Start(namem, 4, 64, "", absl::Milliseconds(500));
+  auto l3 = LocalLeader::Start(namem, 4, 64, "", 0, absl::Milliseconds(500));
   EXPECT_THAT(l3.status().message(), HasSubstr("local ranks 1, 3 of this host did not join"));
   // Rank 2 had joined: its first call finds the leader gone.
   auto joined = one.get();
@@ -181,16 +182,16 @@ TEST(LocalGroup, TwoLeadersOfOneWorkerCannotListen) {
   const std::string name = Name("twice");
   auto f = std::async(std::launch::async,
                       [&] { return LocalFollower::Connect(name, 1, 0, absl::Seconds(10)); });
-  auto first = LocalLeader::Start(name, 2, 8, "", absl::Seconds(10));
+  auto first = LocalLeader::Start(name, 2, 8, "", 0, absl::Seconds(10));
   ASSERT_TRUE(first.ok()) << first.status();
   ASSERT_TRUE(f.get().ok());
   // The first closed its listening socket once its group was complete;
   // hold the name with a second group still forming.
   const std::string busy = Name("busy");
-  auto forming = std::async(std::launch::async,
-                            [&] { return LocalLeader::Start(busy, 2, 8, "", absl::Seconds(2)); });
+  auto forming = std::async(
+      std::launch::async, [&] { return LocalLeader::Start(busy, 2, 8, "", 0, absl::Seconds(2)); });
   absl::SleepFor(absl::Milliseconds(300));
-  auto second = LocalLeader::Start(busy, 2, 8, "", absl::Seconds(1));
+  auto second = LocalLeader::Start(busy, 2, 8, "", 0, absl::Seconds(1));
   EXPECT_THAT(second.status().message(),
               HasSubstr("another local rank 0 of this worker runs on this host"));
   EXPECT_FALSE(forming.get().ok());
