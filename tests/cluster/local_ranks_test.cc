@@ -121,23 +121,32 @@ TEST(LocalRanksBytes, AWorkerPushesOnceForItsLocalRanks) {
   }
 }
 
+// Launches `cfg` into dir/run with `flags` (logging to dir/launch.log) and,
+// once it trains, kill -9s worker 1's local rank 1; returns the launcher.
+Subprocess LaunchAndKillALocalRank(const control::TrainingConfig& cfg, const std::string& dir,
+                                   std::vector<std::string> flags) {
+  const std::string out = dir + "/run";
+  std::vector<std::string> argv = {Bin("onebit-launch"), "--out=" + out, "--dump_params"};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  for (const std::string& a : ConfigArgs(cfg)) argv.push_back(a);
+  Subprocess launch = Start(argv, dir + "/launch.log");
+  EXPECT_TRUE(WaitForText(dir + "/launch.log", "steps/s", absl::Seconds(30)))
+      << ReadFile(dir + "/launch.log");
+  const std::vector<int> victim = ProcessesMentioning("--dump_x=" + out + "/replica_w1_local1.f32");
+  EXPECT_EQ(victim.size(), 1u);
+  if (victim.size() == 1) kill(victim[0], SIGKILL);
+  return launch;
+}
+
 // kill -9 of a local rank: its worker's wait for it ends at once (its
 // socket closes), and the job fails naming it.
 TEST(LocalRanksFaults, AKilledLocalRankFailsTheJobNamingIt) {
   const std::string dir = TempDir("local_rank_killed");
   const std::string out = dir + "/run";
-  std::vector<std::string> argv = {Bin("onebit-launch"), "--out=" + out, "--dump_params",
-                                   "--step_timeout=60s"};
   control::TrainingConfig cfg = Config("adam", 2, 2);
   SetSetting(&cfg, "steps", "100000000");
-  for (const std::string& a : ConfigArgs(cfg)) argv.push_back(a);
-  Subprocess launch = Start(argv, dir + "/launch.log");
-  ASSERT_TRUE(WaitForText(dir + "/launch.log", "steps/s", absl::Seconds(30)))
-      << ReadFile(dir + "/launch.log");
-  const std::vector<int> victim = ProcessesMentioning("--dump_x=" + out + "/replica_w1_local1.f32");
-  ASSERT_EQ(victim.size(), 1u);
+  Subprocess launch = LaunchAndKillALocalRank(cfg, dir, {"--step_timeout=60s"});
   const absl::Time killed = absl::Now();
-  kill(victim[0], SIGKILL);
   const std::optional<int> code = launch.Wait(absl::Seconds(60));
   ASSERT_TRUE(code.has_value()) << ReadFile(dir + "/launch.log");
   EXPECT_NE(*code, 0);
@@ -161,16 +170,9 @@ TEST(LocalRanksFaults, AKilledLocalRankRestartsTheJobWhichResumesBitForBit) {
   control::TrainingConfig cfg = Config("onebit-adam", 2, 2);
   SetSetting(&cfg, "steps", "20000");
   SetSetting(&cfg, "lr", "0.0001");
-  std::vector<std::string> argv = {Bin("onebit-launch"),     "--out=" + out,
-                                   "--dump_params",          "--checkpoint_dir=" + dir + "/ckpt",
-                                   "--checkpoint_every=500", "--max_restarts=1"};
-  for (const std::string& a : ConfigArgs(cfg)) argv.push_back(a);
-  Subprocess launch = Start(argv, dir + "/launch.log");
-  ASSERT_TRUE(WaitForText(dir + "/launch.log", "steps/s", absl::Seconds(30)))
-      << ReadFile(dir + "/launch.log");
-  const std::vector<int> victim = ProcessesMentioning("--dump_x=" + out + "/replica_w1_local1.f32");
-  ASSERT_EQ(victim.size(), 1u);
-  kill(victim[0], SIGKILL);
+  Subprocess launch = LaunchAndKillALocalRank(
+      cfg, dir,
+      {"--checkpoint_dir=" + dir + "/ckpt", "--checkpoint_every=500", "--max_restarts=1"});
   const std::optional<int> code = launch.Wait(absl::Seconds(240));
   ASSERT_TRUE(code.has_value()) << ReadFile(dir + "/launch.log");
   const std::string log = ReadFile(dir + "/launch.log");
