@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstddef>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 
@@ -246,6 +247,19 @@ absl::StatusOr<std::unique_ptr<LocalLeader>> LocalLeader::Start(
     }
     int c = accept4(g->listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
     if (c < 0) continue;
+    // An abstract socket has no file permissions: anyone in this network
+    // namespace can connect. Only this user's processes may join.
+    ucred peer{};
+    socklen_t peer_len = sizeof(peer);
+    if (getsockopt(c, SOL_SOCKET, SO_PEERCRED, &peer, &peer_len) != 0 || peer.uid != getuid()) {
+      std::fprintf(stderr,
+                   "local group '@%s': refused a connection from uid %u (pid %d): only uid %u's "
+                   "processes join\n",
+                   g->name_.c_str(), static_cast<unsigned>(peer.uid), static_cast<int>(peer.pid),
+                   static_cast<unsigned>(getuid()));
+      close(c);
+      continue;
+    }
     Wire w;
     auto got = RecvWire(c, deadline, &w);
     if (!got.ok() || *got != Got::kMessage || w.kind != kHello) {

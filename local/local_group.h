@@ -9,7 +9,9 @@
 // belongs to a network namespace as a host does, and its end of file tells
 // either side at once that the other is gone. The socket carries one small
 // message per call; the arrays (x, and one gradient slot per follower) live
-// in a memfd the leader makes and every rank maps.
+// in a memfd the leader makes and every rank maps. Only processes of the
+// leader's user may join (SO_PEERCRED): an abstract socket has no file
+// permissions of its own.
 //
 // Neither class is thread-safe: one thread at a time, as the Worker's calls.
 // Every wait is bounded by the timeout given, and ends with an error naming

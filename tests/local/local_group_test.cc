@@ -2,12 +2,14 @@
 // threads of this process, over the real socket and shared memory.
 #include "local/local_group.h"
 
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <future>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -195,6 +197,26 @@ TEST(LocalGroup, TwoLeadersOfOneWorkerCannotListen) {
   EXPECT_THAT(second.status().message(),
               HasSubstr("another local rank 0 of this worker runs on this host"));
   EXPECT_FALSE(forming.get().ok());
+}
+
+// The abstract socket has no permissions of its own: a process of another
+// user is turned away before its hello, and the group waits on for its
+// own ranks.
+TEST(LocalGroup, AnotherUsersProcessCannotJoin) {
+  if (getuid() != 0) GTEST_SKIP() << "needs root to start a process as another user";
+  const std::string name = Name("other_user");
+  const pid_t child = fork();
+  if (child == 0) {
+    if (setuid(65534) != 0) _exit(3);  // nobody
+    auto f = LocalFollower::Connect(name, 1, 0, absl::Seconds(10));
+    _exit(!f.ok() && absl::StrContains(f.status().message(), "closed the connection") ? 0 : 1);
+  }
+  ASSERT_GT(child, 0);
+  auto leader = LocalLeader::Start(name, 2, 8, "", 0, absl::Seconds(2));
+  EXPECT_THAT(leader.status().message(), HasSubstr("local rank 1 of this host did not join"));
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status;
 }
 
 }  // namespace
