@@ -158,18 +158,22 @@ def test_workers_on_the_gpu_code_path_train_bitwise_as_on_the_cpu(tmp_path):
     assert runs["cpu"] == runs["cuda-twin,cpu,cuda-twin"]
 
 
-def test_workers_with_torchruns_environment_join_a_coordinator_given_once(tmp_path):
+@pytest.mark.parametrize("local_ranks", [1, 2])
+def test_workers_with_torchruns_environment_join_a_coordinator_given_once(tmp_path, local_ranks):
     """Without onebit-launch: a coordinator and a server started by hand, and
-    two workers with the environment torchrun gives its processes (RANK,
-    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); ONEBIT_COORDINATOR is
-    the one thing the user adds. (Debian 12's torchrun itself, torch 1.13 on
-    Python 3.11, fails before it starts a process, so the test sets what it
-    would.)"""
+    two processes with the environment torchrun gives them (RANK,
+    WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT);
+    ONEBIT_COORDINATOR is the one thing the user adds: two workers, or with
+    ONEBIT_LOCAL_RANKS=2 one worker of two local ranks (--local_ranks 2).
+    (Debian 12's torchrun itself, torch 1.13 on Python 3.11, fails before it
+    starts a process, so the test sets what it would.)"""
+    workers = 2 // local_ranks
     port_file = tmp_path / "port"
     out = tmp_path / "run"
     logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("coordinator", "server")}
     coordinator = subprocess.Popen(
-        [os.path.join(BIN, "onebit-coordinator"), "--workers=2", "--servers=1",
+        [os.path.join(BIN, "onebit-coordinator"), f"--workers={workers}",
+         f"--local_ranks={local_ranks}", "--servers=1",
          "--model=external", "--optimizer=onebit-adam", "--freeze_step=5", "--insecure",
          "--bind_host=127.0.0.1", "--port=0", f"--port_file={port_file}", f"--out={out}",
          "--register_timeout=60s"],
@@ -188,17 +192,21 @@ def test_workers_with_torchruns_environment_join_a_coordinator_given_once(tmp_pa
             stdout=logs["server"], stderr=subprocess.STDOUT))
         base = {k: v for k, v in os.environ.items() if not k.startswith("ONEBIT_")}
         base.update(ONEBIT_COORDINATOR=target, ONEBIT_INSECURE="1", WORLD_SIZE="2",
-                    MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
+                    LOCAL_WORLD_SIZE=str(local_ranks), MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT="29500",
                     PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(BIN, "python"),
                                                              os.environ.get("PYTHONPATH")])))
-        workers = [subprocess.Popen(
+        if local_ranks > 1:
+            base.update(ONEBIT_LOCAL_RANKS=str(local_ranks))
+        processes = [subprocess.Popen(
             ["/usr/bin/python3", os.path.join(HERE, "torch_worker.py"), "30"],
-            env=dict(base, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True) for r in range(2)]
-        procs += workers
-        for w in workers:
-            output = w.communicate(timeout=240)[0]
-            assert w.returncode == 0, output[-3000:]
+            env=dict(base, RANK=str(r), LOCAL_RANK=str(r % local_ranks)),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+        procs += processes
+        outputs = []
+        for w in processes:
+            outputs.append(w.communicate(timeout=240)[0])
+            assert w.returncode == 0, outputs[-1][-3000:]
         assert coordinator.wait(timeout=60) == 0, (tmp_path / "coordinator.log").read_text()
         assert procs[0].wait(timeout=60) == 0, (tmp_path / "server.log").read_text()
     finally:
@@ -208,11 +216,14 @@ def test_workers_with_torchruns_environment_join_a_coordinator_given_once(tmp_pa
                 p.wait()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "ok"
-    assert summary["workers"] == 2 and summary["steps"] == 30
+    assert summary["workers"] == workers and summary["steps"] == 30
     assert summary["replicas_equal"] and summary["workers_agree"]
     assert summary["freeze_step"] == 5
     log = (tmp_path / "coordinator.log").read_text()
-    assert "worker 0 registered" in log and "worker 1 registered" in log, log
+    assert "worker 0 registered" in log, log
+    assert ("worker 1 registered" in log) == (workers == 2), log
+    if local_ranks > 1:  # RANK 1 is worker 0's local rank 1 (RANK // 2, LOCAL_RANK)
+        assert "torch_worker: rank 0.1 final loss" in outputs[1], outputs[1][-3000:]
 
 
 def test_workers_serve_their_metrics_on_the_port_the_launcher_gives_them(tmp_path):
