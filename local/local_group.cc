@@ -57,6 +57,7 @@ constexpr uint32_t kRolledBack = 8;
 constexpr uint32_t kCompressing = 16;
 constexpr uint32_t kVoteYes = 32;
 constexpr uint32_t kCompressed = 64;
+constexpr uint32_t kFailed = 128;
 
 void SetText(Wire* w, absl::string_view text) {
   w->text_len = static_cast<uint32_t>(std::min(text.size(), kMaxText));
@@ -371,7 +372,7 @@ absl::Status LocalLeader::Answer(const LocalAnswer& a) {
   w.code = a.code;
   SetText(&w, a.message);
   w.flags = (a.rolled_back ? kRolledBack : 0) | (a.compressing ? kCompressing : 0) |
-            (a.vote ? kVoteYes : 0) | (a.compressed ? kCompressed : 0);
+            (a.vote ? kVoteYes : 0) | (a.compressed ? kCompressed : 0) | (a.failed ? kFailed : 0);
   w.u[0] = a.steps_done;
   w.u[1] = a.step;
   w.u[2] = a.bytes_up;
@@ -507,6 +508,7 @@ absl::StatusOr<LocalAnswer> LocalFollower::Call(LocalRequest r, absl::Duration t
   a.compressing = (w.flags & kCompressing) != 0;
   a.vote = (w.flags & kVoteYes) != 0;
   a.compressed = (w.flags & kCompressed) != 0;
+  a.failed = (w.flags & kFailed) != 0;
   a.steps_done = w.u[0];
   a.step = w.u[1];
   a.bytes_up = w.u[2];

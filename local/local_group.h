@@ -60,6 +60,7 @@ struct LocalAnswer {
   int32_t code = 0;  // absl::StatusCode; 0: OK
   std::string message;
   bool rolled_back = false;  // the status was IsRolledBack
+  bool failed = false;       // the leader's worker has failed: the job is over
   bool compressing = false;
   bool vote = false;  // kVote: the group's (and the job's) answer
   uint64_t steps_done = 0;

@@ -767,10 +767,11 @@ void PsServer::SendReply(Chunk& c, StepKind kind, bool last_warmup, uint64_t pus
 // Every chunk of the shard is done: the step is over.
 void PsServer::EndStep() {
   const bool last_warmup = LastWarmup().value_or(false);
+  const double step_s = step_started_ ? absl::ToDoubleSeconds(absl::Now() - *step_started_) : 0;
   if (metrics_ != nullptr) {
-    const double step_s = step_started_ ? absl::ToDoubleSeconds(absl::Now() - *step_started_) : 0;
     metrics_->StepServed(state_.step + 1, state_.frozen, apply_ns_ * 1e-9, step_s);
   }
+  step_parts_.Add(state_.frozen, {apply_ns_ * 1e-9, step_s});
   apply_ns_ = 0;
   pending_pushes_ = 0;
   ++state_.step;

@@ -24,6 +24,7 @@
 #include "net/data_plane.h"
 #include "optim/optimizer.h"
 #include "server/server_metrics.h"
+#include "util/phase_medians.h"
 #include "util/refusal_log.h"
 #include "zmq.hpp"
 
@@ -71,6 +72,10 @@ class PsServer {
                      const std::function<void()>& on_finished);
 
   const ServerShardState& state() const { return state_; }
+  // The medians of its steps by phase (ms): the arithmetic (decoding,
+  // summing, the update, encoding the reply) and the whole step, from its
+  // first push to its last reply. Call from the thread that runs Serve.
+  std::string StepSummary() const { return step_parts_.Summary(); }
   // Whether state() is also the state after `step` steps: `step` is its
   // step, or one of the local steps (zero-one-adam's) it has skipped since
   // the last step it served, which leave the shard as it was.
@@ -205,6 +210,7 @@ class PsServer {
   ServerMetrics* const metrics_;  // null: none
   uint64_t pending_pushes_ = 0;   // taken this step, their chunk not applied yet
   uint64_t apply_ns_ = 0;         // the current step's update time so far
+  PhaseMedians step_parts_{{"arithmetic", "step"}};  // StepSummary
 };
 
 }  // namespace onebit

@@ -345,6 +345,9 @@ absl::Status Ended(const ServerOptions& o, JobMember& member, const PsServer& ps
   if (hb.command() == control::SHUTDOWN && ps.finished()) {
     std::fprintf(stderr, "server %u: done after %llu steps\n", member.rank(),
                  static_cast<unsigned long long>(ps.state().step));
+    if (const std::string parts = ps.StepSummary(); !parts.empty()) {
+      std::fprintf(stderr, "server %u: per step (median ms): %s\n", member.rank(), parts.c_str());
+    }
     return absl::OkStatus();
   }
   return absl::AbortedError(absl::StrCat("server ", member.rank(), ": job aborted: ",

@@ -30,6 +30,7 @@
 #include "optim/update_kernels.h"
 #include "util/checksum.h"
 #include "util/memory.h"
+#include "util/phase_medians.h"
 #include "util/stop_signal.h"
 #include "worker/device.h"
 #include "worker/ps_client.h"
@@ -116,6 +117,8 @@ struct Worker::Impl {
   std::unique_ptr<LocalFollower> follower;
   bool follower_compressing = false;  // as the leader last said
   std::vector<float> host_grads;      // a device leader's gradient, in host memory
+  // Where its steps' time went, by phase (WorkerAccess::StepParts).
+  PhaseMedians step_parts{{"gradient", "encode and send", "wait", "apply"}};
   absl::Duration register_timeout;
 
   // After a step: the snapshot of a checkpoint step, handed to the writer.
@@ -703,6 +706,7 @@ absl::Status Worker::Impl::Lead(LocalCall call, absl::Duration wait, const LeadF
   answer.code = static_cast<int32_t>(st.code());
   answer.message = std::string(st.message());
   answer.rolled_back = IsRolledBack(st);
+  answer.failed = !failure.ok();
   answer.steps_done = step;
   answer.compressing = replica->phase() == Phase::kCompress;
   if (absl::Status sent = leader->Answer(answer); !sent.ok() && st.ok()) st = Fail(sent);
@@ -737,10 +741,12 @@ absl::StatusOr<LocalAnswer> Worker::Impl::Follow(LocalRequest request) {
     rolled.SetPayload(kRolledBackMark, absl::Cord("1"));
     return rolled;
   }
+  // A stop or a failure ends this rank too; a refused call (e.g. Finish
+  // before the last step) does not.
   if (absl::IsCancelled(outcome)) {
     stopped = outcome;
     finished = true;
-  } else {
+  } else if (a->failed) {
     failure = outcome;
   }
   return outcome;
@@ -1088,23 +1094,25 @@ absl::StatusOr<StepStats> Worker::Impl::OwnStep(const StepOptions& options) {
   w.last = m;
   ++w.step;
   w.member->heartbeat().SetStep(w.step);
-  if (w.metrics != nullptr) {
-    WorkerStepSample sample;
-    sample.steps_done = w.step;
-    sample.compressed = s.compressed;
-    sample.local = w.client->last_local();
-    sample.bytes_up = s.bytes_up;
-    sample.bytes_down = s.bytes_down;
-    sample.step_s = s.step_s;
-    sample.gradient_s = std::max(0.0, (entered_ns - w.idle_since_ns) * 1e-9 - sent_before_s);
-    sample.push_s = w.client->last_send_s();
-    sample.wait_s = w.client->last_wait_s();
-    sample.apply_s = w.client->last_apply_s();
-    sample.chunks = s.chunks;
-    sample.chunks_overlapped = s.chunks_overlapped;
-    sample.has_loss = options.has_loss || !std::isnan(options.loss);
-    sample.loss = options.loss;
-    w.metrics->StepDone(sample);
+  WorkerStepSample sample;
+  sample.steps_done = w.step;
+  sample.compressed = s.compressed;
+  sample.local = w.client->last_local();
+  sample.bytes_up = s.bytes_up;
+  sample.bytes_down = s.bytes_down;
+  sample.step_s = s.step_s;
+  sample.gradient_s = std::max(0.0, (entered_ns - w.idle_since_ns) * 1e-9 - sent_before_s);
+  sample.push_s = w.client->last_send_s();
+  sample.wait_s = w.client->last_wait_s();
+  sample.apply_s = w.client->last_apply_s();
+  sample.chunks = s.chunks;
+  sample.chunks_overlapped = s.chunks_overlapped;
+  sample.has_loss = options.has_loss || !std::isnan(options.loss);
+  sample.loss = options.loss;
+  if (w.metrics != nullptr) w.metrics->StepDone(sample);
+  if (!sample.local) {
+    w.step_parts.Add(sample.compressed,
+                     {sample.gradient_s, sample.push_s, sample.wait_s, sample.apply_s});
   }
   w.idle_since_ns = MonotonicNs();
   if (absl::Status st = w.MaybeCheckpoint(); !st.ok()) return w.Fail(st);
@@ -1373,6 +1381,8 @@ std::unique_ptr<Worker> WorkerAccess::Wrap(std::unique_ptr<Worker::Impl> impl) {
 Replica& WorkerAccess::replica(Worker& w) { return *w.impl_->replica; }
 const control::TrainingConfig& WorkerAccess::config(const Worker& w) { return w.impl_->cfg; }
 const Model* WorkerAccess::model(const Worker& w) { return w.impl_->model.get(); }
+std::string WorkerAccess::StepParts(const Worker& w) { return w.impl_->step_parts.Summary(); }
+
 uint32_t WorkerAccess::data_rank(const Worker& w) {
   return w.impl_->job.rank * w.impl_->local_ranks + w.impl_->local_rank;
 }

@@ -7,6 +7,7 @@
 
 #include <functional>
 #include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -35,6 +36,11 @@ struct WorkerAccess {
   // The rank whose data this process trains on: worker rank * K + local
   // rank (--local_ranks K; models/model.h DataRanks).
   static uint32_t data_rank(const Worker& w);
+  // The medians of its steps' parts by phase (ms): the gradient's time
+  // (from the last step's end; a leader's includes its local ranks'),
+  // encoding and sending the pushes, waiting for replies, applying them.
+  // "" before any step that pushed.
+  static std::string StepParts(const Worker& w);
   // Fails the job with `st` (reported as "worker R: <message>"); returns it.
   static absl::Status Fail(Worker& w, const absl::Status& st);
   // Waits while the job runs, at most `timeout`; the coordinator's reason

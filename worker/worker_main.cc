@@ -250,6 +250,10 @@ class TrainingLoop {
     std::fprintf(
         stderr, "%s: forward + backward per step (median ms): warm-up %s, compression %s\n",
         name_.c_str(), median_ms(fwd_bwd_warmup_).c_str(), median_ms(fwd_bwd_compress_).c_str());
+    // Where the steps' time went (local rank 0 speaks for its host).
+    if (const std::string parts = WorkerAccess::StepParts(w_); !parts.empty()) {
+      std::fprintf(stderr, "%s: step parts (median ms): %s\n", name_.c_str(), parts.c_str());
+    }
   }
 
   // --dump_x: the final replica.

@@ -91,6 +91,7 @@ TEST(LocalGroup, GradientsGoToTheLeaderAndParametersComeBack) {
   a.code = static_cast<int32_t>(absl::StatusCode::kAborted);
   a.message = "rolled back";
   a.rolled_back = true;
+  a.failed = true;
   a.steps_done = 4;
   a.bytes_up = 123;
   a.step_s = 0.5;
@@ -101,6 +102,7 @@ TEST(LocalGroup, GradientsGoToTheLeaderAndParametersComeBack) {
     EXPECT_EQ(r->code, a.code);
     EXPECT_EQ(r->message, "rolled back");
     EXPECT_TRUE(r->rolled_back);
+    EXPECT_TRUE(r->failed);
     EXPECT_EQ(r->steps_done, 4u);
     EXPECT_EQ(r->bytes_up, 123u);
     EXPECT_EQ(r->step_s, 0.5);

@@ -35,6 +35,10 @@ with open(os.path.join(out, "config.env")) as f:
         k, _, v = line.rstrip("\n").partition("=")
         cfg[k] = v
 workers = int(cfg["workers"])
+# The link rate in bytes per second ("1gbit", "100mbit").
+_rate = re.fullmatch(r"([0-9.]+)([kmg]?)bit", cfg.get("rate", ""))
+RATE_BYTES = (float(_rate.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[_rate.group(2)] / 8
+              if _rate else None)
 TARGET = {"mlp": float(cfg["target"]), "cnn": float(cfg.get("cnn_target", "0.87")),
           "gpt": float(cfg.get("gpt_target", "2.6"))}
 TRAINED = ("mlp", "cnn", "gpt")  # the models with a score: time to the target
@@ -135,6 +139,27 @@ def figures(d, onebit, target, by_loss=False):
                     if m and m.group(2) != "-":
                         fb.append(float(m.group(2)) / 1e3)
     f["fwd_bwd"] = median(fb)
+    # Where the compression step went: the workers' own medians of its
+    # parts and the servers' of their arithmetic (their closing lines),
+    # each the median over the processes.
+    parts = {}
+    for name in sorted(os.listdir(d)):
+        if not name.endswith(".log"):
+            continue
+        with open(os.path.join(d, name), errors="replace") as fl:
+            for line in fl:
+                m = re.search(r"(step parts|per step) \(median ms\): .*compression (.*)$", line)
+                if not m:
+                    continue
+                for part in m.group(2).split(", "):
+                    key, _, value = part.rpartition(" ")
+                    try:
+                        parts.setdefault(("server " if m.group(1) == "per step" else "") + key,
+                                         []).append(float(value) / 1e3)
+                    except ValueError:
+                        pass
+    for key in ("gradient", "encode and send", "wait", "apply", "server arithmetic"):
+        f["part " + key] = median(parts.get(key, []))
     return f
 
 
@@ -305,6 +330,26 @@ for model in models:
         if model not in TRAINED:
             c.append("(on the servers)" if not s.startswith("ddp") else ms(d["opt"]))
         put("| " + " | ".join(c) + " |")
+    breakdown = [s for s in systems if not s.startswith("ddp") and data[(model, s)].get("_ok")
+                 and data[(model, s)].get("comp_step") is not None
+                 and data[(model, s)].get("part wait") is not None]
+    if breakdown:
+        put("")
+        put("Where a compression step goes (medians in ms: each part's over the workers' or the "
+            "servers' own closing lines, so the parts need not add up to the step). *wait*: for "
+            "the replies, i.e. the wire and the servers; *wire floor*: a worker host's bytes of "
+            "the step, the larger direction, at the link rate.")
+        put("")
+        put("| system | step | gradient | encode and send | wait | apply | server arithmetic | "
+            "wire floor |")
+        put("|---|---|---|---|---|---|---|---|")
+        rate = RATE_BYTES
+        for s in breakdown:
+            d = data[(model, s)]
+            floor = d["comp_bytes"] / 2 / rate if d.get("comp_bytes") and rate else None
+            put("| " + " | ".join([LABEL[s], ms(d["comp_step"])] + [
+                ms(d.get("part " + k)) for k in ("gradient", "encode and send", "wait", "apply",
+                                                   "server arithmetic")] + [ms(floor)]) + " |")
     fb = [data[(model, s)].get("fwd_bwd") for s in systems if not s.startswith("ddp")]
     fb = median([x for x in fb if x is not None])
     if fb is not None and model == "mlp":
