@@ -122,15 +122,16 @@ TEST(LocalRanksBytes, AWorkerPushesOnceForItsLocalRanks) {
 }
 
 // Launches `cfg` into dir/run with `flags` (logging to dir/launch.log) and,
-// once it trains, kill -9s worker 1's local rank 1; returns the launcher.
+// once the log shows `when`, kill -9s worker 1's local rank 1; returns the
+// launcher.
 Subprocess LaunchAndKillALocalRank(const control::TrainingConfig& cfg, const std::string& dir,
-                                   std::vector<std::string> flags) {
+                                   std::vector<std::string> flags, const std::string& when) {
   const std::string out = dir + "/run";
   std::vector<std::string> argv = {Bin("onebit-launch"), "--out=" + out, "--dump_params"};
   argv.insert(argv.end(), flags.begin(), flags.end());
   for (const std::string& a : ConfigArgs(cfg)) argv.push_back(a);
   Subprocess launch = Start(argv, dir + "/launch.log");
-  EXPECT_TRUE(WaitForText(dir + "/launch.log", "steps/s", absl::Seconds(30)))
+  EXPECT_TRUE(WaitForText(dir + "/launch.log", when, absl::Seconds(60)))
       << ReadFile(dir + "/launch.log");
   const std::vector<int> victim = ProcessesMentioning("--dump_x=" + out + "/replica_w1_local1.f32");
   EXPECT_EQ(victim.size(), 1u);
@@ -145,7 +146,7 @@ TEST(LocalRanksFaults, AKilledLocalRankFailsTheJobNamingIt) {
   const std::string out = dir + "/run";
   control::TrainingConfig cfg = Config("adam", 2, 2);
   SetSetting(&cfg, "steps", "100000000");
-  Subprocess launch = LaunchAndKillALocalRank(cfg, dir, {"--step_timeout=60s"});
+  Subprocess launch = LaunchAndKillALocalRank(cfg, dir, {"--step_timeout=60s"}, "steps/s");
   const absl::Time killed = absl::Now();
   const std::optional<int> code = launch.Wait(absl::Seconds(60));
   ASSERT_TRUE(code.has_value()) << ReadFile(dir + "/launch.log");
@@ -170,15 +171,16 @@ TEST(LocalRanksFaults, AKilledLocalRankRestartsTheJobWhichResumesBitForBit) {
   control::TrainingConfig cfg = Config("onebit-adam", 2, 2);
   SetSetting(&cfg, "steps", "20000");
   SetSetting(&cfg, "lr", "0.0001");
+  // Killed once a checkpoint is complete, so that the job resumes from it.
   Subprocess launch = LaunchAndKillALocalRank(
-      cfg, dir,
-      {"--checkpoint_dir=" + dir + "/ckpt", "--checkpoint_every=500", "--max_restarts=1"});
+      cfg, dir, {"--checkpoint_dir=" + dir + "/ckpt", "--checkpoint_every=500", "--max_restarts=1"},
+      "checkpoint of step 500 complete");
   const std::optional<int> code = launch.Wait(absl::Seconds(240));
   ASSERT_TRUE(code.has_value()) << ReadFile(dir + "/launch.log");
   const std::string log = ReadFile(dir + "/launch.log");
   EXPECT_EQ(*code, 0) << log;
   EXPECT_THAT(log, HasSubstr("restart 1 of 1: starting the whole job again"));
-  // From a checkpoint (one every 500 steps; the kill came after 1 s of steps).
+  // From a checkpoint (one every 500 steps; the kill came after the first).
   EXPECT_GT(NumberField(ReadFile(out + "/summary.json"), "resumed_from_step"), 0);
   ExpectReference(cfg, out, Reference(cfg));
 }
