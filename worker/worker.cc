@@ -242,7 +242,9 @@ struct Worker::Impl {
     if (!broadcast) {
       return absl::FailedPreconditionError("call BroadcastParameters() before the first step");
     }
-    if (cfg.model().steps() > 0 && step >= cfg.model().steps() && !client->in_step()) {
+    // A follower has no client: it is never in the middle of a step.
+    const bool in_step = client != nullptr && client->in_step();
+    if (cfg.model().steps() > 0 && step >= cfg.model().steps() && !in_step) {
       return absl::OutOfRangeError(absl::StrCat("the job has ", cfg.model().steps(),
                                                 " steps and all are done: call Finish()"));
     }
@@ -534,7 +536,7 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
     return Fail(st);
   }
   if (metrics != nullptr) metrics->SetSteps(step);
-  local_ranks = std::max<uint32_t>(1, cfg.cluster().local_ranks());
+  local_ranks = job.local_ranks;
   if (local_ranks > 1) {
     // The followers learn the job from the registration, as this worker did.
     auto group =
@@ -813,18 +815,12 @@ absl::StatusOr<StepStats> Worker::Impl::LeadStep(const StepOptions& options) {
 }
 
 absl::StatusOr<StepStats> Worker::Impl::FollowStep(const StepOptions& options) {
-  if (absl::Status st = Usable(); !st.ok()) return st;
-  if (!broadcast) {
-    return absl::FailedPreconditionError("call BroadcastParameters() before the first step");
-  }
+  if (absl::Status st = ReadyToStep(); !st.ok()) return st;
   absl::Status bad;
   if (options.gradient_scale) {
     bad = absl::InvalidArgumentError(
         "StepOptions.gradient_scale: a deferred gradient scale is not available with "
         "--local_ranks > 1; scale the gradient before Step()");
-  } else if (cfg.model().steps() > 0 && step >= cfg.model().steps()) {
-    bad = absl::OutOfRangeError(absl::StrCat("the job has ", cfg.model().steps(),
-                                             " steps and all are done: call Finish()"));
   } else {
     bad = CheckReportedLoss(options, job.rank, step, optimizer->options());
   }
@@ -1021,7 +1017,7 @@ absl::Status Worker::SetLearningRate(float lr) {
 
 absl::Status Worker::GradientsReady(uint64_t begin, uint64_t end) {
   Impl& w = *impl_;
-  if (absl::Status st = w.follower != nullptr ? w.Usable() : w.ReadyToStep(); !st.ok()) return st;
+  if (absl::Status st = w.ReadyToStep(); !st.ok()) return st;
   if (begin > end || end > w.job.num_params) {
     return absl::OutOfRangeError(absl::StrCat("GradientsReady(", begin, ", ", end,
                                               "): not a range within [0, ", w.job.num_params, ")"));
