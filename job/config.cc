@@ -310,6 +310,9 @@ absl::Status ValidateConfig(const control::TrainingConfig& c) {
     return SettingError("compressed_chunk_elems",
                         "must be 0 (auto) or a positive multiple of --block_size, at most 2^24");
   }
+  if (c.compression().data_connections() > kMaxDataConnections) {
+    return SettingError("data_connections", absl::StrCat("must be 1 to ", kMaxDataConnections));
+  }
   if (c.timeouts().step_ms() < 1) return SettingError("step_timeout", "must be >= 1ms");
   if (c.timeouts().heartbeat_ms() < 100)
     return SettingError("heartbeat_timeout", "must be >= 100ms");

@@ -160,6 +160,10 @@ constexpr JobSetting kSettings[] = {
      "--block_size, at most 2^24); 0: a quarter of the largest shard, at least 512 Ki elements "
      "(64 KB of 1-bit payload) and --chunk_elems, at most the shard; the result is the same "
      "whatever the chunks"},
+    {"data_connections", "compression.data_connections", T::kUint32, "1", "data plane",
+     "TCP connections from each worker to each server (1 to 16), the chunks spread over them "
+     "round-robin: ZeroMQ encrypts each on one I/O thread, so a secured job with few servers "
+     "on hosts with spare cores may want 2 or more"},
     {"step_timeout", "timeouts.step_ms", T::kDuration, "30s", "data plane",
      "how long a server waits for the missing pushes of a step, and a worker for its replies "
      "(worker waits twice this)"},

@@ -37,6 +37,8 @@ ABSL_FLAG(int32_t, reps, 10, "measured steps");
 ABSL_FLAG(uint64_t, chunk, 1 << 20, "elements per chunk (--chunk_elems)");
 ABSL_FLAG(uint64_t, compressed_chunk, 0,
           "elements per chunk of the 1-bit steps (--compressed_chunk_elems; 0: auto)");
+ABSL_FLAG(uint32_t, connections, 0,
+          "connections from each worker to each server (--data_connections; 0: auto)");
 ABSL_FLAG(std::string, launcher, "", "path of onebit-launch (default: next to this binary)");
 
 namespace onebit {
@@ -70,6 +72,7 @@ Figures RunOnce(const std::string& launcher, int w, int s, bool onebit, bool sec
       "--skip_model",
       absl::StrCat("--chunk_elems=", absl::GetFlag(FLAGS_chunk)),
       absl::StrCat("--compressed_chunk_elems=", absl::GetFlag(FLAGS_compressed_chunk)),
+      absl::StrCat("--data_connections=", absl::GetFlag(FLAGS_connections)),
       "--out=" + dir + "/run"};
   if (onebit) {
     // Compression from step 1: every measured step is 1-bit both ways.

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <thread>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -58,8 +59,17 @@ Range ChunkRange(const ShardMap& map, uint32_t shard, uint64_t chunk_elems, uint
   return r;
 }
 
-std::string WorkerIdentity(uint64_t job_id, uint32_t rank) {
-  return absl::StrFormat("w%u-%016x", rank, job_id);
+std::string WorkerIdentity(uint64_t job_id, uint32_t rank, uint32_t connection) {
+  // Connection 0 keeps the id of a job with one connection per server.
+  if (connection == 0) return absl::StrFormat("w%u-%016x", rank, job_id);
+  return absl::StrFormat("w%u.%u-%016x", rank, connection, job_id);
+}
+
+uint32_t DataConnectionsFor(uint32_t setting) { return std::max(setting, 1u); }
+
+int DataIoThreads(size_t connections) {
+  const size_t cores = std::max(1u, std::thread::hardware_concurrency());
+  return static_cast<int>(std::clamp<size_t>(connections, 1, std::min<size_t>(4, cores)));
 }
 
 std::string WorkerPeerId(uint32_t rank) { return absl::StrCat("worker ", rank); }
@@ -101,7 +111,11 @@ absl::Status ValidateRequest(const data::Header& h, const DataPlaneJob& job, uin
   if (h.rank() >= job.workers) {
     return bad("unknown worker rank ", h.rank(), " (job has ", job.workers, " workers)");
   }
-  if (routing_id != WorkerIdentity(job.job_id, h.rank())) {
+  bool own = false;
+  for (uint32_t c = 0; c < std::max(job.connections, 1u) && !own; ++c) {
+    own = routing_id == WorkerIdentity(job.job_id, h.rank(), c);
+  }
+  if (!own) {
     return bad("rank ", h.rank(), " claimed by a socket that is not that worker's (routing id '",
                absl::CHexEscape(routing_id), "')");
   }

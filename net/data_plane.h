@@ -53,7 +53,31 @@ struct DataPlaneJob {
   const Codec* push_codec = nullptr;
   uint64_t push_chunk_elems = 0;      // 0: chunk_elems
   const Codec* init_codec = nullptr;  // fp32
+  // Each worker's connections to this server (DataConnectionsFor): a
+  // request may come on any of them.
+  uint32_t connections = 1;
 };
+
+// The connections from each worker to each server of a job whose
+// --data_connections is `setting` (0, a config from before the setting: 1).
+// ZeroMQ encrypts a connection's messages (CURVE, about 1.3 GB/s a core)
+// on one I/O thread at a time: a worker with few servers needs several to
+// put more than one core on its traffic, where the host has the cores.
+uint32_t DataConnectionsFor(uint32_t setting);
+// Most --data_connections a job may ask for.
+constexpr uint32_t kMaxDataConnections = 16;
+
+// The connection (0 .. connections - 1) chunk `chunk` of a shard travels
+// on, both ways: spread round-robin so consecutive chunks are encrypted and
+// sent by different I/O threads.
+inline uint32_t ChunkConnection(uint64_t chunk, uint32_t connections) {
+  return static_cast<uint32_t>(chunk % connections);
+}
+
+// ZeroMQ I/O threads for a process with `connections` data connections:
+// one per connection, at most 4 and at most the cores it has (a thread
+// handles many connections; more threads than cores only switch).
+int DataIoThreads(size_t connections);
 
 // The chunk size of a job whose --chunk_elems is `setting` on `map`: the
 // setting itself, or where it is 0 (auto, the default) an eighth of the
@@ -83,10 +107,11 @@ uint64_t NumChunks(uint64_t size, uint64_t chunk_elems);
 // Global element range of chunk c of shard k.
 Range ChunkRange(const ShardMap& map, uint32_t shard, uint64_t chunk_elems, uint64_t c);
 
-// The ZeroMQ routing id of worker `rank` in job `job_id`: unique per job
+// The ZeroMQ routing id of worker `rank`'s data connection `connection`
+// (< DataPlaneJob::connections) in job `job_id`: unique per job
 // incarnation, so a leftover process of an earlier job cannot pass for a
 // worker of this one.
-std::string WorkerIdentity(uint64_t job_id, uint32_t rank);
+std::string WorkerIdentity(uint64_t job_id, uint32_t rank, uint32_t connection = 0);
 
 // The User-Id a server's ZAP handler gives worker `rank`'s key
 // (security/curve.h): the rank a CURVE peer really is.

@@ -267,6 +267,7 @@ void PsServer::HandleMessage(std::vector<zmq::message_t>& frames) {
   const size_t bytes = frames[1].size() + frames[2].size();
   const Phase phase = PhaseOf(state_);
   if (st.ok()) {
+    connections_seen_.insert(routing_id);  // validated: one of a worker's own
     st = HandleRequest(routing_id, *header, frames[2], &why);
     if (st.ok() && metrics_ != nullptr && header->kind() == data::PUSH) {
       metrics_->Pushed(phase, bytes);
@@ -513,7 +514,14 @@ void PsServer::SendFp32(data::Kind kind, uint32_t rank, uint64_t step, const Ran
   h.set_payload_bytes(payload_bytes->size());
   if (more) more(h);
   zmq::message_t payload = ShareFrame(payload_bytes, 0, payload_bytes->size());
-  Send(WorkerIdentity(options_.job.job_id, rank), h, &payload);
+  Send(ChunkPeer(rank, range.begin, options_.job.chunk_elems), h, &payload);
+}
+
+std::string PsServer::ChunkPeer(uint32_t rank, uint64_t begin, uint64_t chunk_elems) const {
+  if (chunk_elems == 0) chunk_elems = options_.job.chunk_elems;
+  return WorkerIdentity(
+      options_.job.job_id, rank,
+      ChunkConnection((begin - state_.begin) / chunk_elems, options_.job.connections));
 }
 
 absl::Status PsServer::TakeGradScale(const data::Header& h, Refusal* why) {
@@ -758,7 +766,8 @@ void PsServer::SendReply(Chunk& c, StepKind kind, bool last_warmup, uint64_t pus
     h.set_rank(r);
     h.set_sent_ns(MonotonicNs());
     zmq::message_t payload = ShareFrame(shared, 0, shared->size());
-    const size_t sent = Send(WorkerIdentity(options_.job.job_id, r), h, &payload);
+    const size_t sent =
+        Send(ChunkPeer(r, c.range.begin, options_.job.push_chunk_elems), h, &payload);
     if (metrics_ != nullptr && sent > 0) metrics_->Replied(phase, sent);
   }
   c.done = true;

@@ -15,6 +15,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -76,6 +77,9 @@ class PsServer {
   // summing, the update, encoding the reply) and the whole step, from its
   // first push to its last reply. Call from the thread that runs Serve.
   std::string StepSummary() const { return step_parts_.Summary(); }
+  // The workers' connections (routing ids) that have sent a valid request
+  // (at most workers x connections).
+  size_t connections_seen() const { return connections_seen_.size(); }
   // Whether state() is also the state after `step` steps: `step` is its
   // step, or one of the local steps (zero-one-adam's) it has skipped since
   // the last step it served, which leave the shard as it was.
@@ -176,6 +180,9 @@ class PsServer {
   // failure that is not a request's (a step timeout).
   void SendError(const std::string& routing_id, const data::Header* request,
                  const std::string& error, std::optional<Refusal> why);
+  // The routing id of `rank`'s connection that this shard's chunk at
+  // `begin`, of a grid of `chunk_elems`, travels on (ChunkConnection).
+  std::string ChunkPeer(uint32_t rank, uint64_t begin, uint64_t chunk_elems) const;
   // The bytes sent (routing id aside), or 0 when the peer could not take it.
   size_t Send(const std::string& routing_id, const data::Header& h, zmq::message_t* payload);
   std::string MissingRanks() const;
@@ -204,6 +211,7 @@ class PsServer {
   std::vector<float> scaled_;  // a scale_pending push times its GRAD_SCALE, being summed
   bool reported_finished_ = false;
   uint64_t dropped_ = 0;  // messages of an earlier incarnation
+  std::set<std::string> connections_seen_;
   RefusalLog refusals_;
   uint64_t unsent_ = 0;           // replies dropped: the peer was gone or did not read
   absl::Status failure_;          // first fatal error, e.g. a decode failure of the update

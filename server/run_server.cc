@@ -200,6 +200,7 @@ absl::StatusOr<PsServerOptions> IncarnationOptions(ServerProcess& p) {
   po.job.map = *map;
   po.job.chunk_elems = ChunkElemsFor(cfg.compression().chunk_elems(), po.job.map);
   po.job.compressed_chunk_elems = cfg.compression().compressed_chunk_elems();
+  po.job.connections = DataConnectionsFor(cfg.compression().data_connections());
   if (absl::Status st =
           p.data_port.Open(ServerFrameLimit(po.job.chunk_elems, po.job.compressed_chunk_elems));
       !st.ok()) {
@@ -343,8 +344,9 @@ absl::Status Ended(const ServerOptions& o, JobMember& member, const PsServer& ps
     }
   }
   if (hb.command() == control::SHUTDOWN && ps.finished()) {
-    std::fprintf(stderr, "server %u: done after %llu steps\n", member.rank(),
-                 static_cast<unsigned long long>(ps.state().step));
+    std::fprintf(stderr, "server %u: done after %llu steps; requests came on %zu connections\n",
+                 member.rank(), static_cast<unsigned long long>(ps.state().step),
+                 ps.connections_seen());
     if (const std::string parts = ps.StepSummary(); !parts.empty()) {
       std::fprintf(stderr, "server %u: per step (median ms): %s\n", member.rank(), parts.c_str());
     }
@@ -404,7 +406,10 @@ absl::Status RunServer(const ServerOptions& o) {
   std::fprintf(stderr, "%s\n", SecurityNotice(*security, "server").c_str());
   const std::string advertise = o.advertise_host.empty() ? Hostname() : o.advertise_host;
 
-  zmq::context_t ctx(1);
+  // Its I/O threads are fixed before the first socket, so before the job
+  // is known: a server has a connection per worker (or several), spread
+  // over them.
+  zmq::context_t ctx(DataIoThreads(kMaxDataConnections));
   // Admits no worker until the cluster has formed and their keys are known.
   std::unique_ptr<ZapHandler> zap;
   CurveKeys keys;

@@ -28,19 +28,24 @@ absl::StatusOr<std::unique_ptr<PsClient>> PsClient::Connect(PsClientOptions opti
     return absl::InvalidArgumentError(absl::StrCat(o.server_keys.size(), " server keys for ",
                                                    o.server_endpoints.size(), " servers"));
   }
-  const std::string identity = WorkerIdentity(o.job_id, o.rank);
+  if (o.connections < 1 || o.connections > kMaxDataConnections) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        o.connections, " connections per server (want 1 to ", kMaxDataConnections, ")"));
+  }
   for (size_t k = 0; k < o.server_endpoints.size(); ++k) {
     const std::string& ep = o.server_endpoints[k];
-    zmq::socket_t s(*ctx, zmq::socket_type::dealer);
-    s.set(zmq::sockopt::routing_id, identity);
-    ConfigureDataSocket(&s);
-    if (o.keys) MakeCurveClient(&s, *o.keys, o.server_keys[k]);
-    try {
-      s.connect(ep);
-    } catch (const zmq::error_t& e) {
-      return absl::InvalidArgumentError(absl::StrCat("cannot connect to ", ep, ": ", e.what()));
+    for (uint32_t l = 0; l < o.connections; ++l) {
+      zmq::socket_t s(*ctx, zmq::socket_type::dealer);
+      s.set(zmq::sockopt::routing_id, WorkerIdentity(o.job_id, o.rank, l));
+      ConfigureDataSocket(&s);
+      if (o.keys) MakeCurveClient(&s, *o.keys, o.server_keys[k]);
+      try {
+        s.connect(ep);
+      } catch (const zmq::error_t& e) {
+        return absl::InvalidArgumentError(absl::StrCat("cannot connect to ", ep, ": ", e.what()));
+      }
+      c->sockets_.push_back(std::move(s));
     }
-    c->sockets_.push_back(std::move(s));
   }
   c->MakeGrid(o.chunk_elems, &c->grids_[0]);
   if (o.compressed_chunk_elems != 0 && o.compressed_chunk_elems != o.chunk_elems) {
@@ -107,7 +112,8 @@ absl::Status PsClient::SendChunk(Chunk& c, uint64_t step, const Codec& codec, in
   if (kind == data::PUSH && defer_scale_) h.set_scale_pending(true);
   if (more) more(h);
   const std::string header = h.SerializeAsString();
-  zmq::socket_t& s = sockets_[c.shard];
+  zmq::socket_t& s =
+      sockets_[c.shard * options_.connections + ChunkConnection(c.index, options_.connections)];
   try {
     s.send(CopyFrame(header), zmq::send_flags::sndmore);
     s.send(ShareFrame(payload, 0, bytes), zmq::send_flags::none);
@@ -179,7 +185,7 @@ absl::Status PsClient::ReceiveAll(
     const Grid& grid, const std::string& what,
     const std::function<absl::Status(uint32_t k, std::vector<zmq::message_t>&)>& handle,
     const Check& check, const std::vector<size_t>& expected_given) {
-  const size_t S = sockets_.size();
+  const size_t S = num_servers(), L = options_.connections;
   std::vector<size_t> expected(S), outstanding(S);
   size_t left = 0;
   for (uint32_t k = 0; k < S; ++k) {
@@ -187,16 +193,18 @@ absl::Status PsClient::ReceiveAll(
     left += outstanding[k] = expected[k];
   }
   std::vector<absl::Time> last_heard(S, absl::Now());
-  std::vector<zmq::pollitem_t> items(S);
+  // A server's replies come on any of its connections.
+  std::vector<zmq::pollitem_t> items(S * L);
   while (left > 0) {
-    for (size_t k = 0; k < S; ++k) items[k] = {sockets_[k].handle(), 0, ZMQ_POLLIN, 0};
-    PollItems(items.data(), S, std::chrono::milliseconds(100));
-    for (uint32_t k = 0; k < S; ++k) {
-      if (!(items[k].revents & ZMQ_POLLIN)) continue;
+    for (size_t j = 0; j < S * L; ++j) items[j] = {sockets_[j].handle(), 0, ZMQ_POLLIN, 0};
+    PollItems(items.data(), S * L, std::chrono::milliseconds(100));
+    for (size_t j = 0; j < S * L; ++j) {
+      if (!(items[j].revents & ZMQ_POLLIN)) continue;
+      const auto k = static_cast<uint32_t>(j / L);
       while (true) {
         std::vector<zmq::message_t> frames;
         auto r =
-            zmq::recv_multipart(sockets_[k], std::back_inserter(frames), zmq::recv_flags::dontwait);
+            zmq::recv_multipart(sockets_[j], std::back_inserter(frames), zmq::recv_flags::dontwait);
         if (!r) break;
         if (pending_ && KeepEarlyReply(k, frames)) continue;
         if (outstanding[k] == 0) {
@@ -282,7 +290,7 @@ void PsClient::ResumeMerge(uint64_t step, Phase phase) {
   pending_.reset();
   for (uint64_t t = step; t-- > 0 && opt.MergeStep(t) >= step;) {
     if (opt.MergeStep(t) == t) continue;
-    std::vector<StepKind> kinds(sockets_.size());
+    std::vector<StepKind> kinds(num_servers());
     bool any = false;
     for (uint32_t k = 0; k < kinds.size(); ++k) {
       kinds[k] = opt.KindAt(t, phase, options_.map.shard(k).begin);
@@ -293,7 +301,7 @@ void PsClient::ResumeMerge(uint64_t step, Phase phase) {
     p.step = t;
     p.merge = opt.MergeStep(t);
     p.shard_kind = std::move(kinds);
-    p.outstanding.assign(sockets_.size(), 0);
+    p.outstanding.assign(num_servers(), 0);
     pending_ = std::move(p);
     return;
   }
@@ -361,7 +369,7 @@ absl::StatusOr<bool> PsClient::Vote(uint64_t step, bool found_inf, const Check& 
         return absl::OkStatus();
       },
       check, [&] {  // one message, of server 0
-        std::vector<size_t> e(sockets_.size(), 0);
+        std::vector<size_t> e(num_servers(), 0);
         e[0] = 1;
         return e;
       }());
@@ -525,7 +533,7 @@ absl::Status PsClient::BeginReplicaStep(Replica* replica) {
   replica_begun_ = true;
   const WorkerOptimizer& opt = *options_.optimizer;
   kind_ = opt.KindOf(step_, replica->phase());
-  shard_kind_.assign(sockets_.size(), kind_);
+  shard_kind_.assign(num_servers(), kind_);
   if (kind_ != StepKind::kLocal) {
     for (uint32_t k = 0; k < shard_kind_.size(); ++k) {
       shard_kind_[k] = opt.KindAt(step_, replica->phase(), options_.map.shard(k).begin);
@@ -645,7 +653,7 @@ absl::Status PsClient::CompleteStep(Replica* replica, const Check& check,
             : absl::StrCat("a gradient scale for step ", step_,
                            ", whose pushes were not made to wait for one"));
   }
-  std::vector<size_t> expected(sockets_.size(), 0);
+  std::vector<size_t> expected(num_servers(), 0);
   for (size_t i = 0; i < step_grid().chunks.size(); ++i) {
     const uint32_t k = step_grid().chunks[i].shard;
     if (shard_kind_[k] == StepKind::kLocal) continue;
@@ -686,7 +694,7 @@ absl::Status PsClient::CompleteStep(Replica* replica, const Check& check,
   }
   if (defer_scale_) {
     Grid& fine = grids_[0];  // a GRAD_SCALE names a chunk of the warm-up's grid
-    for (uint32_t k = 0; k < sockets_.size(); ++k) {
+    for (uint32_t k = 0; k < num_servers(); ++k) {
       if (fine.by_shard[k].empty()) continue;
       absl::Status st = SendHeader(fine.chunks[fine.by_shard[k][0]], step_, data::GRAD_SCALE,
                                    [&](data::Header& h) { h.set_grad_scale(*grad_scale); });

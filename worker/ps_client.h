@@ -1,4 +1,5 @@
-// The worker's side of the data plane: one ZeroMQ DEALER per server; pushes
+// The worker's side of the data plane: one ZeroMQ DEALER per server
+// (or several: PsClientOptions::connections); pushes
 // every shard's chunks (interleaved across servers, so all servers receive
 // at once, or in the order the caller releases them), waits for every reply
 // and has the replica apply them.
@@ -42,6 +43,9 @@ struct PsClientOptions {
   // key (index = shard); none under --insecure.
   std::optional<CurveKeys> keys;
   std::vector<std::string> server_keys;
+  // Connections to each server (DataConnectionsFor, as the servers resolve
+  // it): chunk i of a shard goes out on connection ChunkConnection(i).
+  uint32_t connections = 1;
   // A server that sends nothing for this long while replies are due is dead.
   absl::Duration reply_timeout = absl::Seconds(60);
 };
@@ -225,8 +229,11 @@ class PsClient {
   // Receives and applies what pending_ still waits for.
   absl::Status ReceivePending(Replica* replica, const Check& check);
 
+  uint32_t num_servers() const { return static_cast<uint32_t>(options_.server_endpoints.size()); }
+
   PsClientOptions options_;
   std::unique_ptr<const Codec> fp32_;  // INIT, PULL
+  // Server k's connection l at k * connections + l.
   std::vector<zmq::socket_t> sockets_;
   // [0]: the warm-up's grid, of every message but a compressed step's
   // pushes and replies; [1]: those, where their chunks are larger.

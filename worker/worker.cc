@@ -237,6 +237,8 @@ struct Worker::Impl {
   absl::Status Rejoin();
   // Part of Connect that a rejoin does again, for the last registration.
   absl::Status ConnectToServers();
+  // Connections to each server, as the servers resolve them.
+  uint32_t DataConnections() const;
   absl::Status ReadyToStep() const {
     if (absl::Status st = Usable(); !st.ok()) return st;
     if (!broadcast) {
@@ -526,7 +528,7 @@ absl::Status Worker::Impl::Connect(const WorkerOptions& o, const ModelFactory& m
   if (absl::Status st = MakeModelAndOptimizer(reg, *choice, make_model); !st.ok()) return Fail(st);
 
   ctx = std::make_unique<zmq::context_t>(
-      static_cast<int>(std::min<uint32_t>(cfg.cluster().servers(), 2)));
+      DataIoThreads(size_t{cfg.cluster().servers()} * DataConnections()));
   if (absl::Status st = ConnectToServers(); !st.ok()) return Fail(st);
 
   if (absl::Status st = MakeReplica(*choice, o.device); !st.ok()) return Fail(st);
@@ -638,6 +640,10 @@ absl::Status Worker::Impl::ConnectFollower(const WorkerOptions& o, const ModelFa
   return MakeReplica(*choice, o.device);
 }
 
+uint32_t Worker::Impl::DataConnections() const {
+  return DataConnectionsFor(cfg.compression().data_connections());
+}
+
 absl::Status Worker::Impl::ConnectToServers() {
   const control::RegisterReply& reg = member->registration();
   PsClientOptions po;
@@ -654,6 +660,7 @@ absl::Status Worker::Impl::ConnectToServers() {
     po.server_keys.push_back(s.curve_public_key());
   }
   po.keys = keys;
+  po.connections = DataConnections();
   // The server gives up on a missing push after the step timeout and says
   // why; this is the backstop for a server that died.
   po.reply_timeout = 2 * absl::Milliseconds(cfg.timeouts().step_ms());

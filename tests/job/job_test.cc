@@ -53,6 +53,11 @@ TEST(JobConfig, ValidationNamesTheFlag) {
   EXPECT_THAT(std::string(ValidateConfig(c).message()), HasSubstr("--compressed_chunk_elems:"));
   c.mutable_compression()->set_compressed_chunk_elems(96);  // finer than the warm-up's 256: fine
   EXPECT_TRUE(ValidateConfig(c).ok()) << ValidateConfig(c);
+  c.mutable_compression()->set_data_connections(16);
+  EXPECT_TRUE(ValidateConfig(c).ok()) << ValidateConfig(c);
+  c.mutable_compression()->set_data_connections(17);
+  EXPECT_THAT(std::string(ValidateConfig(c).message()),
+              HasSubstr("--data_connections: must be 1 to 16"));
   c = testing::MakeConfig(2, 2, 100, 3, "sgd");
   c.mutable_compression()->set_block_size(48);
   EXPECT_THAT(std::string(ValidateConfig(c).message()), HasSubstr("--block_size:"));

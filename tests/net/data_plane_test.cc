@@ -6,6 +6,7 @@
 
 #include <cstring>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -182,6 +183,36 @@ TEST_F(DataHeader, RoutingIdMustBeThatRanksOfThisJob) {
   st = ValidateRequest(h, job_, 1, WorkerIdentity(job_.job_id, 1), 256);
   EXPECT_THAT(std::string(st.message()), HasSubstr("claimed by a socket"));
   EXPECT_NE(WorkerIdentity(1, 0), WorkerIdentity(2, 0));
+}
+
+TEST_F(DataHeader, AWorkersConnectionsEachPassUpToTheJobsCount) {
+  job_.connections = 3;
+  const data::Header h = Good();
+  std::set<std::string> ids;
+  for (uint32_t c = 0; c < 3; ++c) {
+    const std::string id = WorkerIdentity(job_.job_id, 2, c);
+    ids.insert(id);
+    EXPECT_TRUE(ValidateRequest(h, job_, 1, id, 256).ok()) << "connection " << c;
+    // Another rank's connection c is not rank 2's.
+    EXPECT_THAT(
+        std::string(ValidateRequest(h, job_, 1, WorkerIdentity(job_.job_id, 1, c), 256).message()),
+        HasSubstr("claimed by a socket"));
+  }
+  EXPECT_EQ(ids.size(), 3u);
+  EXPECT_EQ(WorkerIdentity(job_.job_id, 2), WorkerIdentity(job_.job_id, 2, 0));
+  // One more than the job has, and one of a job with a single connection.
+  EXPECT_THAT(
+      std::string(ValidateRequest(h, job_, 1, WorkerIdentity(job_.job_id, 2, 3), 256).message()),
+      HasSubstr("claimed by a socket"));
+  job_.connections = 1;
+  EXPECT_THAT(
+      std::string(ValidateRequest(h, job_, 1, WorkerIdentity(job_.job_id, 2, 1), 256).message()),
+      HasSubstr("claimed by a socket"));
+  EXPECT_EQ(ChunkConnection(0, 3), 0u);
+  EXPECT_EQ(ChunkConnection(4, 3), 1u);
+  EXPECT_EQ(ChunkConnection(5, 1), 0u);
+  EXPECT_EQ(DataConnectionsFor(0), 1u);
+  EXPECT_EQ(DataConnectionsFor(4), 4u);
 }
 
 TEST(DataHeaderParse, RejectsTruncatedAndRandomBytes) {
