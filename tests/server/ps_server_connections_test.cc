@@ -16,6 +16,7 @@
 #include "gtest/gtest.h"
 #include "net/data_plane.h"
 #include "server/ps_server.h"
+#include "tests/server/request.h"
 #include "zmq_addon.hpp"
 
 namespace onebit {
@@ -59,19 +60,9 @@ class PsServerConnections : public ::testing::Test {
   void Send(uint32_t connection, data::Kind kind, uint64_t begin, const std::vector<float>& v) {
     std::vector<uint8_t> payload(fp32_->EncodedSize(kChunk));
     ASSERT_TRUE(fp32_->Encode(v.data() + begin, kChunk, payload.data()).ok());
-    data::Header h;
-    h.set_version(kProtocolVersion);
-    h.set_job_id(kJob);
-    h.set_kind(kind);
-    h.set_rank(0);
-    h.set_step(0);
-    h.set_shard(0);
-    h.set_begin(begin);
-    h.set_count(kChunk);
-    h.set_codec(fp32_->name());
-    h.set_block_size(32);
-    h.set_payload_bytes(payload.size());
-    const std::string header = h.SerializeAsString();
+    const std::string header =
+        testing::Request(kJob, kind, 0, begin, kChunk, fp32_->name(), payload.size())
+            .SerializeAsString();
     dealers_[connection].send(zmq::buffer(header), zmq::send_flags::sndmore);
     dealers_[connection].send(zmq::buffer(payload), zmq::send_flags::none);
   }

@@ -16,6 +16,7 @@
 #include "gtest/gtest.h"
 #include "net/data_plane.h"
 #include "server/ps_server.h"
+#include "tests/server/request.h"
 #include "zmq_addon.hpp"
 
 namespace onebit {
@@ -59,19 +60,9 @@ class PsServerGrid : public ::testing::TestWithParam<uint64_t> {
             const std::vector<float>& values) {
     std::vector<uint8_t> payload(codec.EncodedSize(count));
     ASSERT_TRUE(codec.Encode(values.data() + begin, count, payload.data()).ok());
-    data::Header h;
-    h.set_version(kProtocolVersion);
-    h.set_job_id(kJob);
-    h.set_kind(kind);
-    h.set_rank(0);
-    h.set_step(0);
-    h.set_shard(0);
-    h.set_begin(begin);
-    h.set_count(count);
-    h.set_codec(codec.name());
-    h.set_block_size(32);
-    h.set_payload_bytes(payload.size());
-    const std::string header = h.SerializeAsString();
+    const std::string header =
+        testing::Request(kJob, kind, 0, begin, count, codec.name(), payload.size())
+            .SerializeAsString();
     dealer_.send(zmq::buffer(header), zmq::send_flags::sndmore);
     dealer_.send(zmq::buffer(payload), zmq::send_flags::none);
   }

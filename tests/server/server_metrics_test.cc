@@ -17,6 +17,7 @@
 #include "net/data_plane.h"
 #include "prometheus/metric_family.h"
 #include "server/ps_server.h"
+#include "tests/server/request.h"
 #include "zmq_addon.hpp"
 
 namespace onebit {
@@ -79,19 +80,7 @@ class ServerMetricsTest : public ::testing::Test {
   }
 
   data::Header Request(data::Kind kind, uint64_t step, const std::string& codec, size_t bytes) {
-    data::Header h;
-    h.set_version(kProtocolVersion);
-    h.set_job_id(kJob);
-    h.set_kind(kind);
-    h.set_rank(0);
-    h.set_step(step);
-    h.set_shard(0);
-    h.set_begin(0);
-    h.set_count(kElems);
-    h.set_codec(codec);
-    h.set_block_size(32);
-    h.set_payload_bytes(bytes);
-    return h;
+    return testing::Request(kJob, kind, step, 0, kElems, codec, bytes);
   }
   // Sends header and payload; returns the bytes sent.
   size_t Send(const std::string& header, const std::vector<uint8_t>& payload) {
