@@ -267,7 +267,10 @@ void PsServer::HandleMessage(std::vector<zmq::message_t>& frames) {
   const size_t bytes = frames[1].size() + frames[2].size();
   const Phase phase = PhaseOf(state_);
   if (st.ok()) {
-    connections_seen_.insert(routing_id);  // validated: one of a worker's own
+    // Validated: one of a worker's own, so at most workers x connections.
+    if (connections_seen_.insert(routing_id).second && metrics_ != nullptr) {
+      metrics_->SetDataConnections(connections_seen_.size());
+    }
     st = HandleRequest(routing_id, *header, frames[2], &why);
     if (st.ok() && metrics_ != nullptr && header->kind() == data::PUSH) {
       metrics_->Pushed(phase, bytes);

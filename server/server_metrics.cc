@@ -52,6 +52,9 @@ ServerMetrics::ServerMetrics(MetricsEndpoint* e, uint32_t shard)
                                  "Time from a step's first push to its last reply on this shard")),
       pending_(f_.Gauge("onebit_server_pending_pushes",
                         "Pushes taken for the current step whose chunk is not applied yet")),
+      connections_(f_.Gauge("onebit_server_data_connections",
+                            "Workers' data connections that have sent this server a valid "
+                            "request since the job (or its last roll-back) began")),
       freeze_change_(f_.GaugeFamily("onebit_server_freeze_change_ratio",
                                     "--freeze auto: this shard's last relative change of v")),
       rollbacks_(f_.Counter("onebit_server_rollbacks_total",

@@ -64,6 +64,9 @@ class ServerMetrics {
   void SetSteps(uint64_t steps) { steps_.Set(static_cast<double>(steps)); }
   // Pushes taken for the current step whose chunk is not applied yet.
   void SetPendingPushes(uint64_t n) { pending_.Set(static_cast<double>(n)); }
+  // The workers' data connections that have sent this incarnation a valid
+  // request (--data_connections per worker, when all are up).
+  void SetDataConnections(uint64_t n) { connections_.Set(static_cast<double>(n)); }
   // --freeze auto: the shard's last measure of v's change.
   void FreezeChecked(double change) { freeze_change_.Set(change); }
   // The job rolled back and this server joined it again; it continued
@@ -85,6 +88,7 @@ class ServerMetrics {
   prometheus::Histogram& apply_seconds_;
   prometheus::Histogram& step_seconds_;
   prometheus::Gauge& pending_;
+  prometheus::Gauge& connections_;
   LazyGauge freeze_change_;
   prometheus::Counter& rollbacks_;
   prometheus::Counter& resumes_;

@@ -131,6 +131,9 @@ TEST_F(ServerMetricsTest, CountsTheBytesOnTheWireAndEachRefusalByItsReason) {
   other.set_job_id(kJob + 1);
   Send(other.SerializeAsString(), fp32);
   EXPECT_EQ(Receive(&got).kind(), data::ERROR);
+  // Neither is a request of this job's worker: no connection counted. The
+  // next one is (of a step the shard is not at, but the worker's own).
+  EXPECT_EQ(Value(*endpoint_, "onebit_server_data_connections"), 0);
   Send(Request(data::PUSH, 1, "fp32", fp32.size()).SerializeAsString(), fp32);
   EXPECT_EQ(Receive(&got).kind(), data::ERROR);
   WaitFor("onebit_server_refused_requests_total", {{"reason", "wrong_step"}}, 1);
@@ -159,6 +162,7 @@ TEST_F(ServerMetricsTest, CountsTheBytesOnTheWireAndEachRefusalByItsReason) {
   EXPECT_EQ(Value(*endpoint_, "onebit_server_apply_seconds", {{"shard", "0"}}), 1);
   EXPECT_EQ(Value(*endpoint_, "onebit_server_step_seconds"), 1);
   EXPECT_EQ(Value(*endpoint_, "onebit_server_pending_pushes"), 0);
+  EXPECT_EQ(Value(*endpoint_, "onebit_server_data_connections"), 1);  // the one dealer
 
   // The same push again is of a step the shard has done.
   Send(Request(data::PUSH, 0, "fp32", fp32.size()).SerializeAsString(), fp32);
