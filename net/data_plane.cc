@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
@@ -111,11 +112,16 @@ absl::Status ValidateRequest(const data::Header& h, const DataPlaneJob& job, uin
   if (h.rank() >= job.workers) {
     return bad("unknown worker rank ", h.rank(), " (job has ", job.workers, " workers)");
   }
-  bool own = false;
-  for (uint32_t c = 0; c < std::max(job.connections, 1u) && !own; ++c) {
-    own = routing_id == WorkerIdentity(job.job_id, h.rank(), c);
+  // The connection the id names ("w<rank>.<c>-<job>"; none: 0), then one
+  // comparison with that connection's id decides.
+  uint32_t connection = 0;
+  const size_t dot = routing_id.find('.'), dash = routing_id.find('-');
+  if (dot != absl::string_view::npos && dash != absl::string_view::npos && dot < dash &&
+      !absl::SimpleAtoi(routing_id.substr(dot + 1, dash - dot - 1), &connection)) {
+    connection = UINT32_MAX;
   }
-  if (!own) {
+  if (connection >= std::max(job.connections, 1u) ||
+      routing_id != WorkerIdentity(job.job_id, h.rank(), connection)) {
     return bad("rank ", h.rank(), " claimed by a socket that is not that worker's (routing id '",
                absl::CHexEscape(routing_id), "')");
   }

@@ -204,6 +204,14 @@ TEST_F(DataHeader, AWorkersConnectionsEachPassUpToTheJobsCount) {
   EXPECT_THAT(
       std::string(ValidateRequest(h, job_, 1, WorkerIdentity(job_.job_id, 2, 3), 256).message()),
       HasSubstr("claimed by a socket"));
+  // Ids that only look like a connection of rank 2.
+  const std::string job_part = WorkerIdentity(job_.job_id, 2).substr(2);  // "-<job>"
+  for (const std::string& fake : {"w2.01" + job_part, "w2.+1" + job_part, "w2.x" + job_part,
+                                  "w2.99999999999" + job_part, "w2." + job_part}) {
+    EXPECT_THAT(std::string(ValidateRequest(h, job_, 1, fake, 256).message()),
+                HasSubstr("claimed by a socket"))
+        << fake;
+  }
   job_.connections = 1;
   EXPECT_THAT(
       std::string(ValidateRequest(h, job_, 1, WorkerIdentity(job_.job_id, 2, 1), 256).message()),
