@@ -37,8 +37,8 @@ ABSL_FLAG(int32_t, reps, 10, "measured steps");
 ABSL_FLAG(uint64_t, chunk, 1 << 20, "elements per chunk (--chunk_elems)");
 ABSL_FLAG(uint64_t, compressed_chunk, 0,
           "elements per chunk of the 1-bit steps (--compressed_chunk_elems; 0: auto)");
-ABSL_FLAG(uint32_t, connections, 0,
-          "connections from each worker to each server (--data_connections; 0: auto)");
+ABSL_FLAG(uint32_t, connections, 1,
+          "connections from each worker to each server (--data_connections)");
 ABSL_FLAG(std::string, launcher, "", "path of onebit-launch (default: next to this binary)");
 
 namespace onebit {
