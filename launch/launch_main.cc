@@ -280,6 +280,7 @@ class Attempt {
   // job that fails before that is not worth restarting).
   int Run(bool* running) {
     Prepare();
+    summary_before_ = SummaryStamp();
     if (std::optional<int> code = StartCoordinator()) return *code;
     *running = true;
     Log(absl::StrCat("coordinator at ", target_, " is serving; starting ",
@@ -287,7 +288,10 @@ class Attempt {
                      " workers"));
     if (std::optional<int> code = StartServers()) return *code;
     if (std::optional<int> code = StartWorkers()) return *code;
-    if (std::optional<int> code = Watch()) return *code;
+    if (std::optional<int> code = Watch()) {
+      if (job_over_) *running = false;  // over: nothing to start again
+      return *code;
+    }
     return Outcome();
   }
 
@@ -539,6 +543,18 @@ class Attempt {
           all_done = false;
           continue;
         }
+        // The coordinator ended the job (finished, or stopped after a
+        // checkpoint): a process that fails after that (at its exit) fails
+        // the launch, but nothing is started again, since a restart would
+        // find the job over.
+        if (*c.code != 0 && &c != &coord && JobOver(coord)) {
+          Log(absl::StrCat(c.name, " failed (", DescribeExit(*c.code),
+                           ") after the coordinator had ended the job; nothing is started "
+                           "again"));
+          if (!job_over_) exit_code_ = *c.code < 126 ? *c.code : 1;
+          job_over_ = true;
+          continue;
+        }
         // Live recovery: this process alone starts again and the job rolls
         // back; the coordinator only when it was killed (a job that
         // failed would fail again).
@@ -590,7 +606,10 @@ class Attempt {
                                           absl::FormatDuration(stop_bound), " of the stop"));
         return Finish(exit_code_);
       }
-      if (all_done) break;
+      if (all_done) {
+        if (job_over_) return Finish(exit_code_);
+        break;
+      }
       if (coordinator_exited && absl::Now() - *coordinator_exited > after_coordinator) {
         StopAll(absl::StrCat("processes still running ", absl::FormatDuration(after_coordinator),
                              " after the coordinator exited"));
@@ -599,6 +618,28 @@ class Attempt {
       absl::SleepFor(absl::Milliseconds(20));
     }
     return std::nullopt;
+  }
+
+  // When the run folder's summary.json was last written; nullopt: none.
+  std::optional<std::filesystem::file_time_type> SummaryStamp() const {
+    if (plan_.out.empty()) return std::nullopt;
+    std::error_code ec;
+    const auto t = std::filesystem::last_write_time(plan_.out + "/summary.json", ec);
+    if (ec) return std::nullopt;
+    return t;
+  }
+
+  // The coordinator has ended this attempt's job, finished or stopped
+  // after a checkpoint: it exited 0, or it wrote summary.json saying so
+  // (it does before it waits for every process to hear; a process exits
+  // only after hearing).
+  bool JobOver(const Child& coord) const {
+    if (coord.code) return *coord.code == 0;
+    const auto stamp = SummaryStamp();
+    if (!stamp || stamp == summary_before_) return false;
+    const absl::StatusOr<run::Summary> summary = ReadSummaryJson(plan_.out + "/summary.json");
+    return summary.ok() &&
+           (summary->status() == "ok" || absl::StartsWith(summary->status(), "stopped: "));
   }
 
   // Every process exited 0: the job finished, or stopped after a checkpoint.
@@ -683,6 +724,8 @@ class Attempt {
   std::vector<Child> children_;
   std::string target_;  // the coordinator's address
   int exit_code_ = 0;
+  bool job_over_ = false;  // a process failed after the coordinator ended the job
+  std::optional<std::filesystem::file_time_type> summary_before_;  // as the attempt began
   bool coordinator_listening_ = false;
   std::optional<absl::Time> stop_sent_;
 };

@@ -26,13 +26,23 @@
 //                    replica's)
 //   --gather_after T GatherOptimizerState() between steps T and T + 1
 //   --no_loss        report no loss (StepOptions' default, a NaN)
+//   --abort_after_job R  rank R, once finished, waits for the coordinator to
+//                    exit (its port to refuse connections) and then aborts,
+//                    as a process crashing at its exit would
 // Writes its final x to $ONEBIT_DUMP_X when set. Exits 1 with the error.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "onebit/worker.h"
@@ -52,11 +62,23 @@ int Fail(const std::string& what, const absl::Status& st) {
   return 1;
 }
 
+// Whether 127.0.0.1:port takes a connection.
+bool Listening(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a = {};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const bool ok = connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+  close(fd);
+  return ok;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   uint64_t d = 1000, steps = 6;
-  int bad_d_rank = -1, lr_rank = -1, release = 0, gather_after = -1;
+  int bad_d_rank = -1, lr_rank = -1, release = 0, gather_after = -1, abort_rank = -1;
   std::string init = "rank", wd, lr_scale;
   int wd_rank = -1, set_rank = -1, layers_rank = -1, lr_scale_rank = -1;
   std::string layers, bad_loss;
@@ -111,6 +133,8 @@ int main(int argc, char** argv) {
       layers_rank = std::atoi(v);
     else if (k == "--bad_loss")
       bad_loss = v;
+    else if (k == "--abort_after_job")
+      abort_rank = std::atoi(v);
     else {
       std::fprintf(stderr, "api_worker: unknown argument %s\n", k.c_str());
       return 2;
@@ -226,5 +250,14 @@ int main(int argc, char** argv) {
         .write(reinterpret_cast<const char*>(out.data()), static_cast<std::streamsize>(4 * d));
   }
   if (absl::Status st = w.Finish(); !st.ok()) return Fail("finish", st);
+  if (my_rank == abort_rank) {
+    const std::string target = std::getenv("ONEBIT_COORDINATOR");
+    const int port = std::atoi(target.substr(target.rfind(':') + 1).c_str());
+    for (int i = 0; i < 3000 && Listening(port); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    std::fprintf(stderr, "api_worker: rank %d aborting after the job\n", my_rank);
+    std::abort();
+  }
   return 0;
 }

@@ -14,6 +14,7 @@ namespace onebit::testing {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 struct Job {
   RunResult run;
@@ -313,6 +314,26 @@ TEST(WorkerApi, NoLossReportedIsNoFailure) {
   std::vector<std::string> lines = MetricsLines(j);
   ASSERT_EQ(lines.size(), 6u);
   EXPECT_EQ(lines[5].rfind("4,compress,nan,", 0), 0u) << lines[5];
+}
+
+// A process that crashes after the coordinator ended the job fails the
+// launch, naming it, but nothing is started again: the job is over, its run
+// folder complete (starting it again, the coordinator would refuse the
+// finished folder).
+TEST(WorkerApi, AProcessFailingAfterTheJobEndedIsNamedAndNothingStartsAgain) {
+  // With checkpoints, live recovery would start a failed process alone again.
+  std::vector<std::string> flags = kOnebitAdam;
+  flags.insert(flags.end(), {"--max_restarts=2", "--checkpoint_every=2",
+                             "--checkpoint_dir=" + TempDir("abort_after_job_ckpt")});
+  Job j = RunApiJob("abort_after_job", 2, 1, flags, "--steps 5 --abort_after_job 1");
+  EXPECT_NE(j.run.code, 0) << j.run.output;
+  EXPECT_THAT(j.run.output, HasSubstr("api_worker: rank 1 aborting after the job"));
+  EXPECT_THAT(j.run.output,
+              HasSubstr("worker1 failed (signal 6 (Aborted)) after the coordinator had ended the "
+                        "job; nothing is started again"));
+  EXPECT_THAT(j.run.output, Not(HasSubstr("restart 1 of 2")));
+  EXPECT_EQ(Field(j.summary, "status"), "\"ok\"") << j.summary;
+  EXPECT_EQ(Field(j.summary, "replicas_equal"), "true");
 }
 
 TEST(WorkerApi, WorkersDeclaringOtherSettingsAreRefused) {
