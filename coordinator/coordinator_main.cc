@@ -14,6 +14,7 @@
 #include "job/security_flags.h"
 #include "net/control.h"
 #include "onebit/server.h"
+#include "util/crash_report.h"
 #include "util/stop_signal.h"
 
 ABSL_FLAG(std::string, bind_host, "0.0.0.0", "address to listen on");
@@ -46,6 +47,7 @@ namespace {
 constexpr int kExitRefused = 78;
 
 int Main(int argc, char** argv) {
+  ReportCrashes(argc > 0 ? argv[0] : "");
   std::set<std::string> given;
   const control::TrainingConfig cfg = ConfigFromCommandLineOrExit(
       argc, argv,

@@ -37,6 +37,7 @@
 #include "net/control.h"
 #include "net/health.h"
 #include "security/job_secret.h"
+#include "util/crash_report.h"
 #include "util/stop_signal.h"
 #include "util/subprocess.h"
 
@@ -880,6 +881,7 @@ LaunchPlan PlanFromCommandLine(int argc, char** argv) {
 }
 
 int Main(int argc, char** argv) {
+  ReportCrashes(argc > 0 ? argv[0] : "");
   CatchStopSignalsInOneThread();
   const LaunchPlan plan = PlanFromCommandLine(argc, argv);
   int restarts_used = 0;

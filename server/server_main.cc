@@ -14,6 +14,7 @@
 #include "net/control.h"
 #include "net/data_plane.h"
 #include "onebit/server.h"
+#include "util/crash_report.h"
 #include "util/stop_signal.h"
 
 ABSL_FLAG(std::string, coordinator, "", "coordinator address host:port (required)");
@@ -38,6 +39,7 @@ namespace onebit {
 namespace {
 
 int Main(int argc, char** argv) {
+  ReportCrashes(argc > 0 ? argv[0] : "");
   KeepLargeBuffers();
   ParseFlagsOrExit(argc, argv,
                    "onebit-server --coordinator HOST:PORT [--data_port P] [--advertise_host H]\n"

@@ -18,6 +18,7 @@
 #include "net/control.h"
 #include "net/data_plane.h"
 #include "onebit/worker.h"
+#include "util/crash_report.h"
 #include "worker/device.h"
 #include "worker/worker_internal.h"
 
@@ -286,6 +287,7 @@ class TrainingLoop {
 };
 
 int Main(int argc, char** argv) {
+  ReportCrashes(argc > 0 ? argv[0] : "");
   KeepLargeBuffers();
   ParseFlagsOrExit(argc, argv,
                    "onebit-worker --coordinator HOST:PORT [--rank R] [--device D]\n"

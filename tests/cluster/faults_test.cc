@@ -622,6 +622,41 @@ TEST(Faults, KilledCoordinatorStopsEveryoneNamingIt) {
   EXPECT_THAT(ReadFile(dir + "/server.log"), HasSubstr(named));
 }
 
+// A process that crashes (here: told so by a signal) prints the crashed
+// thread's stack, symbolized, and still dies of the signal, so that its
+// exit status says which; a stop signal stays a stop request.
+TEST(Faults, ACrashingProcessPrintsItsStackAndDiesOfTheSignal) {
+  const std::string dir = TempDir("crash");
+  Subprocess coord =
+      Start({Bin("onebit-coordinator"), SecretFlag(), "--port=0", "--port_file=" + dir + "/port",
+             "--bind_host=127.0.0.1", "--workers=1", "--servers=1", "--dim=4000"},
+            dir + "/coordinator.log");
+  const int port = WaitForPort(dir + "/port", &coord, dir + "/coordinator.log");
+  ASSERT_GT(port, 0);
+  Subprocess server =
+      Start({Bin("onebit-server"), SecretFlag(), absl::StrCat("--coordinator=127.0.0.1:", port),
+             "--shard=0", "--bind_host=127.0.0.1", "--advertise_host=127.0.0.1"},
+            dir + "/server.log");
+  ASSERT_TRUE(WaitForText(dir + "/coordinator.log", "server 0 registered", absl::Seconds(20)))
+      << ReadFile(dir + "/coordinator.log");
+  coord.Signal(SIGABRT);
+  server.Signal(SIGSEGV);
+  const auto ccode = coord.Wait(absl::Seconds(10));
+  const auto scode = server.Wait(absl::Seconds(10));
+  ASSERT_TRUE(ccode.has_value() && scode.has_value());
+  EXPECT_EQ(DescribeExit(*ccode), "signal 6 (Aborted)");
+  EXPECT_EQ(DescribeExit(*scode), "signal 11 (Segmentation fault)");
+  const std::string clog = ReadFile(dir + "/coordinator.log");
+  const std::string slog = ReadFile(dir + "/server.log");
+  EXPECT_THAT(clog, HasSubstr("*** Aborted (crash); the stack of the thread that crashed:\n"));
+  EXPECT_THAT(slog,
+              HasSubstr("*** Segmentation fault (crash); the stack of the thread that crashed:\n"));
+  // The main threads' frames, by name: the coordinator's job loop, the
+  // server waiting in its registration.
+  EXPECT_THAT(clog, HasSubstr("onebit::RunCoordinatorJob()")) << clog;
+  EXPECT_THAT(slog, HasSubstr("onebit::RunServer(")) << slog;
+}
+
 TEST(Faults, KilledLauncherLeavesNoOrphans) {
   const std::string dir = TempDir("orphans");
   Subprocess launch =
