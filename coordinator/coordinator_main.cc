@@ -15,6 +15,7 @@
 #include "net/control.h"
 #include "onebit/server.h"
 #include "util/crash_report.h"
+#include "util/process_exit.h"
 #include "util/stop_signal.h"
 
 ABSL_FLAG(std::string, bind_host, "0.0.0.0", "address to listen on");
@@ -116,4 +117,5 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace onebit
 
-int main(int argc, char** argv) { return onebit::Main(argc, argv); }
+// Ends without static destructors (util/process_exit.h says why).
+int main(int argc, char** argv) { onebit::ExitWithoutTeardown(onebit::Main(argc, argv)); }

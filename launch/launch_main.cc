@@ -38,6 +38,7 @@
 #include "net/health.h"
 #include "security/job_secret.h"
 #include "util/crash_report.h"
+#include "util/process_exit.h"
 #include "util/stop_signal.h"
 #include "util/subprocess.h"
 
@@ -904,4 +905,5 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace onebit
 
-int main(int argc, char** argv) { return onebit::Main(argc, argv); }
+// Ends without static destructors (util/process_exit.h says why).
+int main(int argc, char** argv) { onebit::ExitWithoutTeardown(onebit::Main(argc, argv)); }

@@ -19,6 +19,7 @@
 #include "net/data_plane.h"
 #include "onebit/worker.h"
 #include "util/crash_report.h"
+#include "util/process_exit.h"
 #include "worker/device.h"
 #include "worker/worker_internal.h"
 
@@ -304,4 +305,5 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace onebit
 
-int main(int argc, char** argv) { return onebit::Main(argc, argv); }
+// Ends without static destructors (util/process_exit.h says why).
+int main(int argc, char** argv) { onebit::ExitWithoutTeardown(onebit::Main(argc, argv)); }
