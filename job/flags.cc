@@ -15,6 +15,7 @@
 #include "absl/time/time.h"
 #include "job/settings.h"
 #include "optim/options.h"
+#include "util/process_exit.h"
 
 namespace onebit {
 namespace {
@@ -191,7 +192,7 @@ void ExitFlagError(absl::string_view flag, absl::string_view message) {
 
 void ExitError(int code, absl::string_view message) {
   std::fprintf(stderr, "%s: %s\n", ProgramName().c_str(), std::string(message).c_str());
-  std::exit(code);
+  ExitWithoutTeardown(code);  // may come after gRPC has run (util/process_exit.h)
 }
 
 std::string FlagHelpEntry(absl::string_view name, absl::string_view help,
