@@ -47,6 +47,19 @@ struct Backend {
   // Waits for the work enqueued on s; returns the first error of it.
   absl::Status (*synchronize)(Stream s);
 
+  // Device memory another process of this host maps: the local ranks of a
+  // host add their gradients on the devices. alloc_shared: memory that
+  // export_memory can hand out (cudaMalloc's, which CUDA IPC shares; a
+  // memfd's pages for the twin), freed by free. export_memory: a handle of
+  // p (alloc_shared's, `bytes` long) for import_memory in another process of
+  // this host and user; import_memory maps it into this process (CUDA: on
+  // the current device, which reads the other's memory over the peer link);
+  // close_imported unmaps it. Errors name the call that failed.
+  absl::StatusOr<void*> (*alloc_shared)(size_t bytes);
+  absl::StatusOr<std::string> (*export_memory)(void* p, size_t bytes);
+  absl::StatusOr<void*> (*import_memory)(const std::string& handle, size_t bytes);
+  void (*close_imported)(void* p, size_t bytes);
+
   // The kernels (cuda/kernels.h).
   absl::Status (*onebit_encode)(const float* y, const float* e_in, float* e_out, size_t n,
                                 uint32_t block, ScaleRule rule, uint8_t* out, Stream s);

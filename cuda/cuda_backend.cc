@@ -2,6 +2,8 @@
 // streams, and the kernels of cuda/kernels.h.
 #include <cuda_runtime_api.h>
 
+#include <cstring>
+
 #include "absl/strings/str_cat.h"
 #include "cuda/backend.h"
 #include "cuda/cuda_status.h"
@@ -59,6 +61,29 @@ absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes, Stream s) {
                    "cudaMemcpyAsync on the device");
 }
 absl::Status Sync(Stream s) { return CudaError(cudaStreamSynchronize(s), "cudaStreamSynchronize"); }
+absl::StatusOr<std::string> ExportMemory(void* p, size_t) {
+  cudaIpcMemHandle_t h;
+  if (absl::Status st = CudaError(cudaIpcGetMemHandle(&h, p), "cudaIpcGetMemHandle"); !st.ok()) {
+    return st;
+  }
+  return std::string(reinterpret_cast<const char*>(&h), sizeof h);
+}
+absl::StatusOr<void*> ImportMemory(const std::string& handle, size_t) {
+  cudaIpcMemHandle_t h;
+  if (handle.size() != sizeof h) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a CUDA IPC handle has ", sizeof h, " bytes, not ", handle.size()));
+  }
+  std::memcpy(&h, handle.data(), sizeof h);
+  void* p = nullptr;
+  absl::Status st = CudaError(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess),
+                              "cudaIpcOpenMemHandle");
+  if (!st.ok()) return st;
+  return p;
+}
+void CloseImported(void* p, size_t) {
+  if (p != nullptr) cudaIpcCloseMemHandle(p);
+}
 
 const Backend kCuda = {
     "cuda",
@@ -73,6 +98,10 @@ const Backend kCuda = {
     SetZero,
     CopyOnDevice,
     Sync,
+    Alloc,
+    ExportMemory,
+    ImportMemory,
+    CloseImported,
     OnebitEncode,
     OnebitSigns,
     OnebitDecode,

@@ -1,10 +1,25 @@
 // The CPU twin backend (cuda/backend.h): host memory and the CPU twins of the
 // kernels, run at once (there are no streams). Always built, so that the GPU
 // worker's code is compiled and tested everywhere.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <string>
+#include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "compress/kernels.h"
 #include "cuda/backend.h"
 #include "optim/update_kernels.h"
@@ -30,7 +45,91 @@ absl::StatusOr<void*> Alloc(size_t bytes) {
   }
   return p;
 }
-void Free(void* p) { std::free(p); }
+// The twin's shared memory: a memfd's pages, mapped. Another process maps
+// them through /proc/<pid>/fd/<fd> (same user: /proc grants it), so the
+// handle is "<pid> <fd>".
+struct SharedMapping {
+  int fd = -1;
+  size_t bytes = 0;
+};
+absl::Mutex g_shared_mu;
+absl::flat_hash_map<void*, SharedMapping>& Shared() ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_shared_mu) {
+  static auto* m = new absl::flat_hash_map<void*, SharedMapping>;
+  return *m;
+}
+
+absl::StatusOr<void*> AllocShared(size_t bytes) {
+  if (bytes == 0) return nullptr;
+  const int fd = memfd_create("onebit-twin-shared", MFD_CLOEXEC);
+  if (fd < 0) return absl::ErrnoToStatus(errno, "memfd_create");
+  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    const int err = errno;
+    close(fd);
+    return absl::ErrnoToStatus(err, absl::StrCat("sizing shared memory to ", bytes, " bytes"));
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    const int err = errno;
+    close(fd);
+    return absl::ErrnoToStatus(err, absl::StrCat("mapping ", bytes, " bytes of shared memory"));
+  }
+  absl::MutexLock l(&g_shared_mu);
+  Shared()[p] = SharedMapping{fd, bytes};
+  return p;
+}
+
+void Free(void* p) {
+  if (p == nullptr) return;
+  {
+    absl::MutexLock l(&g_shared_mu);
+    auto it = Shared().find(p);
+    if (it != Shared().end()) {
+      munmap(p, it->second.bytes);
+      close(it->second.fd);
+      Shared().erase(it);
+      return;
+    }
+  }
+  std::free(p);
+}
+
+absl::StatusOr<std::string> ExportMemory(void* p, size_t bytes) {
+  absl::MutexLock l(&g_shared_mu);
+  auto it = Shared().find(p);
+  if (it == Shared().end() || it->second.bytes < bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("exporting ", bytes, " bytes: not memory of alloc_shared"));
+  }
+  return absl::StrCat(getpid(), " ", it->second.fd);
+}
+
+absl::StatusOr<void*> ImportMemory(const std::string& handle, size_t bytes) {
+  int pid = 0, fd = -1;
+  const std::vector<std::string> parts = absl::StrSplit(handle, ' ');
+  if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &pid) || !absl::SimpleAtoi(parts[1], &fd) ||
+      pid <= 0 || fd < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", absl::CHexEscape(handle), "' is not a handle of the twin's memory"));
+  }
+  const std::string path = absl::StrCat("/proc/", pid, "/fd/", fd);
+  const int own = open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (own < 0) return absl::ErrnoToStatus(errno, absl::StrCat("opening ", path));
+  struct stat st = {};
+  if (fstat(own, &st) != 0 || st.st_size < static_cast<off_t>(bytes)) {
+    close(own);
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, " holds ", st.st_size, " bytes, fewer than the ", bytes, " asked for"));
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, own, 0);
+  const int err = errno;
+  close(own);  // the mapping keeps the pages
+  if (p == MAP_FAILED) return absl::ErrnoToStatus(err, absl::StrCat("mapping ", path));
+  return p;
+}
+
+void CloseImported(void* p, size_t bytes) {
+  if (p != nullptr) munmap(p, bytes);
+}
 
 absl::StatusOr<Stream> CreateStream() { return nullptr; }
 void DestroyStream(Stream) {}
@@ -145,6 +244,10 @@ const Backend kTwin = {
     SetZero,
     Copy,
     Synchronize,
+    AllocShared,
+    ExportMemory,
+    ImportMemory,
+    CloseImported,
     OnebitEncodeTwin,
     OnebitSignsTwin,
     OnebitDecodeTwin,

@@ -58,6 +58,7 @@ constexpr uint32_t kCompressing = 16;
 constexpr uint32_t kVoteYes = 32;
 constexpr uint32_t kCompressed = 64;
 constexpr uint32_t kFailed = 128;
+constexpr uint32_t kDeviceGrads = 256;
 
 void SetText(Wire* w, absl::string_view text) {
   w->text_len = static_cast<uint32_t>(std::min(text.size(), kMaxText));
@@ -362,6 +363,7 @@ absl::StatusOr<std::vector<LocalRequest>> LocalLeader::Gather(LocalCall call, ui
     r.has_lr = (w.flags & kHasLr) != 0;
     r.lr = w.lr;
     r.found_inf = (w.flags & kFoundInf) != 0;
+    r.text = TextOf(w);
   }
   return out;
 }
@@ -372,7 +374,8 @@ absl::Status LocalLeader::Answer(const LocalAnswer& a) {
   w.code = a.code;
   SetText(&w, a.message);
   w.flags = (a.rolled_back ? kRolledBack : 0) | (a.compressing ? kCompressing : 0) |
-            (a.vote ? kVoteYes : 0) | (a.compressed ? kCompressed : 0) | (a.failed ? kFailed : 0);
+            (a.vote ? kVoteYes : 0) | (a.compressed ? kCompressed : 0) | (a.failed ? kFailed : 0) |
+            (a.device_grads ? kDeviceGrads : 0);
   w.u[0] = a.steps_done;
   w.u[1] = a.step;
   w.u[2] = a.bytes_up;
@@ -509,6 +512,7 @@ absl::StatusOr<LocalAnswer> LocalFollower::Call(LocalRequest r, absl::Duration t
   a.vote = (w.flags & kVoteYes) != 0;
   a.compressed = (w.flags & kCompressed) != 0;
   a.failed = (w.flags & kFailed) != 0;
+  a.device_grads = (w.flags & kDeviceGrads) != 0;
   a.steps_done = w.u[0];
   a.step = w.u[1];
   a.bytes_up = w.u[2];

@@ -52,7 +52,9 @@ struct LocalRequest {
   bool has_lr = false;  // kStep: the lr it set (Worker::SetLearningRate)
   float lr = 0;
   bool found_inf = false;  // kVote
-  std::string text;        // kAbort: the reason (at most kMaxText bytes)
+  // kAbort: the reason; kStep: the handle of the follower's gradient on
+  // its device, or empty (at most kMaxText bytes).
+  std::string text;
 };
 
 // The leader's answer to a call, the same for every follower.
@@ -63,6 +65,10 @@ struct LocalAnswer {
   bool failed = false;       // the leader's worker has failed: the job is over
   bool compressing = false;
   bool vote = false;  // kVote: the group's (and the job's) answer
+  // kStep: the leader added the followers' gradients on its device, from
+  // the handles in their requests' text (Replica::ExportGrads); from then
+  // on they need not copy them to their slots.
+  bool device_grads = false;
   uint64_t steps_done = 0;
   // kStep: the step's figures (StepStats).
   uint64_t step = 0;

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "checkpoint/state_file.h"
 #include "cuda/array_ops.h"
@@ -64,6 +65,7 @@ class DeviceReplica final : public Replica {
       b_.synchronize(push_).IgnoreError();
       b_.synchronize(reply_).IgnoreError();
     }
+    for (const auto& [handle, p] : peers_) b_.close_imported(p, 4 * d_);
     push_ops_.reset();
     reply_ops_.reset();
     dmodel_.reset();
@@ -97,7 +99,9 @@ class DeviceReplica final : public Replica {
     };
     for (const auto& [held, buf] : arrays) {
       if (!held) continue;
-      if (absl::Status st = Alloc(4 * d_, false, buf); !st.ok()) return st;
+      // g in memory another process can map: a host's local ranks add
+      // their gradients on the devices (ExportGrads).
+      if (absl::Status st = Alloc(4 * d_, false, buf, /*shared=*/buf == &g_); !st.ok()) return st;
     }
     x_sync_at_ = x_sync ? (shared ? v_.f() : x_sync_.f()) : nullptr;
     if (!make_model) return absl::OkStatus();  // the caller computes the gradient
@@ -303,6 +307,43 @@ class DeviceReplica final : public Replica {
     return st;
   }
 
+  absl::StatusOr<std::string> ExportGrads() override {
+    auto handle = b_.export_memory(g_.f(), 4 * d_);
+    if (!handle.ok()) return handle.status();
+    return absl::StrCat(b_.name, ":", *handle);
+  }
+
+  absl::Status SyncGrads() override {
+    // Apply may use g as scratch, and the model writes it on push_.
+    absl::Status st = b_.synchronize(reply_);
+    if (st.ok()) st = b_.synchronize(push_);
+    return st;
+  }
+
+  absl::Status MeanGradsWith(const std::vector<std::string>& peers) override {
+    std::vector<const float*> g = {g_.f()};
+    for (const std::string& handle : peers) {
+      auto p = Peer(handle);
+      if (!p.ok()) return p.status();
+      g.push_back(*p);
+    }
+    if (sum_.size() == 0) {
+      if (absl::Status st = Alloc(4 * d_, false, &sum_); !st.ok()) return st;
+    }
+    // MeanInOrder's arithmetic: ((0 + w g0) + w g1) + ..., element by
+    // element, each step rounded (axpy: acc + w * x, no fused multiply-add).
+    const float w = 1.0f / static_cast<float>(g.size());
+    absl::Status st = b_.synchronize(reply_);  // Apply may use g as scratch
+    if (st.ok()) st = b_.set_zero(sum_.u8(), 4 * d_, push_);
+    for (const float* x : g) {
+      if (st.ok()) st = b_.axpy(x, d_, w, sum_.f(), push_);
+    }
+    if (st.ok()) st = b_.copy_on_device(g_.f(), sum_.f(), 4 * d_, push_);
+    // The peers' memory is theirs again once this returns.
+    if (st.ok()) st = b_.synchronize(push_);
+    return st;
+  }
+
   absl::Status WriteX(uint64_t b, size_t n, const float* host, bool start) override {
     if (absl::Status st = CheckRange(b, n); !st.ok()) return st;
     // The master goes to the worker's copy of it, which is x_sync where the
@@ -325,8 +366,8 @@ class DeviceReplica final : public Replica {
   }
 
  private:
-  absl::Status Alloc(size_t bytes, bool pinned, Buffer* out) {
-    auto p = (pinned ? b_.alloc_pinned : b_.alloc)(bytes);
+  absl::Status Alloc(size_t bytes, bool pinned, Buffer* out, bool shared = false) {
+    auto p = (pinned ? b_.alloc_pinned : shared ? b_.alloc_shared : b_.alloc)(bytes);
     if (!p.ok()) {
       return absl::Status(p.status().code(),
                           absl::StrCat(device_, ": allocating ", bytes, pinned ? " pinned" : "",
@@ -334,6 +375,22 @@ class DeviceReplica final : public Replica {
     }
     *out = Buffer(&b_, *p, bytes, pinned);
     return absl::OkStatus();
+  }
+
+  // A peer's gradient from its ExportGrads handle, mapped once.
+  absl::StatusOr<const float*> Peer(const std::string& handle) {
+    auto it = peers_.find(handle);
+    if (it != peers_.end()) return static_cast<const float*>(it->second);
+    const std::string prefix = absl::StrCat(b_.name, ":");
+    if (!absl::StartsWith(handle, prefix)) {
+      return absl::InvalidArgumentError(absl::StrCat("a gradient exported by another backend (",
+                                                     handle.substr(0, handle.find(':')), "), not ",
+                                                     b_.name));
+    }
+    auto p = b_.import_memory(handle.substr(prefix.size()), 4 * d_);
+    if (!p.ok()) return p.status();
+    peers_[handle] = *p;
+    return static_cast<const float*>(*p);
   }
 
   absl::Status CheckRange(uint64_t b, size_t n) const {
@@ -390,11 +447,13 @@ class DeviceReplica final : public Replica {
   std::unique_ptr<ArrayOps> push_ops_, reply_ops_;  // on push_, reply_
   std::unique_ptr<DeviceModel> dmodel_;
   Buffer x_, g_, mbar_, e_, den_, v_, x_sync_;
-  float* x_sync_at_ = nullptr;                   // x_sync_, or v_ where they share
-  Buffer staging_;                               // pinned: the push payload on its way to the host
-  Buffer staging_dev_;                           // device: the encoded push payload
-  Buffer reply_dev_;                             // device: the reply being applied
-  absl::flat_hash_map<uint64_t, Buffer> slots_;  // pinned: reply payloads, by chunk
+  float* x_sync_at_ = nullptr;  // x_sync_, or v_ where they share
+  Buffer staging_;              // pinned: the push payload on its way to the host
+  Buffer staging_dev_;          // device: the encoded push payload
+  Buffer reply_dev_;            // device: the reply being applied
+  Buffer sum_;                  // device: MeanGradsWith's mean
+  absl::flat_hash_map<std::string, void*> peers_;  // mapped peers' gradients, by handle
+  absl::flat_hash_map<uint64_t, Buffer> slots_;    // pinned: reply payloads, by chunk
   bool frozen_ = false;
   float lrs_ = 0.0f;
   // The step BeginStep began, and its learning rate.

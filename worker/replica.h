@@ -84,6 +84,23 @@ class Replica {
   // host meet (docs/design.md §1.9).
   virtual absl::Status ReadGrads(float* host) = 0;
   virtual absl::Status WriteGrads(const float* host) = 0;
+  // Local ranks on devices add their gradients there (docs/design.md
+  // §1.9). ExportGrads: a handle of the gradient's device memory that
+  // another process of this host maps (cuda::Backend::export_memory),
+  // prefixed by the backend's name and a colon; a CPU replica has none
+  // (Unimplemented). SyncGrads: the work writing the gradient is done, for
+  // another process to read it. MeanGradsWith: g = the mean, in the order
+  // of MeanInOrder (optim/update_kernels.h) and bitwise as it, of g and the
+  // gradients exported as `peers` (in local-rank order), on this device;
+  // each handle is mapped at its first use and kept. Requires that the
+  // peers' gradients are complete and stay unchanged until it returns.
+  virtual absl::StatusOr<std::string> ExportGrads() {
+    return absl::UnimplementedError("the gradient is in host memory");
+  }
+  virtual absl::Status SyncGrads() { return absl::OkStatus(); }
+  virtual absl::Status MeanGradsWith(const std::vector<std::string>& /*peers*/) {
+    return absl::UnimplementedError("the gradient is in host memory");
+  }
   // The master's parameters [b, b + n) = host[0, n), as a pull delivers
   // them: into x, or where the worker trains a local model apart from the
   // master (zero-one-adam after the freeze, diloco, WorkerState::x_sync)

@@ -117,6 +117,13 @@ struct Worker::Impl {
   std::unique_ptr<LocalFollower> follower;
   bool follower_compressing = false;  // as the leader last said
   std::vector<float> host_grads;      // a device leader's gradient, in host memory
+  // Local ranks on devices add their gradients on the leader's device: a
+  // follower's handle of its gradient (Replica::ExportGrads; empty on the
+  // CPU), and whether the leader has taken it (then the gradient stays on
+  // the device); the leader says once where it adds them.
+  std::string grads_handle;
+  bool grads_on_device = false;
+  bool said_where_grads_meet = false;
   // Where its steps' time went, by phase (WorkerAccess::StepParts).
   PhaseMedians step_parts{{"gradient", "encode and send", "wait", "apply"}};
   absl::Duration register_timeout;
@@ -302,6 +309,10 @@ struct Worker::Impl {
   absl::Duration StepWait() const { return absl::Milliseconds(cfg.timeouts().step_ms()); }
   // The part of Step that pushes the host's gradient (or this worker's).
   absl::StatusOr<StepStats> OwnStep(const StepOptions& options);
+  // The host's gradient, the mean of its local ranks' (in local-rank order),
+  // into replica's g: on this device where every follower's is on one of
+  // its kind (a->device_grads), else in host memory.
+  absl::Status MeanOfLocalRanks(const std::vector<LocalRequest>& requests, LocalAnswer* a);
   absl::StatusOr<StepStats> LeadStep(const StepOptions& options);
   absl::Status OwnBroadcast();
   absl::Status OwnFinish();
@@ -637,7 +648,19 @@ absl::Status Worker::Impl::ConnectFollower(const WorkerOptions& o, const ModelFa
   register_timeout = o.register_timeout;
   step = follower->steps_done_at_join();  // a resumed job's checkpoint step
   if (absl::Status st = MakeModelAndOptimizer(reg, *choice, make_model); !st.ok()) return st;
-  return MakeReplica(*choice, o.device);
+  if (absl::Status st = MakeReplica(*choice, o.device); !st.ok()) return st;
+  // On a device: its gradient's handle, for the leader to add it there.
+  // Without one the gradient goes through its slot in host memory.
+  if (on_device) {
+    auto handle = replica->ExportGrads();
+    if (handle.ok() && handle->size() <= kMaxText) {
+      grads_handle = *handle;
+    } else if (!handle.ok()) {
+      std::fprintf(stderr, "worker %u local rank %u: its gradient goes through host memory (%s)\n",
+                   job.rank, local_rank, std::string(handle.status().message()).c_str());
+    }
+  }
+  return absl::OkStatus();
 }
 
 uint32_t Worker::Impl::DataConnections() const {
@@ -761,6 +784,53 @@ absl::StatusOr<LocalAnswer> Worker::Impl::Follow(LocalRequest request) {
   return outcome;
 }
 
+absl::Status Worker::Impl::MeanOfLocalRanks(const std::vector<LocalRequest>& requests,
+                                            LocalAnswer* a) {
+  // On this device, where every follower's gradient is on one of the same
+  // kind (CUDA IPC between GPUs; the twin's shared pages): nothing crosses
+  // to the host.
+  std::string why_not = on_device ? "" : "local rank 0 is on the CPU";
+  std::vector<std::string> peers;
+  for (const LocalRequest& r : requests) {
+    if (!why_not.empty()) break;
+    if (r.text.empty()) why_not = absl::StrCat("local rank ", r.local_rank, " is on the CPU");
+    peers.push_back(r.text);
+  }
+  if (why_not.empty()) {
+    absl::Status st = replica->MeanGradsWith(peers);
+    // Before the followers rely on it, a failure leaves their slots to use.
+    if (!st.ok() && grads_on_device) return st;
+    if (st.ok()) {
+      grads_on_device = a->device_grads = true;
+      if (!said_where_grads_meet) {
+        std::fprintf(stderr,
+                     "worker %u: its %u local ranks add their gradients on the device (%s)\n",
+                     job.rank, local_ranks, device.c_str());
+        said_where_grads_meet = true;
+      }
+      return absl::OkStatus();
+    }
+    why_not = absl::StrCat("mapping the followers' gradients failed: ", st.message());
+  }
+  if (!said_where_grads_meet) {
+    std::fprintf(stderr, "worker %u: its %u local ranks add their gradients in host memory (%s)\n",
+                 job.rank, local_ranks, why_not.c_str());
+    said_where_grads_meet = true;
+  }
+  // In host memory: a device's gradient goes there and back.
+  float* mine = replica->grads();
+  if (on_device) {
+    host_grads.resize(job.num_params);
+    mine = host_grads.data();
+    if (absl::Status st = replica->ReadGrads(mine); !st.ok()) return st;
+  }
+  std::vector<const float*> g = {mine};
+  for (uint32_t k = 1; k < local_ranks; ++k) g.push_back(leader->gradient(k));
+  MeanInOrder(g.data(), local_ranks, job.num_params, mine);
+  if (on_device) return replica->WriteGrads(mine);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<StepStats> Worker::Impl::LeadStep(const StepOptions& options) {
   absl::StatusOr<StepStats> result = absl::InternalError("no step");
   absl::Status st =
@@ -777,20 +847,8 @@ absl::StatusOr<StepStats> Worker::Impl::LeadStep(const StepOptions& options) {
                      ": every rank must set the same")));
                }
              }
-             // The host's gradient: the mean of its ranks', in local-rank order,
-             // in host memory (a device's gradient goes there and back).
-             float* mine = replica->grads();
-             if (on_device) {
-               host_grads.resize(job.num_params);
-               mine = host_grads.data();
-               if (absl::Status st = replica->ReadGrads(mine); !st.ok()) return Fail(st);
-             }
-             std::vector<const float*> g = {mine};
-             for (uint32_t k = 1; k < local_ranks; ++k) g.push_back(leader->gradient(k));
-             MeanInOrder(g.data(), local_ranks, job.num_params, mine);
-             if (on_device) {
-               if (absl::Status st = replica->WriteGrads(mine); !st.ok()) return Fail(st);
-             }
+             // The host's gradient: the mean of its ranks', in local-rank order.
+             if (absl::Status st = MeanOfLocalRanks(requests, a); !st.ok()) return Fail(st);
              // Its loss: the mean of those reported.
              StepOptions host = options;
              const bool own = options.has_loss || !std::isnan(options.loss);
@@ -837,13 +895,18 @@ absl::StatusOr<StepStats> Worker::Impl::FollowStep(const StepOptions& options) {
     failure = bad;
     return bad;
   }
-  if (absl::Status st = replica->ReadGrads(follower->gradient()); !st.ok()) {
+  // The leader reads it on its device once it has taken the handle, else
+  // from the slot.
+  if (absl::Status st =
+          grads_on_device ? replica->SyncGrads() : replica->ReadGrads(follower->gradient());
+      !st.ok()) {
     follower->Abort(absl::StrCat("local rank ", local_rank, ": ", st.message()));
     failure = st;
     return st;
   }
   LocalRequest r;
   r.call = LocalCall::kStep;
+  r.text = grads_handle;
   r.has_loss = options.has_loss || !std::isnan(options.loss);
   r.loss = options.loss;
   r.epoch = options.epoch;
@@ -851,6 +914,7 @@ absl::StatusOr<StepStats> Worker::Impl::FollowStep(const StepOptions& options) {
   r.lr = lr.value_or(0);
   auto a = Follow(r);
   if (!a.ok()) return a.status();
+  if (a->device_grads) grads_on_device = true;
   StepStats s;
   s.step = a->step;
   s.compressed = a->compressed;

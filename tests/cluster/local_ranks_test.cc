@@ -3,12 +3,14 @@
 // in shared memory and its local rank 0 pushes once for them.
 #include <signal.h>
 
+#include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "cuda/device.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/cluster/test_util.h"
@@ -104,6 +106,51 @@ TEST(LocalRanksDevice, TwinWorkersEqualTheReferenceBitForBit) {
       Launch(cfg, "local_ranks_twin", "cuda-twin,cpu,cuda-twin,cpu,cuda-twin,cuda-twin");
   ExpectReference(cfg, out, Reference(cfg));
   EXPECT_EQ(Field(ReadFile(out + "/summary.json"), "worker_devices"), "[\"cuda-twin\", \"cpu\"]");
+}
+
+// Local ranks all on devices of one kind add their gradients on the
+// leader's device, mapping the followers' (CUDA IPC on GPUs; the twin's
+// shared pages here), with MeanInOrder's bits; a host with a rank on the
+// CPU meets in host memory, and says why.
+TEST(LocalRanksDevice, TwinRanksAddTheirGradientsOnTheDeviceBitForBit) {
+  const control::TrainingConfig cfg = Config("onebit-adam", 2, 3);
+  // Worker 0: all three on the twin; worker 1: its local rank 1 on the CPU.
+  const std::string out = TempDir("local_ranks_twin_device");
+  std::vector<std::string> argv = {Bin("onebit-launch"), "--out=" + out, "--dump_params",
+                                   "--worker_devices=cuda-twin,cuda-twin,cuda-twin,cuda-twin,cpu,"
+                                   "cuda-twin"};
+  for (const std::string& a : ConfigArgs(cfg)) argv.push_back(a);
+  RunResult r = RunCommand(argv, absl::Seconds(180));
+  ASSERT_EQ(r.code, 0) << r.output;
+  ExpectReference(cfg, out, Reference(cfg));
+  EXPECT_THAT(
+      r.output,
+      HasSubstr("worker 0: its 3 local ranks add their gradients on the device (cuda-twin)"));
+  EXPECT_THAT(r.output, HasSubstr("worker 1: its 3 local ranks add their gradients in host memory "
+                                  "(local rank 1 is on the CPU)"));
+}
+
+// The same on a GPU: two workers of two local ranks, all four processes
+// on GPU 0, map each other's gradients by CUDA IPC. Skipped without a GPU
+// (ONEBIT_REQUIRE_GPU makes that a failure).
+TEST(LocalRanksDevice, GpuRanksAddTheirGradientsOnTheDeviceBitForBit) {
+  std::string why;
+  if (cuda::DeviceCount(&why) == 0) {
+    if (std::getenv("ONEBIT_REQUIRE_GPU") != nullptr) FAIL() << "no GPU: " << why;
+    GTEST_SKIP() << "no CUDA device is usable here: " << why;
+  }
+  const control::TrainingConfig cfg = Config("onebit-adam", 2, 2);
+  const std::string out = TempDir("local_ranks_gpu_device");
+  std::vector<std::string> argv = {Bin("onebit-launch"), "--out=" + out, "--dump_params",
+                                   "--worker_devices=cuda:0,cuda:0,cuda:0,cuda:0"};
+  for (const std::string& a : ConfigArgs(cfg)) argv.push_back(a);
+  RunResult r = RunCommand(argv, absl::Seconds(180));
+  ASSERT_EQ(r.code, 0) << r.output;
+  ExpectReference(cfg, out, Reference(cfg));
+  EXPECT_THAT(r.output,
+              HasSubstr("worker 0: its 2 local ranks add their gradients on the device (cuda:0)"));
+  EXPECT_THAT(r.output,
+              HasSubstr("worker 1: its 2 local ranks add their gradients on the device (cuda:0)"));
 }
 
 // A host's NIC carries 1/K of the bytes of K flat workers: N workers of
