@@ -262,7 +262,7 @@ struct LaunchPlan {
   SecurityFlags security;
   int stall_worker = -1;
   int max_restarts = 0;
-  bool live = false;   // live recovery: a lost process alone is started again
+  bool live = false;   // live recovery: a lost process alone (a host: its local ranks) starts again
   int child_nice = 0;  // of the servers and workers (--child_nice, resolved)
   // NAME=K for a --worker_cmd program's math libraries' threads, those the
   // caller's environment leaves unset.
@@ -565,8 +565,15 @@ class Attempt {
             (&c == &coord ? *c.code > 128 : coordinator_running) &&
             HasCompleteCheckpoint(cfg.checkpoint().dir())) {
           ++*restarts_used;
+          // A host's local ranks stand or fall together: the rest of a lost
+          // rank's group goes too, and the group starts again as one.
+          const std::vector<Child*> group = GroupOf(c);
           Log(absl::StrCat(c.name, " failed (", DescribeExit(*c.code), "); restart ",
-                           *restarts_used, " of ", max_restarts, ": starting it again",
+                           *restarts_used, " of ", max_restarts, ": starting ",
+                           group.size() > 1
+                               ? absl::StrCat("its host's ", group.size(), " local ranks")
+                               : std::string("it"),
+                           " again",
                            &c == &coord ? "; the others wait for it"
                                         : "; the job rolls back to its last complete checkpoint"));
           if (&c == &coord) {
@@ -574,11 +581,19 @@ class Attempt {
             std::remove(port_file_.c_str());
             coordinator_listening_ = false;
           }
-          TrackChild(c.proc->pid(), false);
-          if (absl::Status st = Start(&c, c.argv, c.env, &c == &coord ? 0 : plan_.child_nice);
-              !st.ok()) {
-            StopAll(std::string(st.message()));
-            return Finish(1);
+          for (Child* m : group) {
+            if (m != &c && !m->code && m->proc) {
+              m->proc->Signal(SIGKILL);
+              m->code = m->proc->Wait(absl::Seconds(10));
+            }
+            TrackChild(m->proc->pid(), false);
+          }
+          for (Child* m : group) {
+            if (absl::Status st = Start(m, m->argv, m->env, m == &coord ? 0 : plan_.child_nice);
+                !st.ok()) {
+              StopAll(std::string(st.message()));
+              return Finish(1);
+            }
           }
           all_done = false;
           continue;
@@ -620,6 +635,19 @@ class Attempt {
       absl::SleepFor(absl::Milliseconds(20));
     }
     return std::nullopt;
+  }
+
+  // The processes that are started again together with c: a worker's
+  // local ranks (c's own group, local rank 0 first), else c alone.
+  std::vector<Child*> GroupOf(Child& c) {
+    const uint32_t K = LocalRanks(plan_.cfg);
+    const size_t first_worker = 1 + plan_.cfg.cluster().servers();
+    const size_t at = static_cast<size_t>(&c - children_.data());
+    if (K <= 1 || at < first_worker) return {&c};
+    const size_t leader = first_worker + (at - first_worker) / K * K;
+    std::vector<Child*> group;
+    for (size_t i = leader; i < leader + K; ++i) group.push_back(&children_[i]);
+    return group;
   }
 
   // When the run folder's summary.json was last written; nullopt: none.
@@ -874,10 +902,8 @@ LaunchPlan PlanFromCommandLine(int argc, char** argv) {
       theirs != nullptr && *theirs != '\0' && !python_path.empty()) {
     python_path = absl::StrCat(python_path, ":", theirs);
   }
-  // A host's local ranks stand or fall together (one lost fails its
-  // worker): the whole job starts again instead.
-  plan.live =
-      !cfg.checkpoint().dir().empty() && cfg.timeouts().rejoin_ms() > 0 && LocalRanks(cfg) == 1;
+  // (A host's local ranks are started again together: GroupOf.)
+  plan.live = !cfg.checkpoint().dir().empty() && cfg.timeouts().rejoin_ms() > 0;
   return plan;
 }
 

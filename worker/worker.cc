@@ -313,6 +313,9 @@ struct Worker::Impl {
   // into replica's g: on this device where every follower's is on one of
   // its kind (a->device_grads), else in host memory.
   absl::Status MeanOfLocalRanks(const std::vector<LocalRequest>& requests, LocalAnswer* a);
+  // A follower gone (Unavailable from the group): the job's failure, or
+  // under live recovery this worker's alone, not reported (Fail otherwise).
+  absl::Status LoseLocalRank(const absl::Status& st);
   absl::StatusOr<StepStats> LeadStep(const StepOptions& options);
   absl::Status OwnBroadcast();
   absl::Status OwnFinish();
@@ -730,7 +733,7 @@ absl::Status Worker::Impl::Lead(LocalCall call, absl::Duration wait, const LeadF
   absl::Status st = Usable();
   if (st.ok()) {
     auto requests = leader->Gather(call, step, wait);
-    st = requests.ok() ? own(*requests, &answer) : Fail(requests.status());
+    st = requests.ok() ? own(*requests, &answer) : LoseLocalRank(requests.status());
   }
   if (absl::Status read = replica->ReadX(leader->params()); !read.ok() && st.ok()) {
     st = Fail(read);
@@ -741,8 +744,23 @@ absl::Status Worker::Impl::Lead(LocalCall call, absl::Duration wait, const LeadF
   answer.failed = !failure.ok();
   answer.steps_done = step;
   answer.compressing = replica->phase() == Phase::kCompress;
-  if (absl::Status sent = leader->Answer(answer); !sent.ok() && st.ok()) st = Fail(sent);
+  if (absl::Status sent = leader->Answer(answer); !sent.ok() && st.ok()) st = LoseLocalRank(sent);
   return st;
+}
+
+absl::Status Worker::Impl::LoseLocalRank(const absl::Status& st) {
+  // Under live recovery the host's ranks are started again together (by
+  // onebit-launch, or the cluster's controller) and the job rolls back: the
+  // coordinator must not hear it as the job's failure. It hears of this
+  // worker as of a killed one, by its missing heartbeat or its registering
+  // again.
+  const bool live = !cfg.checkpoint().dir().empty() && cfg.timeouts().rejoin_ms() > 0;
+  if (!absl::IsUnavailable(st) || !live) return Fail(st);
+  if (failure.ok()) {
+    failure =
+        absl::Status(st.code(), absl::StrCat(st.message(), "; its host's ranks must start again"));
+  }
+  return failure;
 }
 
 absl::StatusOr<LocalAnswer> Worker::Impl::Follow(LocalRequest request) {

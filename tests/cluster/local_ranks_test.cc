@@ -19,6 +19,7 @@ namespace onebit::testing {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 std::string Launch(const control::TrainingConfig& cfg, const std::string& name,
                    const std::string& devices = "") {
@@ -169,10 +170,12 @@ TEST(LocalRanksBytes, AWorkerPushesOnceForItsLocalRanks) {
 }
 
 // Launches `cfg` into dir/run with `flags` (logging to dir/launch.log) and,
-// once the log shows `when`, kill -9s worker 1's local rank 1; returns the
-// launcher.
+// once the log shows `when`, kill -9s `victim`: worker 1's local rank 1
+// ("follower"), its local rank 0 ("leader") or server 0 ("server");
+// returns the launcher.
 Subprocess LaunchAndKillALocalRank(const control::TrainingConfig& cfg, const std::string& dir,
-                                   std::vector<std::string> flags, const std::string& when) {
+                                   std::vector<std::string> flags, const std::string& when,
+                                   const std::string& victim = "follower") {
   const std::string out = dir + "/run";
   std::vector<std::string> argv = {Bin("onebit-launch"), "--out=" + out, "--dump_params"};
   argv.insert(argv.end(), flags.begin(), flags.end());
@@ -180,9 +183,21 @@ Subprocess LaunchAndKillALocalRank(const control::TrainingConfig& cfg, const std
   Subprocess launch = Start(argv, dir + "/launch.log");
   EXPECT_TRUE(WaitForText(dir + "/launch.log", when, absl::Seconds(60)))
       << ReadFile(dir + "/launch.log");
-  const std::vector<int> victim = ProcessesMentioning("--dump_x=" + out + "/replica_w1_local1.f32");
-  EXPECT_EQ(victim.size(), 1u);
-  if (victim.size() == 1) kill(victim[0], SIGKILL);
+  std::vector<int> pids;
+  if (victim == "server") {
+    const std::string log = ReadFile(dir + "/launch.log");
+    const size_t at = log.find("coordinator at ");
+    const std::string target = log.substr(at + 15, log.find(' ', at + 15) - at - 15);
+    for (int pid : ProcessesMentioning("--coordinator=" + target)) {
+      if (ReadFile(absl::StrCat("/proc/", pid, "/cmdline")).find("--shard=0") != std::string::npos)
+        pids.push_back(pid);
+    }
+  } else {
+    pids = ProcessesMentioning(
+        absl::StrCat("--dump_x=", out, "/replica_w1", victim == "leader" ? "" : "_local1", ".f32"));
+  }
+  EXPECT_EQ(pids.size(), 1u) << victim;
+  if (pids.size() == 1) kill(pids[0], SIGKILL);
   return launch;
 }
 
@@ -208,10 +223,10 @@ TEST(LocalRanksFaults, AKilledLocalRankFailsTheJobNamingIt) {
   EXPECT_THAT(ReadFile(out + "/summary.json"), HasSubstr(named));
 }
 
-// With a checkpoint folder and a restart to spend, a killed local rank
-// fails its worker, the launcher starts the whole job again, the followers
-// learn the checkpoint's step from their leader, and the job ends where
-// the uninterrupted one does, every process's replica included.
+// Without live recovery (--rejoin_timeout=0), a killed local rank fails
+// its worker, the launcher starts the whole job again, the followers learn
+// the checkpoint's step from their leader, and the job ends where the
+// uninterrupted one does, every process's replica included.
 TEST(LocalRanksFaults, AKilledLocalRankRestartsTheJobWhichResumesBitForBit) {
   const std::string dir = TempDir("local_rank_resumed");
   const std::string out = dir + "/run";
@@ -219,9 +234,11 @@ TEST(LocalRanksFaults, AKilledLocalRankRestartsTheJobWhichResumesBitForBit) {
   SetSetting(&cfg, "steps", "20000");
   SetSetting(&cfg, "lr", "0.0001");
   // Killed once a checkpoint is complete, so that the job resumes from it.
-  Subprocess launch = LaunchAndKillALocalRank(
-      cfg, dir, {"--checkpoint_dir=" + dir + "/ckpt", "--checkpoint_every=500", "--max_restarts=1"},
-      "checkpoint of step 500 complete");
+  Subprocess launch =
+      LaunchAndKillALocalRank(cfg, dir,
+                              {"--checkpoint_dir=" + dir + "/ckpt", "--checkpoint_every=500",
+                               "--max_restarts=1", "--rejoin_timeout=0"},
+                              "checkpoint of step 500 complete");
   const std::optional<int> code = launch.Wait(absl::Seconds(240));
   ASSERT_TRUE(code.has_value()) << ReadFile(dir + "/launch.log");
   const std::string log = ReadFile(dir + "/launch.log");
@@ -231,6 +248,50 @@ TEST(LocalRanksFaults, AKilledLocalRankRestartsTheJobWhichResumesBitForBit) {
   EXPECT_GT(NumberField(ReadFile(out + "/summary.json"), "resumed_from_step"), 0);
   ExpectReference(cfg, out, Reference(cfg));
 }
+
+// Live recovery with local ranks: a killed follower or leader takes its
+// host's other ranks with it, the launcher starts that host's ranks again
+// (and nothing else), the other workers and their local ranks roll back in
+// place, and the job ends bit for bit as the uninterrupted one, every
+// process's replica included. A killed server alone comes back, and every
+// host's ranks roll back in place.
+class LocalRanksRecovery : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(LocalRanksRecovery, OnlyTheLostHostStartsAgainAndTheJobEndsBitForBit) {
+  const std::string dir = TempDir("local_rank_live_" + GetParam());
+  const std::string out = dir + "/run";
+  control::TrainingConfig cfg = Config("onebit-adam", 2, 2);
+  SetSetting(&cfg, "steps", "3000");
+  SetSetting(&cfg, "freeze_step", "1000");
+  SetSetting(&cfg, "lr", "0.0001");
+  Subprocess launch =
+      LaunchAndKillALocalRank(cfg, dir,
+                              {"--checkpoint_dir=" + dir + "/ckpt", "--checkpoint_every=200",
+                               "--max_restarts=1", "--heartbeat_timeout=3s"},
+                              "checkpoint of step 1200 complete", GetParam());
+  const std::optional<int> code = launch.Wait(absl::Seconds(240));
+  ASSERT_TRUE(code.has_value()) << ReadFile(dir + "/launch.log");
+  const std::string log = ReadFile(dir + "/launch.log");
+  EXPECT_EQ(*code, 0) << log;
+  EXPECT_THAT(log, Not(HasSubstr("starting the whole job again")));
+  if (GetParam() == "server") {
+    EXPECT_THAT(log, HasSubstr("server0 failed (signal 9 (Killed)); restart 1 of 1: starting it "
+                               "again; the job rolls back"));
+    EXPECT_THAT(log, HasSubstr("worker 1: server 0 registered again (restarted)"));
+  } else {
+    EXPECT_THAT(log, HasSubstr("; restart 1 of 1: starting its host's 2 local ranks again; the "
+                               "job rolls back"));
+    EXPECT_THAT(log, HasSubstr("worker 0: worker 1 registered again (restarted)"));
+  }
+  EXPECT_THAT(log, HasSubstr("worker 0: the job rolled back to the checkpoint of step"));
+  const std::string summary = ReadFile(out + "/summary.json");
+  EXPECT_EQ(Field(summary, "rollbacks"), "1") << summary;
+  ExpectReference(cfg, out, Reference(cfg));
+}
+
+INSTANTIATE_TEST_SUITE_P(Victim, LocalRanksRecovery,
+                         ::testing::Values("follower", "leader", "server"),
+                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
 }  // namespace
 }  // namespace onebit::testing
