@@ -14,9 +14,11 @@
 // where they arrive, before anything changes; a push that fails (a
 // non-finite value) leaves the error buffer as it was, as the codecs do.
 //
-// Memory: device 2 floats per parameter (x, g) plus each array either phase
+// Memory: device 2 floats per parameter (x, g; g where another process of
+// the host can map it, Backend::alloc_shared) plus each array either phase
 // of the optimizer holds (WorkerOptimizer::WorkerArraysIn; zero-one-adam's
-// v and x_sync share one), a reply chunk and a push chunk; pinned host
+// v and x_sync share one), a reply chunk and a push chunk, and on a local
+// ranks' leader one more for their mean (MeanGradsWith); pinned host
 // memory of one fp32 copy of x (a slot per reply chunk, so copies need not
 // wait for each other) and one push chunk.
 #ifndef ONEBIT_WORKER_DEVICE_REPLICA_H_
