@@ -568,7 +568,16 @@ class Attempt {
           // A host's local ranks stand or fall together: the rest of a lost
           // rank's group goes too, and the group starts again as one.
           const std::vector<Child*> group = GroupOf(c);
-          Log(absl::StrCat(c.name, " failed (", DescribeExit(*c.code), "); restart ",
+          // Which of the group had failed too (the cause may be another's).
+          std::string with;
+          for (Child* m : group) {
+            if (m != &c && !m->code && m->proc) m->code = m->proc->Poll();
+            if (m != &c && m->code && *m->code != 0) {
+              absl::StrAppend(&with, with.empty() ? ", with " : ", ", m->name, " (",
+                              DescribeExit(*m->code), ")");
+            }
+          }
+          Log(absl::StrCat(c.name, " failed (", DescribeExit(*c.code), ")", with, "; restart ",
                            *restarts_used, " of ", max_restarts, ": starting ",
                            group.size() > 1
                                ? absl::StrCat("its host's ", group.size(), " local ranks")
