@@ -21,14 +21,17 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::Not;
 
+// Runs `cfg` through onebit-launch into a fresh run folder, which it
+// returns; *output (when set) gets the launcher's output.
 std::string Launch(const control::TrainingConfig& cfg, const std::string& name,
-                   const std::string& devices = "") {
+                   const std::string& devices = "", std::string* output = nullptr) {
   const std::string out = TempDir(name);
   std::vector<std::string> argv = {Bin("onebit-launch"), "--out=" + out, "--dump_params"};
   if (!devices.empty()) argv.push_back("--worker_devices=" + devices);
   for (const std::string& a : ConfigArgs(cfg)) argv.push_back(a);
   RunResult r = RunCommand(argv, absl::Seconds(180));
   EXPECT_EQ(r.code, 0) << absl::StrJoin(argv, " ") << "\n" << r.output;
+  if (output != nullptr) *output = r.output;
   return out;
 }
 
@@ -116,19 +119,14 @@ TEST(LocalRanksDevice, TwinWorkersEqualTheReferenceBitForBit) {
 TEST(LocalRanksDevice, TwinRanksAddTheirGradientsOnTheDeviceBitForBit) {
   const control::TrainingConfig cfg = Config("onebit-adam", 2, 3);
   // Worker 0: all three on the twin; worker 1: its local rank 1 on the CPU.
-  const std::string out = TempDir("local_ranks_twin_device");
-  std::vector<std::string> argv = {Bin("onebit-launch"), "--out=" + out, "--dump_params",
-                                   "--worker_devices=cuda-twin,cuda-twin,cuda-twin,cuda-twin,cpu,"
-                                   "cuda-twin"};
-  for (const std::string& a : ConfigArgs(cfg)) argv.push_back(a);
-  RunResult r = RunCommand(argv, absl::Seconds(180));
-  ASSERT_EQ(r.code, 0) << r.output;
+  std::string output;
+  const std::string out = Launch(cfg, "local_ranks_twin_device",
+                                 "cuda-twin,cuda-twin,cuda-twin,cuda-twin,cpu,cuda-twin", &output);
   ExpectReference(cfg, out, Reference(cfg));
-  EXPECT_THAT(
-      r.output,
-      HasSubstr("worker 0: its 3 local ranks add their gradients on the device (cuda-twin)"));
-  EXPECT_THAT(r.output, HasSubstr("worker 1: its 3 local ranks add their gradients in host memory "
-                                  "(local rank 1 is on the CPU)"));
+  EXPECT_THAT(output, HasSubstr("worker 0: its 3 local ranks add their gradients on the device "
+                                "(cuda-twin)"));
+  EXPECT_THAT(output, HasSubstr("worker 1: its 3 local ranks add their gradients in host memory "
+                                "(local rank 1 is on the CPU)"));
 }
 
 // The same on a GPU: two workers of two local ranks, all four processes
@@ -141,17 +139,15 @@ TEST(LocalRanksDevice, GpuRanksAddTheirGradientsOnTheDeviceBitForBit) {
     GTEST_SKIP() << "no CUDA device is usable here: " << why;
   }
   const control::TrainingConfig cfg = Config("onebit-adam", 2, 2);
-  const std::string out = TempDir("local_ranks_gpu_device");
-  std::vector<std::string> argv = {Bin("onebit-launch"), "--out=" + out, "--dump_params",
-                                   "--worker_devices=cuda:0,cuda:0,cuda:0,cuda:0"};
-  for (const std::string& a : ConfigArgs(cfg)) argv.push_back(a);
-  RunResult r = RunCommand(argv, absl::Seconds(180));
-  ASSERT_EQ(r.code, 0) << r.output;
+  std::string output;
+  const std::string out =
+      Launch(cfg, "local_ranks_gpu_device", "cuda:0,cuda:0,cuda:0,cuda:0", &output);
   ExpectReference(cfg, out, Reference(cfg));
-  EXPECT_THAT(r.output,
-              HasSubstr("worker 0: its 2 local ranks add their gradients on the device (cuda:0)"));
-  EXPECT_THAT(r.output,
-              HasSubstr("worker 1: its 2 local ranks add their gradients on the device (cuda:0)"));
+  for (const char* worker : {"worker 0", "worker 1"}) {
+    EXPECT_THAT(output,
+                HasSubstr(absl::StrCat(
+                    worker, ": its 2 local ranks add their gradients on the device (cuda:0)")));
+  }
 }
 
 // A host's NIC carries 1/K of the bytes of K flat workers: N workers of
