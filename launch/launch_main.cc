@@ -594,6 +594,10 @@ class Attempt {
             if (m != &c && !m->code && m->proc) {
               m->proc->Signal(SIGKILL);
               m->code = m->proc->Wait(absl::Seconds(10));
+              if (!m->code) {  // not started twice beside itself
+                StopAll(absl::StrCat(m->name, " did not exit within 10s of SIGKILL"));
+                return Finish(1);
+              }
             }
             TrackChild(m->proc->pid(), false);
           }

@@ -251,7 +251,8 @@ int main(int argc, char** argv) {
   }
   if (absl::Status st = w.Finish(); !st.ok()) return Fail("finish", st);
   if (my_rank == abort_rank) {
-    const std::string target = std::getenv("ONEBIT_COORDINATOR");
+    const char* coordinator = std::getenv("ONEBIT_COORDINATOR");
+    const std::string target = coordinator == nullptr ? "" : coordinator;
     const int port = std::atoi(target.substr(target.rfind(':') + 1).c_str());
     for (int i = 0; i < 3000 && Listening(port); ++i) {
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
