@@ -916,7 +916,7 @@ LaunchPlan PlanFromCommandLine(int argc, char** argv) {
     python_path = absl::StrCat(python_path, ":", theirs);
   }
   // (A host's local ranks are started again together: GroupOf.)
-  plan.live = !cfg.checkpoint().dir().empty() && cfg.timeouts().rejoin_ms() > 0;
+  plan.live = RejoinWait(cfg) > absl::ZeroDuration();
   return plan;
 }
 

@@ -754,7 +754,7 @@ absl::Status Worker::Impl::LoseLocalRank(const absl::Status& st) {
   // coordinator must not hear it as the job's failure. It hears of this
   // worker as of a killed one, by its missing heartbeat or its registering
   // again.
-  const bool live = !cfg.checkpoint().dir().empty() && cfg.timeouts().rejoin_ms() > 0;
+  const bool live = RejoinWait(cfg) > absl::ZeroDuration();
   if (!absl::IsUnavailable(st) || !live) return Fail(st);
   if (failure.ok()) {
     failure =
