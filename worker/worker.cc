@@ -658,9 +658,11 @@ absl::Status Worker::Impl::ConnectFollower(const WorkerOptions& o, const ModelFa
     auto handle = replica->ExportGrads();
     if (handle.ok() && handle->size() <= kMaxText) {
       grads_handle = *handle;
-    } else if (!handle.ok()) {
+    } else {
       std::fprintf(stderr, "worker %u local rank %u: its gradient goes through host memory (%s)\n",
-                   job.rank, local_rank, std::string(handle.status().message()).c_str());
+                   job.rank, local_rank,
+                   handle.ok() ? "its handle is longer than a message holds"
+                               : std::string(handle.status().message()).c_str());
     }
   }
   return absl::OkStatus();
