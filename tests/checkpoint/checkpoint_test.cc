@@ -25,18 +25,14 @@
 #include "checkpoint/state_file.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/common/scratch.h"
 
 namespace onebit {
 namespace {
 
 using ::testing::HasSubstr;
 
-std::string TempRoot(const std::string& name) {
-  const std::string dir = absl::StrCat("/tmp/onebit-ckpt-", getpid(), "-", name);
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
-}
+std::string TempRoot(const std::string& name) { return ScratchDir("onebit-ckpt", name); }
 
 std::string Read(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

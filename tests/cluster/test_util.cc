@@ -25,6 +25,7 @@
 #include "optim/reference.h"
 #include "security/job_secret.h"
 #include "shard/shard_map.h"
+#include "tests/common/scratch.h"
 
 namespace onebit::testing {
 
@@ -43,14 +44,7 @@ std::string Bin(const std::string& name) {
   return std::string(dir != nullptr && *dir != '\0' ? dir : ONEBIT_BIN_DIR) + "/" + name;
 }
 
-std::string TempDir(const std::string& name) {
-  const char* base = std::getenv("TEST_TMPDIR");
-  std::string root = base != nullptr ? base : "/tmp";
-  const std::string dir = absl::StrCat(root, "/onebit-rt-", getpid(), "-", name);
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
-}
+std::string TempDir(const std::string& name) { return ScratchDir("onebit-rt", name); }
 
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -265,7 +259,7 @@ ReferenceResult Reference(const control::TrainingConfig& cfg) {
 
 std::string SecretFile() {
   static const std::string path = [] {
-    const std::string p = TempDir("job-secret") + "/secret";
+    const std::string p = ScratchDirForProcess("onebit-rt", "job-secret") + "/secret";
     if (!JobSecret::Generate().WriteFile(p).ok()) std::abort();
     return p;
   }();

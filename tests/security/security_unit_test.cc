@@ -14,6 +14,7 @@
 #include "security/curve.h"
 #include "security/job_secret.h"
 #include "security/tls.h"
+#include "tests/common/scratch.h"
 #include "zmq.hpp"
 #include "zmq_addon.hpp"
 
@@ -22,10 +23,8 @@ namespace {
 
 using ::testing::HasSubstr;
 
-std::string Scratch(const std::string& name) {
-  const char* base = std::getenv("TEST_TMPDIR");
-  return absl::StrCat(base != nullptr ? base : "/tmp", "/onebit-sec-", getpid(), "-", name);
-}
+// A file in a folder of its own, which goes with the test.
+std::string Scratch(const std::string& name) { return ScratchDir("onebit-sec", name) + "/file"; }
 
 TEST(JobSecret, WrittenOwnerOnlyAndReadBackTheSame) {
   const std::string path = Scratch("secret");
