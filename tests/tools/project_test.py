@@ -3,6 +3,7 @@ of a netbench run folder. Stdlib only; run by ctest as tools.project:
 
     /usr/bin/python3 tests/tools/project_test.py
 """
+import json
 import os
 import subprocess
 import sys
@@ -18,11 +19,11 @@ D = 25165824
 GBIT = 1e9 / 8
 
 
-def costs(worker=2.0, push=1.0, apply=3.0, factor=1.0):
+def costs(worker=2.0, push=1.0, apply=3.0, crowd=()):
     phase = {"worker_ns": worker, "server_push_ns": push, "server_apply_ns": apply,
-             "shared_factor": factor}
+             "crowd": [list(p) for p in crowd]}
     table = {c: dict(phase) for c in ("fp32", "fp16", "onebit")}
-    return {"plain": table, "secure": table, "shared_procs": 6,
+    return {"plain": table, "secure": table,
             "ddp": {"adamw_ns": 10.0, "gloo_ns_per_byte": 0.5}}
 
 
@@ -93,15 +94,70 @@ class Cpu(unittest.TestCase):
         self.assertAlmostEqual(parts["worker"], 2.0e-9 * D, places=12)
 
     def test_shared_cores_slow_down_only_past_one_process_a_core(self):
-        c = costs(factor=1.5)
+        c = costs(crowd=[(6, 1.5), (12, 2.0)])
         two = project.Layout(1, 1, False, shared_cores=2)
         _, _, p2 = project.onebit_step(c, two, D, "fp32", "fp32", 0.0, False)
         alone = (2.0 + (1.0 + 3.0)) * 1e-9 * D / 2  # worker + server over 2 cores
         self.assertAlmostEqual(p2["cores"], alone, places=12)
-        six = project.Layout(4, 2, False, shared_cores=2)  # the calibrated 6 processes
+        six = project.Layout(4, 2, False, shared_cores=2)  # a calibrated count: 6 processes
         _, _, p6 = project.onebit_step(c, six, D, "fp32", "fp32", 0.0, False)
         total = 4 * 2.0e-9 * D + 2 * (4 * 1.0 + 3.0) * 1e-9 * D / 2
         self.assertAlmostEqual(p6["cores"], total / 2 * 1.5, places=12)
+
+    def test_the_crowd_joins_the_calibrated_points_and_holds_the_last(self):
+        phase = {"crowd": [[6, 1.2, 0.001], [12, 1.5, 0.004], [24, 1.8, 0.004]]}
+        f = project.crowd
+        self.assertEqual(f(phase, 2, 2), (1.0, 0.0))  # no more processes than cores
+        got = f(phase, 4, 2)  # halfway from (2, 1, 0) to (6, 1.2, 1 ms)
+        self.assertAlmostEqual(got[0], 1.1)
+        self.assertAlmostEqual(got[1], 0.0005)
+        self.assertAlmostEqual(f(phase, 12, 2)[0], 1.5)
+        self.assertAlmostEqual(f(phase, 16, 2)[0], 1.6)  # a third of the way to 24
+        self.assertEqual(f(phase, 64, 2), (1.8, 0.004))  # beyond the last point: held
+        self.assertEqual(f({}, 64, 2), (1.0, 0.0))  # costs from before the crowd calibration
+        self.assertAlmostEqual(f({"crowd": [[6, 1.2]]}, 6, 2)[0], 1.2)  # without a per-step part
+
+    def test_a_crowds_per_step_cpu_counts_once_per_process(self):
+        base = project.Layout(4, 2, False, shared_cores=2)
+        c0 = costs(crowd=[(6, 1.5, 0.0)])
+        c1 = costs(crowd=[(6, 1.5, 0.002)])
+        p0 = project.onebit_step(c0, base, D, "onebit", "onebit", 0.0, False)[2]
+        p1 = project.onebit_step(c1, base, D, "onebit", "onebit", 0.0, False)[2]
+        self.assertAlmostEqual(p1["cores"] - p0["cores"], 6 * 0.002 / 2, places=12)
+
+    def test_a_message_costs_its_crowded_figure_once_processes_outnumber_the_cores(self):
+        c = {"messages": {"plain": {"worker_us": 5.0, "server_us": 7.0}},
+             "messages_crowded": {"plain": {"worker_us": 45.0, "server_us": 47.0, "procs": 16}}}
+        self.assertEqual(project.message_costs(c, False, 2, 2)["worker_us"], 5.0)
+        half = project.message_costs(c, False, 9, 2)  # 7 of the 14 processes past the cores
+        self.assertAlmostEqual(half["worker_us"], 25.0)
+        self.assertAlmostEqual(half["server_us"], 27.0)
+        self.assertAlmostEqual(project.message_costs(c, False, 40, 2)["server_us"], 47.0)
+        self.assertEqual(project.message_costs(c, False, None, None)["server_us"], 7.0)  # a cluster
+        self.assertIsNone(project.message_costs(c, True, 40, 2))  # no secured figures
+        # In a step: a worker of 4 x 2 on 2 cores sends and gets one message
+        # per chunk of every shard, at the crowded cost for 6 processes.
+        lay = project.Layout(4, 2, False, shared_cores=2)
+        c.update(costs())
+        _, _, parts = project.onebit_step(c, lay, 1 << 20, "onebit", "onebit", 0.0, False)
+        chunks = project.chunks_per_shard((1 << 20) / 2, compressed=True)
+        msg = 5.0 + 40.0 * 4 / 14
+        self.assertAlmostEqual(parts["worker"], 2.0e-9 * (1 << 20) + 2 * 2 * chunks * msg * 1e-6,
+                               places=12)
+
+    def test_on_shared_cores_every_workers_forward_backward_is_cpu_of_the_pool(self):
+        # 8 CPU workers on 2 cores compute their gradients 4 at a time, not
+        # all at once beside the exchange.
+        lay = project.Layout(8, 2, False, shared_cores=2)
+        t0, _, p0 = project.onebit_step(costs(), lay, D, "onebit", "onebit", 0.0, False)
+        t1, _, p1 = project.onebit_step(costs(), lay, D, "onebit", "onebit", 0.1, False)
+        self.assertAlmostEqual(p1["cores"] - p0["cores"], 8 * 0.1 / 2, places=12)
+        self.assertAlmostEqual(t1 - t0, 8 * 0.1 / 2, places=12)
+        # On a cluster it comes before the exchange, once.
+        host = project.Layout(8, 2, False, cores_per_host=16)
+        u0, _, _ = project.onebit_step(costs(), host, D, "onebit", "onebit", 0.0, False)
+        u1, _, _ = project.onebit_step(costs(), host, D, "onebit", "onebit", 0.1, False)
+        self.assertAlmostEqual(u1 - u0, 0.1, places=12)
 
     def test_the_step_is_forward_backward_plus_the_wire_plus_the_slower_cpu_stage_and_fill(self):
         lay = project.Layout(4, 4, True, cores_per_host=16, rate=GBIT)
@@ -141,6 +197,49 @@ class Netbench(unittest.TestCase):
             with open(path, "w") as f:
                 f.write("step,phase,loss,wall_s\n0,warmup,1,0.5\n1,warmup,1,1.0\n2,warmup,1,1.5\n")
             self.assertEqual(project.gap_steps(path), {})
+
+
+class Scale(unittest.TestCase):
+    def run_folder(self, root, name, warm_gap):
+        """A tools/scale output folder of one 4 x 4 run whose warm-up steps
+        end warm_gap seconds apart (its step_s column says otherwise)."""
+        d = os.path.join(root, name)
+        os.makedirs(os.path.join(d, "colocated-n4"))
+        with open(os.path.join(d, "scale.csv"), "w") as f:
+            f.write("layout,workers,servers,status,warmup_step_ms,compress_step_ms\n")
+            f.write("colocated,4,4,ok,999,999\n")
+        with open(os.path.join(d, "colocated-n4", "command.txt"), "w") as f:
+            f.write("onebit-launch --workers 4 --servers 4 --model synthetic --dim 65536\n")
+        with open(os.path.join(d, "colocated-n4", "metrics.csv"), "w") as f:
+            f.write("step,phase,loss,wall_s,bytes_up,bytes_down,step_s\n")
+            for i in range(6):
+                f.write(f"{i},warmup,1,{1 + i * warm_gap},0,0,9.0\n")
+        return d
+
+    def test_runs_of_one_configuration_give_their_median_period_against_the_model(self):
+        with tempfile.TemporaryDirectory() as root:
+            a = self.run_folder(root, "a", 0.010)
+            b = self.run_folder(root, "b", 0.030)
+            c = costs(worker=100.0, push=0.0, apply=0.0)
+            c["synthetic_gradient_ns"] = 50.0
+            path = os.path.join(root, "costs.json")
+            with open(path, "w") as f:
+                json.dump(c, f)
+            r = subprocess.run([TOOL, "validate", "--costs", path, "--scale", a, b],
+                               capture_output=True, text=True)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            row = [line for line in r.stdout.splitlines() if "warmup" in line]
+            self.assertEqual(len(row), 1, r.stdout)
+            # Measured: the median of the runs' periods (10 and 30 ms), not step_s.
+            self.assertIn("20.0 ms (median of 2: 10.0 ms, 30.0 ms)", row[0])
+            # Predicted: the 4 workers' rule and gradient (150 ns an element)
+            # over the cores of the machine validating (where tools/scale's
+            # runs are taken to have run); the servers cost nothing here. With
+            # more than 4 cores one worker's own time is the larger.
+            cores = os.cpu_count()
+            if cores <= 4:
+                want = 4 * 150e-9 * 65536 / cores
+                self.assertIn(f"| {want * 1e3:.1f} ms |", row[0])
 
 
 class Cli(unittest.TestCase):
