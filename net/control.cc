@@ -443,13 +443,20 @@ absl::Status Heartbeater::Done(const std::vector<control::ShardChecksum>& checks
     control::DoneReply reply;
     grpc::Status s = stub_->Done(&ctx, req, &reply);
     if (s.ok()) return absl::OkStatus();
-    if (s.error_code() != grpc::StatusCode::UNAVAILABLE) {
+    // A coordinator too busy to answer in time (a loaded host at the end of
+    // a large job) is asked again, as a lost one is (Done may be repeated),
+    // and given the time a heartbeat gives a slow one.
+    const bool slow = s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+    if (s.error_code() != grpc::StatusCode::UNAVAILABLE && !slow) {
       return RpcError(absl::StrCat("Done to the coordinator at ", target_), s);
     }
-    if (absl::Now() - since > coordinator_wait_) {
+    const absl::Duration wait =
+        slow ? std::max(coordinator_wait_, kSlowCoordinatorFactor * coordinator_timeout_)
+             : coordinator_wait_;
+    if (absl::Now() - since > wait) {
       return RpcError(
           absl::StrCat("Done: the coordinator at ", target_, " is unreachable (no heartbeat for ",
-                       absl::FormatDuration(coordinator_wait_), ")"),
+                       absl::FormatDuration(wait), ")"),
           s);
     }
     absl::SleepFor(absl::Milliseconds(100));

@@ -111,7 +111,9 @@ class Heartbeater {
   // Sends the final checksums, the steps done (workers) and any pending
   // metrics, after any heartbeat in flight has been answered: the
   // coordinator may end the job on Done, and whatever reached it after
-  // would be lost.
+  // would be lost. A coordinator that does not answer at all is asked again
+  // until it has been silent for the lost coordinator's wait; one that
+  // answers too late, for kSlowCoordinatorFactor timeouts, as heartbeats.
   absl::Status Done(const std::vector<control::ShardChecksum>& checksums, uint64_t steps = 0);
 
   // A job without a fixed step count: the steps every worker finished

@@ -191,6 +191,96 @@ TEST(CoordinatorService, ReplicasEqualOnlyWhenEveryChecksumMatches) {
   }
 }
 
+// A Done whose answer missed its caller's deadline (a loaded host) is sent
+// again: after the job finished with it, the repeat is answered OK and
+// changes nothing; a process that never sent one is still refused.
+TEST(CoordinatorService, ARepeatedDoneOfACountedProcessIsAnsweredAfterTheJobFinished) {
+  control::TrainingConfig cfg = testing::MakeConfig(2, 1, 100, 1, "sgd");
+  CoordinatorService svc(cfg, {}, 42, absl::Seconds(10), Security{});
+  std::vector<std::thread> threads;
+  std::vector<control::RegisterReply> replies(3);
+  for (int i = 0; i < 3; ++i) {
+    threads.emplace_back([&, i] {
+      grpc::ServerContext ctx;
+      control::RegisterRequest req;
+      req.set_role(i == 0 ? control::SERVER : control::WORKER);
+      req.set_requested_rank(i == 0 ? 0 : i - 1);
+      req.set_data_endpoint("tcp://example:1");
+      EXPECT_TRUE(svc.Register(&ctx, &req, &replies[i]).ok());
+    });
+  }
+  for (auto& t : threads) t.join();
+  auto done = [&](int i, uint32_t crc) {
+    grpc::ServerContext ctx;
+    control::DoneRequest req;
+    req.set_role(i == 0 ? control::SERVER : control::WORKER);
+    req.set_rank(i == 0 ? 0 : i - 1);
+    req.set_job_id(42);
+    req.set_credential(replies[i].credential());
+    auto* c = req.add_checksums();
+    c->set_shard(0);
+    c->set_end(100);
+    c->set_crc32(crc);
+    control::DoneReply reply;
+    return svc.Done(&ctx, &req, &reply);
+  };
+  EXPECT_TRUE(done(0, 1234).ok());
+  EXPECT_TRUE(done(1, 1234).ok());
+  EXPECT_TRUE(done(1, 1234).ok());  // a repeat while the job runs: counted once
+  EXPECT_EQ(svc.state(), CoordinatorService::State::kRunning);
+  EXPECT_TRUE(done(2, 1234).ok());
+  ASSERT_EQ(svc.state(), CoordinatorService::State::kFinished);
+  EXPECT_TRUE(done(2, 1234).ok());
+  EXPECT_TRUE(done(0, 7).ok());  // what a repeat carries no longer counts
+  EXPECT_EQ(svc.state(), CoordinatorService::State::kFinished);
+  EXPECT_TRUE(svc.MakeSummary().replicas_equal());
+}
+
+TEST(CoordinatorService, ADoneAfterTheJobFailedIsRefused) {
+  control::TrainingConfig cfg = testing::MakeConfig(1, 1, 100, 1, "sgd");
+  CoordinatorService svc(cfg, {}, 42, absl::Seconds(10), Security{});
+  std::vector<control::RegisterReply> replies(2);
+  std::thread t([&] {
+    grpc::ServerContext ctx;
+    control::RegisterRequest req;
+    req.set_role(control::SERVER);
+    req.set_requested_rank(0);
+    req.set_data_endpoint("tcp://example:1");
+    EXPECT_TRUE(svc.Register(&ctx, &req, &replies[0]).ok());
+  });
+  {
+    grpc::ServerContext ctx;
+    control::RegisterRequest req;
+    req.set_role(control::WORKER);
+    req.set_requested_rank(0);
+    EXPECT_TRUE(svc.Register(&ctx, &req, &replies[1]).ok());
+  }
+  t.join();
+  {
+    // A worker's failure, as ControlClient::ReportError sends it.
+    grpc::ServerContext ctx;
+    control::HeartbeatRequest report;
+    report.set_role(control::WORKER);
+    report.set_rank(0);
+    report.set_job_id(42);
+    report.set_credential(replies[1].credential());
+    report.set_error("out of memory");
+    control::HeartbeatReply reply;
+    EXPECT_TRUE(svc.Heartbeat(&ctx, &report, &reply).ok());
+  }
+  ASSERT_EQ(svc.state(), CoordinatorService::State::kFailed);
+  grpc::ServerContext ctx;
+  control::DoneRequest req;
+  req.set_role(control::SERVER);
+  req.set_rank(0);
+  req.set_job_id(42);
+  req.set_credential(replies[0].credential());
+  control::DoneReply reply;
+  grpc::Status st = svc.Done(&ctx, &req, &reply);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(st.error_message(), HasSubstr("out of memory"));
+}
+
 // Registers server 0 ("tcp://s0:5") and worker 0 (no data endpoint, its
 // health endpoint `worker_health`), both of host w0host, at once (the
 // cluster forms when both are in); returns their replies.

@@ -93,6 +93,38 @@ TEST(Heartbeater, DoneComesAfterTheHeartbeatInFlightIsAnswered) {
   local.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
 }
 
+// A coordinator that answers heartbeats at once but its first Done too late
+// (a crowded host at the end of a large job): counts the Done calls.
+class LateDoneCoordinator final : public control::Coordinator::Service {
+ public:
+  grpc::Status Heartbeat(grpc::ServerContext*, const control::HeartbeatRequest*,
+                         control::HeartbeatReply*) override {
+    return grpc::Status::OK;
+  }
+  grpc::Status Done(grpc::ServerContext*, const control::DoneRequest*,
+                    control::DoneReply*) override {
+    if (calls_.fetch_add(1) == 0) absl::SleepFor(absl::Milliseconds(900));
+    return grpc::Status::OK;
+  }
+  std::atomic<int> calls_{0};
+};
+
+// Its answer missed the deadline, so Done asks again (the coordinator
+// answers a repeated Done of a counted process), rather than failing a
+// process whose job ended well.
+TEST(Heartbeater, ADoneAnsweredTooLateIsSentAgain) {
+  LateDoneCoordinator svc;
+  const LocalCoordinator local = ServeLocally(&svc);
+  ASSERT_NE(local.server, nullptr);
+  Heartbeater hb(local.stub.get(), local.target, control::WORKER, 0, 42, absl::Seconds(30),
+                 absl::Milliseconds(300));
+  hb.Start();
+  absl::Status st = hb.Done({}, 1);
+  EXPECT_TRUE(st.ok()) << st;
+  EXPECT_GE(svc.calls_.load(), 2);
+  local.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+}
+
 // A coordinator whose heartbeats do not come back in time (a crowded host):
 // each call waits until released, longer than the client's deadline.
 class UnansweringCoordinator final : public control::Coordinator::Service {
