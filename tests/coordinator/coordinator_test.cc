@@ -153,50 +153,9 @@ TEST(CoordinatorService, DoneMustCoverTheShardMapAndCarryItsCredential) {
   EXPECT_EQ(f.svc->state(), CoordinatorService::State::kFinished);
 }
 
-TEST(CoordinatorService, ReplicasEqualOnlyWhenEveryChecksumMatches) {
-  for (bool corrupt : {false, true}) {
-    control::TrainingConfig cfg = testing::MakeConfig(2, 1, 100, 1, "sgd");
-    CoordinatorService svc(cfg, {}, 42, absl::Seconds(10), Security{});
-    std::vector<std::thread> threads;
-    std::vector<control::RegisterReply> replies(3);
-    for (int i = 0; i < 3; ++i) {
-      threads.emplace_back([&, i] {
-        grpc::ServerContext ctx;
-        control::RegisterRequest req;
-        req.set_role(i == 0 ? control::SERVER : control::WORKER);
-        req.set_requested_rank(i == 0 ? 0 : i - 1);
-        req.set_data_endpoint("tcp://example:1");
-        EXPECT_TRUE(svc.Register(&ctx, &req, &replies[i]).ok());
-        EXPECT_EQ(replies[i].job_id(), 42u);
-      });
-    }
-    for (auto& t : threads) t.join();
-    EXPECT_EQ(svc.state(), CoordinatorService::State::kRunning);
-    for (int i = 0; i < 3; ++i) {
-      grpc::ServerContext ctx;
-      control::DoneRequest req;
-      req.set_role(i == 0 ? control::SERVER : control::WORKER);
-      req.set_rank(i == 0 ? 0 : i - 1);
-      req.set_job_id(42);
-      req.set_credential(replies[i].credential());
-      auto* c = req.add_checksums();
-      c->set_shard(0);
-      c->set_end(100);
-      c->set_crc32(corrupt && i == 2 ? 7 : 1234);
-      control::DoneReply reply;
-      EXPECT_TRUE(svc.Done(&ctx, &req, &reply).ok());
-    }
-    EXPECT_EQ(svc.state(), CoordinatorService::State::kFinished);
-    EXPECT_EQ(svc.MakeSummary().replicas_equal(), !corrupt);
-  }
-}
-
-// A Done whose answer missed its caller's deadline (a loaded host) is sent
-// again: after the job finished with it, the repeat is answered OK and
-// changes nothing; a process that never sent one is still refused.
-TEST(CoordinatorService, ARepeatedDoneOfACountedProcessIsAnsweredAfterTheJobFinished) {
-  control::TrainingConfig cfg = testing::MakeConfig(2, 1, 100, 1, "sgd");
-  CoordinatorService svc(cfg, {}, 42, absl::Seconds(10), Security{});
+// Registers server 0 (process 0) and workers 0 and 1 (processes 1, 2) of
+// job 42 at once; returns their replies.
+std::vector<control::RegisterReply> RegisterServerAndTwoWorkers(CoordinatorService* svc) {
   std::vector<std::thread> threads;
   std::vector<control::RegisterReply> replies(3);
   for (int i = 0; i < 3; ++i) {
@@ -206,77 +165,87 @@ TEST(CoordinatorService, ARepeatedDoneOfACountedProcessIsAnsweredAfterTheJobFini
       req.set_role(i == 0 ? control::SERVER : control::WORKER);
       req.set_requested_rank(i == 0 ? 0 : i - 1);
       req.set_data_endpoint("tcp://example:1");
-      EXPECT_TRUE(svc.Register(&ctx, &req, &replies[i]).ok());
+      EXPECT_TRUE(svc->Register(&ctx, &req, &replies[i]).ok());
+      EXPECT_EQ(replies[i].job_id(), 42u);
     });
   }
   for (auto& t : threads) t.join();
-  auto done = [&](int i, uint32_t crc) {
-    grpc::ServerContext ctx;
-    control::DoneRequest req;
-    req.set_role(i == 0 ? control::SERVER : control::WORKER);
-    req.set_rank(i == 0 ? 0 : i - 1);
-    req.set_job_id(42);
-    req.set_credential(replies[i].credential());
-    auto* c = req.add_checksums();
-    c->set_shard(0);
-    c->set_end(100);
-    c->set_crc32(crc);
-    control::DoneReply reply;
-    return svc.Done(&ctx, &req, &reply);
-  };
-  EXPECT_TRUE(done(0, 1234).ok());
-  EXPECT_TRUE(done(1, 1234).ok());
-  EXPECT_TRUE(done(1, 1234).ok());  // a repeat while the job runs: counted once
+  return replies;
+}
+
+// Process i's Done (as above) with one checksum of the whole d = 100.
+grpc::Status DoneOf(CoordinatorService* svc, const std::vector<control::RegisterReply>& replies,
+                    int i, uint32_t crc) {
+  grpc::ServerContext ctx;
+  control::DoneRequest req;
+  req.set_role(i == 0 ? control::SERVER : control::WORKER);
+  req.set_rank(i == 0 ? 0 : i - 1);
+  req.set_job_id(42);
+  req.set_credential(replies[i].credential());
+  auto* c = req.add_checksums();
+  c->set_shard(0);
+  c->set_end(100);
+  c->set_crc32(crc);
+  control::DoneReply reply;
+  return svc->Done(&ctx, &req, &reply);
+}
+
+TEST(CoordinatorService, ReplicasEqualOnlyWhenEveryChecksumMatches) {
+  for (bool corrupt : {false, true}) {
+    control::TrainingConfig cfg = testing::MakeConfig(2, 1, 100, 1, "sgd");
+    CoordinatorService svc(cfg, {}, 42, absl::Seconds(10), Security{});
+    const std::vector<control::RegisterReply> replies = RegisterServerAndTwoWorkers(&svc);
+    EXPECT_EQ(svc.state(), CoordinatorService::State::kRunning);
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_TRUE(DoneOf(&svc, replies, i, corrupt && i == 2 ? 7 : 1234).ok());
+    }
+    EXPECT_EQ(svc.state(), CoordinatorService::State::kFinished);
+    EXPECT_EQ(svc.MakeSummary().replicas_equal(), !corrupt);
+  }
+}
+
+// A Done whose answer missed its caller's deadline (a loaded host) is sent
+// again: after the job finished with it, the repeat is answered OK and
+// changes nothing (after a failure, a Done is refused: the next test).
+TEST(CoordinatorService, ARepeatedDoneOfACountedProcessIsAnsweredAfterTheJobFinished) {
+  control::TrainingConfig cfg = testing::MakeConfig(2, 1, 100, 1, "sgd");
+  CoordinatorService svc(cfg, {}, 42, absl::Seconds(10), Security{});
+  const std::vector<control::RegisterReply> replies = RegisterServerAndTwoWorkers(&svc);
+  EXPECT_TRUE(DoneOf(&svc, replies, 0, 1234).ok());
+  EXPECT_TRUE(DoneOf(&svc, replies, 1, 1234).ok());
+  EXPECT_TRUE(DoneOf(&svc, replies, 1, 1234).ok());  // a repeat while the job runs: counted once
   EXPECT_EQ(svc.state(), CoordinatorService::State::kRunning);
-  EXPECT_TRUE(done(2, 1234).ok());
+  EXPECT_TRUE(DoneOf(&svc, replies, 2, 1234).ok());
   ASSERT_EQ(svc.state(), CoordinatorService::State::kFinished);
-  EXPECT_TRUE(done(2, 1234).ok());
-  EXPECT_TRUE(done(0, 7).ok());  // what a repeat carries no longer counts
+  EXPECT_TRUE(DoneOf(&svc, replies, 2, 1234).ok());
+  EXPECT_TRUE(DoneOf(&svc, replies, 0, 7).ok());  // what a repeat carries no longer counts
   EXPECT_EQ(svc.state(), CoordinatorService::State::kFinished);
   EXPECT_TRUE(svc.MakeSummary().replicas_equal());
 }
 
 TEST(CoordinatorService, ADoneAfterTheJobFailedIsRefused) {
-  control::TrainingConfig cfg = testing::MakeConfig(1, 1, 100, 1, "sgd");
-  CoordinatorService svc(cfg, {}, 42, absl::Seconds(10), Security{});
-  std::vector<control::RegisterReply> replies(2);
-  std::thread t([&] {
-    grpc::ServerContext ctx;
-    control::RegisterRequest req;
-    req.set_role(control::SERVER);
-    req.set_requested_rank(0);
-    req.set_data_endpoint("tcp://example:1");
-    EXPECT_TRUE(svc.Register(&ctx, &req, &replies[0]).ok());
-  });
+  Formed f = FormOneByOne();
   {
-    grpc::ServerContext ctx;
-    control::RegisterRequest req;
-    req.set_role(control::WORKER);
-    req.set_requested_rank(0);
-    EXPECT_TRUE(svc.Register(&ctx, &req, &replies[1]).ok());
-  }
-  t.join();
-  {
-    // A worker's failure, as ControlClient::ReportError sends it.
+    // The worker's failure, as ControlClient::ReportError sends it.
     grpc::ServerContext ctx;
     control::HeartbeatRequest report;
     report.set_role(control::WORKER);
     report.set_rank(0);
     report.set_job_id(42);
-    report.set_credential(replies[1].credential());
+    report.set_credential(f.worker.credential());
     report.set_error("out of memory");
     control::HeartbeatReply reply;
-    EXPECT_TRUE(svc.Heartbeat(&ctx, &report, &reply).ok());
+    EXPECT_TRUE(f.svc->Heartbeat(&ctx, &report, &reply).ok());
   }
-  ASSERT_EQ(svc.state(), CoordinatorService::State::kFailed);
+  ASSERT_EQ(f.svc->state(), CoordinatorService::State::kFailed);
   grpc::ServerContext ctx;
   control::DoneRequest req;
   req.set_role(control::SERVER);
   req.set_rank(0);
   req.set_job_id(42);
-  req.set_credential(replies[0].credential());
+  req.set_credential(f.server.credential());
   control::DoneReply reply;
-  grpc::Status st = svc.Done(&ctx, &req, &reply);
+  grpc::Status st = f.svc->Done(&ctx, &req, &reply);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(st.error_message(), HasSubstr("out of memory"));
 }
