@@ -667,6 +667,9 @@ void CoordinatorService::Tick() {
     p.answered_at = now;
     if (answers[i] == Liveness::kListening) p.listening_at = now;
   }
+  // The verdict now, on answers just taken: a starved coordinator's next
+  // tick may come later than an answer stays fresh.
+  CheckTimeoutsLocked(nullptr);
 }
 
 void CoordinatorService::CheckTimeoutsLocked(std::vector<Suspect>* suspects) {
@@ -704,12 +707,15 @@ void CoordinatorService::CheckTimeoutsLocked(std::vector<Suspect>* suspects) {
       const std::string name = Membership::Name(role, static_cast<uint32_t>(i));
       const std::string ep =
           p.info.data_endpoint().empty() ? p.info.host() : p.info.data_endpoint();
-      const bool listening = now - p.listening_at <= fresh;
+      // Its last answer since it went quiet (fresh unless `unprobed`).
+      const bool listening = p.answered_at > p.last_seen && p.listening_at == p.answered_at;
       // No verdict on a process with an endpoint before a probe has answered
-      // since it went quiet (a starved coordinator may not have probed it).
-      const bool unprobed =
-          !p.info.health_endpoint().empty() && p.answered_at < p.last_seen + fresh;
-      if (silent > heartbeat_timeout_ && unprobed) {
+      // since it went quiet, nor on an answer gone stale (a starved
+      // coordinator may not have probed it, or in time); the slow bound
+      // still holds.
+      const bool unprobed = !p.info.health_endpoint().empty() &&
+                            (p.answered_at < p.last_seen + fresh || now - p.answered_at > fresh);
+      if (silent > heartbeat_timeout_ && unprobed && silent <= slow_limit) {
         // The probe below decides it by the next tick.
       } else if (silent > heartbeat_timeout_ && listening && silent <= slow_limit) {
         if (!p.slow_said) {
@@ -733,8 +739,9 @@ void CoordinatorService::CheckTimeoutsLocked(std::vector<Suspect>* suspects) {
         return;
       }
       // Probe it again every tenth of the timeout while it is silent.
-      if (!p.info.health_endpoint().empty() && (now - p.probed_at >= heartbeat_timeout_ / 10 ||
-                                                (unprobed && silent > heartbeat_timeout_))) {
+      if (suspects != nullptr && !p.info.health_endpoint().empty() &&
+          (now - p.probed_at >= heartbeat_timeout_ / 10 ||
+           (unprobed && silent > heartbeat_timeout_))) {
         p.probed_at = now;
         suspects->push_back(
             Suspect{role, static_cast<uint32_t>(i), p.credential, p.info.health_endpoint()});

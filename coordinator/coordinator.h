@@ -147,7 +147,7 @@ class CoordinatorService final : public control::Coordinator::Service {
     std::string endpoint;
   };
   // Tick's checks of the deadlines and the silent processes; the processes
-  // to probe before the next check go to *suspects.
+  // to probe before the next check go to *suspects (none when null).
   void CheckTimeoutsLocked(std::vector<Suspect>* suspects) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The process presumed dead: roll back, or fail the job, naming `lost`.
   void LoseLocked(const std::string& lost) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -15,8 +15,9 @@ namespace onebit {
 
 namespace {
 
-// How long one heartbeat (or error report) may take to be answered.
-constexpr std::chrono::seconds kHeartbeatDeadline{2};
+// How long one heartbeat (or error report) may take to be answered, at
+// least; a longer heartbeat timeout gives it as long.
+constexpr absl::Duration kHeartbeatDeadline = absl::Seconds(2);
 
 grpc::ChannelArguments ChannelArgs() {
   grpc::ChannelArguments args;
@@ -134,6 +135,7 @@ Heartbeater::Heartbeater(control::Coordinator::Stub* stub, std::string target, c
       job_id_(job_id),
       interval_(interval),
       coordinator_timeout_(coordinator_timeout),
+      call_deadline_(std::max(kHeartbeatDeadline, coordinator_timeout)),
       coordinator_wait_(coordinator_timeout) {}
 
 void Heartbeater::SetIncarnation(uint64_t incarnation) { incarnation_ = incarnation; }
@@ -148,6 +150,11 @@ Heartbeater::~Heartbeater() {
   {
     absl::MutexLock l(&mu_);
     stop_ = true;
+    // A call in flight gets what it got before its deadline grew with the
+    // timeout, then is cancelled: a slow coordinator does not hold up exit.
+    auto answered = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !in_flight_; };
+    mu_.AwaitWithTimeout(absl::Condition(&answered), kHeartbeatDeadline);
+    if (in_flight_ && call_ != nullptr) call_->TryCancel();
   }
   if (thread_.joinable()) thread_.join();
 }
@@ -251,6 +258,8 @@ void Heartbeater::SendOnce() {
   req.set_job_id(job_id_);
   req.set_incarnation(incarnation_);
   req.set_credential(credential_);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + call_deadline_));
   {
     absl::MutexLock l(&mu_);
     req.set_step(step_);
@@ -264,9 +273,8 @@ void Heartbeater::SendOnce() {
     }
     if (stop_ack_) req.set_stop_ack(*stop_ack_);
     in_flight_ = true;
+    call_ = &ctx;
   }
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + kHeartbeatDeadline);
   control::HeartbeatReply reply;
   grpc::Status s = stub_->Heartbeat(&ctx, req, &reply);
   // A call that ran out of time went out on an open connection: a slow
@@ -278,6 +286,7 @@ void Heartbeater::SendOnce() {
                      ProbeListening({target_}, absl::Seconds(1))[0] == Liveness::kListening);
   absl::MutexLock l(&mu_);
   in_flight_ = false;
+  call_ = nullptr;
   if (!s.ok()) {
     // Keep the metrics and checks for the next try.
     for (int i = req.metrics_size() - 1; i >= 0; --i) {
@@ -384,12 +393,12 @@ void Heartbeater::ReportError(const std::string& error) {
     absl::MutexLock l(&mu_);
     // A failed heartbeat puts back what it carried (see Done).
     auto answered = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !in_flight_; };
-    mu_.AwaitWithTimeout(absl::Condition(&answered), absl::FromChrono(kHeartbeatDeadline));
+    mu_.AwaitWithTimeout(absl::Condition(&answered), call_deadline_);
     req.set_step(step_);  // the coordinator takes no row of a step not done
     TakeMetricsLocked(req.mutable_metrics());
   }
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + kHeartbeatDeadline);
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + call_deadline_));
   control::HeartbeatReply reply;
   // Best effort: the caller exits non-zero whether or not this got through.
   (void)stub_->Heartbeat(&ctx, req, &reply);
@@ -415,8 +424,7 @@ absl::Status Heartbeater::Done(const std::vector<control::ShardChecksum>& checks
     // A failed heartbeat puts back what it carried; an answered one has
     // been counted.
     auto answered = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !in_flight_; };
-    mu_.AwaitWithTimeout(absl::Condition(&answered),
-                         absl::FromChrono(kHeartbeatDeadline) + absl::Seconds(1));
+    mu_.AwaitWithTimeout(absl::Condition(&answered), call_deadline_ + absl::Seconds(1));
     // More rows than one call carries (after a long loss of the
     // coordinator): the heartbeats take them first.
     auto drained = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {

@@ -173,6 +173,10 @@ class Heartbeater {
   const uint64_t job_id_;
   const absl::Duration interval_;
   const absl::Duration coordinator_timeout_;
+  // How long one heartbeat may wait for its answer: a starved coordinator
+  // still counts a late call, while a cancelled one is lost work (and, when
+  // most calls outwait a short deadline, no process is heard at all).
+  const absl::Duration call_deadline_;
   // Set before Start() and only read after it (the thread starts after
   // them): no lock.
   uint64_t incarnation_ = 0;
@@ -198,6 +202,7 @@ class Heartbeater {
   // A heartbeat is between taking what is queued and hearing back (Done
   // waits for it, so that nothing it carries arrives after Done).
   bool in_flight_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::ClientContext* call_ ABSL_GUARDED_BY(mu_) = nullptr;  // the heartbeat in flight
   control::Command command_ ABSL_GUARDED_BY(mu_) = control::CONTINUE;
   std::string reason_ ABSL_GUARDED_BY(mu_);
   absl::Time last_ok_ ABSL_GUARDED_BY(mu_);

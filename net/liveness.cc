@@ -6,7 +6,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdint>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/string_view.h"
@@ -60,12 +62,19 @@ std::vector<Liveness> ProbeListening(const std::vector<std::string>& endpoints,
   }
   const absl::Time deadline = absl::Now() + timeout;
   size_t open = fds.size();
-  while (open > 0) {
-    const int64_t left_ms = absl::ToInt64Milliseconds(deadline - absl::Now());
-    if (left_ms <= 0) break;
+  bool last = false;
+  while (open > 0 && !last) {
+    // Past the deadline, one more look without waiting: a starved prober
+    // that runs late must still read the connections the kernel completed
+    // meanwhile (each has had its whole timeout), not call them unknown.
+    const int64_t left_ms = std::max<int64_t>(0, absl::ToInt64Milliseconds(deadline - absl::Now()));
+    last = left_ms == 0;
     const int n = poll(fds.data(), fds.size(), static_cast<int>(left_ms));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
+    if (n < 0 && errno == EINTR) {
+      last = false;
+      continue;
+    }
+    if (n < 0) break;
     for (size_t k = 0; k < fds.size(); ++k) {
       if (fds[k].fd < 0 || fds[k].revents == 0) continue;
       int error = 0;

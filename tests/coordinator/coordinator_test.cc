@@ -285,42 +285,64 @@ control::HeartbeatReply BeatAsServer(CoordinatorService* svc, const std::string&
   return reply;
 }
 
+// How long a 1 x 1 job whose worker falls silent at registration takes to
+// fail when the coordinator ticks every `tick` (the server beating just
+// before each tick), and why; the worker's health endpoint `health`.
+struct SilentWorkerVerdict {
+  absl::Duration failed_after;  // an upper bound on the worker's silence
+  std::string reason;
+};
+SilentWorkerVerdict FailWithASilentWorker(const std::string& health, absl::Duration heartbeat,
+                                          absl::Duration tick) {
+  control::TrainingConfig cfg = testing::MakeConfig(1, 1, 100, 1, "sgd");
+  cfg.mutable_timeouts()->set_heartbeat_ms(absl::ToInt64Milliseconds(heartbeat));
+  CoordinatorService svc(cfg, {}, 42, absl::Seconds(10), Security{});
+  const absl::Time start = absl::Now();  // no later than the worker was last seen
+  const std::vector<control::RegisterReply> replies = RegisterServerAndWorker(&svc, health);
+  while (absl::Now() - start < 20 * heartbeat) {
+    absl::SleepFor(tick);
+    BeatAsServer(&svc, replies[0].credential());
+    svc.Tick();
+    if (svc.state() == CoordinatorService::State::kFailed) {
+      return {absl::Now() - start, svc.reason()};
+    }
+  }
+  return {absl::InfiniteDuration(), "still running"};
+}
+
 // A worker that falls silent but still listens at its health endpoint (a
 // starved process, a slow start) gets kSlowFactor (6) times the heartbeat
 // timeout; one whose endpoint refuses connections is presumed dead at the
 // timeout, as before the probe.
 TEST(CoordinatorService, ASilentProcessThatStillListensIsSlowNotDead) {
   Ports ports;
-  for (const bool listening : {true, false}) {
-    SCOPED_TRACE(listening ? "still listening" : "gone");
-    control::TrainingConfig cfg = testing::MakeConfig(1, 1, 100, 1, "sgd");
-    cfg.mutable_timeouts()->set_heartbeat_ms(1000);
-    CoordinatorService svc(cfg, {}, 42, absl::Seconds(10), Security{});
-    const absl::Time start = absl::Now();  // no later than the worker was last seen
-    const std::vector<control::RegisterReply> replies =
-        RegisterServerAndWorker(&svc, listening ? ports.listening : ports.gone);
-    absl::Duration failed_after = absl::InfiniteDuration();
-    while (absl::Now() - start < absl::Seconds(20)) {
-      absl::SleepFor(absl::Milliseconds(20));
-      BeatAsServer(&svc, replies[0].credential());  // the server keeps beating
-      svc.Tick();
-      if (svc.state() == CoordinatorService::State::kFailed) {
-        failed_after = absl::Now() - start;  // an upper bound on the worker's silence
-        break;
-      }
-    }
-    ASSERT_EQ(svc.state(), CoordinatorService::State::kFailed);
-    if (listening) {
-      EXPECT_GE(failed_after, absl::Seconds(6)) << "declared dead while it still listened";
-      EXPECT_THAT(svc.reason(),
-                  HasSubstr("worker 0 (w0host) sent no heartbeat for 6s, although it still "
-                            "listens at its health endpoint (hung?): presumed dead"));
-    } else {
-      EXPECT_LT(failed_after, absl::Seconds(6)) << "a gone process waited for as a slow one";
-      EXPECT_THAT(svc.reason(),
-                  HasSubstr("worker 0 (w0host) sent no heartbeat for 1s: presumed dead"));
-    }
-  }
+  const SilentWorkerVerdict slow =
+      FailWithASilentWorker(ports.listening, absl::Seconds(1), absl::Milliseconds(20));
+  EXPECT_GE(slow.failed_after, absl::Seconds(6)) << "declared dead while it still listened";
+  EXPECT_THAT(slow.reason,
+              HasSubstr("worker 0 (w0host) sent no heartbeat for 6s, although it "
+                        "still listens at its health endpoint (hung?): presumed dead"));
+  const SilentWorkerVerdict gone =
+      FailWithASilentWorker(ports.gone, absl::Seconds(1), absl::Milliseconds(20));
+  EXPECT_LT(gone.failed_after, absl::Seconds(6)) << "a gone process waited for as a slow one";
+  EXPECT_THAT(gone.reason, HasSubstr("worker 0 (w0host) sent no heartbeat for 1s: presumed dead"));
+}
+
+// A starved coordinator ticks late: here every 1.5 heartbeat timeouts, so
+// a probe's answer has gone stale by the next tick. It still tells a slow
+// process (listening) from a dead one, judging each on the answer it has
+// just taken.
+TEST(CoordinatorService, ACoordinatorThatTicksLateStillTellsSlowFromDead) {
+  Ports ports;
+  const absl::Duration heartbeat = absl::Milliseconds(500);
+  const SilentWorkerVerdict slow =
+      FailWithASilentWorker(ports.listening, heartbeat, 1.5 * heartbeat);
+  EXPECT_GE(slow.failed_after, 6 * heartbeat) << "declared dead while it still listened";
+  EXPECT_THAT(slow.reason, HasSubstr("although it still listens at its health endpoint (hung?)"));
+  const SilentWorkerVerdict gone = FailWithASilentWorker(ports.gone, heartbeat, 1.5 * heartbeat);
+  EXPECT_LT(gone.failed_after, 6 * heartbeat) << "a gone process waited for as a slow one";
+  EXPECT_THAT(gone.reason,
+              HasSubstr("worker 0 (w0host) sent no heartbeat for 500ms: presumed dead"));
 }
 
 TEST(CoordinatorService, SilentProcessIsDeclaredDeadByName) {

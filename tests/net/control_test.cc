@@ -32,6 +32,21 @@ TEST(Liveness, AProbeTellsAListeningProcessFromAGoneOne) {
                                    Liveness::kUnknown, Liveness::kUnknown, Liveness::kListening}));
 }
 
+// A prober that gets the CPU only after its deadline (a starved
+// coordinator) still reads the connections the kernel completed meanwhile:
+// with no time at all, a loopback connection has completed by the one look
+// it takes, and nothing listening is still told apart.
+TEST(Liveness, AProberPastItsDeadlineStillReadsCompletedConnections) {
+  Ports ports;
+  for (int round = 0; round < 30; ++round) {  // 90 of the backlog's 128
+    const std::vector<Liveness> answers = ProbeListening(
+        {ports.listening, ports.listening, ports.gone, ports.listening}, absl::ZeroDuration());
+    ASSERT_EQ(answers, (std::vector<Liveness>{Liveness::kListening, Liveness::kListening,
+                                              Liveness::kGone, Liveness::kListening}))
+        << "round " << round;
+  }
+}
+
 // A coordinator that answers heartbeats slowly and records, for Done, which
 // metrics had been counted when it came.
 class SlowCoordinator final : public control::Coordinator::Service {
@@ -122,6 +137,56 @@ TEST(Heartbeater, ADoneAnsweredTooLateIsSentAgain) {
   absl::Status st = hb.Done({}, 1);
   EXPECT_TRUE(st.ok()) << st;
   EXPECT_GE(svc.calls_.load(), 2);
+  local.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+}
+
+// A coordinator that answers each heartbeat after `delay_` (a starved
+// one), with ABORT and a reason.
+class LateAnsweringCoordinator final : public control::Coordinator::Service {
+ public:
+  explicit LateAnsweringCoordinator(absl::Duration delay) : delay_(delay) {}
+  grpc::Status Heartbeat(grpc::ServerContext* ctx, const control::HeartbeatRequest*,
+                         control::HeartbeatReply* reply) override {
+    const absl::Time until = absl::Now() + delay_;
+    while (absl::Now() < until && !ctx->IsCancelled()) absl::SleepFor(absl::Milliseconds(10));
+    reply->set_command(control::ABORT);
+    reply->set_reason("answered late");
+    return grpc::Status::OK;
+  }
+  const absl::Duration delay_;
+};
+
+// A heartbeat waits for its answer as long as the heartbeat timeout (at
+// least 2 s): an answer 2.5 s late, within a 4 s timeout, is heard. With a
+// fixed 2 s deadline no call of a process came back from a coordinator this
+// late, and the coordinator heard none of them either.
+TEST(Heartbeater, AnAnswerLateButWithinTheTimeoutIsHeard) {
+  LateAnsweringCoordinator svc(absl::Milliseconds(2500));
+  const LocalCoordinator local = ServeLocally(&svc);
+  ASSERT_NE(local.server, nullptr);
+  Heartbeater hb(local.stub.get(), local.target, control::WORKER, 0, 42, absl::Milliseconds(100),
+                 absl::Seconds(4));
+  hb.Start();
+  EXPECT_EQ(hb.WaitForCommand(absl::Seconds(8)), control::ABORT);
+  EXPECT_EQ(hb.reason(), "answered late");
+  local.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+}
+
+// Its longer wait does not hold up a process that exits: the call in
+// flight is cancelled after 2 s.
+TEST(Heartbeater, AHeartbeatInFlightDoesNotHoldUpExit) {
+  LateAnsweringCoordinator svc(absl::Seconds(6));
+  const LocalCoordinator local = ServeLocally(&svc);
+  ASSERT_NE(local.server, nullptr);
+  auto hb = std::make_unique<Heartbeater>(local.stub.get(), local.target, control::WORKER, 0, 42,
+                                          absl::Milliseconds(50), absl::Seconds(10));
+  hb->Start();
+  absl::SleepFor(absl::Milliseconds(300));  // its first call is in flight
+  const absl::Time start = absl::Now();
+  hb.reset();
+  const absl::Duration exit_took = absl::Now() - start;
+  EXPECT_LT(exit_took, absl::Seconds(4));
+  EXPECT_GE(exit_took, absl::Milliseconds(1500));
   local.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
 }
 
