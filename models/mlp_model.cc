@@ -1,7 +1,5 @@
 #include "models/mlp_model.h"
 
-#include <cblas.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -12,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "models/blas_loader.h"
 #include "models/registry.h"
 #include "models/rng.h"
 
@@ -60,11 +59,9 @@ double RowLoss(const float* z, size_t n, uint8_t y, double* p) {
 
 }  // namespace
 
-void SetBlasThreads(int n) { openblas_set_num_threads(std::max(1, n)); }
-
 MlpModel::MlpModel(const MlpOptions& o, std::shared_ptr<const ImageDataset> data,
-                   std::unique_ptr<EpochSampler> sampler)
-    : o_(o), data_(std::move(data)), sampler_(std::move(sampler)) {
+                   std::unique_ptr<EpochSampler> sampler, const BlasApi* blas)
+    : o_(o), data_(std::move(data)), sampler_(std::move(sampler)), blas_(blas) {
   uint64_t off = 0;
   for (size_t l = 0; l + 1 < o_.layers.size(); ++l) {
     w_off_.push_back(off);
@@ -107,7 +104,9 @@ absl::StatusOr<std::unique_ptr<MlpModel>> MlpModel::Create(
   absl::StatusOr<std::unique_ptr<EpochSampler>> sampler =
       EpochSampler::Create(data->num_train(), so);
   if (!sampler.ok()) return sampler.status();
-  return std::unique_ptr<MlpModel>(new MlpModel(o, std::move(data), *std::move(sampler)));
+  absl::StatusOr<const BlasApi*> blas = Blas();
+  if (!blas.ok()) return blas.status();
+  return std::unique_ptr<MlpModel>(new MlpModel(o, std::move(data), *std::move(sampler), *blas));
 }
 
 void MlpModel::Init(float* x) const {
@@ -161,8 +160,8 @@ void MlpModel::Forward(const float* x, Workspace* ws, size_t rows) const {
     const int n_out = static_cast<int>(o_.layers[l + 1]);
     float* out = ws->act[l].data();
     // out = in · W^T  (rows x n_out)
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n_out, n_in, 1.0f, in, n_in,
-                x + w_off_[l], n_in, 0.0f, out, n_out);
+    blas_->sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n_out, n_in, 1.0f, in, n_in,
+                 x + w_off_[l], n_in, 0.0f, out, n_out);
     const float* b = x + b_off_[l];
     const bool relu = l + 1 < num_layers();
     for (size_t i = 0; i < rows; ++i) {
@@ -240,8 +239,8 @@ absl::StatusOr<double> MlpModel::Backward(const float* x, uint32_t rank, uint64_
     const float* in = l == 0 ? ws->x.data() : ws->act[l - 1].data();
     const float* dz = ws->delta[cur].data();
     // dW = dZ^T · in  (n_out x n_in)
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n_out, n_in, m, 1.0f, dz, n_out, in, n_in,
-                0.0f, g + w_off_[l], n_in);
+    blas_->sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n_out, n_in, m, 1.0f, dz, n_out, in, n_in,
+                 0.0f, g + w_off_[l], n_in);
     float* gb = g + b_off_[l];
     std::fill(gb, gb + n_out, 0.0f);
     for (size_t i = 0; i < rows; ++i) {
@@ -263,8 +262,8 @@ absl::StatusOr<double> MlpModel::Backward(const float* x, uint32_t rank, uint64_
     if (l == 0) break;  // no gradient w.r.t. the pixels needed
     // dA = dZ · W  (rows x n_in), then through the ReLU of layer l-1.
     float* da = ws->delta[1 - cur].data();
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n_in, n_out, 1.0f, dz, n_out,
-                x + w_off_[l], n_in, 0.0f, da, n_in);
+    blas_->sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n_in, n_out, 1.0f, dz, n_out,
+                 x + w_off_[l], n_in, 0.0f, da, n_in);
     const float* a = ws->act[l - 1].data();
     // A select, not a conditional store, so that it vectorises.
     for (size_t i = 0; i < rows * static_cast<size_t>(n_in); ++i) {
@@ -333,7 +332,10 @@ absl::StatusOr<std::unique_ptr<MlpModel>> NewMlpModel(const MlpOptions& o) {
   d.max_test = o.max_test;
   absl::StatusOr<std::shared_ptr<const ImageDataset>> data = LoadFashionMnist(d);
   if (!data.ok()) return data.status();
-  if (o.blas_threads > 0) SetBlasThreads(o.blas_threads);
+  absl::StatusOr<const BlasApi*> blas = Blas();
+  if (!blas.ok()) return blas.status();
+  // For the whole process: OpenBLAS has one thread pool.
+  if (o.blas_threads > 0) (*blas)->set_num_threads(std::max(1, o.blas_threads));
   return MlpModel::Create(o, *std::move(data));
 }
 

@@ -27,6 +27,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "models/blas_loader.h"
 #include "models/dataset.h"
 #include "models/evaluator.h"
 #include "models/model.h"
@@ -84,7 +85,7 @@ class MlpModel final : public Model, public Evaluator {
  private:
   struct Workspace;
   MlpModel(const MlpOptions& o, std::shared_ptr<const ImageDataset> data,
-           std::unique_ptr<EpochSampler> sampler);
+           std::unique_ptr<EpochSampler> sampler, const BlasApi* blas);
   std::unique_ptr<Workspace> Borrow() const;
   void Return(std::unique_ptr<Workspace> ws) const;
   // Activations of `rows` examples already in ws->x; the logits end up in the
@@ -99,6 +100,7 @@ class MlpModel final : public Model, public Evaluator {
   const MlpOptions o_;
   const std::shared_ptr<const ImageDataset> data_;
   const std::unique_ptr<EpochSampler> sampler_;
+  const BlasApi* const blas_;  // loaded by Create
   std::vector<uint64_t> w_off_, b_off_;
   uint64_t num_params_ = 0;
   mutable absl::Mutex mu_;
@@ -109,9 +111,6 @@ class MlpModel final : public Model, public Evaluator {
 // and builds the model. Errors: a missing or broken data directory (named),
 // bad layer widths, workers * batch larger than the training set.
 absl::StatusOr<std::unique_ptr<MlpModel>> NewMlpModel(const MlpOptions& options);
-
-// OpenBLAS threads for the whole process (n >= 1).
-void SetBlasThreads(int n);
 
 // "784-256-128-10" -> {784, 256, 128, 10} (for a --layers flag): at least two
 // widths, each in [1, 2^20], separated by '-' (',' and 'x' are accepted too).
