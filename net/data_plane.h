@@ -67,6 +67,13 @@ uint32_t DataConnectionsFor(uint32_t setting);
 // Most --data_connections a job may ask for.
 constexpr uint32_t kMaxDataConnections = 16;
 
+// The first step a server serves (and a worker's first pull and step) may
+// take this many --step_timeout: it carries the job's start-up, every
+// worker connecting to every server (N·S CURVE handshakes; 16 384 at
+// 128 × 128), which outlasts a step on a large or crowded job. A process
+// that dies meanwhile is still found by the coordinator's heartbeats.
+constexpr int kStartupSteps = 4;
+
 // The connection (0 .. connections - 1) chunk `chunk` of a shard travels
 // on, both ways: spread round-robin so consecutive chunks are encrypted and
 // sent by different I/O threads.

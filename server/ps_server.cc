@@ -152,6 +152,7 @@ absl::Status PsServer::SetEndStep(uint64_t steps) {
 
 absl::Status PsServer::Serve(const std::function<bool()>& should_stop,
                              const std::function<void()>& on_finished) {
+  first_step_ = state_.step;
   while (true) {
     if (!failure_.ok()) return failure_;
     if (finished() && !reported_finished_) {
@@ -180,10 +181,15 @@ absl::Status PsServer::Serve(const std::function<bool()>& should_stop,
       if (!got) break;
       HandleMessage(frames);
     }
-    if (step_started_ && absl::Now() - *step_started_ > options_.step_timeout) {
+    const bool starting = state_.step == first_step_;
+    if (step_started_ && absl::Now() - *step_started_ >
+                             (starting ? options_.startup_timeout : options_.step_timeout)) {
       const std::string msg = absl::StrCat(
           "shard ", options_.shard, " step ", state_.step, ": no push from ", MissingRanks(),
-          " within --step_timeout=", absl::FormatDuration(options_.step_timeout));
+          starting ? absl::StrCat(" within ", absl::FormatDuration(options_.startup_timeout),
+                                  " (the first step's bound: it carries the job's start-up)")
+                   : absl::StrCat(" within --step_timeout=",
+                                  absl::FormatDuration(options_.step_timeout)));
       // Tell the workers that did push, so they fail with the reason. The
       // reply names the step it is about (a header of no request says 0).
       for (uint32_t r = 0; r < options_.job.workers; ++r) {

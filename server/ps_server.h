@@ -37,6 +37,10 @@ struct PsServerOptions {
   OptimizerOptions optimizer;
   FreezeOptions freeze;
   absl::Duration step_timeout = absl::Seconds(30);
+  // Instead of step_timeout for the first step Serve serves: it carries the
+  // job's start-up (every worker connecting to every server), which
+  // outlasts a step on a crowded or large job.
+  absl::Duration startup_timeout = absl::Seconds(120);
   // --freeze auto: where this shard's checks go, and where the coordinator's
   // decision comes from (see Heartbeater::FreezeDecision).
   std::function<void(uint64_t completed, double change)> report_freeze_check;
@@ -193,6 +197,7 @@ class PsServer {
   std::unique_ptr<const ServerOptimizer> optimizer_;
   ServerShardState state_;
   std::optional<absl::Time> waiting_since_;  // for a freeze decision
+  uint64_t first_step_ = 0;                  // the step Serve began at (startup_timeout)
   std::vector<Slice> slices_;                // the warm-up grid
   // [0]: the warm-up grid's chunks; [1]: the compression phase's, where
   // its chunks are larger (else empty, and grid_ stays 0). grid_: the

@@ -210,6 +210,7 @@ absl::StatusOr<PsServerOptions> IncarnationOptions(ServerProcess& p) {
   po.optimizer = *optimizer;
   po.freeze = *freeze;
   po.step_timeout = absl::Milliseconds(cfg.timeouts().step_ms());
+  po.startup_timeout = kStartupSteps * po.step_timeout;
   Heartbeater& hb = p.member.heartbeat();
   po.report_freeze_check = [&hb](uint64_t completed, double change) {
     hb.ReportFreezeCheck(completed, change);

@@ -228,12 +228,14 @@ absl::Status PsClient::ReceiveAll(
       }
     }
     const absl::Time now = absl::Now();
+    const bool starting = !first_step_ || step_ <= *first_step_ + 1;
+    const absl::Duration limit = starting ? options_.startup_timeout : options_.reply_timeout;
     for (uint32_t k = 0; k < S; ++k) {
-      if (outstanding[k] > 0 && now - last_heard[k] > options_.reply_timeout) {
+      if (outstanding[k] > 0 && now - last_heard[k] > limit) {
         return absl::DeadlineExceededError(absl::StrCat(
             "no reply from server ", k, " (", options_.server_endpoints[k], ") for ", what,
-            " within ", absl::FormatDuration(options_.reply_timeout), " (", outstanding[k], " of ",
-            expected[k], " replies outstanding): is it dead?"));
+            " within ", absl::FormatDuration(limit), starting ? " (the job's start-up)" : "", " (",
+            outstanding[k], " of ", expected[k], " replies outstanding): is it dead?"));
       }
     }
     if (absl::Status st = check(); !st.ok()) return st;
@@ -501,6 +503,7 @@ absl::Status PsClient::BeginStep(uint64_t step, std::optional<float> lr, bool de
   in_step_ = true;
   defer_scale_ = defer_scale;
   step_ = step;
+  if (!first_step_) first_step_ = step;
   lr_ = lr;
   replica_begun_ = false;
   std::fill(pushed_.begin(), pushed_.end(), false);

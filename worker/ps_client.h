@@ -48,6 +48,11 @@ struct PsClientOptions {
   uint32_t connections = 1;
   // A server that sends nothing for this long while replies are due is dead.
   absl::Duration reply_timeout = absl::Seconds(60);
+  // Instead of reply_timeout for the initial pull and the replies of the
+  // first step (which may be merged in the second): they carry the job's
+  // start-up, every worker connecting to every server (N·S CURVE
+  // handshakes), which outlasts a step on a crowded or large job.
+  absl::Duration startup_timeout = absl::Seconds(240);
 };
 
 class PsClient {
@@ -241,7 +246,8 @@ class PsClient {
   size_t step_grid_ = 0;
   // The current step.
   bool in_step_ = false;
-  bool defer_scale_ = false;  // this step's pushes wait for a GRAD_SCALE
+  std::optional<uint64_t> first_step_;  // this client's first step (startup_timeout)
+  bool defer_scale_ = false;            // this step's pushes wait for a GRAD_SCALE
   uint64_t step_ = 0;
   std::optional<float> lr_;
   bool replica_begun_ = false;

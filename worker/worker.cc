@@ -692,6 +692,7 @@ absl::Status Worker::Impl::ConnectToServers() {
   // The server gives up on a missing push after the step timeout and says
   // why; this is the backstop for a server that died.
   po.reply_timeout = 2 * absl::Milliseconds(cfg.timeouts().step_ms());
+  po.startup_timeout = 2 * kStartupSteps * absl::Milliseconds(cfg.timeouts().step_ms());
   auto c = PsClient::Connect(po, ctx.get());
   if (!c.ok()) return c.status();
   client = std::move(*c);

@@ -510,16 +510,25 @@ TEST(Faults, BadRequestsAreRefusedByNameAndChangeNothing) {
   EXPECT_EQ(FirstDifference(ReadFloats(dir + "/master.f32"), ref.masters[0].x), "");
 }
 
+// A launched job (d = 3000, 100 steps, a 20 s heartbeat timeout) whose
+// worker 1 stops pushing at `stall_at`, into `out`; it must fail, not hang.
+RunResult RunWithWorkerOneStalled(const std::string& out, int workers, int servers, int stall_at,
+                                  const std::string& step_timeout) {
+  RunResult r = RunCommand(
+      {Bin("onebit-launch"), absl::StrCat("--workers=", workers),
+       absl::StrCat("--servers=", servers), "--dim=3000", "--steps=100", "--block_size=32",
+       "--chunk_elems=512", "--stall_worker=1", absl::StrCat("--stall_at_step=", stall_at),
+       "--step_timeout=" + step_timeout, "--heartbeat_timeout=20s", "--out=" + out},
+      absl::Seconds(30));
+  EXPECT_NE(r.code, 0) << r.output;
+  EXPECT_NE(r.code, -1) << "hung: " << r.output;
+  return r;
+}
+
 TEST(Faults, StalledWorkerFailsTheOthersNamingTheRank) {
   const absl::Time t0 = absl::Now();
   const std::string out = TempDir("stalled") + "/run";
-  RunResult r =
-      RunCommand({Bin("onebit-launch"), "--workers=3", "--servers=2", "--dim=3000", "--steps=100",
-                  "--block_size=32", "--chunk_elems=512", "--stall_worker=1", "--stall_at_step=2",
-                  "--step_timeout=3s", "--heartbeat_timeout=20s", "--out=" + out},
-                 absl::Seconds(30));
-  EXPECT_NE(r.code, 0) << r.output;
-  EXPECT_NE(r.code, -1) << "hung: " << r.output;
+  RunResult r = RunWithWorkerOneStalled(out, 3, 2, 2, "3s");
   EXPECT_THAT(r.output, HasSubstr("no push from rank 1 within --step_timeout=3s"));
   // The other workers fail with that reason (from the server's error reply),
   // which names one step, the true one, throughout.
@@ -537,6 +546,21 @@ TEST(Faults, StalledWorkerFailsTheOthersNamingTheRank) {
   const std::string metrics = ReadFile(out + "/metrics.csv");
   EXPECT_EQ(std::count(metrics.begin(), metrics.end(), '\n'), 3) << metrics;
   EXPECT_NE(metrics.find("\n1,warmup,"), std::string::npos) << metrics;
+}
+
+// The first step carries the job's start-up (every worker connecting to
+// every server), so it gets kStartupSteps (4) step timeouts; a worker that
+// never pushes it is still named, after that bound and by it. (A stall at
+// a later step: the step timeout alone, the test above.)
+TEST(Faults, AWorkerMissingTheFirstStepIsNamedAfterTheStartUpBound) {
+  const absl::Time t0 = absl::Now();
+  RunResult r = RunWithWorkerOneStalled(TempDir("stalled0") + "/run", 2, 1, 0, "1s");
+  const absl::Duration took = absl::Now() - t0;
+  EXPECT_THAT(r.output,
+              HasSubstr("shard 0 step 0: no push from rank 1 within 4s (the first step's bound: "
+                        "it carries the job's start-up)"));
+  EXPECT_GE(took, absl::Seconds(4)) << "the first step was given the step timeout alone";
+  EXPECT_LT(took, absl::Seconds(20)) << "ended by the heartbeat timeout, not the start-up bound";
 }
 
 TEST(Faults, KilledServerStopsWorkerAndCoordinatorNamingIt) {
