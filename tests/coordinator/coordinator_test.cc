@@ -19,6 +19,18 @@ namespace {
 using ::testing::HasSubstr;
 using testing::Ports;
 
+// A Heartbeat or Done request of job 42 from `role` `rank`, holding
+// `credential`.
+template <typename Request>
+Request From(control::Role role, uint32_t rank, const std::string& credential) {
+  Request r;
+  r.set_role(role);
+  r.set_rank(rank);
+  r.set_job_id(42);
+  r.set_credential(credential);
+  return r;
+}
+
 // A job of 1 server and 1 worker on d = 100 (two shards' worth of checks
 // come from one server's map), registered; the replies by role.
 struct Formed {
@@ -54,10 +66,8 @@ Formed FormOneByOne(uint64_t checkpoint_every = 0) {
 TEST(CoordinatorService, MetricsOfStepsNotRunAreRefused) {
   Formed f = FormOneByOne();
   grpc::ServerContext ctx;
-  control::HeartbeatRequest hb;
-  hb.set_role(control::WORKER);
-  hb.set_job_id(42);
-  hb.set_credential(f.worker.credential());
+  control::HeartbeatRequest hb =
+      From<control::HeartbeatRequest>(control::WORKER, 0, f.worker.credential());
   hb.set_step(2);  // steps 0 and 1 are done
   for (uint64_t step : {0, 1, 2, 3, 9, 500000}) {
     control::StepMetrics* m = hb.add_metrics();
@@ -81,10 +91,7 @@ TEST(CoordinatorService, ACheckpointWaitsForTheMetricsRowsBeforeIt) {
   auto heartbeat = [&](control::Role role, const std::string& credential,
                        std::vector<uint64_t> metrics, bool part) {
     grpc::ServerContext ctx;
-    control::HeartbeatRequest hb;
-    hb.set_role(role);
-    hb.set_job_id(42);
-    hb.set_credential(credential);
+    control::HeartbeatRequest hb = From<control::HeartbeatRequest>(role, 0, credential);
     hb.set_step(2);
     for (uint64_t step : metrics) {
       control::StepMetrics* m = hb.add_metrics();
@@ -124,10 +131,7 @@ TEST(CoordinatorService, DoneMustCoverTheShardMapAndCarryItsCredential) {
   auto done = [&](control::Role role, const std::string& credential,
                   const std::vector<std::pair<uint64_t, uint64_t>>& ranges) {
     grpc::ServerContext ctx;
-    control::DoneRequest req;
-    req.set_role(role);
-    req.set_job_id(42);
-    req.set_credential(credential);
+    control::DoneRequest req = From<control::DoneRequest>(role, 0, credential);
     req.set_steps(10);
     for (auto [b, e] : ranges) {
       control::ShardChecksum* c = req.add_checksums();
@@ -177,11 +181,8 @@ std::vector<control::RegisterReply> RegisterServerAndTwoWorkers(CoordinatorServi
 grpc::Status DoneOf(CoordinatorService* svc, const std::vector<control::RegisterReply>& replies,
                     int i, uint32_t crc) {
   grpc::ServerContext ctx;
-  control::DoneRequest req;
-  req.set_role(i == 0 ? control::SERVER : control::WORKER);
-  req.set_rank(i == 0 ? 0 : i - 1);
-  req.set_job_id(42);
-  req.set_credential(replies[i].credential());
+  control::DoneRequest req = From<control::DoneRequest>(
+      i == 0 ? control::SERVER : control::WORKER, i == 0 ? 0 : i - 1, replies[i].credential());
   auto* c = req.add_checksums();
   c->set_shard(0);
   c->set_end(100);
@@ -228,22 +229,15 @@ TEST(CoordinatorService, ADoneAfterTheJobFailedIsRefused) {
   {
     // The worker's failure, as ControlClient::ReportError sends it.
     grpc::ServerContext ctx;
-    control::HeartbeatRequest report;
-    report.set_role(control::WORKER);
-    report.set_rank(0);
-    report.set_job_id(42);
-    report.set_credential(f.worker.credential());
+    control::HeartbeatRequest report =
+        From<control::HeartbeatRequest>(control::WORKER, 0, f.worker.credential());
     report.set_error("out of memory");
     control::HeartbeatReply reply;
     EXPECT_TRUE(f.svc->Heartbeat(&ctx, &report, &reply).ok());
   }
   ASSERT_EQ(f.svc->state(), CoordinatorService::State::kFailed);
   grpc::ServerContext ctx;
-  control::DoneRequest req;
-  req.set_role(control::SERVER);
-  req.set_rank(0);
-  req.set_job_id(42);
-  req.set_credential(f.server.credential());
+  control::DoneRequest req = From<control::DoneRequest>(control::SERVER, 0, f.server.credential());
   control::DoneReply reply;
   grpc::Status st = f.svc->Done(&ctx, &req, &reply);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
@@ -276,10 +270,7 @@ std::vector<control::RegisterReply> RegisterServerAndWorker(CoordinatorService* 
 // A heartbeat of server 0 (job 42) with `credential`; the reply.
 control::HeartbeatReply BeatAsServer(CoordinatorService* svc, const std::string& credential) {
   grpc::ServerContext ctx;
-  control::HeartbeatRequest hb;
-  hb.set_role(control::SERVER);
-  hb.set_job_id(42);
-  hb.set_credential(credential);
+  control::HeartbeatRequest hb = From<control::HeartbeatRequest>(control::SERVER, 0, credential);
   control::HeartbeatReply reply;
   EXPECT_TRUE(svc->Heartbeat(&ctx, &hb, &reply).ok());
   return reply;
