@@ -27,12 +27,13 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
-#include "models/blas_loader.h"
 #include "models/dataset.h"
 #include "models/evaluator.h"
 #include "models/model.h"
 
 namespace onebit {
+
+struct BlasApi;  // models/blas_loader.h
 
 struct MlpOptions {
   // Widths from input to output; the first must equal the image size (784),
