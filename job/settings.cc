@@ -166,7 +166,8 @@ constexpr JobSetting kSettings[] = {
      "on hosts with spare cores may want 2 or more"},
     {"step_timeout", "timeouts.step_ms", T::kDuration, "30s", "data plane",
      "how long a server waits for the missing pushes of a step, and a worker for its replies "
-     "(worker waits twice this)"},
+     "(worker waits twice this; the first step, which makes the job's connections, gets four "
+     "times both)"},
     {"heartbeat_timeout", "timeouts.heartbeat_ms", T::kDuration, "10s", "data plane",
      "a process silent this long is declared dead by the coordinator"},
 
