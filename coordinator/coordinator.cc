@@ -456,7 +456,23 @@ grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* ctx,
                                                          " at step ", req->step(), " of a job of ",
                                                          config_.model().steps(), " steps")));
   }
+  const control::Role peer_role =
+      req->role() == control::SERVER ? control::WORKER : control::SERVER;
+  std::vector<Process>& peers = members_.Group(peer_role);
+  for (uint32_t r : req->heard()) {
+    if (r >= peers.size() || req->heard_size() > static_cast<int>(peers.size())) {
+      return Refuse(
+          "Heartbeat",
+          grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                       absl::StrCat(Membership::Name(req->role(), req->rank()), " heard from ",
+                                    req->heard_size(), " ", Membership::RoleName(peer_role),
+                                    "s, one of rank ", r, ", in a job of ", peers.size())));
+    }
+  }
   Process& p = members_.Group(req->role())[req->rank()];
+  // What this process heard came after its previous heartbeat was sent,
+  // which is before that heartbeat arrived: its arrival is a safe time.
+  for (uint32_t r : req->heard()) peers[r].heard_at = std::max(peers[r].heard_at, p.last_seen);
   p.last_seen = absl::Now();
   p.step = req->step();
   if (req->role() == control::WORKER) {
@@ -699,22 +715,34 @@ void CoordinatorService::CheckTimeoutsLocked(std::vector<Suspect>* suspects) {
     for (size_t i = 0; i < group.size(); ++i) {
       Process& p = group[i];
       if (role == control::WORKER && p.done) continue;  // done workers exit
-      const absl::Duration silent = now - p.last_seen;
+      // A peer that heard from it in the data plane since is as good as a
+      // heartbeat: it works, and only its heartbeats are late.
+      const absl::Time seen = std::max(p.last_seen, p.heard_at);
+      const absl::Duration silent = now - seen;
+      const std::string name = Membership::Name(role, static_cast<uint32_t>(i));
+      if (now - p.last_seen > heartbeat_timeout_ && silent <= heartbeat_timeout_ && !p.heard_said) {
+        p.heard_said = true;
+        std::fprintf(
+            stderr,
+            "coordinator: %s sent no heartbeat for %s, but its %ss still hear from it in "
+            "the data plane: working, its heartbeats late\n",
+            name.c_str(), absl::FormatDuration(heartbeat_timeout_).c_str(),
+            Membership::RoleName(role == control::SERVER ? control::WORKER : control::SERVER));
+      }
       if (silent <= fresh) {
         p.slow_said = false;
         continue;
       }
-      const std::string name = Membership::Name(role, static_cast<uint32_t>(i));
       const std::string ep =
           p.info.data_endpoint().empty() ? p.info.host() : p.info.data_endpoint();
       // Its last answer since it went quiet (fresh unless `unprobed`).
-      const bool listening = p.answered_at > p.last_seen && p.listening_at == p.answered_at;
+      const bool listening = p.answered_at > seen && p.listening_at == p.answered_at;
       // No verdict on a process with an endpoint before a probe has answered
       // since it went quiet, nor on an answer gone stale (a starved
       // coordinator may not have probed it, or in time); the slow bound
       // still holds.
       const bool unprobed = !p.info.health_endpoint().empty() &&
-                            (p.answered_at < p.last_seen + fresh || now - p.answered_at > fresh);
+                            (p.answered_at < seen + fresh || now - p.answered_at > fresh);
       if (silent > heartbeat_timeout_ && unprobed && silent <= slow_limit) {
         // The probe below decides it by the next tick.
       } else if (silent > heartbeat_timeout_ && listening && silent <= slow_limit) {
@@ -730,11 +758,19 @@ void CoordinatorService::CheckTimeoutsLocked(std::vector<Suspect>* suspects) {
       } else if (silent > heartbeat_timeout_) {
         p.told = true;  // the dead hear nothing; do not wait for it
         p.lost = true;
-        LoseLocked(listening ? absl::StrCat(name, " (", ep, ") sent no heartbeat for ",
+        // Whose silence: its heartbeats', or theirs and its peers' news of it.
+        const std::string silence =
+            p.heard_at > p.last_seen
+                ? absl::StrCat(" sent no heartbeat, nor did its ",
+                               Membership::RoleName(role == control::SERVER ? control::WORKER
+                                                                            : control::SERVER),
+                               "s hear from it, for ")
+                : std::string(" sent no heartbeat for ");
+        LoseLocked(listening ? absl::StrCat(name, " (", ep, ")", silence,
                                             absl::FormatDuration(slow_limit),
                                             ", although it still listens at its health endpoint "
                                             "(hung?)")
-                             : absl::StrCat(name, " (", ep, ") sent no heartbeat for ",
+                             : absl::StrCat(name, " (", ep, ")", silence,
                                             absl::FormatDuration(heartbeat_timeout_)));
         return;
       }

@@ -33,7 +33,12 @@ class Membership {
     absl::Time probed_at = absl::InfinitePast();
     absl::Time answered_at = absl::InfinitePast();  // any answer (listening, gone, unknown)
     absl::Time listening_at = absl::InfinitePast();
-    bool slow_said = false;            // the log said it is slow, not dead
+    bool slow_said = false;  // the log said it is slow, not dead
+    // When a peer last heard from it in the data plane (at the latest: see
+    // HeartbeatRequest.heard), and whether the log said it works while its
+    // heartbeats are late.
+    absl::Time heard_at = absl::InfinitePast();
+    bool heard_said = false;
     std::optional<uint64_t> stop_ack;  // workers, while stopping: steps begun
     std::vector<control::ShardChecksum> checksums;
     std::string credential;  // issued at its registration (RegisterReply.credential)
@@ -44,6 +49,10 @@ class Membership {
 
   // "server 1", "worker 0".
   static std::string Name(control::Role role, uint32_t rank);
+  // "server", "worker".
+  static const char* RoleName(control::Role role) {
+    return role == control::SERVER ? "server" : "worker";
+  }
 
   // The servers for SERVER, else the workers.
   std::vector<Process>& Group(control::Role role) {

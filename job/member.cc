@@ -70,6 +70,12 @@ void JobMember::Start(control::RegisterReply reg, uint64_t steps_done) {
   // The checkpoint continued from is there already.
   checkpointed_ = reg_.has_resume() ? reg_.resume().step() : 0;
   heartbeat_ = MakeHeartbeater(stub_.get(), options_.coordinator, request_.role(), reg_);
+  if (peers_heard_ == nullptr) {
+    const control::ClusterConfig& cluster = reg_.config().cluster();
+    peers_heard_ = std::make_shared<PeersHeard>(
+        request_.role() == control::SERVER ? cluster.workers() : cluster.servers());
+  }
+  heartbeat_->SetPeersHeard(peers_heard_);
   heartbeat_->WatchStopSignal(options_.stop_signal);
   heartbeat_->SetStep(steps_done);
   heartbeat_->Start();

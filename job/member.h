@@ -95,6 +95,11 @@ class JobMember {
   bool has_heartbeat() const { return heartbeat_ != nullptr; }
   // Requires has_heartbeat().
   Heartbeater& heartbeat() const { return *heartbeat_; }
+  // The data-plane peers (a server's workers, a worker's servers) heard
+  // from, which every heartbeat of this member passes on: the data plane
+  // marks them (net/liveness.h). The same object across Rejoin; requires a
+  // Join.
+  const std::shared_ptr<PeersHeard>& peers_heard() const { return peers_heard_; }
   // The coordinator said REJOIN: the job rolls back, and this process is
   // to Rejoin. False without a heartbeat.
   bool rolling_back() const;
@@ -148,6 +153,7 @@ class JobMember {
   control::RegisterReply reg_;
   uint64_t checkpointed_ = 0;  // the last step saved in this incarnation
   std::unique_ptr<Heartbeater> heartbeat_;
+  std::shared_ptr<PeersHeard> peers_heard_;
   std::unique_ptr<AsyncStateWriter> writer_;  // reports through heartbeat_
 };
 

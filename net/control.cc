@@ -142,6 +142,10 @@ void Heartbeater::SetIncarnation(uint64_t incarnation) { incarnation_ = incarnat
 
 void Heartbeater::SetCredential(std::string credential) { credential_ = std::move(credential); }
 
+void Heartbeater::SetPeersHeard(std::shared_ptr<PeersHeard> peers) {
+  peers_heard_ = std::move(peers);
+}
+
 void Heartbeater::WaitForLostCoordinator(absl::Duration wait) {
   coordinator_wait_ = std::max(wait, coordinator_timeout_);
 }
@@ -272,6 +276,9 @@ void Heartbeater::SendOnce() {
       req.set_stop_requested(SignalName(stop_signal_->load()));
     }
     if (stop_ack_) req.set_stop_ack(*stop_ack_);
+    if (peers_heard_ != nullptr) {
+      for (uint32_t r : peers_heard_->Take()) req.add_heard(r);
+    }
     in_flight_ = true;
     call_ = &ctx;
   }
@@ -298,6 +305,7 @@ void Heartbeater::SendOnce() {
     for (int i = req.checkpoint_parts_size() - 1; i >= 0; --i) {
       parts_.insert(parts_.begin(), req.checkpoint_parts(i));
     }
+    for (uint32_t r : req.heard()) peers_heard_->Heard(r);
     const absl::Duration silent = absl::Now() - last_ok_;
     // A coordinator that is there but slow (a crowded host) gets
     // kSlowCoordinatorFactor times the timeout; a lost one (refused, reset,

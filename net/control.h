@@ -17,6 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
+#include "net/liveness.h"
 #include "optim/optimizer.h"
 #include "proto/control.grpc.pb.h"
 #include "security/job_secret.h"
@@ -93,6 +94,9 @@ class Heartbeater {
   // Before Start(): this process's credential (RegisterReply.credential),
   // sent with every heartbeat and Done.
   void SetCredential(std::string credential);
+  // Before Start(): each heartbeat carries the peers `peers` heard since the
+  // previous one (net/liveness.h), for the coordinator's failure detector.
+  void SetPeersHeard(std::shared_ptr<PeersHeard> peers);
   // Before Start(): when the coordinator is lost, keep trying for this long
   // in all (saying so on stderr once), for a restarted one to answer,
   // rather than for `coordinator_timeout`.
@@ -182,6 +186,7 @@ class Heartbeater {
   uint64_t incarnation_ = 0;
   std::string credential_;
   absl::Duration coordinator_wait_;
+  std::shared_ptr<PeersHeard> peers_heard_;
 
   mutable absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;

@@ -94,4 +94,29 @@ std::vector<Liveness> ProbeListening(const std::vector<std::string>& endpoints,
   return answers;
 }
 
+PeersHeard::PeersHeard(uint32_t peers)
+    : peers_(peers), heard_(std::make_unique<std::atomic<bool>[]>(peers)) {
+  for (uint32_t r = 0; r < peers_; ++r) heard_[r].store(false, std::memory_order_relaxed);
+}
+
+void PeersHeard::Heard(uint32_t rank) {
+  if (rank >= peers_) return;
+  // Read first: a flag already set costs no write (no cache line bounced
+  // between the data plane's threads and the heartbeat's).
+  if (!heard_[rank].load(std::memory_order_relaxed)) {
+    heard_[rank].store(true, std::memory_order_relaxed);
+  }
+}
+
+std::vector<uint32_t> PeersHeard::Take() {
+  std::vector<uint32_t> out;
+  for (uint32_t r = 0; r < peers_; ++r) {
+    if (heard_[r].load(std::memory_order_relaxed) &&
+        heard_[r].exchange(false, std::memory_order_relaxed)) {
+      out.push_back(r);
+    }
+  }
+  return out;
+}
+
 }  // namespace onebit

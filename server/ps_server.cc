@@ -277,6 +277,7 @@ void PsServer::HandleMessage(std::vector<zmq::message_t>& frames) {
     if (connections_seen_.insert(routing_id).second && metrics_ != nullptr) {
       metrics_->SetDataConnections(connections_seen_.size());
     }
+    if (options_.peers_heard != nullptr) options_.peers_heard->Heard(header->rank());
     st = HandleRequest(routing_id, *header, frames[2], &why);
     if (st.ok() && metrics_ != nullptr && header->kind() == data::PUSH) {
       metrics_->Pushed(phase, bytes);

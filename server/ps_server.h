@@ -23,6 +23,7 @@
 #include "absl/time/time.h"
 #include "compress/codec.h"
 #include "net/data_plane.h"
+#include "net/liveness.h"
 #include "optim/optimizer.h"
 #include "server/server_metrics.h"
 #include "util/phase_medians.h"
@@ -62,6 +63,9 @@ struct PsServerOptions {
   // When set: what the shard does goes into these metrics (they must
   // outlive the server).
   ServerMetrics* metrics = nullptr;
+  // Marked with each worker whose valid request arrives (JobMember's, for
+  // its heartbeats); null: none.
+  std::shared_ptr<PeersHeard> peers_heard;
 };
 
 class PsServer {

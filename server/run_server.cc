@@ -193,6 +193,7 @@ absl::StatusOr<PsServerOptions> IncarnationOptions(ServerProcess& p) {
     po.authenticated = true;
   }
   po.metrics = p.metrics;
+  po.peers_heard = p.member.peers_heard();
   po.job.job_id = p.member.data_plane_id();
   po.earlier_job_ids = p.earlier;
   po.job.workers = cfg.cluster().workers();

@@ -178,6 +178,7 @@ absl::StatusOr<size_t> PsClient::CheckReply(const Grid& grid, uint32_t server, u
   }
   const size_t i = grid.by_shard[server][(h->begin() - s.begin) / grid.chunk_elems];
   if (h->count() != grid.chunks[i].range.size()) return bad("count ", h->count());
+  if (options_.peers_heard != nullptr) options_.peers_heard->Heard(server);
   return i;
 }
 

@@ -21,6 +21,7 @@
 #include "absl/time/time.h"
 #include "compress/codec.h"
 #include "net/data_plane.h"
+#include "net/liveness.h"
 #include "optim/optimizer.h"
 #include "security/curve.h"
 #include "shard/shard_map.h"
@@ -53,6 +54,9 @@ struct PsClientOptions {
   // start-up, every worker connecting to every server (N·S CURVE
   // handshakes), which outlasts a step on a crowded or large job.
   absl::Duration startup_timeout = absl::Seconds(240);
+  // Marked with each server whose valid message arrives (JobMember's, for
+  // its heartbeats); null: none.
+  std::shared_ptr<PeersHeard> peers_heard;
 };
 
 class PsClient {

@@ -693,6 +693,7 @@ absl::Status Worker::Impl::ConnectToServers() {
   // why; this is the backstop for a server that died.
   po.reply_timeout = 2 * absl::Milliseconds(cfg.timeouts().step_ms());
   po.startup_timeout = 2 * kStartupSteps * absl::Milliseconds(cfg.timeouts().step_ms());
+  po.peers_heard = member->peers_heard();
   auto c = PsClient::Connect(po, ctx.get());
   if (!c.ok()) return c.status();
   client = std::move(*c);

@@ -267,10 +267,13 @@ std::vector<control::RegisterReply> RegisterServerAndWorker(CoordinatorService* 
   return replies;
 }
 
-// A heartbeat of server 0 (job 42) with `credential`; the reply.
-control::HeartbeatReply BeatAsServer(CoordinatorService* svc, const std::string& credential) {
+// A heartbeat of server 0 (job 42) with `credential`, saying it heard from
+// the workers `heard` in the data plane; the reply.
+control::HeartbeatReply BeatAsServer(CoordinatorService* svc, const std::string& credential,
+                                     const std::vector<uint32_t>& heard = {}) {
   grpc::ServerContext ctx;
   control::HeartbeatRequest hb = From<control::HeartbeatRequest>(control::SERVER, 0, credential);
+  for (uint32_t r : heard) hb.add_heard(r);
   control::HeartbeatReply reply;
   EXPECT_TRUE(svc->Heartbeat(&ctx, &hb, &reply).ok());
   return reply;
@@ -283,16 +286,20 @@ struct SilentWorkerVerdict {
   absl::Duration failed_after;  // an upper bound on the worker's silence
   std::string reason;
 };
+// For `heard` from the start the server says, with each heartbeat, that it
+// hears from the worker in the data plane.
 SilentWorkerVerdict FailWithASilentWorker(const std::string& health, absl::Duration heartbeat,
-                                          absl::Duration tick) {
+                                          absl::Duration tick,
+                                          absl::Duration heard = absl::ZeroDuration()) {
   control::TrainingConfig cfg = testing::MakeConfig(1, 1, 100, 1, "sgd");
   cfg.mutable_timeouts()->set_heartbeat_ms(absl::ToInt64Milliseconds(heartbeat));
   CoordinatorService svc(cfg, {}, 42, absl::Seconds(10), Security{});
   const absl::Time start = absl::Now();  // no later than the worker was last seen
   const std::vector<control::RegisterReply> replies = RegisterServerAndWorker(&svc, health);
-  while (absl::Now() - start < 20 * heartbeat) {
+  while (absl::Now() - start < 20 * heartbeat + heard) {
     absl::SleepFor(tick);
-    BeatAsServer(&svc, replies[0].credential());
+    BeatAsServer(&svc, replies[0].credential(),
+                 absl::Now() - start < heard ? std::vector<uint32_t>{0} : std::vector<uint32_t>{});
     svc.Tick();
     if (svc.state() == CoordinatorService::State::kFailed) {
       return {absl::Now() - start, svc.reason()};
@@ -334,6 +341,52 @@ TEST(CoordinatorService, ACoordinatorThatTicksLateStillTellsSlowFromDead) {
   EXPECT_LT(gone.failed_after, 6 * heartbeat) << "a gone process waited for as a slow one";
   EXPECT_THAT(gone.reason,
               HasSubstr("worker 0 (w0host) sent no heartbeat for 500ms: presumed dead"));
+}
+
+// A worker whose heartbeats stop while its server still hears from it in
+// the data plane works (its heartbeats are late: a starved host): it is
+// not declared dead or hung, listening or not, for as long as that lasts.
+// When the server stops hearing from it the bounds run from then: the slow
+// limit for one that still listens, the timeout for a gone one.
+TEST(CoordinatorService, AProcessItsPeersStillHearFromIsNotDeclaredDead) {
+  Ports ports;
+  const absl::Duration heartbeat = absl::Milliseconds(300);
+  const absl::Duration heard = 10 * heartbeat;  // longer than the slow limit
+  const SilentWorkerVerdict slow =
+      FailWithASilentWorker(ports.listening, heartbeat, absl::Milliseconds(20), heard);
+  // The last evidence is the server's heartbeat before its last one saying
+  // so: a tick (20 ms) before `heard`, or a little more on a loaded host.
+  EXPECT_GE(slow.failed_after, heard + 5 * heartbeat) << slow.reason;
+  EXPECT_THAT(slow.reason,
+              HasSubstr("sent no heartbeat, nor did its servers hear from it, for 1.8s, "
+                        "although it still listens at its health endpoint (hung?)"));
+  const SilentWorkerVerdict gone =
+      FailWithASilentWorker(ports.gone, heartbeat, absl::Milliseconds(20), heard);
+  EXPECT_GE(gone.failed_after, heard - heartbeat) << gone.reason;
+  EXPECT_LT(gone.failed_after, heard + 6 * heartbeat) << "a gone process waited for as a slow one";
+  EXPECT_THAT(gone.reason, HasSubstr("worker 0 (w0host) sent no heartbeat, nor did its servers "
+                                     "hear from it, for 300ms: presumed dead"));
+}
+
+// A heartbeat that says it heard from a rank the job does not have is
+// refused, naming it, and counts for nothing.
+TEST(CoordinatorService, AHeartbeatHearingARankBeyondTheJobIsRefused) {
+  control::TrainingConfig cfg = testing::MakeConfig(1, 1, 100, 1, "sgd");
+  CoordinatorService svc(cfg, {}, 42, absl::Seconds(10), Security{});
+  const std::vector<control::RegisterReply> replies = RegisterServerAndWorker(&svc, "");
+  grpc::ServerContext ctx;
+  control::HeartbeatRequest hb =
+      From<control::HeartbeatRequest>(control::SERVER, 0, replies[0].credential());
+  hb.add_heard(1);
+  control::HeartbeatReply reply;
+  const grpc::Status st = svc.Heartbeat(&ctx, &hb, &reply);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), HasSubstr("server 0 heard from 1 workers, one of rank 1, in a "
+                                            "job of 1"));
+  hb.set_heard(0, 0);
+  hb.add_heard(0);  // more ranks than the job has
+  grpc::ServerContext ctx2;
+  EXPECT_EQ(svc.Heartbeat(&ctx2, &hb, &reply).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
 }
 
 TEST(CoordinatorService, SilentProcessIsDeclaredDeadByName) {

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
@@ -45,6 +46,79 @@ TEST(Liveness, AProberPastItsDeadlineStillReadsCompletedConnections) {
                                               Liveness::kGone, Liveness::kListening}))
         << "round " << round;
   }
+}
+
+// Each rank once until taken, in order; ranks beyond the job's are not
+// kept; marks from several threads at once all arrive.
+TEST(PeersHeard, EachRankOnceUntilTakenAndNoneBeyondTheJob) {
+  PeersHeard heard(4);
+  EXPECT_EQ(heard.Take(), std::vector<uint32_t>{});
+  heard.Heard(2);
+  heard.Heard(0);
+  heard.Heard(2);
+  heard.Heard(4);
+  heard.Heard(1000);
+  EXPECT_EQ(heard.Take(), (std::vector<uint32_t>{0, 2}));
+  EXPECT_EQ(heard.Take(), std::vector<uint32_t>{});
+  std::vector<std::thread> threads;
+  for (uint32_t t = 0; t < 3; ++t) {
+    threads.emplace_back([&heard, t] {
+      for (int i = 0; i < 10000; ++i) heard.Heard(t == 2 ? 3 : t);
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(heard.Take(), (std::vector<uint32_t>{0, 1, 3}));
+}
+
+// A coordinator that records each heartbeat's `heard`, and fails the first
+// call that carries any (a heartbeat lost on the way).
+class HeardRecordingCoordinator final : public control::Coordinator::Service {
+ public:
+  grpc::Status Heartbeat(grpc::ServerContext*, const control::HeartbeatRequest* req,
+                         control::HeartbeatReply*) override {
+    absl::MutexLock l(&mu_);
+    if (req->heard_size() == 0) return grpc::Status::OK;
+    calls_.emplace_back(req->heard().begin(), req->heard().end());
+    if (calls_.size() == 1) return grpc::Status(grpc::StatusCode::INTERNAL, "lost");
+    return grpc::Status::OK;
+  }
+  std::vector<std::vector<uint32_t>> Calls() {
+    absl::MutexLock l(&mu_);
+    return calls_;
+  }
+  absl::Mutex mu_;
+  std::vector<std::vector<uint32_t>> calls_ ABSL_GUARDED_BY(mu_);
+};
+
+// A heartbeat carries the peers heard since the previous one, each once; a
+// heartbeat that did not get through leaves them for the next.
+TEST(Heartbeater, EachHeartbeatCarriesThePeersHeardSinceThePreviousOne) {
+  HeardRecordingCoordinator svc;
+  const LocalCoordinator local = ServeLocally(&svc);
+  ASSERT_NE(local.server, nullptr);
+  auto heard = std::make_shared<PeersHeard>(5);
+  Heartbeater hb(local.stub.get(), local.target, control::SERVER, 0, 42, absl::Milliseconds(20),
+                 absl::Seconds(10));
+  hb.SetPeersHeard(heard);
+  hb.Start();
+  auto wait_for_calls = [&](size_t n) {
+    const absl::Time until = absl::Now() + absl::Seconds(10);
+    while (svc.Calls().size() < n && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
+    return svc.Calls();
+  };
+  heard->Heard(3);
+  heard->Heard(1);
+  std::vector<std::vector<uint32_t>> calls = wait_for_calls(2);
+  ASSERT_EQ(calls.size(), 2u);
+  EXPECT_EQ(calls[0], (std::vector<uint32_t>{1, 3}));
+  EXPECT_EQ(calls[1], (std::vector<uint32_t>{1, 3})) << "the lost heartbeat's peers";
+  absl::SleepFor(absl::Milliseconds(200));  // ten more heartbeats: nothing heard
+  EXPECT_EQ(svc.Calls().size(), 2u);
+  heard->Heard(4);
+  calls = wait_for_calls(3);
+  ASSERT_EQ(calls.size(), 3u);
+  EXPECT_EQ(calls[2], std::vector<uint32_t>{4});
+  local.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
 }
 
 // A coordinator that answers heartbeats slowly and records, for Done, which
