@@ -480,7 +480,9 @@ TEST_P(LambTest, EveryWorkerAndServerEqualsTheReference) {
   // The shards hold whole tensors: W0 (784·16) alone, then the rest.
   EXPECT_EQ(ReadFloats(dir + "/master_s0.f32").size(), 12544u);
   EXPECT_EQ(ReadFloats(dir + "/master_s1.f32").size(), 186u);
-  if (c.servers > 2) EXPECT_EQ(ReadFloats(dir + "/master_s2.f32").size(), 0u);
+  if (c.servers > 2) {
+    EXPECT_EQ(ReadFloats(dir + "/master_s2.f32").size(), 0u);
+  }
   const std::string summary = ReadFile(dir + "/summary.json");
   EXPECT_EQ(Field(summary, "workers_agree"), "true") << summary;
   const bool delta = c.extra == "--server_reply=delta";
@@ -553,7 +555,9 @@ TEST_P(Fp16WarmupTest, EqualsTheReferenceWithHalfTheWarmupBytes) {
   // (the hand-over adds m and v in fp32).
   EXPECT_EQ(ref.push_bytes[0], 3u * 2 * 1000);
   EXPECT_EQ(ref.reply_bytes[0], 3u * 2 * 1000);
-  if (GetParam() == "onebit-adam") EXPECT_EQ(ref.reply_bytes[2], 3u * (2 + 8) * 1000);
+  if (GetParam() == "onebit-adam") {
+    EXPECT_EQ(ref.reply_bytes[2], 3u * (2 + 8) * 1000);
+  }
   // And the same run in fp32 differs: the rounding is real.
   testing::SetSetting(&cfg, "warmup_codec", "fp32");
   EXPECT_NE(FirstDifference(Reference(cfg).workers[0], ref.workers[0]), "");

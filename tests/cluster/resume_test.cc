@@ -295,7 +295,9 @@ TEST_P(Resume, EndsBitForBitWhereTheUninterruptedJobEnds) {
       expect.insert(expect.end(), v.begin(), v.end());
     }
     // (adam keeps no server error: its dumps are empty.)
-    if (std::string(kind) == "master") EXPECT_FALSE(expect.empty());
+    if (std::string(kind) == "master") {
+      EXPECT_FALSE(expect.empty());
+    }
     EXPECT_EQ(got.size(), expect.size()) << kind;
     EXPECT_EQ(FirstDifference(got, expect), "") << kind;
   }
@@ -364,19 +366,39 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         // The checkpoint exactly at the freeze step (the first compression
         // step is 4): v frozen, the errors still zero.
-        Case{"at_the_freeze", Synthetic("onebit-adam", 2, 10, {"--freeze_step=4"}), 10, 4, 6,
-             "worker 1"},
+        Case{"at_the_freeze",
+             Synthetic("onebit-adam", 2, 10, {"--freeze_step=4"}),
+             10,
+             4,
+             6,
+             "worker 1",
+             {}},
         Case{"compression_phase_server_killed",
-             Synthetic("onebit-adam", 2, 12, {"--freeze_step=3"}), 12, 3, 7, "server 0"},
-        Case{"warmup_coordinator_killed", Synthetic("adam", 2, 10, {}), 10, 2, 5, "coordinator"},
+             Synthetic("onebit-adam", 2, 12, {"--freeze_step=3"}),
+             12,
+             3,
+             7,
+             "server 0",
+             {}},
+        Case{
+            "warmup_coordinator_killed", Synthetic("adam", 2, 10, {}), 10, 2, 5, "coordinator", {}},
         Case{"delta_reply",
              Synthetic("onebit-adam", 2, 12,
                        {"--freeze_step=3", "--server_reply=delta", "--server_codec=fp16"}),
-             12, 4, 9, "server 1"},
-        Case{"naive_onebit_adam", Synthetic("naive-onebit-adam", 2, 10, {"--freeze_step=2"}), 10, 3,
-             7, "worker 0"},
-        Case{"ef_sgd", Synthetic("ef-sgd", 1, 8, {}), 8, 3, 4, "worker 2"},
-        Case{"sgd", Synthetic("sgd", 2, 8, {}), 8, 2, 5, "server 1"},
+             12,
+             4,
+             9,
+             "server 1",
+             {}},
+        Case{"naive_onebit_adam",
+             Synthetic("naive-onebit-adam", 2, 10, {"--freeze_step=2"}),
+             10,
+             3,
+             7,
+             "worker 0",
+             {}},
+        Case{"ef_sgd", Synthetic("ef-sgd", 1, 8, {}), 8, 3, 4, "worker 2", {}},
+        Case{"sgd", Synthetic("sgd", 2, 8, {}), 8, 2, 5, "server 1", {}},
         // --freeze auto: the coordinator's decisions up to the checkpoint
         // come from its manifest; the later ones are made again.
         Case{"auto_freeze",
@@ -386,7 +408,8 @@ INSTANTIATE_TEST_SUITE_P(
              40,
              5,
              12,
-             "server 2"},
+             "server 2",
+             {}},
         // Saved by global range: two servers' files restore onto three.
         Case{"reshard_2_to_3",
              Synthetic("onebit-adam", 2, 10, {"--freeze_step=3"}),
@@ -402,33 +425,55 @@ INSTANTIATE_TEST_SUITE_P(
              24,
              8,
              13,
-             "server 1"},
+             "server 1",
+             {}},
         // zero-one-adam (ZeroOneSchedule): after 9 steps the workers are
         // between the syncs of steps 7 and 11, their local x one local step
         // (8) away from x_sync, their m their own, lrs = lr(8).
-        Case{"zero_one_adam_between_syncs", Synthetic("zero-one-adam", 2, 13, ZeroOneSchedule()),
-             13, 3, 11, "worker 2"},
+        Case{"zero_one_adam_between_syncs",
+             Synthetic("zero-one-adam", 2, 13, ZeroOneSchedule()),
+             13,
+             3,
+             11,
+             "worker 2",
+             {}},
         // After 10: two local steps (8, 9) into the interval; a server dies.
-        Case{"zero_one_adam_server_killed", Synthetic("zero-one-adam", 2, 13, ZeroOneSchedule()),
-             13, 5, 11, "server 0"},
+        Case{"zero_one_adam_server_killed",
+             Synthetic("zero-one-adam", 2, 13, ZeroOneSchedule()),
+             13,
+             5,
+             11,
+             "server 0",
+             {}},
         // Before the freeze (after 3 steps, v refreshed at steps 0, 1 and
         // about to be at 3): every worker's own v and den.
-        Case{"zero_one_adam_variance_phase", Synthetic("zero-one-adam", 1, 13, ZeroOneSchedule()),
-             13, 3, 4, "worker 0"},
+        Case{"zero_one_adam_variance_phase",
+             Synthetic("zero-one-adam", 1, 13, ZeroOneSchedule()),
+             13,
+             3,
+             4,
+             "worker 0",
+             {}},
         // onebit-lamb after the freeze (the first compression step is 3): the
         // frozen ratios, the factors (0.92-1.0 by then: one reset to 1
         // changes the end) and the v that moved since, at 9.
-        Case{"onebit_lamb_frozen_ratios", LambJob({}), 12, 3, 10, "server 1"},
+        Case{"onebit_lamb_frozen_ratios", LambJob({}), 12, 3, 10, "server 1", {}},
         // Its layers' values by global position: 2 servers' files onto 3.
         Case{"onebit_lamb_reshard_2_to_3", LambJob({}), 12, 4, 9, "worker 0", {"--servers=3"}},
-        Case{"onebit_lamb_delta_reply", LambJob({"--server_reply=delta"}), 12, 5, 7, "worker 1"}),
+        Case{"onebit_lamb_delta_reply",
+             LambJob({"--server_reply=delta"}),
+             12,
+             5,
+             7,
+             "worker 1",
+             {}}),
     [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
 
 // What a resumed job runs comes from its checkpoint: one master element
 // changed in a validly rewritten checkpoint (the section's, the file's and
 // the manifest's checksums made anew) changes the job's end.
 TEST(ResumeFromCheckpoint, AValidlyChangedCheckpointChangesTheResult) {
-  const Case c{"tamper", Synthetic("adam", 2, 10, {}), 10, 2, 5, "worker 0"};
+  const Case c{"tamper", Synthetic("adam", 2, 10, {}), 10, 2, 5, "worker 0", {}};
   const std::string dir = TempDir("resume_tamper");
   const std::string root = dir + "/ckpt";
   const std::vector<std::string> ckpt = {"--checkpoint_dir=" + root, "--checkpoint_every=2"};
@@ -724,7 +769,7 @@ TEST(Recovery, AKilledProcessComesBackAndTheOthersRollBackBitForBit) {
       EXPECT_THAT(log, HasSubstr("restart 1 of 2: starting it again")) << log;
       EXPECT_THAT(log, Not(HasSubstr("starting the whole job again")));
       // The others were not started again: they rolled back in place.
-      for (const std::string& other :
+      for (const std::string other :
            {"worker 0", "worker 1", "worker 2", "server 0", "server 1"}) {
         if (other == k.victim) continue;
         EXPECT_THAT(log, HasSubstr(absl::StrCat(other, ": ",
