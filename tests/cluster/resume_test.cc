@@ -769,8 +769,7 @@ TEST(Recovery, AKilledProcessComesBackAndTheOthersRollBackBitForBit) {
       EXPECT_THAT(log, HasSubstr("restart 1 of 2: starting it again")) << log;
       EXPECT_THAT(log, Not(HasSubstr("starting the whole job again")));
       // The others were not started again: they rolled back in place.
-      for (const std::string other :
-           {"worker 0", "worker 1", "worker 2", "server 0", "server 1"}) {
+      for (const std::string other : {"worker 0", "worker 1", "worker 2", "server 0", "server 1"}) {
         if (other == k.victim) continue;
         EXPECT_THAT(log, HasSubstr(absl::StrCat(other, ": ",
                                                 k.victim == "coordinator"
