@@ -656,6 +656,8 @@ grpc::Status CoordinatorService::Status(grpc::ServerContext* ctx, const control:
       s->set_health_endpoint(p.info.health_endpoint());
       s->set_step(p.step);
       s->set_since_heartbeat_s(p.registered ? absl::ToDoubleSeconds(now - p.last_seen) : -1);
+      s->set_since_heard_s(
+          p.heard_at == absl::InfinitePast() ? -1 : absl::ToDoubleSeconds(now - p.heard_at));
       s->set_done(p.done);
     }
   }

@@ -103,6 +103,29 @@ class FakeWorker {
   zmq::socket_t socket_;
 };
 
+// How long ago, by the coordinator at `target` (secured by the test's
+// secret), a peer last said it heard from `role` `rank` in the data plane;
+// asked every 50 ms until some peer has, for up to `wait`; -1: none has.
+double SinceHeard(const std::string& target, control::Role role, uint32_t rank,
+                  absl::Duration wait) {
+  auto security = ResolveSecurity(SecretFile(), false, "secret");
+  EXPECT_TRUE(security.ok()) << security.status();
+  if (!security.ok()) return -1;
+  auto stub = control::Coordinator::NewStub(MakeChannel(target, *security));
+  const absl::Time until = absl::Now() + wait;
+  double since = -1;
+  while (since < 0 && absl::Now() < until) {
+    grpc::ClientContext ctx;
+    control::StatusReply st;
+    EXPECT_TRUE(stub->Status(&ctx, control::StatusRequest(), &st).ok());
+    for (const auto& p : st.processes()) {
+      if (p.role() == role && p.rank() == rank) since = p.since_heard_s();
+    }
+    if (since < 0) absl::SleepFor(absl::Milliseconds(50));
+  }
+  return since;
+}
+
 std::string Fp32Bytes(const float* x, size_t n) {
   return std::string(reinterpret_cast<const char*>(x), n * sizeof(float));
 }
@@ -298,6 +321,13 @@ TEST(Faults, BadRequestsAreRefusedByNameAndChangeNothing) {
     pull.set_payload_bytes(4);
     w1.Send(pull, "abcd");
     w1.ExpectError("wrong payload length 4");
+  }
+  {
+    // The server's heartbeats pass on that it heard from worker 0 (which
+    // itself sends none): the coordinator's status shows it.
+    const double since_heard = SinceHeard(target, control::WORKER, 0, absl::Seconds(10));
+    EXPECT_GE(since_heard, 0) << "no heartbeat of the server said it heard from worker 0";
+    EXPECT_LT(since_heard, 10);
   }
   {
     // Seeding Adam's state before step 0 (rank 0): one array per message,
@@ -594,6 +624,12 @@ TEST(Faults, KilledServerStopsWorkerAndCoordinatorNamingIt) {
                             dir + "/worker.log");
   ASSERT_TRUE(WaitForText(dir + "/worker.log", "steps/s", absl::Seconds(20)))
       << ReadFile(dir + "/worker.log");
+  // While it runs, each side's heartbeats say it hears from the others: the
+  // worker from both servers, the servers from the worker.
+  for (uint32_t k = 0; k < 2; ++k) {
+    EXPECT_GE(SinceHeard(target, control::SERVER, k, absl::Seconds(10)), 0) << "server " << k;
+  }
+  EXPECT_GE(SinceHeard(target, control::WORKER, 0, absl::Seconds(10)), 0);
   const absl::Time killed = absl::Now();
   kill(servers[1].pid(), SIGKILL);
 
