@@ -673,8 +673,7 @@ void CoordinatorService::Tick() {
   if (suspects.empty()) return;
   std::vector<std::string> endpoints;
   for (const Suspect& s : suspects) endpoints.push_back(s.endpoint);
-  const std::vector<Liveness> answers =
-      ProbeListening(endpoints, std::min(absl::Seconds(1), heartbeat_timeout_ / 4));
+  const std::vector<Liveness> answers = ProbeListening(endpoints, ProbeTimeout());
   absl::MutexLock l(&mu_);
   const absl::Time now = absl::Now();
   for (size_t i = 0; i < suspects.size(); ++i) {
@@ -683,6 +682,7 @@ void CoordinatorService::Tick() {
     Process& p = group[suspects[i].rank];
     if (p.credential != suspects[i].credential || p.lost) continue;  // since replaced or lost
     p.answered_at = now;
+    p.answer = answers[i];
     if (answers[i] == Liveness::kListening) p.listening_at = now;
   }
   // The verdict now, on answers just taken: a starved coordinator's next
@@ -768,12 +768,22 @@ void CoordinatorService::CheckTimeoutsLocked(std::vector<Suspect>* suspects) {
                                                                             : control::SERVER),
                                "s hear from it, for ")
                 : std::string(" sent no heartbeat for ");
+        // What the probe found, so that the verdict names its evidence.
+        std::string probe;
+        if (!listening && p.answered_at > seen) {
+          probe = p.answer == Liveness::kGone
+                      ? absl::StrCat(", and its health endpoint ", p.info.health_endpoint(),
+                                     " refused a connection (gone)")
+                      : absl::StrCat(", and its health endpoint ", p.info.health_endpoint(),
+                                     " took no connection within ",
+                                     absl::FormatDuration(ProbeTimeout()));
+        }
         LoseLocked(listening ? absl::StrCat(name, " (", ep, ")", silence,
                                             absl::FormatDuration(slow_limit),
                                             ", although it still listens at its health endpoint "
                                             "(hung?)")
                              : absl::StrCat(name, " (", ep, ")", silence,
-                                            absl::FormatDuration(heartbeat_timeout_)));
+                                            absl::FormatDuration(heartbeat_timeout_), probe));
         return;
       }
       // Probe it again every tenth of the timeout while it is silent.

@@ -12,6 +12,7 @@
 #ifndef ONEBIT_COORDINATOR_COORDINATOR_H_
 #define ONEBIT_COORDINATOR_COORDINATOR_H_
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -149,6 +150,8 @@ class CoordinatorService final : public control::Coordinator::Service {
   // Tick's checks of the deadlines and the silent processes; the processes
   // to probe before the next check go to *suspects (none when null).
   void CheckTimeoutsLocked(std::vector<Suspect>* suspects) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // How long a liveness probe waits for a connection (net/liveness.h).
+  absl::Duration ProbeTimeout() const { return std::min(absl::Seconds(1), heartbeat_timeout_ / 4); }
   // The process presumed dead: roll back, or fail the job, naming `lost`.
   void LoseLocked(const std::string& lost) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailLocked(const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

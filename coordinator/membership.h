@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/time/time.h"
+#include "net/liveness.h"
 #include "proto/control.pb.h"
 
 namespace onebit {
@@ -33,7 +34,8 @@ class Membership {
     absl::Time probed_at = absl::InfinitePast();
     absl::Time answered_at = absl::InfinitePast();  // any answer (listening, gone, unknown)
     absl::Time listening_at = absl::InfinitePast();
-    bool slow_said = false;  // the log said it is slow, not dead
+    Liveness answer = Liveness::kUnknown;  // the answer at answered_at
+    bool slow_said = false;                // the log said it is slow, not dead
     // When a peer last heard from it in the data plane (at the latest: see
     // HeartbeatRequest.heard), and whether the log said it works while its
     // heartbeats are late.

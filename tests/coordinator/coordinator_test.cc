@@ -323,7 +323,17 @@ TEST(CoordinatorService, ASilentProcessThatStillListensIsSlowNotDead) {
   const SilentWorkerVerdict gone =
       FailWithASilentWorker(ports.gone, absl::Seconds(1), absl::Milliseconds(20));
   EXPECT_LT(gone.failed_after, absl::Seconds(6)) << "a gone process waited for as a slow one";
-  EXPECT_THAT(gone.reason, HasSubstr("worker 0 (w0host) sent no heartbeat for 1s: presumed dead"));
+  EXPECT_THAT(gone.reason,
+              HasSubstr(absl::StrCat("worker 0 (w0host) sent no heartbeat for 1s, and its health "
+                                     "endpoint ",
+                                     ports.gone, " refused a connection (gone): presumed dead")));
+  // An endpoint that gives no answer (here: one that does not resolve) is
+  // no evidence of life either; the verdict says what the probe found.
+  const SilentWorkerVerdict unknown =
+      FailWithASilentWorker("no-port", absl::Seconds(1), absl::Milliseconds(20));
+  EXPECT_LT(unknown.failed_after, absl::Seconds(6));
+  EXPECT_THAT(unknown.reason, HasSubstr("sent no heartbeat for 1s, and its health endpoint "
+                                        "no-port took no connection within 250ms: presumed dead"));
 }
 
 // A starved coordinator ticks late: here every 1.5 heartbeat timeouts, so
@@ -340,7 +350,9 @@ TEST(CoordinatorService, ACoordinatorThatTicksLateStillTellsSlowFromDead) {
   const SilentWorkerVerdict gone = FailWithASilentWorker(ports.gone, heartbeat, 1.5 * heartbeat);
   EXPECT_LT(gone.failed_after, 6 * heartbeat) << "a gone process waited for as a slow one";
   EXPECT_THAT(gone.reason,
-              HasSubstr("worker 0 (w0host) sent no heartbeat for 500ms: presumed dead"));
+              HasSubstr(absl::StrCat("worker 0 (w0host) sent no heartbeat for 500ms, and its "
+                                     "health endpoint ",
+                                     ports.gone, " refused a connection (gone): presumed dead")));
 }
 
 // A worker whose heartbeats stop while its server still hears from it in
@@ -365,7 +377,7 @@ TEST(CoordinatorService, AProcessItsPeersStillHearFromIsNotDeclaredDead) {
   EXPECT_GE(gone.failed_after, heard - heartbeat) << gone.reason;
   EXPECT_LT(gone.failed_after, heard + 6 * heartbeat) << "a gone process waited for as a slow one";
   EXPECT_THAT(gone.reason, HasSubstr("worker 0 (w0host) sent no heartbeat, nor did its servers "
-                                     "hear from it, for 300ms: presumed dead"));
+                                     "hear from it, for 300ms, and its health endpoint"));
 }
 
 // A heartbeat that says it heard from a rank the job does not have is
