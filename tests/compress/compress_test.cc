@@ -1477,7 +1477,9 @@ TEST(EncodeInPieces, EqualsEncodeWithFeedbackAndRunsItsHooksPieceByPiece) {
       ASSERT_NE(codec, nullptr);
       const size_t p = codec->piece_elems();
       ASSERT_GE(p, 4096u);
-      if (cfg.kind == CodecKind::kOnebit) ASSERT_EQ(p % cfg.block, 0u);
+      if (cfg.kind == CodecKind::kOnebit) {
+        ASSERT_EQ(p % cfg.block, 0u);
+      }
       for (size_t n : {size_t{1}, size_t{33}, p - 1, p, p + 1, 3 * p + 17, size_t{100003}}) {
         for (bool feedback : {true, false}) {
           SCOPED_TRACE(Label(cfg) + " " + PathLabel(path) + " n=" + std::to_string(n) +

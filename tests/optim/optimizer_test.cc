@@ -1227,7 +1227,9 @@ void CheckLambByHand(ReplyMode mode) {
     server_floored += s.floored;
     for (size_t j = sb; j < shards[k].second; ++j) {
       ASSERT_EQ(s.x[j - sb], x[j]) << j;
-      if (!momentum) ASSERT_EQ(s.replica[j - sb], xw[j]) << j;
+      if (!momentum) {
+        ASSERT_EQ(s.replica[j - sb], xw[j]) << j;
+      }
       ASSERT_EQ(s.e[j - sb], e_s[j]) << j;
       ASSERT_EQ(s.m[j - sb], m[j]) << j;
       ASSERT_EQ(s.v[j - sb], v[j]) << j;
@@ -1247,10 +1249,14 @@ void CheckLambByHand(ReplyMode mode) {
       ASSERT_EQ(r->workers[w].x[j], xw[j]) << "worker " << w << " " << j;
       ASSERT_EQ(r->workers[w].mbar[j], mw[w][j]) << "worker " << w << " " << j;
       ASSERT_EQ(r->workers[w].e[j], e_w[w][j]) << "worker " << w << " " << j;
-      if (momentum) ASSERT_EQ(r->workers[w].den[j], den[j]) << "worker " << w << " " << j;
+      if (momentum) {
+        ASSERT_EQ(r->workers[w].den[j], den[j]) << "worker " << w << " " << j;
+      }
     }
   }
-  if (momentum) EXPECT_EQ(xw, x);
+  if (momentum) {
+    EXPECT_EQ(xw, x);
+  }
 }
 
 TEST(OnebitLamb, MomentumRepliesMatchHandComputationStepByStep) {

@@ -316,7 +316,9 @@ void CheckAligned(const ShardMap& m, const std::vector<uint64_t>& ends, uint32_t
   EXPECT_EQ(next, d);
   std::vector<uint64_t> sizes;
   for (size_t i = 0; i < ends.size(); ++i) sizes.push_back(ends[i] - (i ? ends[i - 1] : 0));
-  if (sizes.size() <= 9) EXPECT_EQ(largest, BestLargestShard(sizes, 0, S));
+  if (sizes.size() <= 9) {
+    EXPECT_EQ(largest, BestLargestShard(sizes, 0, S));
+  }
   for (uint64_t g = 0; g < d; g += 1 + d / 500) CheckLocate(m, g);
   CheckLocate(m, d - 1);
 }
