@@ -456,22 +456,28 @@ grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* ctx,
                                                          " at step ", req->step(), " of a job of ",
                                                          config_.model().steps(), " steps")));
   }
-  const control::Role peer_role =
-      req->role() == control::SERVER ? control::WORKER : control::SERVER;
-  std::vector<Process>& peers = members_.Group(peer_role);
+  std::vector<Process>& peers = members_.Group(Membership::PeerRole(req->role()));
+  if (req->heard_size() > static_cast<int>(peers.size())) {
+    return Refuse("Heartbeat",
+                  grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                               absl::StrCat(Membership::Name(req->role(), req->rank()),
+                                            " heard from ", req->heard_size(), " ",
+                                            Membership::RoleName(Membership::PeerRole(req->role())),
+                                            "s in a job of ", peers.size())));
+  }
   for (uint32_t r : req->heard()) {
-    if (r >= peers.size() || req->heard_size() > static_cast<int>(peers.size())) {
+    if (r >= peers.size()) {
       return Refuse(
           "Heartbeat",
           grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                        absl::StrCat(Membership::Name(req->role(), req->rank()), " heard from ",
-                                    req->heard_size(), " ", Membership::RoleName(peer_role),
-                                    "s, one of rank ", r, ", in a job of ", peers.size())));
+                                    Membership::Name(Membership::PeerRole(req->role()), r),
+                                    " in a job of ", peers.size())));
     }
   }
   Process& p = members_.Group(req->role())[req->rank()];
-  // What this process heard came after its previous heartbeat was sent,
-  // which is before that heartbeat arrived: its arrival is a safe time.
+  // What this process heard came after it sent its previous heartbeat; that
+  // heartbeat's arrival dates the news, late by at most its transit.
   for (uint32_t r : req->heard()) peers[r].heard_at = std::max(peers[r].heard_at, p.last_seen);
   p.last_seen = absl::Now();
   p.step = req->step();
@@ -722,14 +728,16 @@ void CoordinatorService::CheckTimeoutsLocked(std::vector<Suspect>* suspects) {
       const absl::Time seen = std::max(p.last_seen, p.heard_at);
       const absl::Duration silent = now - seen;
       const std::string name = Membership::Name(role, static_cast<uint32_t>(i));
-      if (now - p.last_seen > heartbeat_timeout_ && silent <= heartbeat_timeout_ && !p.heard_said) {
+      const char* peers = Membership::RoleName(Membership::PeerRole(role));
+      if (now - p.last_seen <= fresh) {
+        p.heard_said = false;  // its heartbeats come again; say it if they stop again
+      } else if (now - p.last_seen > heartbeat_timeout_ && silent <= heartbeat_timeout_ &&
+                 !p.heard_said) {
         p.heard_said = true;
-        std::fprintf(
-            stderr,
-            "coordinator: %s sent no heartbeat for %s, but its %ss still hear from it in "
-            "the data plane: working, its heartbeats late\n",
-            name.c_str(), absl::FormatDuration(heartbeat_timeout_).c_str(),
-            Membership::RoleName(role == control::SERVER ? control::WORKER : control::SERVER));
+        std::fprintf(stderr,
+                     "coordinator: %s sent no heartbeat for %s, but its %ss still hear from it in "
+                     "the data plane: working, its heartbeats late\n",
+                     name.c_str(), absl::FormatDuration(heartbeat_timeout_).c_str(), peers);
       }
       if (silent <= fresh) {
         p.slow_said = false;
@@ -763,10 +771,7 @@ void CoordinatorService::CheckTimeoutsLocked(std::vector<Suspect>* suspects) {
         // Whose silence: its heartbeats', or theirs and its peers' news of it.
         const std::string silence =
             p.heard_at > p.last_seen
-                ? absl::StrCat(" sent no heartbeat, nor did its ",
-                               Membership::RoleName(role == control::SERVER ? control::WORKER
-                                                                            : control::SERVER),
-                               "s hear from it, for ")
+                ? absl::StrCat(" sent no heartbeat, nor did its ", peers, "s hear from it, for ")
                 : std::string(" sent no heartbeat for ");
         // What the probe found, so that the verdict names its evidence.
         std::string probe;

@@ -22,7 +22,7 @@ uint64_t NewRandomId() {
 Membership::Membership(uint32_t servers, uint32_t workers) : servers_(servers), workers_(workers) {}
 
 std::string Membership::Name(control::Role role, uint32_t rank) {
-  return absl::StrCat(role == control::SERVER ? "server " : "worker ", rank);
+  return absl::StrCat(RoleName(role), " ", rank);
 }
 
 bool Membership::IsRegistered(control::Role role, uint32_t rank) const {

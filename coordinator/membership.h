@@ -36,9 +36,9 @@ class Membership {
     absl::Time listening_at = absl::InfinitePast();
     Liveness answer = Liveness::kUnknown;  // the answer at answered_at
     bool slow_said = false;                // the log said it is slow, not dead
-    // When a peer last heard from it in the data plane (at the latest: see
-    // HeartbeatRequest.heard), and whether the log said it works while its
-    // heartbeats are late.
+    // When a peer last heard from it in the data plane (HeartbeatRequest.heard,
+    // dated by the arrival of that peer's previous heartbeat), and whether
+    // the log said it works while its own heartbeats are late.
     absl::Time heard_at = absl::InfinitePast();
     bool heard_said = false;
     std::optional<uint64_t> stop_ack;  // workers, while stopping: steps begun
@@ -54,6 +54,11 @@ class Membership {
   // "server", "worker".
   static const char* RoleName(control::Role role) {
     return role == control::SERVER ? "server" : "worker";
+  }
+  // The role a process of `role` exchanges data with: a server's workers, a
+  // worker's servers.
+  static control::Role PeerRole(control::Role role) {
+    return role == control::SERVER ? control::WORKER : control::SERVER;
   }
 
   // The servers for SERVER, else the workers.

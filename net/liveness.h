@@ -42,9 +42,9 @@ std::vector<Liveness> ProbeListening(const std::vector<std::string>& endpoints,
 // and it writes only the first time a rank is heard between two takes.
 class PeersHeard {
  public:
+  // `peers`: how many the other role has.
   explicit PeersHeard(uint32_t peers);
-  uint32_t peers() const { return peers_; }
-  // A rank at or beyond peers() is ignored (the data plane checks ranks).
+  // A rank at or beyond `peers` is ignored (the data plane checks ranks).
   void Heard(uint32_t rank);
   // The ranks heard since the last Take(), in increasing order; clears them.
   std::vector<uint32_t> Take();

@@ -285,6 +285,10 @@ control::HeartbeatReply BeatAsServer(CoordinatorService* svc, const std::string&
 struct SilentWorkerVerdict {
   absl::Duration failed_after;  // an upper bound on the worker's silence
   std::string reason;
+  // When `heard`: a lower bound on the date the coordinator gives the last
+  // news of the worker (the server's heartbeat before its last one saying
+  // so), from the start.
+  absl::Duration news_after = absl::ZeroDuration();
 };
 // For `heard` from the start the server says, with each heartbeat, that it
 // hears from the worker in the data plane.
@@ -296,16 +300,23 @@ SilentWorkerVerdict FailWithASilentWorker(const std::string& health, absl::Durat
   CoordinatorService svc(cfg, {}, 42, absl::Seconds(10), Security{});
   const absl::Time start = absl::Now();  // no later than the worker was last seen
   const std::vector<control::RegisterReply> replies = RegisterServerAndWorker(&svc, health);
+  // The news a heartbeat carries is dated by the previous one's arrival,
+  // which comes after the time taken before sending it.
+  absl::Duration previous_beat = absl::ZeroDuration(), news = absl::ZeroDuration();
   while (absl::Now() - start < 20 * heartbeat + heard) {
     absl::SleepFor(tick);
+    const absl::Duration beat = absl::Now() - start;
+    const bool hearing = beat < heard;
+    if (hearing) news = previous_beat;
     BeatAsServer(&svc, replies[0].credential(),
-                 absl::Now() - start < heard ? std::vector<uint32_t>{0} : std::vector<uint32_t>{});
+                 hearing ? std::vector<uint32_t>{0} : std::vector<uint32_t>{});
+    previous_beat = beat;
     svc.Tick();
     if (svc.state() == CoordinatorService::State::kFailed) {
-      return {absl::Now() - start, svc.reason()};
+      return {absl::Now() - start, svc.reason(), news};
     }
   }
-  return {absl::InfiniteDuration(), "still running"};
+  return {absl::InfiniteDuration(), "still running", news};
 }
 
 // A worker that falls silent but still listens at its health endpoint (a
@@ -366,15 +377,17 @@ TEST(CoordinatorService, AProcessItsPeersStillHearFromIsNotDeclaredDead) {
   const absl::Duration heard = 10 * heartbeat;  // longer than the slow limit
   const SilentWorkerVerdict slow =
       FailWithASilentWorker(ports.listening, heartbeat, absl::Milliseconds(20), heard);
-  // The last evidence is the server's heartbeat before its last one saying
-  // so: a tick (20 ms) before `heard`, or a little more on a loaded host.
-  EXPECT_GE(slow.failed_after, heard + 5 * heartbeat) << slow.reason;
+  // Not hung before the slow limit (6 timeouts) from the last news, which
+  // came close to `heard` (a tick before, unless the host stalled).
+  EXPECT_GE(slow.news_after, heard / 2);
+  EXPECT_GE(slow.failed_after, slow.news_after + 6 * heartbeat) << slow.reason;
   EXPECT_THAT(slow.reason,
               HasSubstr("sent no heartbeat, nor did its servers hear from it, for 1.8s, "
                         "although it still listens at its health endpoint (hung?)"));
   const SilentWorkerVerdict gone =
       FailWithASilentWorker(ports.gone, heartbeat, absl::Milliseconds(20), heard);
-  EXPECT_GE(gone.failed_after, heard - heartbeat) << gone.reason;
+  EXPECT_GE(gone.news_after, heard / 2);
+  EXPECT_GE(gone.failed_after, gone.news_after + heartbeat) << gone.reason;
   EXPECT_LT(gone.failed_after, heard + 6 * heartbeat) << "a gone process waited for as a slow one";
   EXPECT_THAT(gone.reason, HasSubstr("worker 0 (w0host) sent no heartbeat, nor did its servers "
                                      "hear from it, for 300ms, and its health endpoint"));
@@ -393,12 +406,13 @@ TEST(CoordinatorService, AHeartbeatHearingARankBeyondTheJobIsRefused) {
   control::HeartbeatReply reply;
   const grpc::Status st = svc.Heartbeat(&ctx, &hb, &reply);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_THAT(st.error_message(), HasSubstr("server 0 heard from 1 workers, one of rank 1, in a "
-                                            "job of 1"));
+  EXPECT_THAT(st.error_message(), HasSubstr("server 0 heard from worker 1 in a job of 1"));
   hb.set_heard(0, 0);
   hb.add_heard(0);  // more ranks than the job has
   grpc::ServerContext ctx2;
-  EXPECT_EQ(svc.Heartbeat(&ctx2, &hb, &reply).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  const grpc::Status many = svc.Heartbeat(&ctx2, &hb, &reply);
+  EXPECT_EQ(many.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(many.error_message(), HasSubstr("server 0 heard from 2 workers in a job of 1"));
 }
 
 TEST(CoordinatorService, SilentProcessIsDeclaredDeadByName) {
