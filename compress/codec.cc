@@ -105,17 +105,17 @@ absl::StatusOr<std::unique_ptr<const Codec>> NewCodec(CodecKind kind, const Code
 
 namespace compress_internal {
 
-absl::Status NonFiniteInput(const float* y, const float* e, size_t i, size_t done) {
+absl::Status NonFiniteInput(const float* y, const float* e, size_t i, size_t done, size_t first) {
   const std::string after =
       done == 0 ? (e == nullptr ? "nothing was encoded" : "nothing was encoded or changed")
                 : absl::StrCat("the elements before ", done, " were encoded");
   if (e == nullptr) {
     return absl::InvalidArgumentError(
-        absl::StrCat("non-finite input at index ", i, " (", y[i], "); ", after));
+        absl::StrCat("non-finite input at index ", first + i, " (", y[i], "); ", after));
   }
-  return absl::InvalidArgumentError(absl::StrCat("non-finite input at index ", i, " (y=", y[i],
-                                                 ", e=", e[i], ", y+e=", y[i] + e[i], "); ",
-                                                 after));
+  return absl::InvalidArgumentError(absl::StrCat("non-finite input at index ", first + i,
+                                                 " (y=", y[i], ", e=", e[i], ", y+e=", y[i] + e[i],
+                                                 "); ", after));
 }
 
 }  // namespace compress_internal

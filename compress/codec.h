@@ -76,10 +76,15 @@ class Codec {
   // piece_elems(). Not all or nothing: on a non-finite or unencodable z the
   // error is EncodeWithFeedback's, and the pieces before the bad one are
   // encoded, with their e updated and their hooks run.
+  // `source(b, e)`, where given instead of `before`, returns y[b, e) (valid
+  // until the next piece), and y itself is not read (it may be null): for a
+  // y that exists only piece by piece (a sum of payloads, a momentum held
+  // encoded).
   struct PieceHooks {
     std::optional<absl::FunctionRef<void(size_t begin, size_t end)>> before;
     std::optional<absl::FunctionRef<absl::Status(size_t begin, size_t end, const float* decoded)>>
         after;
+    std::optional<absl::FunctionRef<const float*(size_t begin, size_t end)>> source;
   };
   virtual absl::Status EncodeInPieces(const float* y, float* e, size_t n, uint8_t* out,
                                       const PieceHooks& hooks) const = 0;
@@ -100,6 +105,16 @@ class Codec {
       const uint8_t* in, size_t n, float* out,
       absl::FunctionRef<absl::Status(size_t begin, size_t end, const float* decoded)> after)
       const = 0;
+
+  // out[0, end - begin) = D(in)[begin, end), and acc[0, end - begin) +=
+  // w * D(in)[begin, end): the same bits as those elements of Decode and
+  // DecodeAdd, for a caller that walks a payload piece by piece beside other
+  // arrays or payloads. Unchecked: requires a payload CheckPayload accepted
+  // for n elements, begin a multiple of piece_elems() and begin <= end <= n.
+  virtual void DecodeRange(const uint8_t* in, size_t n, size_t begin, size_t end,
+                           float* out) const = 0;
+  virtual void DecodeAddRange(const uint8_t* in, size_t n, size_t begin, size_t end, float w,
+                              float* acc) const = 0;
 
   // OK when Decode would accept in[0, EncodedSize(n)), else the error it
   // would return; writes nothing. For callers that decode elsewhere (a GPU

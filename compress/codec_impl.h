@@ -19,9 +19,11 @@ std::unique_ptr<const Codec> NewFp32Codec(const Kernels& k);
 std::unique_ptr<const Codec> NewFp16Codec(const Kernels& k);
 std::unique_ptr<const Codec> NewOnebitCodec(const Kernels& k, const CodecOptions& options);
 
-// "non-finite input at index i (y=..., e=...)"; e may be null. done: the
-// elements before it that were encoded (EncodeInPieces), else 0.
-absl::Status NonFiniteInput(const float* y, const float* e, size_t i, size_t done = 0);
+// "non-finite input at index first + i (y=..., e=...)", of y[i] and e[i]
+// (e may be null). done: the elements before it that were encoded
+// (EncodeInPieces), else 0. first: where y starts (a piece's begin).
+absl::Status NonFiniteInput(const float* y, const float* e, size_t i, size_t done = 0,
+                            size_t first = 0);
 
 // Elements per piece of EncodeInPieces / DecodeInPieces where the encoding
 // is element by element (fp32, fp16): 16 KB of floats, so that a piece's
@@ -29,11 +31,12 @@ absl::Status NonFiniteInput(const float* y, const float* e, size_t i, size_t don
 inline constexpr size_t kElementwisePiece = 4096;
 
 // EncodeInPieces of an encoding element by element, `bytes` per element:
-// per piece, hooks.before, then `first_bad(y, e, n)` (the first index that
-// cannot be encoded, or n; pointers and result relative to the piece),
-// `encode(y, e, n, out)` and, for hooks.after, `decode(in, n, out)` into a
-// scratch piece. An element that cannot be encoded is `refuse(i, done)`'s
-// error: i its index in y, done the elements encoded before its piece.
+// per piece, hooks.before (or hooks.source), then `first_bad(y, e, n)` (the
+// first index that cannot be encoded, or n; pointers and result relative to
+// the piece), `encode(y, e, n, out)` and, for hooks.after, `decode(in, n,
+// out)` into a scratch piece. An element that cannot be encoded is
+// `refuse(y, e, i, b)`'s error: y and e the piece's, i the index in it, b
+// the piece's begin (the elements encoded before it).
 template <typename FirstBad, typename Refuse, typename Encode, typename Decode>
 absl::Status ElementwiseInPieces(const float* y, float* e, size_t n, uint8_t* out, size_t bytes,
                                  const Codec::PieceHooks& hooks, FirstBad first_bad, Refuse refuse,
@@ -44,8 +47,9 @@ absl::Status ElementwiseInPieces(const float* y, float* e, size_t n, uint8_t* ou
     const size_t len = std::min(kElementwisePiece, n - b);
     float* ep = e == nullptr ? nullptr : e + b;
     if (hooks.before) (*hooks.before)(b, b + len);
-    if (const size_t bad = first_bad(y + b, ep, len); bad < len) return refuse(b + bad, b);
-    encode(y + b, ep, len, out + bytes * b);
+    const float* yp = hooks.source ? (*hooks.source)(b, b + len) : y + b;
+    if (const size_t bad = first_bad(yp, ep, len); bad < len) return refuse(yp, ep, bad, b);
+    encode(yp, ep, len, out + bytes * b);
     if (hooks.after) {
       decode(out + bytes * b, len, decoded.data());
       if (absl::Status st = (*hooks.after)(b, b + len, decoded.data()); !st.ok()) return st;

@@ -44,7 +44,9 @@ class Fp16Codec final : public Codec {
     return ElementwiseInPieces(
         y, e, n, out, 2, hooks,
         [this](const float* py, const float* pe, size_t m) { return k_.fp16_check(py, pe, m); },
-        [y, e](size_t i, size_t done) { return Unrepresentable(y, e, i, done); },
+        [](const float* py, const float* pe, size_t i, size_t b) {
+          return Unrepresentable(py, pe, i, b, b);
+        },
         [this](const float* py, float* pe, size_t m, uint8_t* po) { EncodeTo(py, pe, m, po); },
         [this](const uint8_t* in, size_t m, float* po) {
           AlignedPayload<uint16_t> p(in, m);
@@ -74,6 +76,17 @@ class Fp16Codec final : public Codec {
     return absl::OkStatus();
   }
 
+  void DecodeRange(const uint8_t* in, size_t /*n*/, size_t begin, size_t end,
+                   float* out) const override {
+    AlignedPayload<uint16_t> p(in + 2 * begin, end - begin);
+    k_.fp16_decode(p.data(), end - begin, out);
+  }
+  void DecodeAddRange(const uint8_t* in, size_t /*n*/, size_t begin, size_t end, float w,
+                      float* acc) const override {
+    AlignedPayload<uint16_t> p(in + 2 * begin, end - begin);
+    k_.fp16_decode_add(p.data(), end - begin, w, acc);
+  }
+
   absl::Status CheckPayload(const uint8_t* in, size_t n) const override {
     AlignedPayload<uint16_t> p(in, n);
     if (size_t bad = k_.fp16_check_payload(p.data(), n); bad < n) return BadValue(bad);
@@ -92,12 +105,14 @@ class Fp16Codec final : public Codec {
     if (n > 0) std::memcpy(out, halves.data(), 2 * n);
   }
 
-  // done: the elements encoded before (EncodeInPieces), else 0.
-  static absl::Status Unrepresentable(const float* y, const float* e, size_t i, size_t done = 0) {
+  // done: the elements encoded before (EncodeInPieces), else 0; first:
+  // where y starts (NonFiniteInput).
+  static absl::Status Unrepresentable(const float* y, const float* e, size_t i, size_t done = 0,
+                                      size_t first = 0) {
     const float z = e ? y[i] + e[i] : y[i];
-    if (!std::isfinite(z)) return NonFiniteInput(y, e, i, done);
+    if (!std::isfinite(z)) return NonFiniteInput(y, e, i, done, first);
     return absl::InvalidArgumentError(
-        absl::StrCat("value ", z, " at index ", i, " overflows fp16 (largest is 65504); ",
+        absl::StrCat("value ", z, " at index ", first + i, " overflows fp16 (largest is 65504); ",
                      done == 0 ? std::string("nothing was encoded or changed")
                                : absl::StrCat("the elements before ", done, " were encoded")));
   }

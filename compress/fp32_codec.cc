@@ -38,7 +38,9 @@ class Fp32Codec final : public Codec {
         [this](const float* py, const float* pe, size_t m) {
           return k_.first_nonfinite(py, pe, m);
         },
-        [y, e](size_t i, size_t done) { return NonFiniteInput(y, e, i, done); },
+        [](const float* py, const float* pe, size_t i, size_t b) {
+          return NonFiniteInput(py, pe, i, b, b);
+        },
         [](const float* py, float* pe, size_t m, uint8_t* po) { CopyZ(py, pe, m, po); },
         [](const uint8_t* in, size_t m, float* po) { std::memcpy(po, in, 4 * m); });
   }
@@ -74,6 +76,16 @@ class Fp32Codec final : public Codec {
     }
     k_.axpy(p.data(), n, w, acc);
     return absl::OkStatus();
+  }
+
+  void DecodeRange(const uint8_t* in, size_t /*n*/, size_t begin, size_t end,
+                   float* out) const override {
+    if (end > begin) std::memcpy(out, in + 4 * begin, 4 * (end - begin));
+  }
+  void DecodeAddRange(const uint8_t* in, size_t /*n*/, size_t begin, size_t end, float w,
+                      float* acc) const override {
+    AlignedPayload<float> p(in + 4 * begin, end - begin);
+    k_.axpy(p.data(), end - begin, w, acc);
   }
 
   absl::Status CheckPayload(const uint8_t* in, size_t n) const override {

@@ -48,12 +48,12 @@ class OnebitCodec final : public Codec {
     for (size_t b0 = 0; b0 < blocks; b0 += per_piece) {
       const size_t begin = b0 * block_;
       const size_t len = std::min(n, begin + piece_elems()) - begin;
-      const float* yp = y + begin;
       float* ep = e == nullptr ? nullptr : e + begin;
       if (hooks.before) (*hooks.before)(begin, begin + len);
+      const float* yp = hooks.source ? (*hooks.source)(begin, begin + len) : y + begin;
       const size_t bad = k_.onebit_scales(yp, ep, len, block_, rule_, scales.data());
       if (absl::Status st = CheckNewScales(scales.data(), bad, len, b0, begin); !st.ok()) return st;
-      if (bad < len) return NonFiniteInput(y, e, begin + bad, begin);
+      if (bad < len) return NonFiniteInput(yp, ep, bad, begin, begin);
       const size_t nb = NumBlocks(len);
       std::memcpy(out + 4 * b0, scales.data(), 4 * nb);
       uint8_t* piece_bits = bits + begin / 8;  // blocks are multiples of 32 elements
@@ -101,6 +101,20 @@ class OnebitCodec final : public Codec {
     if (absl::Status s = CheckScales(scales.data(), n); !s.ok()) return s;
     k_.onebit_decode_add(scales.data(), in + 4 * NumBlocks(n), n, block_, w, acc);
     return absl::OkStatus();
+  }
+
+  void DecodeRange(const uint8_t* in, size_t n, size_t begin, size_t end,
+                   float* out) const override {
+    const size_t b0 = begin / block_;
+    AlignedPayload<float> scales(in + 4 * b0, NumBlocks(end) - b0);
+    k_.onebit_decode(scales.data(), in + 4 * NumBlocks(n) + begin / 8, end - begin, block_, out);
+  }
+  void DecodeAddRange(const uint8_t* in, size_t n, size_t begin, size_t end, float w,
+                      float* acc) const override {
+    const size_t b0 = begin / block_;
+    AlignedPayload<float> scales(in + 4 * b0, NumBlocks(end) - b0);
+    k_.onebit_decode_add(scales.data(), in + 4 * NumBlocks(n) + begin / 8, end - begin, block_, w,
+                         acc);
   }
 
   absl::Status CheckPayload(const uint8_t* in, size_t n) const override {

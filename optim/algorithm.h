@@ -82,6 +82,15 @@ class Algorithm {
   virtual void EnterCompression(ServerShardState* s) const;
   virtual absl::Status Step(uint64_t step, float lr, bool last_warmup, float* acc, uint64_t off,
                             size_t n, ServerShardState* s, uint8_t* reply) const = 0;
+  // Whether Step in `phase` reads the mean of the pushes piece by piece
+  // (StepFromPushes) rather than from acc; by default not.
+  virtual bool MeansInPieces(Phase phase) const {
+    (void)phase;
+    return false;
+  }
+  // Step with the pushes not yet summed, where MeansInPieces.
+  virtual absl::Status StepFromPushes(uint64_t step, float lr, const ChunkPushes& pushes,
+                                      uint64_t off, ServerShardState* s, uint8_t* reply) const;
   // By default Step for each chunk in turn.
   virtual absl::Status StepShard(uint64_t step, float lr, bool last_warmup,
                                  const std::vector<ChunkSpan>& chunks, ServerShardState* s) const;

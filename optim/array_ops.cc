@@ -1,6 +1,7 @@
 #include "optim/array_ops.h"
 
 #include <algorithm>
+#include <vector>
 
 #include "optim/step_parts.h"
 #include "optim/update_kernels.h"
@@ -20,16 +21,62 @@ absl::Status ArrayOps::DecodeThen(const Codec& codec, Payload in, size_t n, floa
   return n == 0 ? absl::OkStatus() : then(0, n);
 }
 
+absl::Status ArrayOps::UpdateHeldMomentumAndEncode(const Codec&, const uint8_t*, const Codec&,
+                                                   const float*, float, float, size_t, float*,
+                                                   uint8_t*) const {
+  return absl::UnimplementedError("a held momentum is in host memory");
+}
+
+absl::Status ArrayOps::DecodePiecesThen(
+    const Codec& codec, Payload in, size_t n,
+    absl::FunctionRef<absl::Status(size_t, size_t, const float*)> then) const {
+  absl::StatusOr<float*> d = Scratch(n);
+  if (!d.ok()) return d.status();
+  if (absl::Status st = Decode(codec, in, n, *d); !st.ok()) return st;
+  return n == 0 ? absl::OkStatus() : then(0, n, *d);
+}
+
 namespace {
+
+// A piece of floats per thread, for the host's fused passes.
+float* PieceBuffer(size_t n) {
+  thread_local std::vector<float> piece;
+  if (piece.size() < n) piece.resize(n);
+  return piece.data();
+}
 
 class HostOps final : public ArrayOps {
  public:
+  absl::Status UpdateHeldMomentumAndEncode(const Codec& held_codec, const uint8_t* held,
+                                           const Codec& codec, const float* g, float b1, float c1,
+                                           size_t n, float* e, uint8_t* out) const override {
+    float* m = PieceBuffer(codec.piece_elems());
+    auto momentum = [&](size_t b, size_t end) -> const float* {
+      held_codec.DecodeRange(held, n, b, end, m);
+      onebit::UpdateMomentum(g + b, b1, c1, end - b, m);
+      return m;
+    };
+    return codec.EncodeInPieces(nullptr, e, n, out, {std::nullopt, std::nullopt, momentum});
+  }
+  absl::Status DecodePiecesThen(
+      const Codec& codec, Payload in, size_t n,
+      absl::FunctionRef<absl::Status(size_t, size_t, const float*)> then) const override {
+    if (absl::Status st = codec.CheckPayload(in.host, n); !st.ok()) return st;
+    const size_t piece = codec.piece_elems();
+    float* d = PieceBuffer(piece);
+    for (size_t b = 0; b < n; b += piece) {
+      const size_t e = std::min(n, b + piece);
+      codec.DecodeRange(in.host, n, b, e, d);
+      if (absl::Status st = then(b, e, d); !st.ok()) return st;
+    }
+    return absl::OkStatus();
+  }
   absl::Status UpdateMomentumAndEncode(const Codec& codec, const float* g, float b1, float c1,
                                        size_t n, float* m, float* e, uint8_t* out) const override {
     auto momentum = [&](size_t b, size_t end) {
       onebit::UpdateMomentum(g + b, b1, c1, end - b, m + b);
     };
-    return codec.EncodeInPieces(m, e, n, out, {momentum, std::nullopt});
+    return codec.EncodeInPieces(m, e, n, out, {momentum, std::nullopt, std::nullopt});
   }
   absl::Status DecodeThen(const Codec& codec, Payload in, size_t n, float* out,
                           absl::FunctionRef<absl::Status(size_t, size_t)> then) const override {

@@ -72,6 +72,25 @@ class ArrayOps {
   virtual absl::Status DecodeThen(const Codec& codec, Payload in, size_t n, float* out,
                                   absl::FunctionRef<absl::Status(size_t b, size_t e)> then) const;
 
+  // Host memory only (a held momentum is a CPU replica's; a device's
+  // operations return Unimplemented): UpdateMomentumAndEncode of the
+  // momentum m = held_codec.D(held) of n elements, without writing m
+  // anywhere (each piece is decoded, updated and encoded in cache).
+  // Requires a held payload Decode accepts and codec.piece_elems() a
+  // multiple of held_codec.piece_elems(). Not all or nothing, as
+  // UpdateMomentumAndEncode.
+  virtual absl::Status UpdateHeldMomentumAndEncode(const Codec& held_codec, const uint8_t* held,
+                                                   const Codec& codec, const float* g, float b1,
+                                                   float c1, size_t n, float* e,
+                                                   uint8_t* out) const;
+  // `then(b, e, d)` over consecutive pieces [b, e) of [0, n), d the piece
+  // of D(in) (valid during the call), without writing D(in) to memory. A
+  // bad payload is the codec's error and runs nothing; an error of `then`
+  // ends the call. By default the whole payload is decoded into Scratch.
+  virtual absl::Status DecodePiecesThen(
+      const Codec& codec, Payload in, size_t n,
+      absl::FunctionRef<absl::Status(size_t b, size_t e, const float* d)> then) const;
+
   // to = from; out = +0.
   virtual absl::Status Copy(const float* from, size_t n, float* to) const = 0;
   virtual absl::Status Zero(size_t n, float* out) const = 0;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "optim/held_momentum.h"
 #include "optim/step_parts.h"
 #include "optim/update_kernels.h"
 
@@ -86,8 +87,38 @@ absl::Status MomentumFamily::Step(uint64_t step, float lr, bool last_warmup, flo
     if (!st.ok()) return Diverged(o_, "the update", step, s->begin + off, st);
     return codec.DecodeAdd(reply, n, 1.0f, s->replica.data() + off);
   }
+  return MomentumReply(step, lr, acc, std::nullopt, off, n, s, reply);
+}
+
+bool MomentumFamily::MeansInPieces(Phase phase) const {
+  return phase == Phase::kCompress && o_.reply == ReplyMode::kMomentum;
+}
+
+absl::Status MomentumFamily::StepFromPushes(uint64_t step, float lr, const ChunkPushes& pushes,
+                                            uint64_t off, ServerShardState* s,
+                                            uint8_t* reply) const {
+  if (!s->frozen || !MeansInPieces(Phase::kCompress) ||
+      server_codec_->piece_elems() % pushes.codec->piece_elems() != 0) {
+    return Algorithm::StepFromPushes(step, lr, pushes, off, s, reply);
+  }
+  // a, piece by piece, from the payloads: never written whole.
+  thread_local std::vector<float> piece;
+  piece.resize(server_codec_->piece_elems());
+  auto mean = [&](size_t b, size_t e) -> const float* {
+    pushes.Mean(b, e, piece.data());
+    return piece.data();
+  };
+  return MomentumReply(step, lr, nullptr, mean, off, pushes.n, s, reply);
+}
+
+absl::Status MomentumFamily::MomentumReply(
+    uint64_t step, float lr, const float* a,
+    std::optional<absl::FunctionRef<const float*(size_t, size_t)>> a_pieces, uint64_t off, size_t n,
+    ServerShardState* s, uint8_t* reply) const {
   // Momentum reply: c_s = C(a + e_s); m̄ = D(c_s); x -= lr (m̄ / den + wd x),
   // piece by piece: each piece of m̄ steps x while in cache.
+  const Codec& codec = *server_codec_;
+  float* x = s->x.data() + off;
   const float* den = traits_.den_of_frozen_v ? s->den.data() + off : nullptr;
   absl::Status stepped;
   auto step_x = [&](size_t b, size_t end, const float* mbar) {
@@ -99,8 +130,8 @@ absl::Status MomentumFamily::Step(uint64_t step, float lr, bool last_warmup, flo
     stepped = CheckFinite(o_, "the update", step, s->begin + off + b, x + b, end - b);
     return stepped;
   };
-  st = codec.EncodeInPieces(acc, o_.server_error_feedback ? s->e.data() + off : nullptr, n, reply,
-                            {std::nullopt, step_x});
+  absl::Status st = codec.EncodeInPieces(a, o_.server_error_feedback ? s->e.data() + off : nullptr,
+                                         n, reply, {std::nullopt, step_x, a_pieces});
   if (!stepped.ok()) return stepped;
   if (!st.ok()) return Diverged(o_, "the averaged momentum", step, s->begin + off, st);
   return absl::OkStatus();
@@ -115,6 +146,16 @@ absl::Status MomentumFamily::Push(uint64_t step, float lr, const float* g, uint6
   const float* y = g + b;
   float* e = o_.worker_error_feedback ? s->e + b : nullptr;
   if (traits_.worker_momentum) {
+    if (s->held != nullptr && o_.reply == ReplyMode::kMomentum) {
+      // m̄ held as the last reply: m_i from it piece by piece, and not
+      // written (the reply replaces it).
+      const HeldMomentum::Range* h = s->held->Find(b, n);
+      if (h != nullptr && worker_codec_->piece_elems() % h->codec->piece_elems() == 0) {
+        return ops.UpdateHeldMomentumAndEncode(*h->codec, h->payload.data(), *worker_codec_, y,
+                                               o_.beta1, 1.0f - o_.beta1, n, e, out);
+      }
+      s->held->Release(s->mbar);  // another grid than the replies': m̄ dense again
+    }
     // m_i = b1 m̄ + (1 - b1) g_i, kept in m̄ (a momentum reply overwrites it;
     // a delta reply leaves the worker its own momentum), and encoded in the
     // same pass.
@@ -147,9 +188,9 @@ absl::Status MomentumFamily::ApplyWarmup(bool hand_over, Payload reply, uint64_t
   return st;
 }
 
-absl::Status MomentumFamily::ApplyMomentumRanges(float lr, const float* den, uint64_t b, size_t n,
-                                                 const ArrayOps& ops, WorkerView* s) const {
-  const float* mbar = s->mbar + b;
+absl::Status MomentumFamily::ApplyMomentumRanges(float lr, const float* mbar, const float* den,
+                                                 uint64_t b, size_t n, const ArrayOps& ops,
+                                                 WorkerView* s) const {
   float* x = s->x + b;
   absl::Status st;
   ForEachRangeSetting(o_, b, n, [&](size_t p, size_t m, float wd, float ls) {
@@ -169,8 +210,20 @@ absl::Status MomentumFamily::Apply(uint64_t step, float lr, bool last_warmup, Pa
   if (o_.reply == ReplyMode::kDelta) return ops.DecodeAdd(codec, reply, n, s->x + b);
   // m̄ = D(c_s), and x stepped from each piece of it while in cache.
   const float* den = traits_.den_of_frozen_v ? s->den + b : nullptr;
+  if (s->held != nullptr) {
+    // m̄ kept as c_s itself (HeldMomentum): decoded pieces step x, and
+    // nothing writes m̄.
+    absl::Status st =
+        ops.DecodePiecesThen(codec, reply, n, [&](size_t p, size_t q, const float* d) {
+          return ApplyMomentumRanges(lr, d, den == nullptr ? nullptr : den + p, b + p, q - p, ops,
+                                     s);
+        });
+    if (st.ok()) s->held->Hold(codec, b, n, reply.host);
+    return st;
+  }
   return ops.DecodeThen(codec, reply, n, s->mbar + b, [&](size_t p, size_t q) {
-    return ApplyMomentumRanges(lr, den == nullptr ? nullptr : den + p, b + p, q - p, ops, s);
+    return ApplyMomentumRanges(lr, s->mbar + b + p, den == nullptr ? nullptr : den + p, b + p,
+                               q - p, ops, s);
   });
 }
 

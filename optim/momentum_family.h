@@ -24,6 +24,10 @@ class MomentumFamily : public Algorithm {
   // (MasterUpdate).
   absl::Status Step(uint64_t step, float lr, bool last_warmup, float* acc, uint64_t off, size_t n,
                     ServerShardState* s, uint8_t* reply) const override;
+  // A momentum reply's step reads the mean once, piece by piece.
+  bool MeansInPieces(Phase phase) const override;
+  absl::Status StepFromPushes(uint64_t step, float lr, const ChunkPushes& pushes, uint64_t off,
+                              ServerShardState* s, uint8_t* reply) const override;
 
   // The gradient itself in the warm-up; after it the momentum m̄ = b1 m̄ +
   // (1 - b1) g when worker_momentum, else the gradient, through the worker
@@ -50,10 +54,18 @@ class MomentumFamily : public Algorithm {
   // v. All or nothing: a bad reply changes nothing.
   absl::Status ApplyWarmup(bool hand_over, Payload reply, uint64_t b, size_t n, const ArrayOps& ops,
                            WorkerView* s) const;
-  // x += -lr (m̄ / den + wd x) over [b, b + n), den null where the
-  // algorithm has none, each weight-decay range with its own wd.
-  absl::Status ApplyMomentumRanges(float lr, const float* den, uint64_t b, size_t n,
-                                   const ArrayOps& ops, WorkerView* s) const;
+  // The compression phase's momentum reply from the mean of the pushes:
+  // a[0, n), or where a is null a_pieces(b, e) giving a[b, e) piece by
+  // piece (Codec::PieceHooks::source).
+  absl::Status MomentumReply(
+      uint64_t step, float lr, const float* a,
+      std::optional<absl::FunctionRef<const float*(size_t, size_t)>> a_pieces, uint64_t off,
+      size_t n, ServerShardState* s, uint8_t* reply) const;
+  // x += -lr (m̄ / den + wd x) over [b, b + n), m̄ and den (null where the
+  // algorithm has none) from their element b, each weight-decay range with
+  // its own wd.
+  absl::Status ApplyMomentumRanges(float lr, const float* mbar, const float* den, uint64_t b,
+                                   size_t n, const ArrayOps& ops, WorkerView* s) const;
 };
 
 }  // namespace onebit

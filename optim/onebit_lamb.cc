@@ -67,6 +67,8 @@ class OnebitLamb final : public MomentumFamily {
   }
   absl::Status StepShard(uint64_t step, float lr, bool last_warmup,
                          const std::vector<ChunkSpan>& chunks, ServerShardState* s) const override;
+  // Its layer norms need the whole mean before any element is stepped.
+  bool MeansInPieces(Phase) const override { return false; }
 
   // den from the hand-over with momentum replies; delta replies need none.
   WorkerArraySet WorkerArraysIn(Phase phase, bool hand_over) const override {

@@ -79,6 +79,14 @@ absl::Status ServerOptimizer::Step(uint64_t step, float lr, bool last_warmup, fl
   return algorithm_->Step(step, lr, last_warmup, acc, off, n, s, reply);
 }
 
+bool ServerOptimizer::MeansInPieces(Phase phase) const { return algorithm_->MeansInPieces(phase); }
+
+absl::Status ServerOptimizer::StepFromPushes(uint64_t step, float lr, const ChunkPushes& pushes,
+                                             uint64_t off, ServerShardState* s,
+                                             uint8_t* reply) const {
+  return algorithm_->StepFromPushes(step, lr, pushes, off, s, reply);
+}
+
 absl::Status ServerOptimizer::StepShard(uint64_t step, float lr, bool last_warmup,
                                         const std::vector<ChunkSpan>& chunks,
                                         ServerShardState* s) const {
@@ -202,8 +210,9 @@ absl::Status WorkerOptimizer::LocalStep(uint64_t step, float lr, const float* g,
 }
 
 absl::Status WorkerOptimizer::Push(uint64_t step, float lr, const float* g, uint64_t b, size_t n,
-                                   WorkerState* s, uint8_t* out) const {
+                                   WorkerState* s, uint8_t* out, HeldMomentum* held) const {
   WorkerView a = ViewOf(s);
+  a.held = held;
   return Push(step, lr, g, b, n, HostArrayOps(), &a, out);
 }
 
@@ -213,11 +222,13 @@ absl::Status WorkerOptimizer::Apply(uint64_t step, bool last_warmup, const uint8
 }
 
 absl::Status WorkerOptimizer::Apply(uint64_t step, float lr, bool last_warmup, const uint8_t* reply,
-                                    uint64_t b, size_t n, WorkerState* s) const {
+                                    uint64_t b, size_t n, WorkerState* s,
+                                    HeldMomentum* held) const {
   // The hand-over's den appears with its first reply; a refused one leaves
   // the state as it was.
   const WorkerArraySet grown = Grow(WorkerArraysIn(PhaseOf(*s), last_warmup), s);
   WorkerView a = ViewOf(s);
+  a.held = held;
   absl::Status st = Apply(step, lr, last_warmup, Payload{reply, reply}, b, n, HostArrayOps(), &a);
   if (!st.ok()) Drop(grown, s);
   return st;

@@ -107,6 +107,16 @@ class ServerOptimizer : public OptimizerCodecs {
   absl::Status Step(uint64_t step, float lr, bool last_warmup, float* acc, uint64_t off, size_t n,
                     ServerShardState* s, uint8_t* reply) const;
 
+  // Whether Step in `phase` is better given the pushes themselves
+  // (StepFromPushes): its rule reads their mean piece by piece, and a server
+  // that sums them into acc would write and read d floats more.
+  bool MeansInPieces(Phase phase) const;
+  // Step of a chunk whose mean is `pushes`' (bitwise as Step on the acc a
+  // server sums them into), where MeansInPieces(PhaseOf(*s)); never the
+  // last warm-up step. n is pushes.n.
+  absl::Status StepFromPushes(uint64_t step, float lr, const ChunkPushes& pushes, uint64_t off,
+                              ServerShardState* s, uint8_t* reply) const;
+
   // Layer-wise optimizers (IsLayerwise) need every chunk of a step before
   // any is done: StepShard takes them all, in order, covering the shard, and
   // writes each chunk's reply (as Step would for it alone). The result does
@@ -151,9 +161,11 @@ class WorkerOptimizer : public OptimizerCodecs {
   // The push of global elements [b, b + n) for `step`, from the gradient
   // g[b, b + n): push_codec(KindOf(step, PhaseOf(*s))).EncodedSize(n)
   // bytes into out. `lr`: the step's learning rate (a zero-one-adam sync
-  // step takes its local step first).
+  // step takes its local step first). `held`: where given, the state's m̄
+  // may be held there in part (optim/held_momentum.h; Push and Apply must
+  // then both be given it, and m̄ in *s is whole only after held->Release).
   absl::Status Push(uint64_t step, float lr, const float* g, uint64_t b, size_t n, WorkerState* s,
-                    uint8_t* out) const;
+                    uint8_t* out, HeldMomentum* held = nullptr) const;
   absl::Status Push(uint64_t step, const float* g, uint64_t b, size_t n, WorkerState* s,
                     uint8_t* out) const {
     return Push(step, LearningRate(options(), step), g, b, n, s, out);
@@ -169,7 +181,7 @@ class WorkerOptimizer : public OptimizerCodecs {
                      WorkerState* s) const;
   // The same with the step's learning rate given, as ServerOptimizer::Step.
   absl::Status Apply(uint64_t step, float lr, bool last_warmup, const uint8_t* reply, uint64_t b,
-                     size_t n, WorkerState* s) const;
+                     size_t n, WorkerState* s, HeldMomentum* held = nullptr) const;
 
   // At the end of MergeStep(pushed) where that is after `pushed`, with
   // every reply of sync step `pushed` for [b, b + n) applied: the local

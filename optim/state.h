@@ -11,9 +11,12 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "compress/codec.h"
 #include "optim/options.h"
 
 namespace onebit {
+
+class HeldMomentum;
 
 // The master copy of one shard and its optimizer state.
 struct ServerShardState {
@@ -92,6 +95,9 @@ struct WorkerView {
   float* x_sync = nullptr;
   bool frozen = false;
   float lrs = 0.0f;
+  // Where given (a CPU replica's), the rule may hold parts of m̄ as the
+  // replies they came in rather than in mbar: optim/held_momentum.h.
+  HeldMomentum* held = nullptr;
 };
 
 // Whether a saved state fits d parameters under `o`: x and the arrays its
@@ -113,6 +119,20 @@ struct ChunkSpan {
   size_t n = 0;
   float* acc = nullptr;  // the mean of the decoded pushes (clobbered)
   uint8_t* reply = nullptr;
+};
+
+// A chunk's pushes, one payload per worker, not yet summed: for a server
+// rule that reads their mean piece by piece (Algorithm::MeansInPieces), so
+// that the mean is never written to memory and read back.
+struct ChunkPushes {
+  const Codec* codec = nullptr;
+  size_t n = 0;                          // elements of each payload
+  std::vector<const uint8_t*> payloads;  // by rank; each accepted by CheckPayload
+  float w = 0.0f;                        // 1 / workers
+  // out[0, e - b) = the mean over [b, e): +0 + w D_0 + w D_1 + ... in rank
+  // order, bit for bit what a server that adds each push as it comes holds
+  // (DecodeScaled, then DecodeAdd). b a multiple of codec->piece_elems().
+  void Mean(size_t b, size_t e, float* out) const;
 };
 
 // A worker's side of the hand-over (docs/design.md §1.1): den[i] =

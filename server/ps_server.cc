@@ -411,9 +411,14 @@ absl::Status PsServer::HandleRequest(const std::string& routing_id, const data::
   return DrainInOrder(c, index);
 }
 
+bool PsServer::MeanInPieces() const {
+  return !IsLayerwise(options_.optimizer.kind) && optimizer_->MeansInPieces(PhaseOf(state_));
+}
+
 absl::Status PsServer::DrainInOrder(Chunk& c, uint64_t index) {
   const uint32_t n_workers = options_.job.workers;
   const float w = 1.0f / static_cast<float>(n_workers);
+  const bool in_pieces = MeanInPieces();
   while (c.next_rank < n_workers && c.held[c.next_rank]) {
     const uint32_t r = c.next_rank;
     const std::optional<float> scale = GradScaleOf(r);
@@ -428,13 +433,25 @@ absl::Status PsServer::DrainInOrder(Chunk& c, uint64_t index) {
       std::memcpy(scaled_.data(), payload, 4 * c.range.size());
       for (float& v : scaled_) v *= *scale;
       payload = reinterpret_cast<const uint8_t*>(scaled_.data());
+      if (in_pieces) {
+        // Kept until the step: its own copy, not the shared buffer.
+        m = zmq::message_t(scaled_.data(), 4 * scaled_.size());
+        payload = static_cast<const uint8_t*>(m.data());
+      }
     }
-    // acc = +0 + w D_0 + w D_1 + ... in rank order; the first without
-    // zeroing acc and reading the zeros back.
     const Codec& codec = *options_.job.push_codec;
-    absl::Status st = r == 0 ? DecodeScaled(codec, payload, c.range.size(), w, c.acc)
-                             : codec.DecodeAdd(payload, c.range.size(), w, c.acc);
-    c.held[r].reset();
+    absl::Status st;
+    if (in_pieces) {
+      // Checked now, so that a bad push is refused at once; summed piece by
+      // piece when the step reads it (Complete).
+      st = codec.CheckPayload(payload, c.range.size());
+    } else {
+      // acc = +0 + w D_0 + w D_1 + ... in rank order; the first without
+      // zeroing acc and reading the zeros back.
+      st = r == 0 ? DecodeScaled(codec, payload, c.range.size(), w, c.acc)
+                  : codec.DecodeAdd(payload, c.range.size(), w, c.acc);
+    }
+    if (!in_pieces || !st.ok()) c.held[r].reset();
     if (!st.ok()) {
       // The codec left acc untouched; rank r may push this chunk again.
       c.pushed[r] = false;
@@ -717,8 +734,20 @@ void PsServer::Complete(Chunk& c, uint64_t index) {
   const bool last_warmup = LastWarmup().value_or(false);
   const StepKind kind = optimizer_->KindAt(state_.step, PhaseOf(state_), state_.begin);
   PrepareReply(c, kind, last_warmup);
-  absl::Status st = optimizer_->Step(state_.step, StepLr(), last_warmup, c.acc,
-                                     c.range.begin - state_.begin, n, &state_, c.reply->data());
+  absl::Status st;
+  if (MeanInPieces()) {
+    ChunkPushes pushes;
+    pushes.codec = options_.job.push_codec;
+    pushes.n = n;
+    pushes.w = 1.0f / static_cast<float>(options_.job.workers);
+    for (const auto& m : c.held) pushes.payloads.push_back(static_cast<const uint8_t*>(m->data()));
+    st = optimizer_->StepFromPushes(state_.step, StepLr(), pushes, c.range.begin - state_.begin,
+                                    &state_, c.reply->data());
+    for (auto& m : c.held) m.reset();
+  } else {
+    st = optimizer_->Step(state_.step, StepLr(), last_warmup, c.acc, c.range.begin - state_.begin,
+                          n, &state_, c.reply->data());
+  }
   apply_ns_ += MonotonicNs() - pushed_ns;
   pending_pushes_ -= options_.job.workers;
   if (!st.ok()) {
@@ -801,6 +830,7 @@ void PsServer::EndStep() {
   grad_scales_.clear();
   for (Chunk& ch : chunks()) {
     ch.next_rank = 0;
+    for (auto& m : ch.held) m.reset();
     std::fill(ch.scale_pending.begin(), ch.scale_pending.end(), false);
     std::fill(ch.pushed.begin(), ch.pushed.end(), false);
     ch.done = false;

@@ -109,7 +109,7 @@ class PsServer {
                                                       // [0, next_rank) added
     uint32_t next_rank = 0;                           // next rank to decode-add
     std::vector<bool> pushed;                         // by rank, this step
-    std::vector<std::optional<zmq::message_t>> held;  // out-of-order payloads
+    std::vector<std::optional<zmq::message_t>> held;  // payloads not yet added (MeanInPieces: all)
     std::vector<std::optional<float>> lr;             // by rank, this step: the lr of its push
     std::vector<bool> scale_pending;  // by rank, this step: waits for its GRAD_SCALE
     bool ready = false;               // every push is in; waits for the freeze decision
@@ -134,6 +134,10 @@ class PsServer {
   };
 
   PsServer(PsServerOptions options, zmq::socket_t* socket);
+  // Whether this step's pushes are kept whole and summed piece by piece as
+  // the rule reads them (ServerOptimizer::MeansInPieces), rather than added
+  // into acc as they come.
+  bool MeanInPieces() const;
   void HandleMessage(std::vector<zmq::message_t>& frames);
   // On an error, *why says which kind of refusal it is.
   absl::Status HandleRequest(const std::string& routing_id, const data::Header& h,

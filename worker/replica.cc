@@ -6,6 +6,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "checkpoint/state_file.h"
+#include "optim/held_momentum.h"
 
 namespace onebit {
 namespace {
@@ -25,6 +26,7 @@ class CpuReplica final : public Replica {
 
   absl::Status Init() override {
     opt_->InitState(g_.size(), &state_);
+    held_.Clear();
     std::fill(g_.begin(), g_.end(), 0.0f);
     if (model_ != nullptr) model_->Init(state_.x.data());
     return absl::OkStatus();
@@ -47,14 +49,14 @@ class CpuReplica final : public Replica {
     return absl::OkStatus();
   }
   absl::Status Push(uint64_t step, uint64_t b, size_t n, uint8_t* out) override {
-    return opt_->Push(step, StepLr(step), g_.data(), b, n, &state_, out);
+    return opt_->Push(step, StepLr(step), g_.data(), b, n, &state_, out, &held_);
   }
   absl::Status LocalStep(uint64_t step, uint64_t b, size_t n) override {
     return opt_->LocalStep(step, StepLr(step), g_.data(), b, n, &state_);
   }
   absl::Status Apply(uint64_t step, float lr, bool last_warmup, const uint8_t* reply, uint64_t b,
                      size_t n) override {
-    return opt_->Apply(step, lr, last_warmup, reply, b, n, &state_);
+    return opt_->Apply(step, lr, last_warmup, reply, b, n, &state_, &held_);
   }
   absl::Status Merge(uint64_t pushed, uint64_t step, uint64_t b, size_t n) override {
     return opt_->Merge(pushed, step, b, n, &state_);
@@ -63,7 +65,10 @@ class CpuReplica final : public Replica {
     if (step_) opt_->EndStep(*step_, &state_);
     step_.reset();
     lr_.reset();
-    if (entered_compression) opt_->EnterCompression(&state_);
+    if (entered_compression) {
+      held_.Release(state_.mbar.data());
+      opt_->EnterCompression(&state_);
+    }
     return absl::OkStatus();
   }
   absl::Status ReadX(float* x) override {
@@ -93,6 +98,7 @@ class CpuReplica final : public Replica {
     auto copy = [&parts](const std::vector<float>& v) {
       return parts.buffers != nullptr ? parts.buffers->Copy(v) : SnapshotFloats(v);
     };
+    held_.Release(state_.mbar.data());  // m̄ whole again for the copy
     WorkerState s;
     if (parts.x) s.x = copy(state_.x);
     if (parts.mbar) s.mbar = copy(state_.mbar);
@@ -108,6 +114,7 @@ class CpuReplica final : public Replica {
   absl::Status RestoreState(const WorkerState& s) override {
     if (absl::Status st = CheckWorkerStateFits(opt_->options(), g_.size(), s); !st.ok()) return st;
     state_ = s;
+    held_.Clear();
     return absl::OkStatus();
   }
   bool can_evaluate() const override { return evaluator_ != nullptr; }
@@ -126,6 +133,9 @@ class CpuReplica final : public Replica {
   }
 
   WorkerState state_;
+  // Parts of state_.mbar held as the replies they came in (the compression
+  // phase's momentum replies): released into it before anyone reads it.
+  HeldMomentum held_;
   std::vector<float> g_;
   // The step BeginStep began, and its learning rate.
   std::optional<uint64_t> step_;

@@ -1512,7 +1512,7 @@ TEST(EncodeInPieces, EqualsEncodeWithFeedbackAndRunsItsHooksPieceByPiece) {
             std::copy(d, d + (end - b), seen.begin() + b);
             return absl::OkStatus();
           };
-          const Codec::PieceHooks hooks{before, after};
+          const Codec::PieceHooks hooks{before, after, std::nullopt};
           const absl::Status st = codec->EncodeInPieces(lazy.data(), feedback ? e.data() : nullptr,
                                                         n, out.data(), hooks);
           ASSERT_TRUE(st.ok()) << st;
@@ -1547,7 +1547,7 @@ TEST(EncodeInPieces, ANonFiniteValueStopsAtItsPieceNamingIt) {
         std::vector<uint8_t> out(codec->EncodedSize(n), kPoison);
         size_t befores = 0;
         auto before = [&](size_t, size_t) { ++befores; };
-        const Codec::PieceHooks hooks{before, std::nullopt};
+        const Codec::PieceHooks hooks{before, std::nullopt, std::nullopt};
         const absl::Status st = codec->EncodeInPieces(y.data(), e.data(), n, out.data(), hooks);
         ExpectNamesIndex(st, bad, 3 * p + 1);
         EXPECT_EQ(befores, bad / p + 1);
@@ -1570,6 +1570,100 @@ TEST(EncodeInPieces, ANonFiniteValueStopsAtItsPieceNamingIt) {
   }
 }
 
+TEST(EncodeInPieces, ASourceGivesEachPieceAndYIsNeverRead) {
+  for (const Config& cfg : PieceConfigs()) {
+    for (SimdPath path : Paths()) {
+      auto codec = Make(cfg, path);
+      ASSERT_NE(codec, nullptr);
+      const size_t p = codec->piece_elems();
+      for (size_t n : {size_t{1}, p, 2 * p + 17}) {
+        SCOPED_TRACE(Label(cfg) + " " + PathLabel(path) + " n=" + std::to_string(n));
+        const std::vector<float> y = Input(cfg, n, static_cast<uint32_t>(n + 3));
+        const std::vector<float> e0 = Gaussian(n, 5, cfg.kind == CodecKind::kFp16 ? 0.01f : 0.3f);
+        std::vector<float> e_want = e0;
+        std::vector<uint8_t> want(codec->EncodedSize(n));
+        ASSERT_TRUE(codec->EncodeWithFeedback(y.data(), e_want.data(), n, want.data()).ok());
+        // One buffer for every piece, poisoned before each is written: the
+        // codec must read the piece it was just given.
+        std::vector<float> piece(p, kNaN);
+        std::vector<std::pair<size_t, size_t>> sources;
+        auto source = [&](size_t b, size_t end) -> const float* {
+          sources.emplace_back(b, end);
+          std::fill(piece.begin(), piece.end(), kNaN);
+          std::copy(y.begin() + b, y.begin() + end, piece.begin());
+          return piece.data();
+        };
+        std::vector<float> e = e0;
+        std::vector<uint8_t> out(want.size() + kGuard, kPoison);
+        const Codec::PieceHooks hooks{std::nullopt, std::nullopt, source};
+        const absl::Status st = codec->EncodeInPieces(nullptr, e.data(), n, out.data(), hooks);
+        ASSERT_TRUE(st.ok()) << st;
+        EXPECT_TRUE(SameBytes(out.data(), want.data(), want.size()));
+        EXPECT_TRUE(AllPoison(out.data() + want.size(), kGuard));
+        EXPECT_TRUE(SameFloats(e.data(), e_want.data(), n));
+        std::vector<std::pair<size_t, size_t>> pieces;
+        for (size_t b = 0; b < n; b += p) pieces.emplace_back(b, std::min(n, b + p));
+        EXPECT_EQ(sources, pieces);
+      }
+      // A non-finite value from the source is named by its index in y.
+      const size_t n = 3 * p, bad = p + 7;
+      std::vector<float> y = Input(cfg, n, 9);
+      y[bad] = kInf;
+      std::vector<float> piece(p);
+      auto source = [&](size_t b, size_t end) -> const float* {
+        std::copy(y.begin() + b, y.begin() + end, piece.begin());
+        return piece.data();
+      };
+      std::vector<uint8_t> out(codec->EncodedSize(n));
+      const absl::Status st = codec->EncodeInPieces(nullptr, nullptr, n, out.data(),
+                                                    {std::nullopt, std::nullopt, source});
+      ExpectNamesIndex(st, bad, 7);
+      EXPECT_THAT(st.message(), HasSubstr("the elements before " + std::to_string(p)));
+    }
+  }
+}
+
+TEST(DecodeRange, IsThoseElementsOfDecodeAndDecodeAddAtAnyPayloadAddress) {
+  for (const Config& cfg : PieceConfigs()) {
+    for (SimdPath path : Paths()) {
+      auto codec = Make(cfg, path);
+      ASSERT_NE(codec, nullptr);
+      const size_t p = codec->piece_elems();
+      const size_t n = 3 * p + 45;
+      std::vector<float> y = Input(cfg, n, 31);
+      for (size_t i = 0; i < n; i += 7) y[i] = (i % 2 == 0) ? -0.0f : 0.0f;
+      std::vector<uint8_t> encoded(codec->EncodedSize(n));
+      ASSERT_TRUE(codec->Encode(y.data(), n, encoded.data()).ok());
+      // At an odd address too: a payload as it lies in a message.
+      for (size_t shift : {size_t{0}, size_t{1}}) {
+        std::vector<uint8_t> buffer(encoded.size() + shift);
+        std::copy(encoded.begin(), encoded.end(), buffer.begin() + shift);
+        const uint8_t* payload = buffer.data() + shift;
+        std::vector<float> whole(n);
+        ASSERT_TRUE(codec->Decode(payload, n, whole.data()).ok());
+        const float w = -1.0f / 3.0f;
+        std::vector<float> acc0 = Gaussian(n, 6);
+        std::vector<float> added = acc0;
+        ASSERT_TRUE(codec->DecodeAdd(payload, n, w, added.data()).ok());
+        for (auto [b, e] :
+             {std::pair<size_t, size_t>{0, p}, {p, 2 * p}, {3 * p, n}, {p, n}, {2 * p, 2 * p}}) {
+          SCOPED_TRACE(Label(cfg) + " " + PathLabel(path) + " shift=" + std::to_string(shift) +
+                       " [" + std::to_string(b) + ", " + std::to_string(e) + ")");
+          std::vector<float> out(e - b + kGuard, 7.0f);
+          codec->DecodeRange(payload, n, b, e, out.data());
+          EXPECT_TRUE(SameFloats(out.data(), whole.data() + b, e - b));
+          for (size_t i = e - b; i < out.size(); ++i) ASSERT_EQ(out[i], 7.0f) << "wrote past e";
+          std::vector<float> acc(acc0.begin() + b, acc0.begin() + e);
+          acc.resize(e - b + kGuard, 7.0f);
+          codec->DecodeAddRange(payload, n, b, e, w, acc.data());
+          EXPECT_TRUE(SameFloats(acc.data(), added.data() + b, e - b));
+          for (size_t i = e - b; i < acc.size(); ++i) ASSERT_EQ(acc[i], 7.0f) << "wrote past e";
+        }
+      }
+    }
+  }
+}
+
 TEST(EncodeInPieces, AnAfterHooksErrorEndsTheCall) {
   auto codec = Make({CodecKind::kOnebit, 64});
   ASSERT_NE(codec, nullptr);
@@ -1581,7 +1675,7 @@ TEST(EncodeInPieces, AnAfterHooksErrorEndsTheCall) {
   auto after = [&](size_t b, size_t, const float*) {
     return b > 0 ? absl::DataLossError("x is not finite") : absl::OkStatus();
   };
-  const Codec::PieceHooks hooks{before, after};
+  const Codec::PieceHooks hooks{before, after, std::nullopt};
   const absl::Status st = codec->EncodeInPieces(y.data(), nullptr, n, out.data(), hooks);
   EXPECT_EQ(st, absl::DataLossError("x is not finite"));
   EXPECT_EQ(befores, 2u);

@@ -10,6 +10,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "optim/held_momentum.h"
 #include "optim/reference.h"
 
 namespace onebit {
@@ -114,6 +115,107 @@ TEST(OptimizerOptions, ARefusedSettingNamesItsFlagAsData) {
   EXPECT_EQ(SettingOfError(ValidateOptimizerOptions(o)), "lr");
   EXPECT_EQ(SettingOfError(absl::InvalidArgumentError("--lr: looks like one")), "");
   EXPECT_EQ(SettingOfError(absl::OkStatus()), "");
+}
+
+// A server that keeps a step's pushes and has the rule read their mean piece
+// by piece (StepFromPushes) replies and moves its shard exactly as one that
+// adds each push into acc as it comes: for the momentum replies that read it
+// in pieces and, through the default, a delta reply that needs it whole.
+TEST(ServerOptimizer, StepFromPushesIsStepOnTheAddedPushesBitForBit) {
+  constexpr size_t kN = 10000;  // pieces of 4096 and a short one
+  constexpr uint32_t kWorkers = 3;
+  for (OptimizerKind kind : {OptimizerKind::kOnebitAdam, OptimizerKind::kEfSgd}) {
+    for (ReplyMode reply : {ReplyMode::kMomentum, ReplyMode::kDelta}) {
+      OptimizerOptions o = OnebitOptions(kind);
+      o.reply = reply;
+      if (!ValidateOptimizerOptions(o).ok()) continue;
+      SCOPED_TRACE(std::string(OptimizerKindName(kind)) +
+                   (reply == ReplyMode::kMomentum ? " momentum" : " delta"));
+      auto server = *ServerOptimizer::Create(o);
+      EXPECT_EQ(server->MeansInPieces(Phase::kCompress), reply == ReplyMode::kMomentum);
+      EXPECT_FALSE(server->MeansInPieces(Phase::kWarmup));
+      ServerShardState added, kept;
+      server->InitState(0, 0, kN, &added);
+      std::mt19937 rng(7);
+      std::normal_distribution<float> normal(0.0f, 0.01f);
+      for (float& x : added.x) x = normal(rng);
+      kept = added;
+      const bool warmup = HasWarmup(kind);
+      for (uint64_t t = 0; t < 7; ++t) {
+        SCOPED_TRACE("step " + std::to_string(t));
+        const bool last_warmup = warmup && t == 2;
+        const StepKind step_kind = added.frozen ? StepKind::kCompressed : StepKind::kFull;
+        const Codec& codec = server->push_codec(step_kind);
+        std::vector<std::vector<uint8_t>> payloads;
+        std::vector<float> acc(kN, 0.0f);
+        for (uint32_t r = 0; r < kWorkers; ++r) {
+          std::vector<float> g(kN);
+          for (size_t i = 0; i < kN; ++i) g[i] = (i % 11 == r) ? -0.0f : normal(rng);
+          payloads.emplace_back(codec.EncodedSize(kN));
+          ASSERT_TRUE(codec.Encode(g.data(), kN, payloads.back().data()).ok());
+          ASSERT_TRUE(
+              codec.DecodeAdd(payloads.back().data(), kN, 1.0f / kWorkers, acc.data()).ok());
+        }
+        const size_t bytes = server->ReplyBytes(step_kind, 0, kN, last_warmup);
+        std::vector<uint8_t> want(bytes), got(bytes);
+        const float lr = LearningRate(o, t);
+        ASSERT_TRUE(server->Step(t, lr, last_warmup, acc.data(), 0, kN, &added, want.data()).ok());
+        if (!added.frozen && !kept.frozen) {
+          // The warm-up adds into acc (not MeansInPieces): the same call.
+          std::vector<float> acc2(kN, 0.0f);
+          for (const auto& p : payloads) {
+            ASSERT_TRUE(codec.DecodeAdd(p.data(), kN, 1.0f / kWorkers, acc2.data()).ok());
+          }
+          ASSERT_TRUE(server->Step(t, lr, last_warmup, acc2.data(), 0, kN, &kept, got.data()).ok());
+        } else {
+          ChunkPushes pushes;
+          pushes.codec = &codec;
+          pushes.n = kN;
+          pushes.w = 1.0f / kWorkers;
+          for (const auto& p : payloads) pushes.payloads.push_back(p.data());
+          ASSERT_TRUE(server->StepFromPushes(t, lr, pushes, 0, &kept, got.data()).ok());
+        }
+        ASSERT_EQ(got, want);
+        ASSERT_EQ(kept.x, added.x);
+        ASSERT_EQ(kept.e, added.e);
+        if (last_warmup) {
+          server->EnterCompression(&added);
+          server->EnterCompression(&kept);
+        }
+      }
+      EXPECT_TRUE(kept.frozen);
+    }
+  }
+}
+
+TEST(HeldMomentum, HoldsRangesUntilOneOverlapsAndReleasesThemIntoTheDenseArray) {
+  auto codec = *NewCodec("onebit", CodecOptions{.block_size = 32});
+  std::vector<float> y(128);
+  for (size_t i = 0; i < y.size(); ++i) y[i] = (i % 3 == 0 ? -1.0f : 0.5f) * (1 + i / 32);
+  auto encode = [&](size_t b, size_t n) {
+    std::vector<uint8_t> p(codec->EncodedSize(n));
+    EXPECT_TRUE(codec->Encode(y.data() + b, n, p.data()).ok());
+    return p;
+  };
+  HeldMomentum held;
+  EXPECT_TRUE(held.empty());
+  held.Hold(*codec, 0, 64, encode(0, 64).data());
+  held.Hold(*codec, 64, 64, encode(64, 64).data());
+  ASSERT_NE(held.Find(0, 64), nullptr);
+  EXPECT_EQ(held.Find(0, 64)->payload, encode(0, 64));
+  EXPECT_EQ(held.Find(0, 32), nullptr) << "only the exact range is found";
+  held.Hold(*codec, 32, 64, encode(32, 64).data());  // overlaps both
+  EXPECT_EQ(held.Find(0, 64), nullptr);
+  EXPECT_EQ(held.Find(64, 64), nullptr);
+  ASSERT_NE(held.Find(32, 64), nullptr);
+  std::vector<float> mbar(128, 7.0f);
+  held.Release(mbar.data());
+  EXPECT_TRUE(held.empty());
+  std::vector<float> want(64);
+  ASSERT_TRUE(codec->Decode(encode(32, 64).data(), 64, want.data()).ok());
+  for (size_t i = 0; i < 128; ++i) {
+    EXPECT_EQ(mbar[i], i >= 32 && i < 96 ? want[i - 32] : 7.0f) << "element " << i;
+  }
 }
 
 TEST(ServerOptimizer, AdamWarmupStepMatchesHandComputation) {

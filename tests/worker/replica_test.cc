@@ -415,5 +415,86 @@ TEST(Replica, ChunksOutsideTheParametersAreRefused) {
   EXPECT_THAT(std::string(st.message()), HasSubstr("[190, 210) outside the 200 parameters"));
 }
 
+// A CPU replica holds a momentum reply as its payload (optim/held_momentum.h)
+// rather than writing m̄: over chunks of several pieces, through a
+// checkpoint's SaveState and a change of chunk grid, its pushes, x and m̄
+// are the dense rule's bit for bit.
+TEST(Replica, TheCpuReplicaHoldsMomentumRepliesAndEqualsTheDenseRule) {
+  static constexpr uint64_t kBig = 10000;  // three onebit pieces of 4096 and a short one
+  class SineModel final : public Model {
+   public:
+    uint64_t num_params() const override { return kBig; }
+    void Init(float* x) const override {
+      for (uint64_t i = 0; i < kBig; ++i) x[i] = 0.001f * static_cast<float>(i % 17);
+    }
+    absl::StatusOr<double> Gradient(const float*, uint32_t, uint64_t step,
+                                    float* g) const override {
+      for (uint64_t i = 0; i < kBig; ++i) {
+        g[i] = std::sin(0.11f * static_cast<float>(i) * static_cast<float>(step + 1)) * 1e-2f;
+      }
+      return 1.0;
+    }
+  } model;
+  OptimizerOptions o = Options("onebit-adam");
+  ASSERT_EQ(o.reply, ReplyMode::kMomentum);
+  auto worker = *WorkerOptimizer::Create(o);
+  auto server = *ServerOptimizer::Create(o);
+  ServerShardState shard;
+  server->InitState(0, 0, kBig, &shard);
+  model.Init(shard.x.data());
+  std::unique_ptr<Replica> cpu = NewCpuReplica(kBig, &model, worker.get());
+  ASSERT_TRUE(cpu->Init().ok());
+  ASSERT_TRUE(cpu->WriteX(0, kBig, shard.x.data(), true).ok());
+  WorkerState dense;  // the rule on a WorkerState: m̄ always written
+  worker->InitState(kBig, &dense);
+  model.Init(dense.x.data());
+  std::vector<float> g(kBig);
+
+  // Chunks not aligned to pieces: [0, 6016) and [6016, 10000); from step 9
+  // one chunk of the whole (the held ranges no longer fit).
+  auto chunks = [](uint64_t t) {
+    return t < 9 ? std::vector<std::pair<uint64_t, size_t>>{{0, 6016}, {6016, kBig - 6016}}
+                 : std::vector<std::pair<uint64_t, size_t>>{{0, kBig}};
+  };
+  for (uint64_t t = 0; t < 12; ++t) {
+    SCOPED_TRACE(absl::StrCat("step ", t));
+    const bool last_warmup = t == 2;
+    const float lr = LearningRate(o, t);
+    ASSERT_TRUE(cpu->BeginStep(t, lr).ok());
+    worker->BeginStep(t, lr, &dense);
+    ASSERT_TRUE(cpu->ComputeGradient(0, t).ok());
+    ASSERT_TRUE(model.Gradient(dense.x.data(), 0, t, g.data()).ok());
+    const StepKind kind = worker->KindOf(t, PhaseOf(dense));
+    for (auto [b, n] : chunks(t)) {
+      std::vector<uint8_t> a(worker->push_codec(kind).EncodedSize(n)), want(a.size());
+      ASSERT_TRUE(cpu->Push(t, b, n, a.data()).ok());
+      ASSERT_TRUE(worker->Push(t, lr, g.data(), b, n, &dense, want.data()).ok());
+      ASSERT_EQ(a, want) << "push of [" << b << ", " << b + n << ")";
+      std::vector<float> acc(n);
+      ASSERT_TRUE(server->push_codec(kind).Decode(a.data(), n, acc.data()).ok());
+      std::vector<uint8_t> reply(server->ReplyBytes(kind, b, n, last_warmup));
+      ASSERT_TRUE(server->Step(t, lr, last_warmup, acc.data(), b, n, &shard, reply.data()).ok());
+      ASSERT_TRUE(cpu->Apply(t, lr, last_warmup, reply.data(), b, n).ok());
+      ASSERT_TRUE(worker->Apply(t, lr, last_warmup, reply.data(), b, n, &dense).ok());
+    }
+    ASSERT_TRUE(cpu->FinishStep(last_warmup).ok());
+    worker->EndStep(t, &dense);
+    if (last_warmup) {
+      worker->EnterCompression(&dense);
+      server->EnterCompression(&shard);
+    }
+    std::vector<float> x(kBig);
+    ASSERT_TRUE(cpu->ReadX(x.data()).ok());
+    ASSERT_EQ(x, dense.x);
+    if (t == 6 || t == 11) {  // a checkpoint: m̄ whole, the dense rule's
+      auto saved = cpu->SaveState({});
+      ASSERT_TRUE(saved.ok());
+      EXPECT_EQ(saved->mbar, dense.mbar);
+      EXPECT_EQ(saved->e, dense.e);
+    }
+  }
+  EXPECT_TRUE(dense.frozen);
+}
+
 }  // namespace
 }  // namespace onebit
