@@ -30,15 +30,16 @@ absl::Status Algorithm::StepShard(uint64_t step, float lr, bool last_warmup,
   return absl::OkStatus();
 }
 
-absl::Status Algorithm::StepFromPushes(uint64_t step, float lr, const ChunkPushes& pushes,
-                                       uint64_t off, ServerShardState* s, uint8_t* reply) const {
+absl::Status Algorithm::StepFromPushes(uint64_t step, float lr, bool last_warmup,
+                                       const ChunkPushes& pushes, uint64_t off, ServerShardState* s,
+                                       uint8_t* reply) const {
   // The mean summed whole, as a server's acc holds it.
   std::vector<float> acc(pushes.n);
   const size_t piece = pushes.codec->piece_elems();
   for (size_t b = 0; b < pushes.n; b += piece) {
     pushes.Mean(b, std::min(pushes.n, b + piece), acc.data() + b);
   }
-  return Step(step, lr, false, acc.data(), off, pushes.n, s, reply);
+  return Step(step, lr, last_warmup, acc.data(), off, pushes.n, s, reply);
 }
 
 WorkerArraySet Algorithm::WorkerArraysIn(Phase phase, bool hand_over) const {

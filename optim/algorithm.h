@@ -89,8 +89,9 @@ class Algorithm {
     return false;
   }
   // Step with the pushes not yet summed, where MeansInPieces.
-  virtual absl::Status StepFromPushes(uint64_t step, float lr, const ChunkPushes& pushes,
-                                      uint64_t off, ServerShardState* s, uint8_t* reply) const;
+  virtual absl::Status StepFromPushes(uint64_t step, float lr, bool last_warmup,
+                                      const ChunkPushes& pushes, uint64_t off, ServerShardState* s,
+                                      uint8_t* reply) const;
   // By default Step for each chunk in turn.
   virtual absl::Status StepShard(uint64_t step, float lr, bool last_warmup,
                                  const std::vector<ChunkSpan>& chunks, ServerShardState* s) const;

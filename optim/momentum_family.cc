@@ -28,18 +28,41 @@ absl::Status MomentumFamily::MasterUpdate(uint64_t step, float lr, float* a, uin
 absl::Status MomentumFamily::Step(uint64_t step, float lr, bool last_warmup, float* acc,
                                   uint64_t off, size_t n, ServerShardState* s,
                                   uint8_t* reply) const {
-  float* x = s->x.data() + off;
   if (!s->frozen) {
+    return WarmupStep(
+        step, lr, last_warmup, [acc](size_t p, size_t) { return acc + p; }, off, n, s, reply);
+  }
+  // Compression phase: acc is the mean of the decoded pushes, a.
+  const Codec& codec = *server_codec_;
+  absl::Status st;
+  if (o_.reply == ReplyMode::kDelta) {
+    // Replicas equal the master until the first delta reply: mirror them
+    // from here (before any chunk of this step has moved the master).
+    if (s->replica.size() != s->x.size()) s->replica = s->x;
+    // The exact update on the master; reply C(Δ + e_s).
+    if (st = MasterUpdate(step, lr, acc, off, n, s); !st.ok()) return st;
+    st = EncodeMaybeWithFeedback(codec, o_.server_error_feedback, acc, s->e.data() + off, n, reply);
+    if (!st.ok()) return Diverged(o_, "the update", step, s->begin + off, st);
+    return codec.DecodeAdd(reply, n, 1.0f, s->replica.data() + off);
+  }
+  return MomentumReply(step, lr, acc, std::nullopt, off, n, s, reply);
+}
+
+absl::Status MomentumFamily::WarmupStep(uint64_t step, float lr, bool last_warmup,
+                                        absl::FunctionRef<float*(size_t p, size_t m)> mean,
+                                        uint64_t off, size_t n, ServerShardState* s,
+                                        uint8_t* reply) const {
+  float* x = s->x.data() + off;
+  {
     // Warm-up: the reply is Δ itself. Update and encode piece by piece, so Δ
     // is still in L2 when it is copied out (fp32 and fp16 encode element by
     // element: the pieces' encodings concatenate).
     const Codec& codec = *warmup_codec_;
     const bool exact = codec.kind() == CodecKind::kFp32;
-    constexpr size_t kPiece = 16384;
-    float* before = exact ? nullptr : Scratch(std::min(kPiece, n));
-    for (size_t p = 0; p < n; p += kPiece) {
-      const size_t m = std::min(kPiece, n - p);
-      float* d = acc + p;
+    float* before = exact ? nullptr : Scratch(std::min(kWarmupPiece, n));
+    for (size_t p = 0; p < n; p += kWarmupPiece) {
+      const size_t m = std::min(kWarmupPiece, n - p);
+      float* d = mean(p, m);
       // fp16: the master takes the rounded Δ the workers take.
       if (!exact) std::copy(x + p, x + p + m, before);
       if (absl::Status st = WarmupUpdate(step, lr, d, off + p, m, s); !st.ok()) return st;
@@ -73,33 +96,29 @@ absl::Status MomentumFamily::Step(uint64_t step, float lr, bool last_warmup, flo
     std::memcpy(tail + 4 * n, v, 4 * n);
     return absl::OkStatus();
   }
-
-  // Compression phase: acc is the mean of the decoded pushes, a.
-  const Codec& codec = *server_codec_;
-  absl::Status st;
-  if (o_.reply == ReplyMode::kDelta) {
-    // Replicas equal the master until the first delta reply: mirror them
-    // from here (before any chunk of this step has moved the master).
-    if (s->replica.size() != s->x.size()) s->replica = s->x;
-    // The exact update on the master; reply C(Δ + e_s).
-    if (st = MasterUpdate(step, lr, acc, off, n, s); !st.ok()) return st;
-    st = EncodeMaybeWithFeedback(codec, o_.server_error_feedback, acc, s->e.data() + off, n, reply);
-    if (!st.ok()) return Diverged(o_, "the update", step, s->begin + off, st);
-    return codec.DecodeAdd(reply, n, 1.0f, s->replica.data() + off);
-  }
-  return MomentumReply(step, lr, acc, std::nullopt, off, n, s, reply);
 }
 
 bool MomentumFamily::MeansInPieces(Phase phase) const {
-  return phase == Phase::kCompress && o_.reply == ReplyMode::kMomentum;
+  return phase == Phase::kWarmup || o_.reply == ReplyMode::kMomentum;
 }
 
-absl::Status MomentumFamily::StepFromPushes(uint64_t step, float lr, const ChunkPushes& pushes,
-                                            uint64_t off, ServerShardState* s,
-                                            uint8_t* reply) const {
+absl::Status MomentumFamily::StepFromPushes(uint64_t step, float lr, bool last_warmup,
+                                            const ChunkPushes& pushes, uint64_t off,
+                                            ServerShardState* s, uint8_t* reply) const {
+  if (!s->frozen && kWarmupPiece % pushes.codec->piece_elems() == 0) {
+    // The mean of each piece summed into a buffer that the update then
+    // overwrites with Δ.
+    thread_local std::vector<float> buffer;
+    buffer.resize(std::min(kWarmupPiece, pushes.n));
+    auto mean = [&](size_t p, size_t m) {
+      pushes.Mean(p, p + m, buffer.data());
+      return buffer.data();
+    };
+    return WarmupStep(step, lr, last_warmup, mean, off, pushes.n, s, reply);
+  }
   if (!s->frozen || !MeansInPieces(Phase::kCompress) ||
       server_codec_->piece_elems() % pushes.codec->piece_elems() != 0) {
-    return Algorithm::StepFromPushes(step, lr, pushes, off, s, reply);
+    return Algorithm::StepFromPushes(step, lr, last_warmup, pushes, off, s, reply);
   }
   // a, piece by piece, from the payloads: never written whole.
   thread_local std::vector<float> piece;

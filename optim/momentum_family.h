@@ -26,8 +26,8 @@ class MomentumFamily : public Algorithm {
                     ServerShardState* s, uint8_t* reply) const override;
   // A momentum reply's step reads the mean once, piece by piece.
   bool MeansInPieces(Phase phase) const override;
-  absl::Status StepFromPushes(uint64_t step, float lr, const ChunkPushes& pushes, uint64_t off,
-                              ServerShardState* s, uint8_t* reply) const override;
+  absl::Status StepFromPushes(uint64_t step, float lr, bool last_warmup, const ChunkPushes& pushes,
+                              uint64_t off, ServerShardState* s, uint8_t* reply) const override;
 
   // The gradient itself in the warm-up; after it the momentum m̄ = b1 m̄ +
   // (1 - b1) g when worker_momentum, else the gradient, through the worker
@@ -54,6 +54,14 @@ class MomentumFamily : public Algorithm {
   // v. All or nothing: a bad reply changes nothing.
   absl::Status ApplyWarmup(bool hand_over, Payload reply, uint64_t b, size_t n, const ArrayOps& ops,
                            WorkerView* s) const;
+  // The warm-up's elements per piece: Δ still in L2 when it is encoded.
+  static constexpr size_t kWarmupPiece = 16384;
+  // The warm-up's step (Δ replied, and with last_warmup the hand-over),
+  // piece by piece: mean(p, m) gives the mean of the pushes over [p, p + m)
+  // in floats the update may overwrite with Δ.
+  absl::Status WarmupStep(uint64_t step, float lr, bool last_warmup,
+                          absl::FunctionRef<float*(size_t p, size_t m)> mean, uint64_t off,
+                          size_t n, ServerShardState* s, uint8_t* reply) const;
   // The compression phase's momentum reply from the mean of the pushes:
   // a[0, n), or where a is null a_pieces(b, e) giving a[b, e) piece by
   // piece (Codec::PieceHooks::source).

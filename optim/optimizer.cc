@@ -81,10 +81,10 @@ absl::Status ServerOptimizer::Step(uint64_t step, float lr, bool last_warmup, fl
 
 bool ServerOptimizer::MeansInPieces(Phase phase) const { return algorithm_->MeansInPieces(phase); }
 
-absl::Status ServerOptimizer::StepFromPushes(uint64_t step, float lr, const ChunkPushes& pushes,
-                                             uint64_t off, ServerShardState* s,
-                                             uint8_t* reply) const {
-  return algorithm_->StepFromPushes(step, lr, pushes, off, s, reply);
+absl::Status ServerOptimizer::StepFromPushes(uint64_t step, float lr, bool last_warmup,
+                                             const ChunkPushes& pushes, uint64_t off,
+                                             ServerShardState* s, uint8_t* reply) const {
+  return algorithm_->StepFromPushes(step, lr, last_warmup, pushes, off, s, reply);
 }
 
 absl::Status ServerOptimizer::StepShard(uint64_t step, float lr, bool last_warmup,

@@ -112,10 +112,10 @@ class ServerOptimizer : public OptimizerCodecs {
   // that sums them into acc would write and read d floats more.
   bool MeansInPieces(Phase phase) const;
   // Step of a chunk whose mean is `pushes`' (bitwise as Step on the acc a
-  // server sums them into), where MeansInPieces(PhaseOf(*s)); never the
-  // last warm-up step. n is pushes.n.
-  absl::Status StepFromPushes(uint64_t step, float lr, const ChunkPushes& pushes, uint64_t off,
-                              ServerShardState* s, uint8_t* reply) const;
+  // server sums them into), where MeansInPieces(PhaseOf(*s)). n is
+  // pushes.n.
+  absl::Status StepFromPushes(uint64_t step, float lr, bool last_warmup, const ChunkPushes& pushes,
+                              uint64_t off, ServerShardState* s, uint8_t* reply) const;
 
   // Layer-wise optimizers (IsLayerwise) need every chunk of a step before
   // any is done: StepShard takes them all, in order, covering the shard, and

@@ -741,8 +741,8 @@ void PsServer::Complete(Chunk& c, uint64_t index) {
     pushes.n = n;
     pushes.w = 1.0f / static_cast<float>(options_.job.workers);
     for (const auto& m : c.held) pushes.payloads.push_back(static_cast<const uint8_t*>(m->data()));
-    st = optimizer_->StepFromPushes(state_.step, StepLr(), pushes, c.range.begin - state_.begin,
-                                    &state_, c.reply->data());
+    st = optimizer_->StepFromPushes(state_.step, StepLr(), last_warmup, pushes,
+                                    c.range.begin - state_.begin, &state_, c.reply->data());
     for (auto& m : c.held) m.reset();
   } else {
     st = optimizer_->Step(state_.step, StepLr(), last_warmup, c.acc, c.range.begin - state_.begin,

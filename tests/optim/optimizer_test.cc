@@ -119,28 +119,33 @@ TEST(OptimizerOptions, ARefusedSettingNamesItsFlagAsData) {
 
 // A server that keeps a step's pushes and has the rule read their mean piece
 // by piece (StepFromPushes) replies and moves its shard exactly as one that
-// adds each push into acc as it comes: for the momentum replies that read it
-// in pieces and, through the default, a delta reply that needs it whole.
+// adds each push into acc as it comes: in the warm-up (the hand-over
+// included), for the momentum replies that read it in pieces and, through
+// the default, for a delta reply that needs it whole.
 TEST(ServerOptimizer, StepFromPushesIsStepOnTheAddedPushesBitForBit) {
   constexpr size_t kN = 10000;  // pieces of 4096 and a short one
   constexpr uint32_t kWorkers = 3;
-  for (OptimizerKind kind : {OptimizerKind::kOnebitAdam, OptimizerKind::kEfSgd}) {
+  int cases = 0;
+  for (OptimizerKind kind :
+       {OptimizerKind::kOnebitAdam, OptimizerKind::kEfSgd, OptimizerKind::kAdam}) {
     for (ReplyMode reply : {ReplyMode::kMomentum, ReplyMode::kDelta}) {
       OptimizerOptions o = OnebitOptions(kind);
+      o.worker_codec = o.server_codec = std::string(DefaultCodec(kind));
       o.reply = reply;
       if (!ValidateOptimizerOptions(o).ok()) continue;
+      ++cases;
       SCOPED_TRACE(std::string(OptimizerKindName(kind)) +
                    (reply == ReplyMode::kMomentum ? " momentum" : " delta"));
       auto server = *ServerOptimizer::Create(o);
       EXPECT_EQ(server->MeansInPieces(Phase::kCompress), reply == ReplyMode::kMomentum);
-      EXPECT_FALSE(server->MeansInPieces(Phase::kWarmup));
+      EXPECT_TRUE(server->MeansInPieces(Phase::kWarmup));
       ServerShardState added, kept;
       server->InitState(0, 0, kN, &added);
       std::mt19937 rng(7);
       std::normal_distribution<float> normal(0.0f, 0.01f);
       for (float& x : added.x) x = normal(rng);
       kept = added;
-      const bool warmup = HasWarmup(kind);
+      const bool warmup = HasWarmup(kind) && HasCompressionPhase(kind);
       for (uint64_t t = 0; t < 7; ++t) {
         SCOPED_TRACE("step " + std::to_string(t));
         const bool last_warmup = warmup && t == 2;
@@ -160,32 +165,27 @@ TEST(ServerOptimizer, StepFromPushesIsStepOnTheAddedPushesBitForBit) {
         std::vector<uint8_t> want(bytes), got(bytes);
         const float lr = LearningRate(o, t);
         ASSERT_TRUE(server->Step(t, lr, last_warmup, acc.data(), 0, kN, &added, want.data()).ok());
-        if (!added.frozen && !kept.frozen) {
-          // The warm-up adds into acc (not MeansInPieces): the same call.
-          std::vector<float> acc2(kN, 0.0f);
-          for (const auto& p : payloads) {
-            ASSERT_TRUE(codec.DecodeAdd(p.data(), kN, 1.0f / kWorkers, acc2.data()).ok());
-          }
-          ASSERT_TRUE(server->Step(t, lr, last_warmup, acc2.data(), 0, kN, &kept, got.data()).ok());
-        } else {
-          ChunkPushes pushes;
-          pushes.codec = &codec;
-          pushes.n = kN;
-          pushes.w = 1.0f / kWorkers;
-          for (const auto& p : payloads) pushes.payloads.push_back(p.data());
-          ASSERT_TRUE(server->StepFromPushes(t, lr, pushes, 0, &kept, got.data()).ok());
-        }
+        ChunkPushes pushes;
+        pushes.codec = &codec;
+        pushes.n = kN;
+        pushes.w = 1.0f / kWorkers;
+        for (const auto& p : payloads) pushes.payloads.push_back(p.data());
+        ASSERT_TRUE(server->StepFromPushes(t, lr, last_warmup, pushes, 0, &kept, got.data()).ok());
         ASSERT_EQ(got, want);
         ASSERT_EQ(kept.x, added.x);
         ASSERT_EQ(kept.e, added.e);
+        ASSERT_EQ(kept.m, added.m);
+        ASSERT_EQ(kept.v, added.v);
+        ASSERT_EQ(kept.den, added.den);
         if (last_warmup) {
           server->EnterCompression(&added);
           server->EnterCompression(&kept);
         }
       }
-      EXPECT_TRUE(kept.frozen);
+      EXPECT_EQ(kept.frozen, kind != OptimizerKind::kAdam);
     }
   }
+  EXPECT_EQ(cases, 6) << "onebit-adam, ef-sgd and adam, each with both replies";
 }
 
 TEST(HeldMomentum, HoldsRangesUntilOneOverlapsAndReleasesThemIntoTheDenseArray) {
