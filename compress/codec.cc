@@ -19,6 +19,11 @@ bool CpuHasAvx2() {
   return has;
 }
 
+bool CpuHasAvx512() {
+  static const bool has = CpuHasAvx2() && __builtin_cpu_supports("avx512f");
+  return has;
+}
+
 absl::Status DecodeScaled(const Codec& codec, const uint8_t* in, size_t n, float w, float* out) {
   return codec.DecodeInPieces(in, n, out, [&](size_t b, size_t e, const float*) {
     // w * (+-s) is +-(w * s): the same float DecodeAdd's kernels add.
@@ -78,9 +83,17 @@ absl::StatusOr<std::unique_ptr<const Codec>> NewCodec(CodecKind kind, const Code
       }
       kernels = &compress_internal::Avx2Kernels();
       break;
+    case SimdPath::kAvx512:
+      if (!CpuHasAvx512()) {
+        return absl::FailedPreconditionError(
+            "codec: AVX-512 kernels requested but this CPU lacks AVX-512F (or AVX2/F16C)");
+      }
+      kernels = &compress_internal::Avx512Kernels();
+      break;
     case SimdPath::kAuto:
-      kernels =
-          CpuHasAvx2() ? &compress_internal::Avx2Kernels() : &compress_internal::ScalarKernels();
+      kernels = CpuHasAvx512() ? &compress_internal::Avx512Kernels()
+                : CpuHasAvx2() ? &compress_internal::Avx2Kernels()
+                               : &compress_internal::ScalarKernels();
       break;
   }
   switch (kind) {

@@ -33,15 +33,15 @@ enum class ScaleRule : uint8_t {
 };
 
 // Which instruction set the kernels use. Every path produces identical bytes.
-enum class SimdPath : uint8_t { kAuto, kScalar, kAvx2 };
+enum class SimdPath : uint8_t { kAuto, kScalar, kAvx2, kAvx512 };
 
 struct CodecOptions {
   // Elements per onebit block (one fp32 scale each). A multiple of 32 in
   // [32, 1 << 24]; the last block of a vector may be shorter.
   uint32_t block_size = 2048;
   ScaleRule scale = ScaleRule::kL1;
-  // kAuto: AVX2+F16C where the CPU has them, else scalar. Naming kAvx2 on a
-  // CPU without it is an error from NewCodec.
+  // kAuto: the widest the CPU has (AVX-512F, AVX2+F16C, else scalar).
+  // Naming a path the CPU lacks is an error from NewCodec.
   SimdPath simd = SimdPath::kAuto;
 };
 
@@ -52,7 +52,8 @@ class Codec {
   virtual CodecKind kind() const = 0;
   // Changes whenever the encoding would, e.g. "onebit-l1-b2048", "fp16".
   virtual const std::string& name() const = 0;
-  // The kernels in use ("scalar" or "avx2"), for logs and benchmarks.
+  // The kernels in use ("scalar", "avx2" or "avx512"), for logs and
+  // benchmarks.
   virtual absl::string_view simd_path() const = 0;
 
   // Bytes that n encoded elements occupy. Known before encoding.
@@ -140,8 +141,10 @@ absl::string_view CodecKindName(CodecKind kind);
 absl::StatusOr<ScaleRule> ParseScaleRule(absl::string_view name);
 absl::string_view ScaleRuleName(ScaleRule rule);
 
-// True when this CPU runs the AVX2+F16C kernels.
+// True when this CPU runs the AVX2+F16C kernels; the AVX-512F ones (which
+// need AVX2+F16C too).
 bool CpuHasAvx2();
+bool CpuHasAvx512();
 
 }  // namespace onebit
 

@@ -51,6 +51,9 @@ struct Kernels {
 const Kernels& ScalarKernels();
 // Requires CpuHasAvx2().
 const Kernels& Avx2Kernels();
+// AVX-512F for the onebit kernels, the AVX2 ones for the rest. Requires
+// CpuHasAvx512().
+const Kernels& Avx512Kernels();
 
 // Scalar IEEE half conversions (round to nearest even), shared by the scalar
 // kernels and the AVX2 kernels' tails.

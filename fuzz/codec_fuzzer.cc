@@ -46,6 +46,7 @@ const Codecs& AllCodecs() {
     for (size_t i = 0; i < kNumCodecs; ++i) {
       std::vector<SimdPath> simd = {SimdPath::kScalar};
       if (CpuHasAvx2()) simd.push_back(SimdPath::kAvx2);
+      if (CpuHasAvx512()) simd.push_back(SimdPath::kAvx512);
       for (SimdPath p : simd) {
         auto codec = NewCodec(kCodecs[i].kind, {kCodecs[i].block_size, kCodecs[i].scale, p});
         FUZZ_CHECK(codec.ok());

@@ -1,11 +1,11 @@
 // What a worker's rule (optim/algorithm.h) computes with: the codecs and the
 // update loops over arrays in one memory. HostArrayOps() works on host
-// memory with compress/'s codecs (their AVX2 kernels where the CPU has them)
-// and optim/update_kernels.h's loops: the CPU worker's arithmetic. cuda/
-// supplies the same operations on a device's memory (cuda/array_ops.h), on
-// the GPU or its CPU twin, with kernels that round as these do
-// (docs/design.md §1.3), so one rule serves both and a GPU worker equals a
-// CPU worker bit for bit.
+// memory with compress/'s codecs (their AVX2 or AVX-512 kernels where the
+// CPU has them) and optim/update_kernels.h's loops: the CPU worker's
+// arithmetic. cuda/ supplies the same operations on a device's memory
+// (cuda/array_ops.h), on the GPU or its CPU twin, with kernels that round
+// as these do (docs/design.md §1.3), so one rule serves both and a GPU
+// worker equals a CPU worker bit for bit.
 //
 // Every pointer an operation takes is in the operations' memory, except a
 // Payload's `host` side. Operations run in order; a device's may still be

@@ -215,6 +215,8 @@ std::string PathLabel(SimdPath p) {
       return "scalar";
     case SimdPath::kAvx2:
       return "avx2";
+    case SimdPath::kAvx512:
+      return "avx512";
   }
   return "?";
 }
@@ -239,6 +241,7 @@ std::vector<Config> OnebitConfigs() {
 std::vector<SimdPath> Paths() {
   std::vector<SimdPath> out = {SimdPath::kScalar, SimdPath::kAuto};
   if (CpuHasAvx2()) out.push_back(SimdPath::kAvx2);
+  if (CpuHasAvx512()) out.push_back(SimdPath::kAvx512);
   return out;
 }
 
@@ -933,16 +936,17 @@ TEST(DecodeAdd, AveragesSeveralPushesInOrder) {
 // ---------------------------------------------------------------------------
 // Every SIMD path produces the bytes of the scalar path.
 
-// Runs every operation on the scalar and the AVX2 codec for cfg and n and
-// requires identical bytes and floats. off = 1 moves every float buffer 4 bytes
-// and every byte buffer 1 byte off the allocation (odd addresses).
-void CompareAvx2ToScalar(const Config& cfg, const std::vector<size_t>& sizes, size_t off) {
+// Runs every operation on the scalar codec and the one of `path` for cfg and
+// n and requires identical bytes and floats. off = 1 moves every float buffer
+// 4 bytes and every byte buffer 1 byte off the allocation (odd addresses).
+void CompareToScalar(const Config& cfg, SimdPath path, const std::vector<size_t>& sizes,
+                     size_t off) {
   auto scalar = Make(cfg, SimdPath::kScalar);
-  auto avx2 = Make(cfg, SimdPath::kAvx2);
+  auto avx2 = Make(cfg, path);
   ASSERT_NE(scalar, nullptr);
   ASSERT_NE(avx2, nullptr);
   EXPECT_EQ(scalar->simd_path(), "scalar");
-  EXPECT_EQ(avx2->simd_path(), "avx2");
+  EXPECT_EQ(avx2->simd_path(), PathLabel(path));
   for (size_t n : sizes) {
     SCOPED_TRACE(Label(cfg) + " n=" + std::to_string(n) + " offset=" + std::to_string(off));
     const size_t size = scalar->EncodedSize(n);
@@ -1001,14 +1005,35 @@ std::vector<size_t> SimdSizes() {
 
 TEST(SimdPaths, Avx2ByteIdenticalToScalar) {
   if (!CpuHasAvx2()) GTEST_SKIP() << "this CPU has no AVX2+F16C: only the scalar path runs";
-  for (const Config& cfg : AllConfigs()) CompareAvx2ToScalar(cfg, SimdSizes(), 0);
+  for (const Config& cfg : AllConfigs()) CompareToScalar(cfg, SimdPath::kAvx2, SimdSizes(), 0);
 }
 
 TEST(SimdPaths, Avx2ByteIdenticalToScalarAtOddAddresses) {
   // The header puts no alignment requirement on any buffer: payloads arrive at
   // arbitrary offsets inside network frames.
   if (!CpuHasAvx2()) GTEST_SKIP() << "this CPU has no AVX2+F16C: only the scalar path runs";
-  for (const Config& cfg : AllConfigs()) CompareAvx2ToScalar(cfg, SimdSizes(), 1);
+  for (const Config& cfg : AllConfigs()) CompareToScalar(cfg, SimdPath::kAvx2, SimdSizes(), 1);
+}
+
+TEST(SimdPaths, Avx512ByteIdenticalToScalar) {
+  if (!CpuHasAvx512()) GTEST_SKIP() << "this CPU has no AVX-512F: its kernels cannot run here";
+  for (const Config& cfg : AllConfigs()) {
+    CompareToScalar(cfg, SimdPath::kAvx512, SimdSizes(), 0);
+    CompareToScalar(cfg, SimdPath::kAvx512, SimdSizes(), 1);
+  }
+}
+
+TEST(SimdPaths, TheWidestPathIsChosenAndALackingOneIsRefusedByName) {
+  auto codec = Make({CodecKind::kOnebit, 64});
+  ASSERT_NE(codec, nullptr);
+  EXPECT_EQ(codec->simd_path(), CpuHasAvx512() ? "avx512" : CpuHasAvx2() ? "avx2" : "scalar");
+  CodecOptions o;
+  o.simd = SimdPath::kAvx512;
+  auto avx512 = NewCodec("onebit", o);
+  EXPECT_EQ(avx512.ok(), CpuHasAvx512());
+  if (!avx512.ok()) {
+    EXPECT_THAT(std::string(avx512.status().message()), HasSubstr("lacks AVX-512F"));
+  }
 }
 
 TEST(SimdPaths, UnalignedBuffersEqualReference) {
@@ -1343,7 +1368,7 @@ TEST(NewCodecTest, KindsNamesAndPaths) {
     auto c2 = NewCodec(*parsed);
     ASSERT_TRUE(c2.ok()) << c2.status();
     EXPECT_EQ((*c2)->name(), (*c)->name());
-    EXPECT_EQ((*c)->simd_path(), CpuHasAvx2() ? "avx2" : "scalar");
+    EXPECT_EQ((*c)->simd_path(), CpuHasAvx512() ? "avx512" : CpuHasAvx2() ? "avx2" : "scalar");
   }
   for (const char* rule : {"l1", "l2"}) {
     auto parsed = ParseScaleRule(rule);

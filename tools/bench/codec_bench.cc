@@ -102,7 +102,7 @@ int main(int argc, char** argv) {
   onebit::CodecOptions options;
   constexpr char kUsage[] =
       "usage: onebit-bench-codec [--elements N] [--chunk C] [--reps R] [--block B] "
-      "[--scale l1|l2]\n";
+      "[--scale l1|l2] [--simd auto|scalar|avx2|avx512]\n";
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     const char* value = i + 1 < argc ? argv[i + 1] : "";
@@ -117,6 +117,13 @@ int main(int argc, char** argv) {
       ok = absl::SimpleAtoi(value, &chunk) && chunk > 0;
     } else if (arg == "--reps") {
       ok = absl::SimpleAtoi(value, &reps) && reps > 0;
+    } else if (arg == "--simd") {
+      const std::string v = value;
+      ok = v == "auto" || v == "scalar" || v == "avx2" || v == "avx512";
+      options.simd = v == "scalar"   ? onebit::SimdPath::kScalar
+                     : v == "avx2"   ? onebit::SimdPath::kAvx2
+                     : v == "avx512" ? onebit::SimdPath::kAvx512
+                                     : onebit::SimdPath::kAuto;
     } else if (arg == "--block") {
       ok = absl::SimpleAtoi(value, &options.block_size);
     } else if (arg == "--scale") {
