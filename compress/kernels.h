@@ -8,6 +8,7 @@
 #ifndef ONEBIT_COMPRESS_KERNELS_H_
 #define ONEBIT_COMPRESS_KERNELS_H_
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -47,6 +48,23 @@ struct Kernels {
   // acc += w * x.
   void (*axpy)(const float* x, size_t n, float w, float* acc);
 };
+
+// The end of a SIMD kernel's block in onebit pass 1: from the block's sum
+// of |z| or z*z over [start, end), *scale = the mean or its square root;
+// when the sum is not finite, the first non-finite z (its index, returned
+// instead, scale unwritten) or, all z finite, the overflowed scale (the
+// caller reports it). Returns end when the block is done.
+inline size_t FinishBlockScale(float sum, const float* y, const float* e, size_t start, size_t end,
+                               ScaleRule rule, float* scale) {
+  if (!std::isfinite(sum)) {
+    for (size_t j = start; j < end; ++j) {
+      if (!std::isfinite(e ? y[j] + e[j] : y[j])) return j;
+    }
+  }
+  const float mean = sum / static_cast<float>(end - start);
+  *scale = rule == ScaleRule::kL1 ? mean : std::sqrt(mean);
+  return end;
+}
 
 const Kernels& ScalarKernels();
 // Requires CpuHasAvx2().

@@ -66,15 +66,8 @@ size_t OnebitScales(const float* y, const float* e, size_t n, uint32_t block, Sc
     __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
     q = _mm_add_ps(q, _mm_movehl_ps(q, q));
     q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
-    const float sum = _mm_cvtss_f32(q);
-    if (!std::isfinite(sum)) {
-      for (size_t j = start; j < end; ++j) {
-        if (!std::isfinite(e ? y[j] + e[j] : y[j])) return j;
-      }
-      // Every z is finite, the sum overflowed: the caller reports the scale.
-    }
-    const float mean = sum / static_cast<float>(len);
-    scales[b] = rule == ScaleRule::kL1 ? mean : std::sqrt(mean);
+    const size_t done = FinishBlockScale(_mm_cvtss_f32(q), y, e, start, end, rule, &scales[b]);
+    if (done < end) return done;
   }
   return n;
 }
