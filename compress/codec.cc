@@ -24,12 +24,20 @@ bool CpuHasAvx512() {
   return has;
 }
 
+void DecodeScaledRange(const Codec& codec, const uint8_t* in, size_t n, size_t begin, size_t end,
+                       float w, float* out) {
+  codec.DecodeRange(in, n, begin, end, out);
+  // w * (+-s) is +-(w * s): the same float DecodeAdd's kernels add.
+  for (size_t i = 0; i < end - begin; ++i) out[i] = 0.0f + w * out[i];
+}
+
 absl::Status DecodeScaled(const Codec& codec, const uint8_t* in, size_t n, float w, float* out) {
-  return codec.DecodeInPieces(in, n, out, [&](size_t b, size_t e, const float*) {
-    // w * (+-s) is +-(w * s): the same float DecodeAdd's kernels add.
-    for (size_t i = b; i < e; ++i) out[i] = 0.0f + w * out[i];
-    return absl::OkStatus();
-  });
+  if (absl::Status st = codec.CheckPayload(in, n); !st.ok()) return st;
+  // Each piece scaled while in cache.
+  for (size_t b = 0; b < n; b += codec.piece_elems()) {
+    DecodeScaledRange(codec, in, n, b, std::min(n, b + codec.piece_elems()), w, out + b);
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<CodecKind> ParseCodecKind(absl::string_view name) {
@@ -118,15 +126,15 @@ absl::StatusOr<std::unique_ptr<const Codec>> NewCodec(CodecKind kind, const Code
 
 namespace compress_internal {
 
-absl::Status NonFiniteInput(const float* y, const float* e, size_t i, size_t done, size_t first) {
+absl::Status NonFiniteInput(const float* y, const float* e, size_t i, size_t done) {
   const std::string after =
       done == 0 ? (e == nullptr ? "nothing was encoded" : "nothing was encoded or changed")
                 : absl::StrCat("the elements before ", done, " were encoded");
   if (e == nullptr) {
     return absl::InvalidArgumentError(
-        absl::StrCat("non-finite input at index ", first + i, " (", y[i], "); ", after));
+        absl::StrCat("non-finite input at index ", done + i, " (", y[i], "); ", after));
   }
-  return absl::InvalidArgumentError(absl::StrCat("non-finite input at index ", first + i,
+  return absl::InvalidArgumentError(absl::StrCat("non-finite input at index ", done + i,
                                                  " (y=", y[i], ", e=", e[i], ", y+e=", y[i] + e[i],
                                                  "); ", after));
 }

@@ -129,6 +129,10 @@ class Codec {
 // them back: each piece is decoded, then scaled while in cache. All or
 // nothing, as Decode.
 absl::Status DecodeScaled(const Codec& codec, const uint8_t* in, size_t n, float w, float* out);
+// The same for elements [begin, end) into out[0, end - begin), unchecked as
+// Codec::DecodeRange (whose requirements it has).
+void DecodeScaledRange(const Codec& codec, const uint8_t* in, size_t n, size_t begin, size_t end,
+                       float w, float* out);
 
 // kind is "fp32", "fp16" or "onebit". Errors name the bad option.
 absl::StatusOr<std::unique_ptr<const Codec>> NewCodec(absl::string_view kind,

@@ -19,11 +19,10 @@ std::unique_ptr<const Codec> NewFp32Codec(const Kernels& k);
 std::unique_ptr<const Codec> NewFp16Codec(const Kernels& k);
 std::unique_ptr<const Codec> NewOnebitCodec(const Kernels& k, const CodecOptions& options);
 
-// "non-finite input at index first + i (y=..., e=...)", of y[i] and e[i]
-// (e may be null). done: the elements before it that were encoded
-// (EncodeInPieces), else 0. first: where y starts (a piece's begin).
-absl::Status NonFiniteInput(const float* y, const float* e, size_t i, size_t done = 0,
-                            size_t first = 0);
+// "non-finite input at index done + i (y=..., e=...)", of y[i] and e[i]
+// (e may be null). done: where y and e start, a piece of EncodeInPieces
+// (the elements before it were encoded), else 0.
+absl::Status NonFiniteInput(const float* y, const float* e, size_t i, size_t done = 0);
 
 // Elements per piece of EncodeInPieces / DecodeInPieces where the encoding
 // is element by element (fp32, fp16): 16 KB of floats, so that a piece's

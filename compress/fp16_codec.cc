@@ -45,7 +45,7 @@ class Fp16Codec final : public Codec {
         y, e, n, out, 2, hooks,
         [this](const float* py, const float* pe, size_t m) { return k_.fp16_check(py, pe, m); },
         [](const float* py, const float* pe, size_t i, size_t b) {
-          return Unrepresentable(py, pe, i, b, b);
+          return Unrepresentable(py, pe, i, b);
         },
         [this](const float* py, float* pe, size_t m, uint8_t* po) { EncodeTo(py, pe, m, po); },
         [this](const uint8_t* in, size_t m, float* po) {
@@ -105,14 +105,12 @@ class Fp16Codec final : public Codec {
     if (n > 0) std::memcpy(out, halves.data(), 2 * n);
   }
 
-  // done: the elements encoded before (EncodeInPieces), else 0; first:
-  // where y starts (NonFiniteInput).
-  static absl::Status Unrepresentable(const float* y, const float* e, size_t i, size_t done = 0,
-                                      size_t first = 0) {
+  // done: where y and e start (NonFiniteInput).
+  static absl::Status Unrepresentable(const float* y, const float* e, size_t i, size_t done = 0) {
     const float z = e ? y[i] + e[i] : y[i];
-    if (!std::isfinite(z)) return NonFiniteInput(y, e, i, done, first);
+    if (!std::isfinite(z)) return NonFiniteInput(y, e, i, done);
     return absl::InvalidArgumentError(
-        absl::StrCat("value ", z, " at index ", first + i, " overflows fp16 (largest is 65504); ",
+        absl::StrCat("value ", z, " at index ", done + i, " overflows fp16 (largest is 65504); ",
                      done == 0 ? std::string("nothing was encoded or changed")
                                : absl::StrCat("the elements before ", done, " were encoded")));
   }

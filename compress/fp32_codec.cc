@@ -39,7 +39,7 @@ class Fp32Codec final : public Codec {
           return k_.first_nonfinite(py, pe, m);
         },
         [](const float* py, const float* pe, size_t i, size_t b) {
-          return NonFiniteInput(py, pe, i, b, b);
+          return NonFiniteInput(py, pe, i, b);
         },
         [](const float* py, float* pe, size_t m, uint8_t* po) { CopyZ(py, pe, m, po); },
         [](const uint8_t* in, size_t m, float* po) { std::memcpy(po, in, 4 * m); });

@@ -53,7 +53,7 @@ class OnebitCodec final : public Codec {
       const float* yp = hooks.source ? (*hooks.source)(begin, begin + len) : y + begin;
       const size_t bad = k_.onebit_scales(yp, ep, len, block_, rule_, scales.data());
       if (absl::Status st = CheckNewScales(scales.data(), bad, len, b0, begin); !st.ok()) return st;
-      if (bad < len) return NonFiniteInput(yp, ep, bad, begin, begin);
+      if (bad < len) return NonFiniteInput(yp, ep, bad, begin);
       const size_t nb = NumBlocks(len);
       std::memcpy(out + 4 * b0, scales.data(), 4 * nb);
       uint8_t* piece_bits = bits + begin / 8;  // blocks are multiples of 32 elements

@@ -53,49 +53,47 @@ absl::Status MomentumFamily::WarmupStep(uint64_t step, float lr, bool last_warmu
                                         uint64_t off, size_t n, ServerShardState* s,
                                         uint8_t* reply) const {
   float* x = s->x.data() + off;
-  {
-    // Warm-up: the reply is Δ itself. Update and encode piece by piece, so Δ
-    // is still in L2 when it is copied out (fp32 and fp16 encode element by
-    // element: the pieces' encodings concatenate).
-    const Codec& codec = *warmup_codec_;
-    const bool exact = codec.kind() == CodecKind::kFp32;
-    float* before = exact ? nullptr : Scratch(std::min(kWarmupPiece, n));
-    for (size_t p = 0; p < n; p += kWarmupPiece) {
-      const size_t m = std::min(kWarmupPiece, n - p);
-      float* d = mean(p, m);
-      // fp16: the master takes the rounded Δ the workers take.
-      if (!exact) std::copy(x + p, x + p + m, before);
-      if (absl::Status st = WarmupUpdate(step, lr, d, off + p, m, s); !st.ok()) return st;
-      uint8_t* out = reply + codec.EncodedSize(p);
-      absl::Status st = codec.Encode(d, m, out);
-      if (!st.ok()) return Diverged(o_, "the update", step, s->begin + off + p, st);
-      if (!exact) {
-        std::copy(before, before + m, x + p);
-        if (st = codec.DecodeAdd(out, m, 1.0f, x + p); !st.ok()) return st;
-      }
+  // Warm-up: the reply is Δ itself. Update and encode piece by piece, so Δ
+  // is still in L2 when it is copied out (fp32 and fp16 encode element by
+  // element: the pieces' encodings concatenate).
+  const Codec& codec = *warmup_codec_;
+  const bool exact = codec.kind() == CodecKind::kFp32;
+  float* before = exact ? nullptr : Scratch(std::min(kWarmupPiece, n));
+  for (size_t p = 0; p < n; p += kWarmupPiece) {
+    const size_t m = std::min(kWarmupPiece, n - p);
+    float* d = mean(p, m);
+    // fp16: the master takes the rounded Δ the workers take.
+    if (!exact) std::copy(x + p, x + p + m, before);
+    if (absl::Status st = WarmupUpdate(step, lr, d, off + p, m, s); !st.ok()) return st;
+    uint8_t* out = reply + codec.EncodedSize(p);
+    absl::Status st = codec.Encode(d, m, out);
+    if (!st.ok()) return Diverged(o_, "the update", step, s->begin + off + p, st);
+    if (!exact) {
+      std::copy(before, before + m, x + p);
+      if (st = codec.DecodeAdd(out, m, 1.0f, x + p); !st.ok()) return st;
     }
-    if (!last_warmup || !traits_.den_of_frozen_v) return absl::OkStatus();
-    // The hand-over (docs/design.md §1.1): freeze v, floored, and send m and v.
-    float* v = s->v.data() + off;
-    s->den.resize(s->x.size());
-    // With bias correction the frozen v is the corrected one, v / (1 - b2^t),
-    // divided by the same float the step itself used.
-    const float k2 = MakeAdamCoefficients(o_.beta1, o_.beta2, o_.eps, o_.weight_decay, lr,
-                                          o_.bias_correction, s->bias_steps + step)
-                         .k2;
-    for (size_t i = 0; i < n; ++i) {
-      if (o_.bias_correction) v[i] = v[i] / k2;
-      if (v[i] < o_.v_floor) {
-        v[i] = o_.v_floor;
-        ++s->floored;
-      }
-      s->den[off + i] = FrozenDenominator(v[i], o_.eps);
-    }
-    uint8_t* tail = reply + codec.EncodedSize(n);
-    std::memcpy(tail, s->m.data() + off, 4 * n);
-    std::memcpy(tail + 4 * n, v, 4 * n);
-    return absl::OkStatus();
   }
+  if (!last_warmup || !traits_.den_of_frozen_v) return absl::OkStatus();
+  // The hand-over (docs/design.md §1.1): freeze v, floored, and send m and v.
+  float* v = s->v.data() + off;
+  s->den.resize(s->x.size());
+  // With bias correction the frozen v is the corrected one, v / (1 - b2^t),
+  // divided by the same float the step itself used.
+  const float k2 = MakeAdamCoefficients(o_.beta1, o_.beta2, o_.eps, o_.weight_decay, lr,
+                                        o_.bias_correction, s->bias_steps + step)
+                       .k2;
+  for (size_t i = 0; i < n; ++i) {
+    if (o_.bias_correction) v[i] = v[i] / k2;
+    if (v[i] < o_.v_floor) {
+      v[i] = o_.v_floor;
+      ++s->floored;
+    }
+    s->den[off + i] = FrozenDenominator(v[i], o_.eps);
+  }
+  uint8_t* tail = reply + codec.EncodedSize(n);
+  std::memcpy(tail, s->m.data() + off, 4 * n);
+  std::memcpy(tail + 4 * n, v, 4 * n);
+  return absl::OkStatus();
 }
 
 bool MomentumFamily::MeansInPieces(Phase phase) const {
@@ -105,29 +103,26 @@ bool MomentumFamily::MeansInPieces(Phase phase) const {
 absl::Status MomentumFamily::StepFromPushes(uint64_t step, float lr, bool last_warmup,
                                             const ChunkPushes& pushes, uint64_t off,
                                             ServerShardState* s, uint8_t* reply) const {
-  if (!s->frozen && kWarmupPiece % pushes.codec->piece_elems() == 0) {
-    // The mean of each piece summed into a buffer that the update then
-    // overwrites with Δ.
-    thread_local std::vector<float> buffer;
-    buffer.resize(std::min(kWarmupPiece, pushes.n));
-    auto mean = [&](size_t p, size_t m) {
-      pushes.Mean(p, p + m, buffer.data());
-      return buffer.data();
-    };
-    return WarmupStep(step, lr, last_warmup, mean, off, pushes.n, s, reply);
-  }
-  if (!s->frozen || !MeansInPieces(Phase::kCompress) ||
-      server_codec_->piece_elems() % pushes.codec->piece_elems() != 0) {
-    return Algorithm::StepFromPushes(step, lr, last_warmup, pushes, off, s, reply);
-  }
-  // a, piece by piece, from the payloads: never written whole.
+  // The mean, piece by piece, into one buffer: never written whole. (The
+  // warm-up's update overwrites it with Δ.)
   thread_local std::vector<float> piece;
-  piece.resize(server_codec_->piece_elems());
-  auto mean = [&](size_t b, size_t e) -> const float* {
+  auto mean = [&](size_t b, size_t e) {
+    piece.resize(std::max(piece.size(), e - b));
     pushes.Mean(b, e, piece.data());
     return piece.data();
   };
-  return MomentumReply(step, lr, nullptr, mean, off, pushes.n, s, reply);
+  if (!s->frozen && kWarmupPiece % pushes.codec->piece_elems() == 0) {
+    return WarmupStep(
+        step, lr, last_warmup, [&](size_t p, size_t m) { return mean(p, p + m); }, off, pushes.n, s,
+        reply);
+  }
+  if (s->frozen && MeansInPieces(Phase::kCompress) &&
+      server_codec_->piece_elems() % pushes.codec->piece_elems() == 0) {
+    return MomentumReply(
+        step, lr, nullptr, [&](size_t b, size_t e) -> const float* { return mean(b, e); }, off,
+        pushes.n, s, reply);
+  }
+  return Algorithm::StepFromPushes(step, lr, last_warmup, pushes, off, s, reply);
 }
 
 absl::Status MomentumFamily::MomentumReply(

@@ -61,9 +61,7 @@ absl::Status CheckWorkerStateFits(const OptimizerOptions& o, uint64_t d, const W
 
 void ChunkPushes::Mean(size_t b, size_t e, float* out) const {
   if (payloads.empty()) return;
-  codec->DecodeRange(payloads[0], n, b, e, out);
-  // w * (+-s) is +-(w * s): the float DecodeAdd's kernels add (DecodeScaled).
-  for (size_t i = 0; i < e - b; ++i) out[i] = 0.0f + w * out[i];
+  DecodeScaledRange(*codec, payloads[0], n, b, e, w, out);
   for (size_t r = 1; r < payloads.size(); ++r) codec->DecodeAddRange(payloads[r], n, b, e, w, out);
 }
 

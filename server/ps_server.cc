@@ -103,7 +103,11 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Create(PsServerOptions optio
     // pulls as the others do).
     c.initialized = resumed;
   }
-  s->acc_.assign(r.size(), 0.0f);
+  // acc only where some phase adds the pushes into it; a rule that reads
+  // their mean piece by piece in both phases needs none (d floats fewer).
+  if (!s->MeanInPieces(Phase::kWarmup) || !s->MeanInPieces(Phase::kCompress)) {
+    s->acc_.assign(r.size(), 0.0f);
+  }
   for (int g = 0; g < 2; ++g) {
     const uint64_t elems = g == 0 ? o.job.chunk_elems : o.job.compressed_chunk_elems;
     if (g == 1 && elems == o.job.chunk_elems) break;  // one grid serves both
@@ -112,7 +116,7 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Create(PsServerOptions optio
     for (uint64_t i = 0; i < grid.size(); ++i) {
       Chunk& c = grid[i];
       c.range = ChunkRange(o.job.map, o.shard, elems, i);
-      c.acc = s->acc_.data() + (c.range.begin - r.begin);
+      c.acc = s->acc_.empty() ? nullptr : s->acc_.data() + (c.range.begin - r.begin);
       c.pushed.assign(o.job.workers, false);
       c.held.resize(o.job.workers);
       c.lr.resize(o.job.workers);
@@ -411,14 +415,15 @@ absl::Status PsServer::HandleRequest(const std::string& routing_id, const data::
   return DrainInOrder(c, index);
 }
 
-bool PsServer::MeanInPieces() const {
-  return !IsLayerwise(options_.optimizer.kind) && optimizer_->MeansInPieces(PhaseOf(state_));
+bool PsServer::MeanInPieces(Phase phase) const {
+  // A layer-wise step takes the whole shard's acc (CompleteShard).
+  return !IsLayerwise(options_.optimizer.kind) && optimizer_->MeansInPieces(phase);
 }
 
 absl::Status PsServer::DrainInOrder(Chunk& c, uint64_t index) {
   const uint32_t n_workers = options_.job.workers;
   const float w = 1.0f / static_cast<float>(n_workers);
-  const bool in_pieces = MeanInPieces();
+  const bool in_pieces = MeanInPieces(PhaseOf(state_));
   while (c.next_rank < n_workers && c.held[c.next_rank]) {
     const uint32_t r = c.next_rank;
     const std::optional<float> scale = GradScaleOf(r);
@@ -735,7 +740,7 @@ void PsServer::Complete(Chunk& c, uint64_t index) {
   const StepKind kind = optimizer_->KindAt(state_.step, PhaseOf(state_), state_.begin);
   PrepareReply(c, kind, last_warmup);
   absl::Status st;
-  if (MeanInPieces()) {
+  if (MeanInPieces(PhaseOf(state_))) {
     ChunkPushes pushes;
     pushes.codec = options_.job.push_codec;
     pushes.n = n;

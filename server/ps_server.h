@@ -106,7 +106,7 @@ class PsServer {
   struct Chunk {
     Range range;                                      // global
     float* acc = nullptr;                             // into acc_: the running mean, ranks
-                                                      // [0, next_rank) added
+                                                      // [0, next_rank) added (null: none)
     uint32_t next_rank = 0;                           // next rank to decode-add
     std::vector<bool> pushed;                         // by rank, this step
     std::vector<std::optional<zmq::message_t>> held;  // payloads not yet added (MeanInPieces: all)
@@ -134,10 +134,10 @@ class PsServer {
   };
 
   PsServer(PsServerOptions options, zmq::socket_t* socket);
-  // Whether this step's pushes are kept whole and summed piece by piece as
-  // the rule reads them (ServerOptimizer::MeansInPieces), rather than added
-  // into acc as they come.
-  bool MeanInPieces() const;
+  // Whether the pushes of a step in `phase` are kept whole and summed piece
+  // by piece as the rule reads them (ServerOptimizer::MeansInPieces),
+  // rather than added into acc as they come.
+  bool MeanInPieces(Phase phase) const;
   void HandleMessage(std::vector<zmq::message_t>& frames);
   // On an error, *why says which kind of refusal it is.
   absl::Status HandleRequest(const std::string& routing_id, const data::Header& h,
