@@ -55,19 +55,11 @@ absl::Status CheckResumable(const control::TrainingConfig& config,
   // The servers' state is saved by global range, and none of these but
   // the number of workers changes a bit of the result (see
   // LoadWorkerStateResized for that one).
-  static const std::set<std::string> kMayChange = {"servers",
-                                                   "workers",
-                                                   "chunk_elems",
-                                                   "compressed_chunk_elems",
-                                                   "data_connections",
-                                                   "step_timeout",
-                                                   "heartbeat_timeout",
-                                                   "checkpoint_dir",
-                                                   "checkpoint_every",
-                                                   "checkpoint_keep",
-                                                   "resume",
-                                                   "rejoin_timeout",
-                                                   "checkpoint_failure"};
+  static const std::set<std::string> kMayChange = {
+      "servers",          "workers",           "chunk_elems",     "compressed_chunk_elems",
+      "data_connections", "data_cipher",       "step_timeout",    "heartbeat_timeout",
+      "checkpoint_dir",   "checkpoint_every",  "checkpoint_keep", "resume",
+      "rejoin_timeout",   "checkpoint_failure"};
   const std::vector<std::string> conflicts =
       ConfigDifferences(config, checkpoint.manifest.config(), kMayChange);
   if (conflicts.empty()) return absl::OkStatus();

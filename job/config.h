@@ -100,6 +100,12 @@ absl::StatusOr<ShardMap> ShardMapForConfig(const control::TrainingConfig& config
 absl::StatusOr<OptimizerOptions> OptimizerOptionsFromConfig(const control::TrainingConfig& config);
 absl::StatusOr<FreezeOptions> FreezeOptionsFromConfig(const control::TrainingConfig& config);
 
+// Whether a secured job's data plane is sealed (--data_cipher aes-gcm,
+// security/data_seal.h) rather than CURVE's. Meaningless under --insecure.
+inline bool DataPlaneSealed(const control::TrainingConfig& config) {
+  return config.compression().data_cipher() == control::DATA_CIPHER_AES_GCM;
+}
+
 // How the config ends its warm-up, for summary.json's "freeze": "none" for
 // an optimizer that never compresses, "var_freeze_step:N" for
 // zero-one-adam, else "step:N" or the --freeze rule as given.

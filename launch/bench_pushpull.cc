@@ -2,14 +2,16 @@
 // synthetic model's arithmetic skipped (--skip_model), --params floats per
 // worker per step, for each workers x servers config, in two phases (fp32
 // push and reply as in the warm-up; 1-bit both ways as in the compression
-// phase) and two ways (plaintext --insecure; secured: TLS and CURVE, the
-// default), and prints medians over the steps after the warm-up. Goodput
+// phase) and several ways (plaintext --insecure; secured with each of
+// --ciphers: CURVE, the default, and --data_cipher aes-gcm), and prints
+// medians over the steps after the warm-up. Goodput
 // counts payload bytes moved (all workers): push+reply = (bytes pushed +
 // bytes replied) / step time. The phases overlap (chunks pipeline), so each
 // is also timed on its own: push = from a worker's first push to the server
 // holding every push, reply = from the first reply sent to the step's end
-// (one host's clock). Then, per phase, what encryption costs: the secured
-// step time over the plaintext one (medians of the first config), the 1-bit
+// (one host's clock). Then, per phase and cipher, what encryption costs:
+// the secured step time over the plaintext one (medians of the first
+// config), the 1-bit
 // plaintext step over the fp32 one, and the last line is
 // pushpull_goodput_gbs=<push+reply> of the first config, fp32, plaintext.
 #include <fcntl.h>
@@ -39,6 +41,8 @@ ABSL_FLAG(uint64_t, compressed_chunk, 0,
           "elements per chunk of the 1-bit steps (--compressed_chunk_elems; 0: auto)");
 ABSL_FLAG(uint32_t, connections, 1,
           "connections from each worker to each server (--data_connections)");
+ABSL_FLAG(std::string, ciphers, "curve,aes-gcm",
+          "the secured runs' --data_cipher values, comma-separated (empty: plaintext only)");
 ABSL_FLAG(std::string, launcher, "", "path of onebit-launch (default: next to this binary)");
 
 namespace onebit {
@@ -55,8 +59,9 @@ struct Figures {
 };
 
 // One launch of a w x s job; its medians over the steps after `warmup`.
-Figures RunOnce(const std::string& launcher, int w, int s, bool onebit, bool secured, int warmup,
-                int reps) {
+// `cipher`: the secured run's --data_cipher; empty: --insecure.
+Figures RunOnce(const std::string& launcher, int w, int s, bool onebit, const std::string& cipher,
+                int warmup, int reps) {
   char tmpl[] = "/tmp/onebit-bench.XXXXXX";
   if (mkdtemp(tmpl) == nullptr) ExitError(1, "mkdtemp failed");
   const std::string dir = tmpl;
@@ -80,7 +85,11 @@ Figures RunOnce(const std::string& launcher, int w, int s, bool onebit, bool sec
   } else {
     argv.push_back("--optimizer=sgd");
   }
-  if (!secured) argv.push_back("--insecure");
+  if (cipher.empty()) {
+    argv.push_back("--insecure");
+  } else {
+    argv.push_back("--data_cipher=" + cipher);
+  }
   auto p = Subprocess::Spawn(argv, fd, fd);
   close(fd);
   if (!p.ok()) ExitError(1, std::string(p.status().message()));
@@ -136,8 +145,16 @@ int Main(int argc, char** argv) {
   if (warmup < 1) ExitFlagError("warmup", "must be >= 1 (step 0 is fp32 in every job)");
   if (reps < 1) ExitFlagError("reps", "must be >= 1");
   double first_total = -1;
-  // phase -> {plaintext, secured} step time of the first config
-  std::vector<std::pair<double, double>> first_steps(2, {-1, -1});
+  // "" (plaintext), then each cipher
+  std::vector<std::string> ways = {""};
+  for (absl::string_view c : absl::StrSplit(absl::GetFlag(FLAGS_ciphers), ',', absl::SkipEmpty())) {
+    if (c != "curve" && c != "aes-gcm") {
+      ExitFlagError("ciphers", absl::StrCat("unknown cipher '", c, "' (want curve or aes-gcm)"));
+    }
+    ways.emplace_back(c);
+  }
+  // phase -> way -> step time of the first config (-1: none yet)
+  std::vector<std::vector<double>> first_steps(2, std::vector<double>(ways.size(), -1));
   for (absl::string_view cfg : absl::StrSplit(absl::GetFlag(FLAGS_configs), ',')) {
     std::vector<std::string> wxs = absl::StrSplit(cfg, 'x');
     int w = 0, s = 0;
@@ -146,32 +163,30 @@ int Main(int argc, char** argv) {
       ExitFlagError("configs", absl::StrCat("bad config '", cfg, "' (want WxS)"));
     }
     for (int phase = 0; phase < 2; ++phase) {
-      for (bool secured : {false, true}) {
-        const Figures f = RunOnce(launcher, w, s, phase == 1, secured, warmup, reps);
+      for (size_t way = 0; way < ways.size(); ++way) {
+        const Figures f = RunOnce(launcher, w, s, phase == 1, ways[way], warmup, reps);
         std::printf(
             "pushpull %dx%d d=%llu %s %s chunk=%llu (median of %zu steps): step %.2f ms, "
             "push+reply %.3f GB/s | push phase %.2f ms %.3f GB/s, reply phase %.2f ms %.3f GB/s\n",
             w, s, static_cast<unsigned long long>(absl::GetFlag(FLAGS_params)),
-            phase == 1 ? "onebit" : "fp32", secured ? "curve" : "plain",
+            phase == 1 ? "onebit" : "fp32", way == 0 ? "plain" : ways[way].c_str(),
             static_cast<unsigned long long>(absl::GetFlag(FLAGS_chunk)), f.steps, f.step_s * 1e3,
             f.total_gbs, f.push_s * 1e3, f.up_gbs, f.reply_s * 1e3, f.down_gbs);
         std::fflush(stdout);
-        auto& first = first_steps[phase];
-        if ((secured ? first.second : first.first) < 0) {
-          (secured ? first.second : first.first) = f.step_s;
-        }
+        if (first_steps[phase][way] < 0) first_steps[phase][way] = f.step_s;
         if (first_total < 0) first_total = f.total_gbs;
       }
     }
   }
-  for (int phase = 0; phase < 2; ++phase) {
-    std::printf("curve_vs_plain_step_ratio_%s=%.3f\n", phase == 1 ? "onebit" : "fp32",
-                first_steps[phase].second / first_steps[phase].first);
+  for (size_t way = 1; way < ways.size(); ++way) {
+    for (int phase = 0; phase < 2; ++phase) {
+      std::printf("%s_vs_plain_step_ratio_%s=%.3f\n", ways[way] == "curve" ? "curve" : "aes_gcm",
+                  phase == 1 ? "onebit" : "fp32", first_steps[phase][way] / first_steps[phase][0]);
+    }
   }
   // The 1-bit step's cost against fp32's, both plaintext, first config: on
   // loopback what is left of it is CPU work (encode, decode, the updates).
-  std::printf("onebit_vs_fp32_plain_step_ratio=%.3f\n",
-              first_steps[1].first / first_steps[0].first);
+  std::printf("onebit_vs_fp32_plain_step_ratio=%.3f\n", first_steps[1][0] / first_steps[0][0]);
   std::printf("pushpull_goodput_gbs=%.3f\n", first_total);
   return 0;
 }

@@ -70,12 +70,17 @@ void ZapHandler::Allow(std::map<std::string, std::string> clients) {
   clients_ = std::move(clients);
 }
 
+void ZapHandler::AllowPasswords(std::map<std::string, std::string> passwords) {
+  absl::MutexLock l(&mu_);
+  passwords_ = std::move(passwords);
+}
+
 void ZapHandler::Answer(Pending& p, const std::string* user_id) {
   if (user_id == nullptr) refused_.fetch_add(1);
   std::vector<zmq::message_t> reply;
   for (zmq::message_t& m : p.envelope) reply.push_back(std::move(m));
   reply.emplace_back(std::string(user_id != nullptr ? "200" : "400"));
-  reply.emplace_back(std::string(user_id != nullptr ? "OK" : "not a key of this job"));
+  reply.emplace_back(std::string(user_id != nullptr ? "OK" : "not a key or password of this job"));
   reply.emplace_back(user_id != nullptr ? *user_id : std::string());
   reply.emplace_back();  // no metadata
   try {
@@ -91,8 +96,9 @@ void ZapHandler::AnswerPending(absl::Time now) {
     std::optional<std::string> user_id;
     {
       absl::MutexLock l(&mu_);
-      auto it = clients_.find(p.key);
-      if (it != clients_.end()) user_id = it->second;
+      const std::map<std::string, std::string>& known = p.plain ? passwords_ : clients_;
+      auto it = known.find(p.key);
+      if (it != known.end()) user_id = it->second;
     }
     if (user_id) {
       Answer(p, &*user_id);
@@ -120,10 +126,11 @@ void ZapHandler::Loop() {
     const absl::Time now = absl::Now();
     const uint64_t refused = refused_.load();
     if (refused > said && now - last_said > absl::Seconds(5)) {
-      std::fprintf(stderr,
-                   "%s: refused %llu data-plane connection(s) without a key of this job%s\n",
-                   who_.c_str(), static_cast<unsigned long long>(refused - said),
-                   said == 0 ? "" : " since the last report");
+      std::fprintf(
+          stderr,
+          "%s: refused %llu data-plane connection(s) without a key or password of this job%s\n",
+          who_.c_str(), static_cast<unsigned long long>(refused - said),
+          said == 0 ? "" : " since the last report");
       said = refused;
       last_said = now;
     }
@@ -131,17 +138,19 @@ void ZapHandler::Loop() {
       std::vector<zmq::message_t> req;
       if (zmq::recv_multipart(socket_, std::back_inserter(req), zmq::recv_flags::dontwait)) {
         // routing id, "", version, request id, domain, address, identity,
-        // mechanism, credentials...
+        // mechanism, credentials... (CURVE: the key; PLAIN: user, password)
         Pending p;
-        const bool curve =
-            req.size() >= 9 && req[2].to_string() == "1.0" && req[7].to_string() == "CURVE";
+        const bool v1 = req.size() >= 9 && req[2].to_string() == "1.0";
+        const bool curve = v1 && req[7].to_string() == "CURVE";
+        p.plain = v1 && req.size() >= 10 && req[7].to_string() == "PLAIN";
         for (size_t i = 0; i < std::min<size_t>(req.size(), 4); ++i) {
           p.envelope.push_back(std::move(req[i]));
         }
         while (p.envelope.size() < 4) p.envelope.emplace_back();
         if (curve) p.key = req[8].to_string();
+        if (p.plain) p.key = req[9].to_string();
         p.until = now + wait_;
-        if (!curve || pending_.size() >= kZapPending) {
+        if (!(curve || p.plain) || pending_.size() >= kZapPending) {
           Answer(p, nullptr);
         } else {
           pending_.push_back(std::move(p));

@@ -46,7 +46,8 @@ void MakeCurveClient(zmq::socket_t* socket, const CurveKeys& keys,
 std::string PeerUserId(const zmq::message_t& msg);
 
 // Answers the ZAP requests (RFC 27) of every socket in one context, from its
-// own thread, until destroyed. A key it does not know yet is not refused at
+// own thread, until destroyed: CURVE's by the client's key, PLAIN's by its
+// password. A key it does not know yet is not refused at
 // once: its handshake waits (up to kZapWait, at most kZapPending at a time)
 // for the next Allow(), because a worker may connect before its server has
 // heard the cluster's keys. Thread-safe.
@@ -63,9 +64,13 @@ class ZapHandler {
                                                            absl::Duration wait = kZapWait);
   ~ZapHandler();
 
-  // The clients admitted from now on: public key -> their User-Id. Until
-  // the first call, none.
+  // The CURVE clients admitted from now on: public key -> their User-Id.
+  // Until the first call, none.
   void Allow(std::map<std::string, std::string> clients);
+  // The PLAIN clients admitted from now on (a sealed data plane,
+  // security/data_seal.h): password -> their User-Id. Until the first call,
+  // none. A CURVE key is never taken as a password, nor the reverse.
+  void AllowPasswords(std::map<std::string, std::string> passwords);
 
   // Handshakes refused so far.
   uint64_t refused() const { return refused_.load(); }
@@ -73,6 +78,7 @@ class ZapHandler {
  private:
   struct Pending {
     std::vector<zmq::message_t> envelope;  // the requester's routing id, "", version, request id
+    bool plain = false;                    // PLAIN's password, else CURVE's key
     std::string key;
     absl::Time until;
   };
@@ -91,6 +97,7 @@ class ZapHandler {
   std::atomic<uint64_t> refused_{0};
   absl::Mutex mu_;
   std::map<std::string, std::string> clients_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::string> passwords_ ABSL_GUARDED_BY(mu_);
   std::vector<Pending> pending_;  // the loop's own
   std::thread thread_;
 };

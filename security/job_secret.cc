@@ -112,8 +112,10 @@ std::string SecurityNotice(const Security& security, absl::string_view who) {
                         ": INSECURE (--insecure): neither plane is authenticated or encrypted; "
                         "anyone who reaches this process's ports can join or disrupt the job");
   }
-  return absl::StrCat(who, ": secured by the job secret in ", security.secret_file,
-                      " (control plane: TLS; data plane: CURVE)");
+  return absl::StrCat(
+      who, ": secured by the job secret in ", security.secret_file,
+      " (control plane: TLS; data plane: CURVE keys, and CURVE or AES-256-GCM as the job's "
+      "--data_cipher says)");
 }
 
 }  // namespace onebit

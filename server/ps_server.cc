@@ -66,6 +66,18 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Create(PsServerOptions optio
   if (o.shard >= o.job.map.num_shards()) {
     return absl::InvalidArgumentError(absl::StrCat("shard ", o.shard, " out of range"));
   }
+  if (!o.sealed.empty()) {
+    if (o.sealed.size() != o.job.workers) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(o.sealed.size(), " workers' seal secrets for ", o.job.workers, " workers"));
+    }
+    for (uint32_t r = 0; r < o.job.workers; ++r) {
+      for (uint32_t l = 0; l < o.job.connections; ++l) {
+        s->seals_[WorkerIdentity(o.job.job_id, r, l)] = std::make_unique<ConnectionSeal>(
+            o.sealed[r].ConnectionKey(l), SealDirection::kToWorker);
+      }
+    }
+  }
   const Range r = o.job.map.shard(o.shard);
   s->optimizer_->InitState(o.shard, r.begin, r.size(), &s->state_);
   bool resumed = false;
@@ -232,6 +244,31 @@ std::string PsServer::MissingRanks() const {
 
 void PsServer::HandleMessage(std::vector<zmq::message_t>& frames) {
   const std::string routing_id = frames[0].to_string();
+  if (!seals_.empty()) {
+    // Opened before anything reads it. A connection that passed the PLAIN
+    // handshake under an id of no worker cannot be answered (nothing to
+    // seal with): counted and dropped.
+    auto seal = seals_.find(routing_id);
+    if (seal == seals_.end()) {
+      if (metrics_ != nullptr) metrics_->Refused(Refusal::kBadSeal);
+      refusals_.Refused(absl::StrCat("a request from '", absl::CHexEscape(routing_id),
+                                     "': not a worker connection of this job"));
+      return;
+    }
+    absl::Status opened =
+        frames.size() == 4
+            ? seal->second->Open(frames[1], &frames[2], frames[3])
+            : absl::PermissionDeniedError(absl::StrCat("an unsealed message (", frames.size() - 1,
+                                                       " frames; want header, payload and seal)"));
+    if (!opened.ok()) {
+      auto header = frames.size() >= 2 ? ParseHeader(frames[1].data(), frames[1].size())
+                                       : absl::StatusOr<data::Header>(absl::DataLossError(""));
+      SendError(routing_id, header.ok() ? &*header : nullptr, std::string(opened.message()),
+                Refusal::kBadSeal);
+      return;
+    }
+    frames.pop_back();
+  }
   if (frames.size() < 2) {
     SendError(routing_id, nullptr, "empty message (want header and payload frames)",
               Refusal::kMalformed);
@@ -938,6 +975,18 @@ size_t PsServer::Send(const std::string& routing_id, const data::Header& h,
   frames.push_back(CopyFrame(routing_id));
   frames.push_back(CopyFrame(h.SerializeAsString()));
   frames.push_back(std::move(*payload));
+  if (!seals_.empty()) {
+    auto seal = seals_.find(routing_id);
+    absl::StatusOr<zmq::message_t> sealed =
+        seal == seals_.end() ? absl::NotFoundError("not a worker connection of this job")
+                             : seal->second->Seal(frames[1], &frames[2]);
+    if (!sealed.ok()) {
+      refusals_.Refused(absl::StrCat("a reply to '", absl::CHexEscape(routing_id),
+                                     "' not sent: ", sealed.status().message()));
+      return 0;
+    }
+    frames.push_back(*std::move(sealed));
+  }
   const size_t bytes = frames[1].size() + frames[2].size();
   if (SendOrDrop(socket_, frames)) return bytes;
   if (metrics_ != nullptr) metrics_->ReplyDropped();

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
@@ -25,6 +26,7 @@
 #include "net/data_plane.h"
 #include "net/liveness.h"
 #include "optim/optimizer.h"
+#include "security/data_seal.h"
 #include "server/server_metrics.h"
 #include "util/phase_medians.h"
 #include "util/refusal_log.h"
@@ -60,6 +62,12 @@ struct PsServerOptions {
   // messages with WorkerPeerId(rank) (security/curve.h): a request is
   // accepted only from the key of the rank it names.
   bool authenticated = false;
+  // A sealed data plane (--data_cipher aes-gcm, security/data_seal.h): the
+  // secret this server shares with each worker (index = rank), from which
+  // each of its connections' keys come; every message then carries a seal
+  // frame, and one that does not open is refused. Empty: not sealed (CURVE
+  // or --insecure).
+  std::vector<PairSecret> sealed;
   // When set: what the shard does goes into these metrics (they must
   // outlive the server).
   ServerMetrics* metrics = nullptr;
@@ -225,6 +233,8 @@ class PsServer {
   bool reported_finished_ = false;
   uint64_t dropped_ = 0;  // messages of an earlier incarnation
   std::set<std::string> connections_seen_;
+  // Sealed: each worker connection's seal, by routing id.
+  std::map<std::string, std::unique_ptr<ConnectionSeal>> seals_;
   RefusalLog refusals_;
   uint64_t unsent_ = 0;           // replies dropped: the peer was gone or did not read
   absl::Status failure_;          // first fatal error, e.g. a decode failure of the update

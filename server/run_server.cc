@@ -22,6 +22,7 @@
 #include "net/health.h"
 #include "onebit/server.h"
 #include "security/curve.h"
+#include "security/data_seal.h"
 #include "server/ps_server.h"
 #include "server/server_metrics.h"
 #include "util/checksum.h"
@@ -86,22 +87,28 @@ absl::StatusOr<ServerShardState> LoadShardFromCheckpoint(const control::ResumePo
 }
 
 // The data socket and its port: held (ReservedPort) until the first
-// RegisterReply tells the job's frame limit, then bound with it.
+// RegisterReply tells the job's frame limit and cipher, then bound with
+// them (a listener takes the socket's options when it binds).
 struct DataPort {
   zmq::socket_t* socket;
   std::optional<ReservedPort> reserved;  // until bound
   std::string bind_host;
   int port = 0;
-  uint64_t frame_limit = 0;  // 0: not bound yet
+  const CurveKeys* keys = nullptr;  // null: --insecure
+  uint64_t frame_limit = 0;         // 0: not bound yet
+  bool sealed = false;              // bound for --data_cipher aes-gcm (PLAIN), else CURVE
   std::string bound_endpoint = {};
 
-  // Binds with `limit`; again after a roll-back whose job has another.
-  absl::Status Open(uint64_t limit) {
-    if (limit == frame_limit) return absl::OkStatus();
+  // Binds with `limit` and the cipher; again after a roll-back whose job
+  // has another.
+  absl::Status Open(uint64_t limit, bool seal) {
+    if (limit == frame_limit && seal == sealed) return absl::OkStatus();
     const std::string endpoint = absl::StrCat("tcp://", bind_host, ":", port);
     try {
       if (frame_limit != 0) socket->unbind(bound_endpoint);
       ConfigureServerDataSocket(socket, limit);
+      if (keys != nullptr && seal) MakePlainServer(socket);
+      if (keys != nullptr && !seal) MakeCurveServer(socket, *keys);
       if (reserved) reserved->Release();
       reserved.reset();
       socket->bind(endpoint);
@@ -111,6 +118,7 @@ struct DataPort {
           absl::StrCat("cannot bind the data port ", endpoint, ": ", e.what()));
     }
     frame_limit = limit;
+    sealed = seal;
     return absl::OkStatus();
   }
 };
@@ -140,17 +148,41 @@ control::RegisterRequest ServerRequest(const ServerOptions& o, const std::string
   return req;
 }
 
-// Admits this incarnation's workers to the data port (their CURVE keys).
-absl::Status AdmitWorkers(const control::RegisterReply& reg, ZapHandler* zap) {
+// Admits this incarnation's workers to the data port: by their CURVE keys,
+// or under a sealed data plane by the PLAIN passwords of the secrets this
+// server shares with them (`keys`: its own; returned, index = rank).
+absl::StatusOr<std::vector<PairSecret>> AdmitWorkers(const control::RegisterReply& reg,
+                                                     const CurveKeys& keys, uint64_t data_plane_id,
+                                                     ZapHandler* zap) {
   const uint32_t workers = reg.config().cluster().workers();
   if (reg.worker_curve_keys_size() != static_cast<int>(workers)) {
     return absl::DataLossError(absl::StrCat("the coordinator sent ", reg.worker_curve_keys_size(),
                                             " workers' keys for ", workers, " workers"));
   }
   std::map<std::string, std::string> clients;
-  for (uint32_t w = 0; w < workers; ++w) clients[reg.worker_curve_keys(w)] = WorkerPeerId(w);
-  zap->Allow(std::move(clients));
-  return absl::OkStatus();
+  std::vector<PairSecret> sealed;
+  for (uint32_t w = 0; w < workers; ++w) {
+    const std::string& key = reg.worker_curve_keys(w);
+    if (!DataPlaneSealed(reg.config())) {
+      clients[key] = WorkerPeerId(w);
+      continue;
+    }
+    auto secret = PairSecret::Agree(keys, key, key, keys.public_key, data_plane_id, w, reg.rank());
+    if (!secret.ok()) {
+      return absl::DataLossError(
+          absl::StrCat("worker ", w, "'s key from the coordinator: ", secret.status().message()));
+    }
+    clients[secret->Password()] = WorkerPeerId(w);
+    sealed.push_back(*std::move(secret));
+  }
+  if (DataPlaneSealed(reg.config())) {
+    zap->Allow({});
+    zap->AllowPasswords(std::move(clients));
+  } else {
+    zap->AllowPasswords({});
+    zap->Allow(std::move(clients));
+  }
+  return sealed;
 }
 
 // The optimizer of shard `rank` (`range`), once its state fits in memory:
@@ -189,7 +221,9 @@ absl::StatusOr<PsServerOptions> IncarnationOptions(ServerProcess& p) {
   if (!freeze.ok()) return freeze.status();
   PsServerOptions po;
   if (p.zap != nullptr) {
-    if (absl::Status st = AdmitWorkers(reg, p.zap); !st.ok()) return st;
+    auto sealed = AdmitWorkers(reg, *p.data_port.keys, p.member.data_plane_id(), p.zap);
+    if (!sealed.ok()) return sealed.status();
+    po.sealed = *std::move(sealed);
     po.authenticated = true;
   }
   po.metrics = p.metrics;
@@ -203,7 +237,8 @@ absl::StatusOr<PsServerOptions> IncarnationOptions(ServerProcess& p) {
   po.job.compressed_chunk_elems = cfg.compression().compressed_chunk_elems();
   po.job.connections = DataConnectionsFor(cfg.compression().data_connections());
   if (absl::Status st =
-          p.data_port.Open(ServerFrameLimit(po.job.chunk_elems, po.job.compressed_chunk_elems));
+          p.data_port.Open(ServerFrameLimit(po.job.chunk_elems, po.job.compressed_chunk_elems),
+                           DataPlaneSealed(cfg));
       !st.ok()) {
     return st;
   }
@@ -375,10 +410,11 @@ absl::StatusOr<bool> ServeIncarnation(ServerProcess& p) {
   auto server = PsServer::Create(*po, p.data_port.socket);
   if (!server.ok()) return fail(server.status());
   const Range r = po->job.map.shard(po->shard);
-  std::fprintf(stderr, "server %u: shard [%llu, %llu) on tcp://%s:%d, job %016llx\n", po->shard,
+  std::fprintf(stderr, "server %u: shard [%llu, %llu) on tcp://%s:%d, job %016llx%s\n", po->shard,
                static_cast<unsigned long long>(r.begin), static_cast<unsigned long long>(r.end),
                p.advertise.c_str(), p.data_port.port,
-               static_cast<unsigned long long>(member.registration().job_id()));
+               static_cast<unsigned long long>(member.registration().job_id()),
+               po->sealed.empty() ? "" : "; data plane sealed with AES-256-GCM");
   const absl::Status served = ServeSteps(member, **server, *po, p.zap);
   // Whatever failed meanwhile came of the loss the job rolls back for.
   if (member.rolling_back()) return true;
@@ -421,7 +457,6 @@ absl::Status RunServer(const ServerOptions& o) {
     if (!started.ok()) return started.status();
     zap = *std::move(started);
     keys = NewCurveKeys();
-    MakeCurveServer(&socket, keys);
   }
   auto reserved = ReservedPort::Reserve(o.bind_host, o.data_port);
   if (!reserved.ok()) return reserved.status();
@@ -455,7 +490,8 @@ absl::Status RunServer(const ServerOptions& o) {
   ServerProcess p{
       o,
       advertise,
-      DataPort{&socket, *std::move(reserved), o.bind_host, bound_port},
+      DataPort{&socket, *std::move(reserved), o.bind_host, bound_port,
+               security->insecure() ? nullptr : &keys},
       zap.get(),
       JobMember(mo, *security, ServerRequest(o, advertise, keys, bound_port, health_bound)),
       {}};

@@ -24,6 +24,8 @@ const char* RefusalName(Refusal r) {
       return "bad_payload";
     case Refusal::kLrMismatch:
       return "lr_mismatch";
+    case Refusal::kBadSeal:
+      return "bad_seal";
   }
   return "unknown";
 }

@@ -28,14 +28,16 @@ enum class Refusal {
   kMalformed,           // "malformed": framing, header or fields wrong for the job
   kWrongJob,            // "wrong_job": another job's id
   kEarlierIncarnation,  // "earlier_incarnation": sent before a roll-back, dropped
-  kHandshake,           // "handshake": a CURVE handshake without a key of the job
+  kHandshake,           // "handshake": a handshake without a key (or password) of the job
   kWrongKey,            // "wrong_key": a rank claimed by another worker's key
   kWrongStep,           // "wrong_step": a step this shard is not at
   kDuplicate,           // "duplicate": pushed, pulled or initialised twice
   kBadPayload,          // "bad_payload": a payload that does not decode
   kLrMismatch,          // "lr_mismatch": the workers' learning rates disagree
+  kBadSeal,             // "bad_seal": a sealed message that does not open (forged, altered,
+                        // replayed) or is not sealed
 };
-inline constexpr int kNumRefusals = 9;
+inline constexpr int kNumRefusals = 10;
 const char* RefusalName(Refusal r);
 
 class ServerMetrics {

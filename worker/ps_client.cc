@@ -28,6 +28,10 @@ absl::StatusOr<std::unique_ptr<PsClient>> PsClient::Connect(PsClientOptions opti
     return absl::InvalidArgumentError(absl::StrCat(o.server_keys.size(), " server keys for ",
                                                    o.server_endpoints.size(), " servers"));
   }
+  if (!o.sealed.empty() && o.sealed.size() != o.server_endpoints.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(o.sealed.size(), " servers' seal secrets for ",
+                                                   o.server_endpoints.size(), " servers"));
+  }
   if (o.connections < 1 || o.connections > kMaxDataConnections) {
     return absl::InvalidArgumentError(absl::StrCat(
         o.connections, " connections per server (want 1 to ", kMaxDataConnections, ")"));
@@ -38,7 +42,13 @@ absl::StatusOr<std::unique_ptr<PsClient>> PsClient::Connect(PsClientOptions opti
       zmq::socket_t s(*ctx, zmq::socket_type::dealer);
       s.set(zmq::sockopt::routing_id, WorkerIdentity(o.job_id, o.rank, l));
       ConfigureDataSocket(&s);
-      if (o.keys) MakeCurveClient(&s, *o.keys, o.server_keys[k]);
+      if (!o.sealed.empty()) {
+        MakePlainClient(&s, WorkerPeerId(o.rank), o.sealed[k].Password());
+        c->seals_.push_back(std::make_unique<ConnectionSeal>(o.sealed[k].ConnectionKey(l),
+                                                             SealDirection::kToServer));
+      } else if (o.keys) {
+        MakeCurveClient(&s, *o.keys, o.server_keys[k]);
+      }
       try {
         s.connect(ep);
       } catch (const zmq::error_t& e) {
@@ -112,11 +122,19 @@ absl::Status PsClient::SendChunk(Chunk& c, uint64_t step, const Codec& codec, in
   if (kind == data::PUSH && defer_scale_) h.set_scale_pending(true);
   if (more) more(h);
   const std::string header = h.SerializeAsString();
-  zmq::socket_t& s =
-      sockets_[c.shard * options_.connections + ChunkConnection(c.index, options_.connections)];
+  const size_t j = c.shard * options_.connections + ChunkConnection(c.index, options_.connections);
+  zmq::socket_t& s = sockets_[j];
+  zmq::message_t header_frame = CopyFrame(header), payload_frame = ShareFrame(payload, 0, bytes);
+  std::optional<zmq::message_t> seal;
+  if (!seals_.empty()) {
+    auto sealed = seals_[j]->Seal(header_frame, &payload_frame);
+    if (!sealed.ok()) return sealed.status();
+    seal = *std::move(sealed);
+  }
   try {
-    s.send(CopyFrame(header), zmq::send_flags::sndmore);
-    s.send(ShareFrame(payload, 0, bytes), zmq::send_flags::none);
+    s.send(header_frame, zmq::send_flags::sndmore);
+    s.send(payload_frame, seal ? zmq::send_flags::sndmore : zmq::send_flags::none);
+    if (seal) s.send(*seal, zmq::send_flags::none);
   } catch (const zmq::error_t& e) {
     return absl::UnavailableError(absl::StrCat(
         "sending to server ", c.shard, " (", options_.server_endpoints[c.shard], "): ", e.what()));
@@ -207,6 +225,20 @@ absl::Status PsClient::ReceiveAll(
         auto r =
             zmq::recv_multipart(sockets_[j], std::back_inserter(frames), zmq::recv_flags::dontwait);
         if (!r) break;
+        if (!seals_.empty()) {
+          // Opened before anything reads it: a message that does not open
+          // came from no server of this job (or was altered on the way).
+          absl::Status opened =
+              frames.size() == 3 ? seals_[j]->Open(frames[0], &frames[1], frames[2])
+                                 : absl::PermissionDeniedError(absl::StrCat(
+                                       "an unsealed message (", frames.size(), " frames; want 3)"));
+          if (!opened.ok()) {
+            return absl::PermissionDeniedError(absl::StrCat(
+                "server ", k, " (", options_.server_endpoints[k], ") sent ", opened.message(),
+                " while rank ", options_.rank, " waited for ", what));
+          }
+          frames.pop_back();
+        }
         if (pending_ && KeepEarlyReply(k, frames)) continue;
         if (outstanding[k] == 0) {
           // Owed nothing (more): its refusal, if it is one, says why.

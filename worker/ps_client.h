@@ -24,6 +24,7 @@
 #include "net/liveness.h"
 #include "optim/optimizer.h"
 #include "security/curve.h"
+#include "security/data_seal.h"
 #include "shard/shard_map.h"
 #include "worker/replica.h"
 #include "zmq.hpp"
@@ -44,6 +45,11 @@ struct PsClientOptions {
   // key (index = shard); none under --insecure.
   std::optional<CurveKeys> keys;
   std::vector<std::string> server_keys;
+  // A sealed data plane (--data_cipher aes-gcm, security/data_seal.h):
+  // the secret this worker shares with each server (index = shard), which
+  // replaces CURVE on its connections (keys still given). Empty: CURVE, or
+  // --insecure.
+  std::vector<PairSecret> sealed;
   // Connections to each server (DataConnectionsFor, as the servers resolve
   // it): chunk i of a shard goes out on connection ChunkConnection(i).
   uint32_t connections = 1;
@@ -244,6 +250,8 @@ class PsClient {
   std::unique_ptr<const Codec> fp32_;  // INIT, PULL
   // Server k's connection l at k * connections + l.
   std::vector<zmq::socket_t> sockets_;
+  // Sealed: each socket's seal (same index); empty otherwise.
+  std::vector<std::unique_ptr<ConnectionSeal>> seals_;
   // [0]: the warm-up's grid, of every message but a compressed step's
   // pushes and replies; [1]: those, where their chunks are larger.
   Grid grids_[2];

@@ -688,6 +688,18 @@ absl::Status Worker::Impl::ConnectToServers() {
     po.server_keys.push_back(s.curve_public_key());
   }
   po.keys = keys;
+  if (keys && DataPlaneSealed(cfg)) {
+    for (uint32_t k = 0; k < po.server_keys.size(); ++k) {
+      const std::string& server_key = po.server_keys[k];
+      auto secret = PairSecret::Agree(*keys, server_key, keys->public_key, server_key, po.job_id,
+                                      job.rank, k);
+      if (!secret.ok()) {
+        return absl::DataLossError(
+            absl::StrCat("server ", k, "'s key from the coordinator: ", secret.status().message()));
+      }
+      po.sealed.push_back(*std::move(secret));
+    }
+  }
   po.connections = DataConnections();
   // The server gives up on a missing push after the step timeout and says
   // why; this is the backstop for a server that died.

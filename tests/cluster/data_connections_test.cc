@@ -1,9 +1,11 @@
 // --data_connections: a secured job whose workers reach each server over
 // several connections, started through the launcher, ends bit for bit where
-// the single-process reference does, and every connection carried requests.
+// the single-process reference does, and every connection carried requests;
+// under either --data_cipher (CURVE, or sealed with AES-256-GCM).
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "gmock/gmock.h"
@@ -13,7 +15,9 @@
 namespace onebit::testing {
 namespace {
 
-TEST(DataConnections, ASecuredJobOnThreeConnectionsEqualsTheReferenceBitForBit) {
+class DataConnections : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(DataConnections, ASecuredJobOnThreeConnectionsEqualsTheReferenceBitForBit) {
   constexpr uint32_t kWorkers = 2, kServers = 2, kConnections = 3;
   control::TrainingConfig cfg = MakeConfig(kWorkers, kServers, 6007, 12, "onebit-adam");
   SetSetting(&cfg, "block_size", "64");
@@ -22,8 +26,9 @@ TEST(DataConnections, ASecuredJobOnThreeConnectionsEqualsTheReferenceBitForBit) 
   SetSetting(&cfg, "compressed_chunk_elems", "512");
   SetSetting(&cfg, "freeze_step", "5");
   SetSetting(&cfg, "data_connections", absl::StrCat(kConnections));
-  const std::string out = TempDir("data_connections");
-  // No --insecure: the launcher makes a job secret (CURVE on every connection).
+  SetSetting(&cfg, "data_cipher", GetParam());
+  const std::string out = TempDir(absl::StrCat("data_connections_", GetParam()));
+  // No --insecure: the launcher makes a job secret.
   std::vector<std::string> argv = {Bin("onebit-launch"), "--out=" + out, "--dump_params"};
   for (const std::string& a : ConfigArgs(cfg)) argv.push_back(a);
   RunResult r = RunCommand(argv, absl::Seconds(180));
@@ -39,12 +44,21 @@ TEST(DataConnections, ASecuredJobOnThreeConnectionsEqualsTheReferenceBitForBit) 
                               ref.masters[s].x, ref.masters[s].begin),
               "")
         << "shard " << s;
+    EXPECT_EQ(absl::StrContains(r.output, absl::StrCat("server ", s, ": shard [")) &&
+                  absl::StrContains(r.output, "data plane sealed with AES-256-GCM"),
+              std::string(GetParam()) == "aes-gcm")
+        << r.output;
     // Each server heard from every connection of every worker.
     EXPECT_THAT(r.output, ::testing::HasSubstr(
                               absl::StrCat("server ", s, ": done after 12 steps; requests came on ",
                                            kWorkers * kConnections, " connections")));
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Ciphers, DataConnections, ::testing::Values("curve", "aes-gcm"),
+                         [](const auto& info) {
+                           return std::string(info.param) == "curve" ? "curve" : "aes_gcm";
+                         });
 
 }  // namespace
 }  // namespace onebit::testing

@@ -27,6 +27,7 @@
 #include "net/data_plane.h"
 #include "proto/control.grpc.pb.h"
 #include "security/curve.h"
+#include "security/data_seal.h"
 #include "security/job_secret.h"
 #include "security/tls.h"
 #include "tests/cluster/test_util.h"
@@ -358,6 +359,47 @@ TEST(Security, TheDataPortAdmitsOnlyTheJobsKeys) {
   job.ExpectCleanEnd();
   // Nothing of theirs reached the server's request handling.
   EXPECT_THAT(job.Log("server"), Not(HasSubstr("refused a request")));
+}
+
+// Under --data_cipher aes-gcm the port takes PLAIN handshakes with the
+// passwords of the job's pairs only: no outsider gets a message in, nor
+// takes a worker's routing id first, and the job's result is the
+// reference's bit for bit over the sealed connections. (A NULL or CURVE
+// client fails the handshake outright; a wrong password waits in the ZAP
+// handler, refused after kZapWait: tests/security/data_seal_test.cc.)
+TEST(Security, TheSealedDataPortAdmitsOnlyTheJobsPasswords) {
+  control::TrainingConfig cfg = JobConfig(1500);
+  cfg.mutable_compression()->set_data_cipher(control::DATA_CIPHER_AES_GCM);
+  cfg.mutable_compression()->set_data_connections(2);
+  Job job("sealed-squat", cfg, SecretFlag());
+  job.StartServer();
+  const std::string endpoint = absl::StrCat("tcp://127.0.0.1:", job.data_port());
+  zmq::context_t ctx(1);
+  zmq::socket_t bare = Dealer(&ctx, WorkerIdentity(0, 0), endpoint);
+  const CurveKeys mine = NewCurveKeys();
+  zmq::socket_t keyed =
+      Dealer(&ctx, WorkerIdentity(0, 1), endpoint, &mine, NewCurveKeys().public_key);
+  zmq::socket_t guessed =
+      Dealer(&ctx, WorkerIdentity(0, 0), endpoint, nullptr, "",
+             [](zmq::socket_t& s) { MakePlainClient(&s, WorkerPeerId(0), std::string(64, 'a')); });
+  job.StartWorkers();
+  job.WaitForSteps();
+  for (int i = 0; i < 20; ++i) {
+    for (zmq::socket_t* s : {&bare, &keyed, &guessed}) {
+      std::vector<zmq::message_t> frames;
+      frames.emplace_back(std::string("\x08\x01\x10\x02 not a header"));
+      frames.emplace_back(std::string(1024, 'x'));
+      frames.emplace_back(std::string(kSealBytes, 's'));
+      (void)zmq::send_multipart(*s, frames, zmq::send_flags::dontwait);
+    }
+  }
+  for (zmq::socket_t* s : {&bare, &keyed, &guessed}) {
+    EXPECT_FALSE(GetsAnyReply(*s, absl::Milliseconds(500)));
+  }
+  job.ExpectCleanEnd();
+  const std::string server = job.Log("server");
+  EXPECT_THAT(server, HasSubstr("data plane sealed with AES-256-GCM"));
+  EXPECT_THAT(server, Not(HasSubstr("refused a request")));
 }
 
 // Resident memory of `pid` in bytes.

@@ -184,6 +184,9 @@ std::vector<std::string> ConfigArgs(const control::TrainingConfig& c) {
       absl::StrCat("--compressed_chunk_elems=", c.compression().compressed_chunk_elems()),
       absl::StrCat("--data_connections=",
                    std::max<uint32_t>(1, c.compression().data_connections())),
+      "--data_cipher=" + (c.compression().data_cipher() == control::DATA_CIPHER_UNSPECIFIED
+                              ? std::string("curve")
+                              : EnumText(c.compression().data_cipher())),
       absl::StrCat("--step_timeout=", c.timeouts().step_ms(), "ms"),
       absl::StrCat("--heartbeat_timeout=", c.timeouts().heartbeat_ms(), "ms"),
       absl::StrFormat("--noise=%.9g", c.model().noise()),

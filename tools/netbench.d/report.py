@@ -228,7 +228,7 @@ put(f"- **Links:** every host's NIC (a veth on one Linux bridge) shaped to **{cf
 put(f"- **Runs:** every figure is the median over **{cfg['runs']} run(s)** of each configuration; in "
     "parentheses, the figure divided by DDP fp32's of the same benchmark (below 1: less time or "
     "fewer bytes than DDP fp32).")
-put(f"- onebit-ps's planes are {'secured with a job secret (TLS + CURVE)' if cfg['secure'] == '1' else 'plaintext (--insecure), like gloo'}; "
+put(f"- onebit-ps's planes are {('secured with a job secret (TLS + ' + ('AES-256-GCM sealed data plane' if cfg.get('data_cipher') == 'aes-gcm' else 'CURVE') + ')') if cfg['secure'] == '1' else 'plaintext (--insecure), like gloo'}; "
     "its servers keep their shard's Adam state, so its workers run no optimizer; DDP's ranks each "
     "run torch.optim.AdamW over the whole model.")
 put("")
