@@ -250,6 +250,11 @@ void PsServer::HandleMessage(std::vector<zmq::message_t>& frames) {
     // seal with): counted and dropped.
     auto seal = seals_.find(routing_id);
     if (seal == seals_.end()) {
+      // Most likely a worker's connection of before a roll-back (its id
+      // names the old incarnation), dropped as under CURVE.
+      auto header = frames.size() >= 2 ? ParseHeader(frames[1].data(), frames[1].size())
+                                       : absl::StatusOr<data::Header>(absl::DataLossError(""));
+      if (header.ok() && DroppedAsEarlier(routing_id, *header)) return;
       if (metrics_ != nullptr) metrics_->Refused(Refusal::kBadSeal);
       refusals_.Refused(absl::StrCat("a request from '", absl::CHexEscape(routing_id),
                                      "': not a worker connection of this job"));
@@ -279,18 +284,7 @@ void PsServer::HandleMessage(std::vector<zmq::message_t>& frames) {
     SendError(routing_id, nullptr, std::string(header.status().message()), Refusal::kMalformed);
     return;
   }
-  if (std::find(options_.earlier_job_ids.begin(), options_.earlier_job_ids.end(),
-                header->job_id()) != options_.earlier_job_ids.end()) {
-    // Its sender has rejoined under the new id, or is gone.
-    if (metrics_ != nullptr) metrics_->Refused(Refusal::kEarlierIncarnation);
-    if (dropped_++ == 0) {
-      std::fprintf(stderr,
-                   "server %u: dropping the messages sent before the job rolled back "
-                   "(first from '%s')\n",
-                   options_.shard, absl::CHexEscape(routing_id).c_str());
-    }
-    return;
-  }
+  if (DroppedAsEarlier(routing_id, *header)) return;
   if (frames.size() != 3) {
     SendError(routing_id, &*header,
               absl::StrCat("expected 2 frames (header, payload), got ", frames.size() - 1),
@@ -325,6 +319,22 @@ void PsServer::HandleMessage(std::vector<zmq::message_t>& frames) {
     }
   }
   if (!st.ok()) SendError(routing_id, &*header, std::string(st.message()), why);
+}
+
+bool PsServer::DroppedAsEarlier(const std::string& routing_id, const data::Header& h) {
+  if (std::find(options_.earlier_job_ids.begin(), options_.earlier_job_ids.end(), h.job_id()) ==
+      options_.earlier_job_ids.end()) {
+    return false;
+  }
+  // Its sender has rejoined under the new id, or is gone.
+  if (metrics_ != nullptr) metrics_->Refused(Refusal::kEarlierIncarnation);
+  if (dropped_++ == 0) {
+    std::fprintf(stderr,
+                 "server %u: dropping the messages sent before the job rolled back "
+                 "(first from '%s')\n",
+                 options_.shard, absl::CHexEscape(routing_id).c_str());
+  }
+  return true;
 }
 
 absl::Status PsServer::HandleRequest(const std::string& routing_id, const data::Header& h,

@@ -147,6 +147,9 @@ class PsServer {
   // rather than added into acc as they come.
   bool MeanInPieces(Phase phase) const;
   void HandleMessage(std::vector<zmq::message_t>& frames);
+  // Whether `h` is of an earlier incarnation's job id: then counted, said
+  // once, and to be dropped unanswered.
+  bool DroppedAsEarlier(const std::string& routing_id, const data::Header& h);
   // On an error, *why says which kind of refusal it is.
   absl::Status HandleRequest(const std::string& routing_id, const data::Header& h,
                              zmq::message_t& payload, Refusal* why);

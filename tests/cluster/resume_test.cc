@@ -784,6 +784,32 @@ TEST(Recovery, AKilledProcessComesBackAndTheOthersRollBackBitForBit) {
   }
 }
 
+// The same over a sealed data plane (--data_cipher aes-gcm), whose
+// passwords and keys are the incarnation's: a killed worker (new keys) and
+// a killed server come back, the others roll back in place and connect
+// again under the new incarnation's keys, and the job ends bit for bit.
+TEST(Recovery, ASealedDataPlaneRollsBackBitForBit) {
+  const std::string dir = TempDir("recovery_sealed");
+  Case c;
+  c.flags = Synthetic("onebit-adam", 2, 3000, {"--freeze_step=1500", "--data_cipher=aes-gcm"});
+  const std::string plain = dir + "/plain";
+  RunResult r = RunCommand(Launch(c, plain, {"--dump_params"}), absl::Seconds(60));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("data plane sealed with AES-256-GCM"));
+  int n = 0;
+  for (const Kill& k : {Kill{"worker 1", 500}, Kill{"server 0", 1450}}) {
+    SCOPED_TRACE(absl::StrCat(k.victim, " after ", k.after_rows, " steps"));
+    const std::string out = absl::StrCat(dir, "/k", n++);
+    const std::string summary =
+        KillAndCompare(c, plain, out, k,
+                       {"--checkpoint_dir=" + out + "/ckpt", "--checkpoint_every=200",
+                        "--max_restarts=2", "--dump_params"});
+    const std::string log = ReadFile(out + ".log");
+    EXPECT_THAT(log, HasSubstr("restart 1 of 2: starting it again")) << log;
+    EXPECT_EQ(Field(summary, "rollbacks"), "1");
+  }
+}
+
 // Without live recovery (--rejoin_timeout=0) the launcher starts the whole
 // job again, which resumes from the checkpoint.
 // zero-one-adam rolled back in place: a server killed after 500 steps comes
