@@ -331,6 +331,21 @@ bool GetsAnyReply(zmq::socket_t& s, absl::Duration wait) {
   return (item.revents & ZMQ_POLLIN) != 0;
 }
 
+// Sends 20 requests of junk (a header, a payload, a seal-sized frame) from
+// each of `sockets`; none gets any reply.
+void SendJunkAndExpectNoReply(std::initializer_list<zmq::socket_t*> sockets) {
+  for (int i = 0; i < 20; ++i) {
+    for (zmq::socket_t* s : sockets) {
+      std::vector<zmq::message_t> frames;
+      frames.emplace_back(std::string("\x08\x01\x10\x02 not a header"));
+      frames.emplace_back(std::string(1024, 'x'));
+      frames.emplace_back(std::string(kSealBytes, 's'));
+      (void)zmq::send_multipart(*s, frames, zmq::send_flags::dontwait);
+    }
+  }
+  for (zmq::socket_t* s : sockets) EXPECT_FALSE(GetsAnyReply(*s, absl::Milliseconds(500)));
+}
+
 TEST(Security, TheDataPortAdmitsOnlyTheJobsKeys) {
   Job job("squat", JobConfig(1500), SecretFlag());
   job.StartServer();
@@ -346,16 +361,7 @@ TEST(Security, TheDataPortAdmitsOnlyTheJobsKeys) {
       Dealer(&ctx, WorkerIdentity(0, 0), endpoint, &mine, NewCurveKeys().public_key);
   job.StartWorkers();
   job.WaitForSteps();
-  for (int i = 0; i < 20; ++i) {
-    for (zmq::socket_t* s : {&bare, &keyed}) {
-      std::vector<zmq::message_t> frames;
-      frames.emplace_back(std::string("\x08\x01\x10\x02 not a header"));
-      frames.emplace_back(std::string(1024, 'x'));
-      (void)zmq::send_multipart(*s, frames, zmq::send_flags::dontwait);
-    }
-  }
-  EXPECT_FALSE(GetsAnyReply(bare, absl::Milliseconds(500)));
-  EXPECT_FALSE(GetsAnyReply(keyed, absl::Milliseconds(500)));
+  SendJunkAndExpectNoReply({&bare, &keyed});
   job.ExpectCleanEnd();
   // Nothing of theirs reached the server's request handling.
   EXPECT_THAT(job.Log("server"), Not(HasSubstr("refused a request")));
@@ -384,18 +390,7 @@ TEST(Security, TheSealedDataPortAdmitsOnlyTheJobsPasswords) {
              [](zmq::socket_t& s) { MakePlainClient(&s, WorkerPeerId(0), std::string(64, 'a')); });
   job.StartWorkers();
   job.WaitForSteps();
-  for (int i = 0; i < 20; ++i) {
-    for (zmq::socket_t* s : {&bare, &keyed, &guessed}) {
-      std::vector<zmq::message_t> frames;
-      frames.emplace_back(std::string("\x08\x01\x10\x02 not a header"));
-      frames.emplace_back(std::string(1024, 'x'));
-      frames.emplace_back(std::string(kSealBytes, 's'));
-      (void)zmq::send_multipart(*s, frames, zmq::send_flags::dontwait);
-    }
-  }
-  for (zmq::socket_t* s : {&bare, &keyed, &guessed}) {
-    EXPECT_FALSE(GetsAnyReply(*s, absl::Milliseconds(500)));
-  }
+  SendJunkAndExpectNoReply({&bare, &keyed, &guessed});
   job.ExpectCleanEnd();
   const std::string server = job.Log("server");
   EXPECT_THAT(server, HasSubstr("data plane sealed with AES-256-GCM"));
