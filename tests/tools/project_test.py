@@ -242,6 +242,37 @@ class Scale(unittest.TestCase):
                 self.assertIn(f"| {want * 1e3:.1f} ms |", row[0])
 
 
+class Netbench(unittest.TestCase):
+    def folder(self, root, data_cipher):
+        """A netbench folder of one secured 1 x 1 adam run at 1 Gbit/s."""
+        d = os.path.join(root, data_cipher)
+        run = os.path.join(d, "synthetic", "adam", "run1")
+        os.makedirs(run)
+        with open(os.path.join(d, "config.env"), "w") as f:
+            f.write(f"workers=1\nservers=1\nlocal_ranks=1\ncolocate=0\nrate=1gbit\nnproc=2\n"
+                    f"dim=1048576\nsecure=1\ndata_cipher={data_cipher}\n")
+        with open(os.path.join(run, "metrics.csv"), "w") as f:
+            f.write("step,phase,loss,wall_s\n")
+            for i in range(6):
+                f.write(f"{i},warmup,1,{1 + i * 0.05}\n")
+        return d
+
+    def test_a_sealed_runs_rows_are_left_out_as_the_costs_are_curves(self):
+        with tempfile.TemporaryDirectory() as root:
+            path = os.path.join(root, "costs.json")
+            with open(path, "w") as f:
+                json.dump(costs(), f)
+            curve, sealed = self.folder(root, "curve"), self.folder(root, "aes-gcm")
+            r = subprocess.run([TOOL, "validate", "--costs", path, "--netbench", curve, sealed],
+                               capture_output=True, text=True)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            rows = [line for line in r.stdout.splitlines() if "adam warmup" in line]
+            self.assertEqual(len(rows), 1, r.stdout)
+            self.assertIn("50.0 ms", rows[0])
+            self.assertIn("secured", rows[0])
+            self.assertIn("sealed with aes-gcm", r.stderr)
+
+
 class Cli(unittest.TestCase):
     def test_predict_prints_every_phase_from_the_committed_costs(self):
         r = subprocess.run([TOOL, "predict", "--workers", "4", "--colocate", "--rate", "1gbit",
