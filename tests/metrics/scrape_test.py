@@ -225,8 +225,11 @@ scrape_configs:
         for reason in ("unauthenticated", "malformed", "registration"):
             assert one(prom_port, last(f'onebit_refused_requests_total{{reason="{reason}"}}')) == 0
         # A clean job refused nothing, and says so for every reason.
+        reasons = {"malformed", "wrong_job", "earlier_incarnation", "handshake", "wrong_key",
+                   "wrong_step", "duplicate", "bad_payload", "lr_mismatch", "bad_seal"}
         refused = query(prom_port, last("onebit_server_refused_requests_total"))
-        assert len(refused) == servers * 9 and set(refused.values()) == {0}, refused
+        assert len(refused) == servers * len(reasons) and set(refused.values()) == {0}, refused
+        assert {dict(k)["reason"] for k in refused} == reasons, refused
         for direction in ("up", "down"):
             for phase in ("warmup", "compress"):
                 want = summary[f"bytes_{direction}_{phase}"]
