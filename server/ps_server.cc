@@ -248,12 +248,16 @@ void PsServer::HandleMessage(std::vector<zmq::message_t>& frames) {
     // Opened before anything reads it. A connection that passed the PLAIN
     // handshake under an id of no worker cannot be answered (nothing to
     // seal with): counted and dropped.
+    // The header as it came, not yet authenticated: only to name or drop.
+    const auto unopened = [&frames]() -> absl::StatusOr<data::Header> {
+      if (frames.size() < 2) return absl::DataLossError("no header");
+      return ParseHeader(frames[1].data(), frames[1].size());
+    };
     auto seal = seals_.find(routing_id);
     if (seal == seals_.end()) {
       // Most likely a worker's connection of before a roll-back (its id
       // names the old incarnation), dropped as under CURVE.
-      auto header = frames.size() >= 2 ? ParseHeader(frames[1].data(), frames[1].size())
-                                       : absl::StatusOr<data::Header>(absl::DataLossError(""));
+      auto header = unopened();
       if (header.ok() && DroppedAsEarlier(routing_id, *header)) return;
       if (metrics_ != nullptr) metrics_->Refused(Refusal::kBadSeal);
       refusals_.Refused(absl::StrCat("a request from '", absl::CHexEscape(routing_id),
@@ -266,8 +270,7 @@ void PsServer::HandleMessage(std::vector<zmq::message_t>& frames) {
             : absl::PermissionDeniedError(absl::StrCat("an unsealed message (", frames.size() - 1,
                                                        " frames; want header, payload and seal)"));
     if (!opened.ok()) {
-      auto header = frames.size() >= 2 ? ParseHeader(frames[1].data(), frames[1].size())
-                                       : absl::StatusOr<data::Header>(absl::DataLossError(""));
+      auto header = unopened();
       SendError(routing_id, header.ok() ? &*header : nullptr, std::string(opened.message()),
                 Refusal::kBadSeal);
       return;
