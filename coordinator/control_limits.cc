@@ -48,14 +48,21 @@ void BoundControlServer(const control::TrainingConfig& cfg, grpc::ServerBuilder*
   builder->SetResourceQuota(quota);
   // One process, one channel, a few calls at once.
   builder->AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, 16);
-  // A TLS handshake takes milliseconds; one left half-done is dropped.
-  builder->AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, 10000);
-  // A live process calls every heartbeat_timeout / 10: a connection idle
-  // for a whole heartbeat_timeout is nobody's (a client that comes back
-  // reconnects by itself).
-  builder->AddChannelArgument(
-      GRPC_ARG_MAX_CONNECTION_IDLE_MS,
-      static_cast<int>(std::max<uint32_t>(cfg.timeouts().heartbeat_ms(), 1000)));
+  // A TLS handshake takes milliseconds, and a connection of a live process
+  // carries a heartbeat every heartbeat_timeout / 10 or so; but a process of
+  // the job on a starved host (or the coordinator on one) can take many
+  // times that, and a connection the coordinator drops must be made again
+  // by the same starved process. Both are given what a process waits for a
+  // slow coordinator (kSlowCoordinatorFactor timeouts): with one timeout,
+  // 256 processes on 2 cores lost their connections to the idle limit and
+  // then every new handshake to the handshake limit, until they gave up.
+  // A connection idle that long is nobody's (the coordinator has presumed
+  // its process dead by then); one left half-done is dropped.
+  const int slow_ms = static_cast<int>(std::min<uint64_t>(
+      uint64_t{kSlowCoordinatorFactor} * std::max<uint32_t>(cfg.timeouts().heartbeat_ms(), 1000),
+      std::numeric_limits<int>::max()));
+  builder->AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, std::max(slow_ms, 10000));
+  builder->AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, slow_ms);
   // Control messages are small: no window growth beyond gRPC's 64 KB.
   builder->AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
 }

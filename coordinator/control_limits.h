@@ -5,7 +5,9 @@
 // (security/tls.h), what anyone can make the coordinator hold is bounded by
 // the job's size, not by what they send. Not bounded: how many connections
 // one peer opens (gRPC 1.51 has no hook for it); a burst of 1000 costs
-// about 40 MB until their handshakes fail or time out (10 s).
+// about 40 MB until their handshakes fail or time out (kSlowCoordinatorFactor
+// heartbeat timeouts, 1 min by default, since a starved process of the job
+// may take that long).
 #ifndef ONEBIT_COORDINATOR_CONTROL_LIMITS_H_
 #define ONEBIT_COORDINATOR_CONTROL_LIMITS_H_
 

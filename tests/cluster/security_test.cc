@@ -769,6 +769,48 @@ TEST(Security, FloodsWithoutTheSecretLeaveTheCoordinatorBounded) {
   EXPECT_THAT(job.Log("coordinator"), HasSubstr("TLS handshake(s) failed"));
 }
 
+// A process of the job on a starved host heartbeats late, and the
+// coordinator gives it kSlowCoordinatorFactor heartbeat timeouts before it
+// calls it dead; its connection is kept as long (when it was closed after
+// one timeout, 256 processes on 2 cores lost theirs, and then their new
+// handshakes, and gave up). It is still closed after that: a connection
+// idle so long is nobody's.
+TEST(Security, AQuietConnectionIsKeptForTheSlowBudgetAndClosedAfter) {
+  control::TrainingConfig cfg = JobConfig(30);
+  cfg.mutable_timeouts()->set_heartbeat_ms(1000);
+  Job job("quiet", cfg, SecretFlag());
+  // With the job's certificate, the TLS handshake succeeds (the call itself
+  // lacks the credential and is refused, which still uses the connection).
+  std::shared_ptr<grpc::Channel> channel = ChannelWithoutCredential(job.target(), true);
+  auto stub = control::Coordinator::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  control::StatusRequest req;
+  control::StatusReply reply;
+  EXPECT_EQ(stub->Status(&ctx, req, &reply).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  const absl::Time last_call = absl::Now();
+  ASSERT_EQ(channel->GetState(false), GRPC_CHANNEL_READY);
+  // Three heartbeat timeouts of silence: still connected.
+  absl::SleepFor(absl::Seconds(3));
+  EXPECT_EQ(channel->GetState(false), GRPC_CHANNEL_READY)
+      << "the coordinator closed a connection quiet for 3 heartbeat timeouts";
+  // The coordinator closes it at 6 (kSlowCoordinatorFactor); the channel
+  // then idles.
+  const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(20);
+  grpc_connectivity_state st = channel->GetState(false);
+  while (st == GRPC_CHANNEL_READY && channel->WaitForStateChange(st, deadline)) {
+    st = channel->GetState(false);
+  }
+  EXPECT_NE(st, GRPC_CHANNEL_READY) << "a connection quiet for 20 s was kept";
+  const absl::Duration quiet = absl::Now() - last_call;
+  EXPECT_GE(quiet, absl::Seconds(kSlowCoordinatorFactor) - absl::Milliseconds(500));
+  std::printf("a quiet connection was closed after %s (heartbeat timeout 1s)\n",
+              absl::FormatDuration(quiet).c_str());
+  job.StartServer();
+  job.StartWorkers();
+  job.ExpectCleanEnd();
+}
+
 TEST(Security, RunningWithoutASecretMustBeAskedFor) {
   for (const std::string bin : {"onebit-coordinator", "onebit-server", "onebit-worker"}) {
     // The rest of a valid command line for each.
