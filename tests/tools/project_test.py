@@ -24,7 +24,8 @@ def costs(worker=2.0, push=1.0, apply=3.0, crowd=()):
              "crowd": [list(p) for p in crowd]}
     table = {c: dict(phase) for c in ("fp32", "fp16", "onebit")}
     return {"plain": table, "secure": table,
-            "ddp": {"adamw_ns": 10.0, "gloo_ns_per_byte": 0.5}}
+            "ddp": {"adamw_ns": 10.0, "gloo_ns_per_byte": 0.5, "gloo_fp16_ns_per_byte": 2.0,
+                    "step_ns": 3.0, "step_fp16_ns": 7.0}}
 
 
 class Wire(unittest.TestCase):
@@ -79,10 +80,25 @@ class Wire(unittest.TestCase):
         t, limit, parts = project.ring_step(costs(), lay, D, "fp32", 0.0)
         self.assertAlmostEqual(parts["wire"], 1.5 * 4 * D / (GBIT * 0.95), places=9)
         self.assertEqual(limit, "wire")
-        # gloo's CPU on what a rank sends and receives (0.5 ns a byte), then
-        # AdamW on every rank (10 ns an element)
-        self.assertAlmostEqual(parts["cpu"], 2 * 1.5 * 4 * D * 0.5e-9, places=12)
+        # gloo's CPU on what a rank sends and receives (0.5 ns a byte) and the
+        # rest of its step (3 ns an element), then AdamW on every rank (10 ns
+        # an element)
+        self.assertAlmostEqual(parts["cpu"], 2 * 1.5 * 4 * D * 0.5e-9 + 3e-9 * D, places=12)
         self.assertAlmostEqual(t, parts["wire"] + parts["cpu"] + 10e-9 * D, places=9)
+        # With the fp16 hook: half the bytes, gloo's fp16 sums, the hook's
+        # conversions.
+        _, _, p16 = project.ring_step(costs(), lay, D, "fp16", 0.0)
+        self.assertAlmostEqual(p16["wire"], parts["wire"] / 2, places=9)
+        self.assertAlmostEqual(p16["cpu"], 2 * 1.5 * 2 * D * 2e-9 + 7e-9 * D, places=12)
+
+    def test_a_flat_ring_of_every_rank_still_crosses_each_host_once_each_way(self):
+        # 4 hosts of 4 ranks: NCCL-like, the ring runs over the 4 hosts; as
+        # gloo runs it, over all 16 ranks, a host's 4 next to each other.
+        lay = project.Layout(16, 4, True, k=4, cores_per_host=16, rate=GBIT)
+        _, _, hier = project.ring_step(costs(), lay, D, "fp32", 0.0)
+        _, _, flat = project.ring_step(costs(), lay, D, "fp32", 0.0, flat=True)
+        self.assertAlmostEqual(hier["wire"], 2 * 3 / 4 * 4 * D / (GBIT * 0.95), places=9)
+        self.assertAlmostEqual(flat["wire"], 2 * 15 / 16 * 4 * D / (GBIT * 0.95), places=9)
 
 
 class Cpu(unittest.TestCase):
@@ -159,15 +175,31 @@ class Cpu(unittest.TestCase):
         u1, _, _ = project.onebit_step(costs(), host, D, "onebit", "onebit", 0.1, False)
         self.assertAlmostEqual(u1 - u0, 0.1, places=12)
 
-    def test_the_step_is_forward_backward_plus_the_wire_plus_the_slower_cpu_stage_and_fill(self):
+    def test_with_a_core_for_every_process_the_chunks_overlap_wire_and_cpu(self):
         lay = project.Layout(4, 4, True, cores_per_host=16, rate=GBIT)
         t, limit, parts = project.onebit_step(costs(), lay, D, "fp32", "fp32", 0.25, False)
         self.assertEqual(limit, "wire")
         # A shard of d/4 = 6 Mi elements in the warm-up's grid: chunks of an
         # eighth of it (768 Ki, under the 1 Mi cap), so 8 of them.
         self.assertEqual(project.chunks_per_shard(D / 4, compressed=False), 8)
+        w, sv, wire = parts["worker"], parts["server"], parts["wire"]
+        self.assertGreater(wire, max(w, sv, parts["cores"]))
+        # The busiest resource (the wire), plus one chunk's share of every
+        # other stage: encode and apply, the server's step, the reply's wire.
+        self.assertAlmostEqual(t, 0.25 + wire + (w + sv + wire) / 8, places=12)
+
+    def test_where_processes_outnumber_the_cores_the_wire_adds_to_the_cpu(self):
+        lay = project.Layout(4, 4, True, shared_cores=2, rate=GBIT)
+        t, _, parts = project.onebit_step(costs(), lay, D, "fp32", "fp32", 0.0, False)
         w, sv = parts["worker"], parts["server"]
-        self.assertAlmostEqual(t, 0.25 + parts["wire"] + max(w, sv) + min(w, sv) / 8, places=12)
+        cpu = max(w, sv, parts["cores"] + parts["turns"])
+        self.assertAlmostEqual(t, parts["wire"] + cpu + min(w, sv) / 8, places=12)
+        # The same 8 processes with 8 cores: the transfers hide again.
+        roomy = project.Layout(4, 4, True, shared_cores=8, rate=GBIT)
+        t8, _, p8 = project.onebit_step(costs(), roomy, D, "fp32", "fp32", 0.0, False)
+        busiest = max(p8["wire"], p8["worker"], p8["server"], p8["cores"])
+        self.assertAlmostEqual(
+            t8, busiest + (p8["worker"] + p8["server"] + 2 * p8["wire"] - busiest) / 8, places=12)
 
     def test_the_grids_follow_the_data_planes_rule(self):
         # warm-up: an eighth of the shard, at least 16 Ki, at most 1 Mi
