@@ -319,6 +319,15 @@ class Cli(unittest.TestCase):
         self.assertNotEqual(r.returncode, 0)
         self.assertIn("--rate 'fast'", r.stderr)
 
+    def test_recalibrating_ddp_needs_a_costs_file_and_names_the_missing_one(self):
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "none.json")
+            r = subprocess.run([TOOL, "calibrate", "--only", "ddp", "--out", path],
+                               capture_output=True, text=True)
+            self.assertNotEqual(r.returncode, 0)
+            self.assertIn(f"no cost file {path} to update", r.stderr)
+            self.assertFalse(os.path.exists(path))
+
 
 if __name__ == "__main__":
     unittest.main()
