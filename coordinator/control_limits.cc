@@ -53,9 +53,9 @@ void BoundControlServer(const control::TrainingConfig& cfg, grpc::ServerBuilder*
   // the job on a starved host (or the coordinator on one) can take many
   // times that, and a connection the coordinator drops must be made again
   // by the same starved process. Both are given what a process waits for a
-  // slow coordinator (kSlowCoordinatorFactor timeouts): with one timeout,
-  // 256 processes on 2 cores lost their connections to the idle limit and
-  // then every new handshake to the handshake limit, until they gave up.
+  // slow coordinator (kSlowCoordinatorFactor timeouts): with 10 s for
+  // both, 256 processes on 2 cores lost their connections and then their
+  // new handshakes ("Handshake read failed"), until they gave up.
   // A connection idle that long is nobody's (the coordinator has presumed
   // its process dead by then); one left half-done is dropped.
   const int slow_ms = static_cast<int>(std::min<uint64_t>(
