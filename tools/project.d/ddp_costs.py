@@ -21,6 +21,16 @@ import torch.multiprocessing as mp
 REPS = 5
 
 
+def median_cpu_s(f):
+    """The median CPU time (this process's) of REPS calls of f."""
+    times = []
+    for _ in range(REPS):
+        t0 = time.process_time()
+        f()
+        times.append(time.process_time() - t0)
+    return sorted(times)[len(times) // 2]
+
+
 def adamw_step_s(d):
     """The median of REPS steps of torch's AdamW over d elements held as
     tools/netbench's DDP ranks hold the synthetic model (matrices of about
@@ -35,12 +45,7 @@ def adamw_step_s(d):
         params.append(p)
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
     opt.step()
-    times = []
-    for _ in range(REPS):
-        t0 = time.process_time()
-        opt.step()
-        times.append(time.process_time() - t0)
-    return sorted(times)[len(times) // 2]
+    return median_cpu_s(opt.step)
 
 
 def step_rest_s(d):
@@ -50,16 +55,9 @@ def step_rest_s(d):
     copy of the gradient into its bucket and back after the allreduce with
     the division by the world size, and the hook's conversion to half
     precision with its division (torch 1.13 divides halves element by
-    element on the CPU) and back. Each the median of REPS, timed in parts
-    (a DDP-wrapped step timed whole also counts gloo's threads waiting)."""
-    def median(f):
-        times = []
-        for _ in range(REPS):
-            t0 = time.process_time()
-            f()
-            times.append(time.process_time() - t0)
-        return sorted(times)[len(times) // 2]
-
+    element on the CPU) and back. Each the median of REPS, timed in parts:
+    a DDP-wrapped step timed whole here spent more than twice what
+    tools/netbench's ranks spend without the hook (docs/sizing.md)."""
     rows = d // 24
     w = [torch.nn.Parameter(torch.rand(rows) * 2 - 1) for _ in range(24)]
     c = [torch.randn(rows) * 0.1 for _ in range(24)]
@@ -72,9 +70,9 @@ def step_rest_s(d):
     g = torch.ones(d)
     bucket = torch.empty(d)
     half = g.to(torch.float16)
-    model = median(forward_backward) / (24 * rows)
-    copies = median(lambda: (bucket.copy_(g), bucket.div_(2), g.copy_(bucket))) / d
-    hook = median(lambda: (g.to(torch.float16).div_(2), g.copy_(half))) / d
+    model = median_cpu_s(forward_backward) / (24 * rows)
+    copies = median_cpu_s(lambda: (bucket.copy_(g), bucket.div_(2), g.copy_(bucket))) / d
+    hook = median_cpu_s(lambda: (g.to(torch.float16).div_(2), g.copy_(half))) / d
     return model + copies, model + copies + hook
 
 
