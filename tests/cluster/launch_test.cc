@@ -21,6 +21,7 @@
 namespace onebit::testing {
 namespace {
 
+using ::testing::ContainsRegex;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -213,14 +214,19 @@ TEST(LaunchWorkerCmd, AWorkerCommandImpliesAnExternalModel) {
 
 // The servers and workers run at --child_nice, the coordinator at the
 // launcher's own: a job's processes outnumbering the cores must not starve
-// the one that answers every heartbeat.
+// the one that answers every heartbeat. Where the kernel groups tasks by
+// session (autogroup), each child's group runs at that niceness too: the
+// groups share the CPU equally whatever their threads' niceness, and 256
+// children at niceness 10 left the coordinator 1/257 of it.
 TEST(LaunchWorkerCmd, ServersAndWorkersRunAtTheChildNiceness) {
   const std::string out = TempDir("child_nice") + "/run";
   // The worker's shell prints its niceness (field 19 of /proc/self/stat,
-  // awk's own, inherited), then becomes the worker.
-  const std::string cmd = absl::StrCat(
-      "/bin/sh -c 'awk \"{ print \\\"niceness \\\" \\$19 }\" /proc/self/stat >&2; exec ",
-      ONEBIT_API_WORKER, " --d 600 --steps 2'");
+  // awk's own, inherited) and its autogroup ("/autogroup-N nice K"), then
+  // becomes the worker.
+  const std::string cmd =
+      absl::StrCat("/bin/sh -c 'awk \"{ print \\\"niceness \\\" \\$19 }\" /proc/self/stat >&2; ",
+                   "if [ -r /proc/self/autogroup ]; then cat /proc/self/autogroup >&2; fi; exec ",
+                   ONEBIT_API_WORKER, " --d 600 --steps 2'");
   RunResult r =
       RunCommand({Bin("onebit-launch"), "--workers=2", "--servers=1", "--out=" + out,
                   "--block_size=32", "--chunk_elems=64", "--child_nice=7", "--worker_cmd=" + cmd},
@@ -228,6 +234,12 @@ TEST(LaunchWorkerCmd, ServersAndWorkersRunAtTheChildNiceness) {
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_THAT(r.output, HasSubstr("[worker0] niceness 7"));
   EXPECT_THAT(r.output, HasSubstr("[worker1] niceness 7"));
+  if (access("/proc/self/autogroup", R_OK) == 0) {
+    EXPECT_THAT(r.output, ContainsRegex("\\[worker0\\] /autogroup-[0-9]+ nice 7"));
+    EXPECT_THAT(r.output, ContainsRegex("\\[worker1\\] /autogroup-[0-9]+ nice 7"));
+  } else {
+    std::cerr << "this kernel has no autogroups (/proc/self/autogroup): their niceness untested\n";
+  }
   EXPECT_EQ(Field(ReadFile(out + "/summary.json"), "status"), "\"ok\"");
   RunResult bad = RunCommand({Bin("onebit-launch"), "--child_nice=20"}, absl::Seconds(10));
   EXPECT_EQ(bad.code, 2);
