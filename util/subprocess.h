@@ -24,8 +24,9 @@ class Subprocess {
  public:
   // argv[0] is the program path. stdout_fd / stderr_fd: -1 inherits ours.
   // `env`: "NAME=value" entries added to (or replacing those of) our
-  // environment. `nice` > 0: the child runs at that niceness from before
-  // its program starts.
+  // environment. The child runs in a session of its own. `nice` > 0: it
+  // runs at that niceness from before its program starts, and so does its
+  // session's scheduling group where the kernel has them (autogroup).
   static absl::StatusOr<Subprocess> Spawn(const std::vector<std::string>& argv, int stdout_fd = -1,
                                           int stderr_fd = -1,
                                           const std::vector<std::string>& env = {}, int nice = 0);
