@@ -149,9 +149,11 @@ zmq::message_t ShareFrame(const SharedBytes& buf, size_t offset, size_t size);
 
 // Options of a worker's data-plane sockets: no high-water mark (the protocol
 // bounds what is in flight: one step per shard, all of it this worker's own
-// or its servers' replies), frames of at most kMaxFrameBytes, no linger, and
+// or its servers' replies), frames of at most kMaxFrameBytes, no linger,
 // 4 MB kernel socket buffers (on loopback they took 1x1 push/pull of 10 M
-// floats from 1.5 to 2.4 GB/s: fewer wake-ups per chunk).
+// floats from 1.5 to 2.4 GB/s: fewer wake-ups per chunk), and no handshake
+// timeout (a crowded host's handshakes may take longer than ZeroMQ's 30 s;
+// the worker's own step bounds end the wait).
 void ConfigureDataSocket(zmq::socket_t* socket);
 
 // A server's data socket (a ROUTER; before bind: ZeroMQ copies a socket's
@@ -160,9 +162,12 @@ void ConfigureDataSocket(zmq::socket_t* socket);
 // (ServerFrameLimit of its job), kServerRcvHwm messages queued from each
 // connection (then TCP pushes back on the sender; nothing is lost), and
 // kServerSndHwm replies queued to each (a peer that does not read its
-// replies loses them: see SendOrDrop).
+// replies loses them: see SendOrDrop), and a connection's handshake
+// dropped when not done in kServerHandshakeMs (ZeroMQ's default; the
+// server's ZAP handler answers well within it, security/curve.h).
 constexpr int kServerRcvHwm = 8;
 constexpr int kServerSndHwm = 1024;
+constexpr int kServerHandshakeMs = 30000;
 void ConfigureServerDataSocket(zmq::socket_t* socket, uint64_t max_frame_bytes);
 
 // A TCP port held, bound but not listening, until the data socket is bound

@@ -51,7 +51,8 @@ std::string PeerUserId(const zmq::message_t& msg);
 // once: its handshake waits (up to kZapWait, at most kZapPending at a time)
 // for the next Allow(), because a worker may connect before its server has
 // heard the cluster's keys. Thread-safe.
-inline constexpr absl::Duration kZapWait = absl::Seconds(20);  // < ZMQ_HANDSHAKE_IVL (30 s)
+inline constexpr absl::Duration kZapWait =
+    absl::Seconds(20);  // < a server's handshake timeout (30 s)
 inline constexpr size_t kZapPending = 256;
 
 class ZapHandler {
